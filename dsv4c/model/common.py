@@ -1,0 +1,106 @@
+"""Building blocks shared by the V4 and V3 reference models.
+
+Dimension legend used in shape comments across dsv4c/model:
+  B batch, T tokens of the chunk, S cached/key positions, D hidden, H heads, d head dim,
+  r rope dim, E routed experts, K experts per token, I expert width, N hc streams.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dsv4c.config import YarnScaling
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMS norm over the last dim, in fp32 (returns fp32)."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """`w ⊙ rms(x)`. V4 order (default): multiply in fp32, cast once. V3 order
+    (`cast_first=True`, HF V3): cast `rms(x)` to the input dtype, then multiply."""
+
+    def __init__(self, dim: int, eps: float, cast_first: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.cast_first = cast_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cast_first:
+            return self.weight * rms(x, self.eps).to(x.dtype)
+        return (self.weight.float() * rms(x, self.eps)).to(x.dtype)
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
+    """f_i = theta^(-2i/r), with YaRN's ramp between the unscaled and the /factor frequencies
+    (deepseek_v4.md §3.1). fp32 [r/2]."""
+    f = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim))
+    if yarn is None:
+        return f
+    L0 = yarn.original_max_position_embeddings
+
+    def corr(beta: float) -> float:
+        return rope_dim * math.log(L0 / (beta * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(corr(yarn.beta_fast)), 0)
+    hi = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return f / yarn.factor * ramp + f * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """0.1·mscale·ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class RotaryTable(nn.Module):
+    """cos/sin of `p·f_i` for integer positions, fp32. Not a checkpoint tensor."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: YarnScaling | None):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [...] int -> cos, sin [..., r/2]
+        ang = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        return ang.cos(), ang.sin()
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `2·cos.shape[-1]` channels of x in interleaved pairs (x[2i], x[2i+1]).
+
+    x [..., C]; cos/sin broadcastable to [..., r/2]. Computed in fp32, cast back.
+    `inverse=True` rotates by the negative angle."""
+    r = 2 * cos.shape[-1]
+    keep, rot = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r :].float()
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    s = -sin if inverse else sin
+    out = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    return torch.cat((keep, out.to(x.dtype)), dim=-1)
+
+
+def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate all channels of x (width 2·r/2) in half-split pairs (x[i], x[i+r/2])."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    a, b = xf[..., :h], xf[..., h:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """down(silu(gate(x)) ⊙ up(x)); with limit > 0 the V4 clamp: gate ≤ L, |up| ≤ L.
+    x [T, D]; w1, w3 [I, D]; w2 [D, I]."""
+    g = x @ w1.t()
+    u = x @ w3.t()
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u) @ w2.t()

@@ -1,0 +1,154 @@
+"""DeepSeek-V4 eager reference vs the HF oracle, and its own prefill/decode/extend consistency."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.model.v4 import DeepseekV4Model, sinkhorn
+from oracle import hf_v4_model, randomize_
+
+# (preset, test length): the lengths of deepseek_v4.md §8; C needs ~300 tokens for two HCA-128 entries.
+CONFIGS = [("v4-tiny-a", 40), ("v4-tiny-b", 72), ("v4-tiny-c", 300)]
+RTOL = 1e-4  # max |error| / max |logit|, fp32
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[c[0] for c in CONFIGS])
+def pair(request):
+    name, T = request.param
+    cfg = ModelConfig.preset(name)
+    torch.manual_seed(0)
+    model = DeepseekV4Model(cfg).eval()
+    randomize_(model, seed=1)
+    return model, hf_v4_model(model), T
+
+
+@torch.no_grad()
+def test_prefill_logits_match_hf(pair):
+    model, hf, T = pair
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    ours, theirs = model(ids), hf(ids).logits
+    assert rel_err(ours, theirs) <= RTOL
+
+
+@torch.no_grad()
+def test_compressed_branches_are_exercised(pair):
+    model, _, T = pair
+    cache = model.new_cache(1)
+    model(torch.randint(0, model.config.vocab_size, (1, T)), cache)
+    for i, st in enumerate(cache.layers):
+        m = model.config.layer_ratio(i)
+        if m:
+            assert st.comp.entries.shape[1] == T // m >= 2, (i, m)
+
+
+@torch.no_grad()
+def test_greedy_continuation_matches_hf(pair):
+    model, hf, T = pair
+    prompt = torch.randint(0, model.config.vocab_size, (1, min(T, 24)), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(1)
+    logits = model(prompt, cache)
+    ours = []
+    for _ in range(16):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        ours.append(nxt)
+        logits = model(nxt, cache)
+    ours = torch.cat(ours, 1)
+    theirs = hf.generate(prompt, max_new_tokens=16, do_sample=False, min_new_tokens=16)[:, prompt.shape[1]:]
+    assert torch.equal(ours, theirs)
+    full = torch.cat([prompt, ours], 1)
+    assert rel_err(model(full), hf(full).logits) <= RTOL
+
+
+def _decode_pieces(model, ids, pieces):
+    cache = model.new_cache(ids.shape[0])
+    outs, p = [], 0
+    for n in pieces:
+        outs.append(model(ids[:, p : p + n], cache))
+        p += n
+    assert cache.length == ids.shape[1]
+    return torch.cat(outs, 1), cache
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_prefill_then_chunks_equals_full_prefill(pair, chunk):
+    model, _, T = pair
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(4))
+    full = model(ids)
+    ratios = [m for m in cfg.compress_ratios[:-1] if m]
+    # P < m, P not a multiple of m, P > W (deepseek_v4.md §8 test 2)
+    for P in sorted({min(ratios) - 1, max(ratios) + 3, cfg.sliding_window + 1, T // 2}):
+        if not 0 < P < T:
+            continue
+        rest = T - P
+        pieces = [P] + [chunk] * (rest // chunk) + ([rest % chunk] if rest % chunk else [])
+        out, _ = _decode_pieces(model, ids, pieces)
+        assert rel_err(out, full) <= RTOL, (P, chunk)
+
+
+@torch.no_grad()
+def test_decode_state_matches_prefill_state(pair):
+    model, _, T = pair
+    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(5))
+    _, one = _decode_pieces(model, ids, [T])
+    _, steps = _decode_pieces(model, ids, [5] + [1] * (T - 5))
+    for a, b in zip(one.layers, steps.layers):
+        torch.testing.assert_close(a.ring, b.ring, rtol=1e-4, atol=1e-4)
+        for ca, cb in ((a.comp, b.comp), (a.index_comp, b.index_comp)):
+            if ca is not None:
+                torch.testing.assert_close(ca.entries, cb.entries, rtol=1e-4, atol=1e-4)
+
+
+def test_sinkhorn_is_doubly_stochastic_and_not_symmetric():
+    c = sinkhorn(torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)), iters=20, eps=1e-6)
+    torch.testing.assert_close(c.sum(-2), torch.ones(3, 4), atol=1e-5, rtol=0)  # columns last
+    torch.testing.assert_close(c.sum(-1), torch.ones(3, 4), atol=2e-2, rtol=0)
+    assert not torch.allclose(c, c.transpose(-1, -2))
+
+
+def _mtp_by_hand(model, streams, next_ids):
+    """deepseek_v4.md §6 written out step by step, from the state dict, with a fresh window state."""
+    blk, c = model.mtp[0], model.config
+    sd = dict(model.named_parameters())
+
+    def rmsnorm(x, w):
+        xf = x.float()
+        return (w * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+
+    e = rmsnorm(sd["embed.weight"][next_ids], sd["mtp.0.enorm.weight"])
+    Y = (e @ sd["mtp.0.e_proj.weight"].T)[:, :, None] + rmsnorm(streams, sd["mtp.0.hnorm.weight"]) @ sd["mtp.0.h_proj.weight"].T
+    st = blk.attn.new_state(streams.shape[0], c.sliding_window, torch.float32, "cpu")
+    Z = blk(Y, next_ids, 0, st)
+    x = Z.flatten(-2)
+    z = (x @ sd["mtp.0.hc_head_fn"].T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+    w = torch.sigmoid(sd["mtp.0.hc_head_scale"] * z + sd["mtp.0.hc_head_base"]) + c.hc_eps
+    u = (w[..., None] * Z).sum(-2)
+    return rmsnorm(u, sd["mtp.0.norm.weight"]) @ sd["head.weight"].T, Z
+
+
+@torch.no_grad()
+def test_mtp_block_matches_spec_transcription(pair):
+    model, _, T = pair
+    ids = torch.randint(0, model.config.vocab_size, (2, T + 1), generator=torch.Generator().manual_seed(6))
+    _, streams = model.forward_with_streams(ids[:, :-1])
+    want, want_Z = _mtp_by_hand(model, streams, ids[:, 1:])
+    got, got_Z = model.mtp_forward(streams, ids[:, 1:], model.new_mtp_cache(2))
+    assert rel_err(got, want) <= RTOL
+    # decode one position at a time through the MTP's own window ring == one chunk
+    cache = model.new_mtp_cache(2)
+    steps = torch.cat([model.mtp_forward(streams[:, t : t + 1], ids[:, t + 1 : t + 2], cache)[0] for t in range(T)], 1)
+    assert rel_err(steps, want) <= RTOL
+    # recursion: the MTP output streams feed the next draft step
+    cache = model.new_mtp_cache(2)
+    l1, Z1 = model.mtp_forward(streams[:, :1], ids[:, 1:2], cache)
+    d1 = l1.argmax(-1)
+    l2, _ = model.mtp_forward(Z1, d1, cache)
+    Y_in = torch.cat([streams[:, :1], Z1], 1)
+    want2, _ = _mtp_by_hand(model, Y_in, torch.cat([ids[:, 1:2], d1], 1))
+    assert rel_err(l2[:, 0], want2[:, 1]) <= RTOL
