@@ -54,7 +54,6 @@ _V4_LAYER = [  # (official suffix after `layers.L.`, HF suffix after `model.laye
 ]
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.*)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|scale|weight_scale_inv)$")
 
 
 def _scale_to_hf(name: str) -> str:
@@ -125,10 +124,15 @@ def v4_name_form(names) -> str:
     return "official"
 
 
-def stacked_expert_name(name: str) -> tuple[str, int, str, str] | None:
-    """`P.experts.{e}.LEAF.weight|scale` -> (stacked name `P.experts.LEAF`, e, LEAF, kind)."""
-    m = EXPERT_RE.match(name)
-    if not m:
-        return None
-    prefix, e, leaf, kind = m.groups()
-    return f"{prefix}.{leaf}", int(e), leaf, kind
+_STACKED_RE = re.compile(r"\.experts\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+
+
+def is_stacked(name: str) -> bool:
+    """True for a stacked routed-expert parameter of the eager models (`...experts.w1 [E, I, D]`)."""
+    return bool(_STACKED_RE.search(name))
+
+
+def expert_disk_name(stacked: str, e: int) -> str:
+    """`P.experts.w1` -> `P.experts.{e}.w1.weight`."""
+    prefix, leaf = stacked.rsplit(".", 1)
+    return f"{prefix}.{e}.{leaf}.weight"

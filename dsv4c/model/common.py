@@ -65,8 +65,11 @@ class RotaryTable(nn.Module):
 
     def __init__(self, rope_dim: int, theta: float, yarn: YarnScaling | None):
         super().__init__()
-        self.rope_dim = rope_dim
-        self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
+        self.rope_dim, self.theta, self.yarn = rope_dim, theta, yarn
+        self.register_buffer("inv_freq", self.make_inv_freq(), persistent=False)
+
+    def make_inv_freq(self) -> torch.Tensor:
+        return rope_inv_freq(self.rope_dim, self.theta, self.yarn)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [...] int -> cos, sin [..., r/2]

@@ -1,0 +1,140 @@
+"""The `dsv4c` command line: `init` writes a random checkpoint, `info` describes a model,
+`generate` runs the eager reference on a checkpoint."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dsv4c.config import ConfigError, ModelConfig
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def _dtype(s: str) -> torch.dtype:
+    if s not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"--dtype: expected one of {sorted(_DTYPES)}, got {s!r}")
+    return _DTYPES[s]
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.2f}{unit}" if unit else f"{n:.0f}"
+        n /= 1000
+    return f"{n:.2f}P"
+
+
+def cmd_init(a: argparse.Namespace) -> int:
+    from dsv4c.checkpoint import write_random_checkpoint
+
+    cfg = ModelConfig.resolve(a.config)
+    t0 = time.perf_counter()
+    out = write_random_checkpoint(cfg, a.output, seed=a.seed, quant=a.quant, dtype=a.dtype,
+                                  max_shard_bytes=int(a.shard_gb * (1 << 30)), overwrite=a.force, progress=True)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({cfg.model_type}, seed {a.seed}, quant {a.quant}): {size / 1e6:.1f} MB "
+          f"in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def describe(cfg: ModelConfig) -> list[str]:
+    """Human-readable summary lines, with parameter counts from a meta-device model."""
+    from dsv4c.model import build_model, count_parameters
+
+    counts = count_parameters(build_model(cfg, device="meta"))
+    n = cfg.num_hidden_layers
+    lines = [
+        f"model_type        {cfg.model_type}",
+        f"layers            {n} (+{cfg.num_nextn_predict_layers} MTP)",
+        f"hidden / vocab    {cfg.hidden_size} / {cfg.vocab_size}",
+        f"heads             {cfg.num_attention_heads}",
+        f"experts           {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}) + {cfg.n_shared_experts} shared, "
+        f"width {cfg.moe_intermediate_size}",
+    ]
+    if cfg.is_v4:
+        kinds = Counter(cfg.layer_kind(i) for i in range(n))
+        lines += [
+            f"attention         {dict(kinds)}; window {cfg.sliding_window}; head_dim {cfg.head_dim} "
+            f"(rope {cfg.qk_rope_head_dim})",
+            f"compress ratios   {list(cfg.compress_ratios[:n])} | MTP {cfg.compress_ratios[n]}",
+            f"hash layers       {cfg.num_hash_layers}; hc_mult {cfg.hc_mult}",
+        ]
+    else:
+        lines += [
+            f"attention         MLA{' + DSA indexer' if cfg.has_dsa_indexer else ''}; kv_lora {cfg.kv_lora_rank}, "
+            f"q_lora {cfg.q_lora_rank}",
+            f"dense layers      {cfg.first_k_dense_replace}; groups {cfg.n_group} (top {cfg.topk_group})",
+        ]
+    lines += [
+        f"parameters        total {_human(counts['total'])}, active per token {_human(counts['active'])}",
+        f"MTP block         {_human(counts['mtp'])} (not in the totals above)",
+    ]
+    return lines
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    cfg = ModelConfig.resolve(a.config)
+    print("\n".join(describe(cfg)))
+    print(f"(built on the meta device in {time.perf_counter() - t0:.2f}s; no weights allocated)")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from dsv4c.checkpoint import load_model
+    from dsv4c.model.generate import greedy
+
+    model = load_model(a.checkpoint, dtype=a.dtype)
+    ids = [int(t) for t in a.ids.split(",")] if a.ids else [model.config.bos_token_id or 0]
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise SystemExit(f"--ids: token ids {bad} outside vocab_size={model.config.vocab_size}")
+    out = greedy(model, torch.tensor([ids]), a.max_new_tokens)
+    print(",".join(str(t) for t in out[0].tolist()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv4c", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("init", help="write a seeded random checkpoint for a preset or config.json")
+    s.add_argument("config", help="preset name (e.g. v4-tiny-a, v4-flash) or a config.json / checkpoint folder")
+    s.add_argument("-o", "--output", required=True, type=Path)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quant", choices=("none", "release"), default="none",
+                   help="release: FP8 128x128 attention/shared weights, MXFP4 routed experts (V4)")
+    s.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="storage dtype of unquantised weights")
+    s.add_argument("--shard-gb", type=float, default=4.0)
+    s.add_argument("--force", action="store_true", help="replace the contents of a non-empty output folder")
+    s.set_defaults(fn=cmd_init)
+
+    s = sub.add_parser("info", help="describe a model: layers and total/active parameter counts")
+    s.add_argument("config", help="preset name or a config.json / checkpoint folder")
+    s.set_defaults(fn=cmd_info)
+
+    s = sub.add_parser("generate", help="greedy-decode token ids with the eager reference model")
+    s.add_argument("checkpoint", type=Path)
+    s.add_argument("--ids", default="", help="comma-separated prompt token ids")
+    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--dtype", type=_dtype, default=torch.float32)
+    s.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
+        print(f"dsv4c {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

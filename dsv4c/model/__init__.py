@@ -1,0 +1,123 @@
+"""Eager reference models (the spec in code) and what every model shares: building one for a
+config, the dtype policy (which tensors stay fp32), and seeded random weights."""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from dsv4c.config import ModelConfig
+from dsv4c.names import expert_disk_name, is_stacked
+
+# Tensors kept in fp32 whatever the model dtype, as in the released checkpoints.
+_FP32_SUFFIXES = ("_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias", "e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """True for the mHC/hc_head parameters, sinks, compressor `ape` and router biases."""
+    return name.endswith(_FP32_SUFFIXES)
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    if cfg.is_v4:
+        from dsv4c.model.v4 import DeepseekV4Model
+
+        return DeepseekV4Model
+    from dsv4c.model.v3 import DeepseekV3Model
+
+    return DeepseekV3Model
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                init: bool = True) -> nn.Module:
+    """Build the eager model for `cfg`. `device="meta"` allocates nothing (full-size configs).
+    With `init=False` the parameters are left uninitialised (they are about to be loaded)."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    if str(device) != "meta":
+        model = model.to_empty(device=device)
+        _restore_buffers(model, cfg, device)
+        if init:
+            randomize_(model, seed=0)
+    set_dtype_(model, dtype)
+    return model.eval()
+
+
+def _restore_buffers(model: nn.Module, cfg: ModelConfig, device) -> None:
+    """Non-persistent buffers (RoPE tables) are computed, not loaded: rebuild them after to_empty."""
+    from dsv4c.model.common import RotaryTable
+
+    for mod in model.modules():
+        if isinstance(mod, RotaryTable):
+            mod.inv_freq = mod.make_inv_freq().to(device)
+
+
+def set_dtype_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters to `dtype`, except the fp32 islands (`keeps_fp32`)."""
+    for name, p in model.named_parameters():
+        want = torch.float32 if keeps_fp32(name) else dtype
+        if p.dtype != want:
+            p.data = p.data.to(want)
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A per-tensor seed: the same tensor gets the same values however the checkpoint is sharded."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**62)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int,
+                  dtype: torch.dtype = torch.float32, expert_gain: float = 4.0) -> torch.Tensor:
+    """Seeded random values with every parameter non-trivial (HF's init zeroes sinks, biases, ape and
+    tid2eid, which hides bugs). Matrices get std gain/sqrt(fan_in); routed experts a larger gain so
+    that the SwiGLU clamp fires; `tid2eid` rows hold K distinct experts."""
+    g = torch.Generator().manual_seed(tensor_seed(seed, name))
+    if name.endswith("tid2eid"):
+        V, K = shape
+        return torch.rand(V, cfg.n_routed_experts, generator=g).topk(K, dim=-1).indices.to(torch.int64)
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        t = 1 + 0.2 * torch.randn(shape, generator=g)
+    elif name.endswith("_scale"):  # mHC / hc_head scales
+        t = 0.5 + torch.rand(shape, generator=g)
+    elif len(shape) >= 2:
+        gain = expert_gain if _is_routed_expert(name) else 2.4
+        t = gain * torch.randn(shape, generator=g) / shape[-1] ** 0.5
+    else:  # sinks, biases, ape rows, hc bases, LayerNorm bias
+        t = 0.3 * torch.randn(shape, generator=g)
+    return t.to(torch.float32 if keeps_fp32(name) else dtype)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".experts." in name and "shared_experts" not in name
+
+
+@torch.no_grad()
+def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Fill every parameter and persistent buffer of `model` with `random_tensor` values."""
+    cfg = model.config
+    persistent = set(model.state_dict())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in persistent:
+            continue
+        if is_stacked(name):  # per expert, under its checkpoint name, as `dsv4c init` writes it
+            vals = [random_tensor(expert_disk_name(name, e), tuple(t.shape[1:]), cfg, seed) for e in range(t.shape[0])]
+            t.copy_(torch.stack(vals))
+        else:
+            t.copy_(random_tensor(name, tuple(t.shape), cfg, seed, t.dtype))
+    return model
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts (works on the meta device): `total` and per-token `active` for the main model,
+    and the MTP block's own count under `mtp`. The published totals (V4-Flash 284B / 13B active) exclude
+    the MTP block. Active counts K of E routed experts per MoE layer; embedding and head are included."""
+    cfg = model.config
+    total = active = mtp = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if name.startswith("mtp.") or name.startswith(f"model.layers.{cfg.num_hidden_layers}."):
+            mtp += n
+            continue
+        total += n
+        active += n * cfg.num_experts_per_tok // cfg.n_routed_experts if _is_routed_expert(name) else n
+    return {"total": total, "active": active, "mtp": mtp}
