@@ -37,20 +37,10 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: tor
         model = model_class(cfg)(cfg)
     if str(device) != "meta":
         model = model.to_empty(device=device)
-        _restore_buffers(model, cfg, device)
         if init:
             randomize_(model, seed=0)
     set_dtype_(model, dtype)
     return model.eval()
-
-
-def _restore_buffers(model: nn.Module, cfg: ModelConfig, device) -> None:
-    """Non-persistent buffers (RoPE tables) are computed, not loaded: rebuild them after to_empty."""
-    from dsv4c.model.common import RotaryTable
-
-    for mod in model.modules():
-        if isinstance(mod, RotaryTable):
-            mod.inv_freq = mod.make_inv_freq().to(device)
 
 
 def set_dtype_(model: nn.Module, dtype: torch.dtype) -> None:

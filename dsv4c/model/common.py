@@ -71,6 +71,13 @@ class RotaryTable(nn.Module):
     def make_inv_freq(self) -> torch.Tensor:
         return rope_inv_freq(self.rope_dim, self.theta, self.yarn)
 
+    def _apply(self, fn, recurse: bool = True):
+        # Recompute instead of casting: `.to(bf16)` would round the frequencies, `to_empty` would
+        # leave them uninitialised.
+        super()._apply(fn, recurse)
+        self.inv_freq = self.make_inv_freq().to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [...] int -> cos, sin [..., r/2]
         ang = positions.float()[..., None] * self.inv_freq.to(positions.device)

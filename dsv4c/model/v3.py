@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig, YarnScaling
-from dsv4c.model.common import RMSNorm, RotaryTable, rope_half_split, rope_interleaved, swiglu, yarn_mscale
+from dsv4c.model.common import (RMSNorm, RotaryTable, rope_half_split, rope_interleaved, rope_inv_freq, swiglu,
+                                yarn_mscale)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
 
@@ -363,6 +364,15 @@ class DeepseekV3Model(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)
         self.rope_factor = rope_attention_factor(config.rope_scaling)
+
+    def _apply(self, fn, recurse: bool = True):
+        # The rotary table is derived, not a checkpoint tensor: keep it exact fp32 whatever the model dtype
+        # (a `.to(bfloat16)` would otherwise round the frequencies).
+        super()._apply(fn, recurse)
+        c = self.config
+        self.rotary.inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling).to(
+            self.rotary.inv_freq.device)
+        return self
 
     # ---- helpers ---------------------------------------------------------------------------------
     @property
