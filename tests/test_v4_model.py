@@ -152,3 +152,20 @@ def test_mtp_block_matches_spec_transcription(pair):
     Y_in = torch.cat([streams[:, :1], Z1], 1)
     want2, _ = _mtp_by_hand(model, Y_in, torch.cat([ids[:, 1:2], d1], 1))
     assert rel_err(l2[:, 0], want2[:, 1]) <= RTOL
+
+
+@pytest.mark.parametrize("layer", [0, 2], ids=["hash", "topk"])
+def test_moe_exports_with_one_expert_op(layer):
+    """Routing is plain ATen and expert dispatch one custom op: torch.export traces it with a dynamic
+    token count and no data-dependent guards."""
+    cfg = ModelConfig.preset("v4-tiny-a")
+    model = DeepseekV4Model(cfg).eval()
+    randomize_(model, seed=1)
+    moe = model.layers[layer].ffn
+    u, ids = torch.randn(1, 7, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 7))
+    T = torch.export.Dim("T", min=2, max=64)
+    ep = torch.export.export(moe, (u, ids), dynamic_shapes=({1: T}, {1: T}))
+    ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.dsv4c.moe_experts.default) == 1
+    u2, ids2 = torch.randn(1, 11, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 11))
+    torch.testing.assert_close(ep.module()(u2, ids2), moe(u2, ids2))
