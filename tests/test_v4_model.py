@@ -38,12 +38,13 @@ def test_prefill_logits_match_hf(pair):
 @torch.no_grad()
 def test_compressed_branches_are_exercised(pair):
     model, _, T = pair
-    cache = model.new_cache(1)
+    cache = model.new_cache(1, max_len=T + 8)
     model(torch.randint(0, model.config.vocab_size, (1, T)), cache)
-    for i, st in enumerate(cache.layers):
+    for i, lc in enumerate(cache.layers):
         m = model.config.layer_ratio(i)
         if m:
-            assert st.comp.entries.shape[1] == T // m >= 2, (i, m)
+            written = lc.entries[0].abs().sum(-1) > 0
+            assert int(written.sum()) == T // m >= 2 and written[: T // m].all(), (i, m)
 
 
 @torch.no_grad()
@@ -98,11 +99,12 @@ def test_decode_state_matches_prefill_state(pair):
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(5))
     _, one = _decode_pieces(model, ids, [T])
     _, steps = _decode_pieces(model, ids, [5] + [1] * (T - 5))
-    for a, b in zip(one.layers, steps.layers):
-        torch.testing.assert_close(a.ring, b.ring, rtol=1e-4, atol=1e-4)
-        for ca, cb in ((a.comp, b.comp), (a.index_comp, b.index_comp)):
-            if ca is not None:
-                torch.testing.assert_close(ca.entries, cb.entries, rtol=1e-4, atol=1e-4)
+    for i, (a, b) in enumerate(zip(one.layers, steps.layers)):
+        for name, t in a.tensors().items():
+            m = 4 if name.startswith("idx_") else model.config.layer_ratio(i)
+            if name.endswith(("_kv", "_score")):  # only the previous group (CSA) and the open rows are live
+                t = t[:, : (m if m == 4 else 0) + T % m]
+            torch.testing.assert_close(t, getattr(b, name)[:, : t.shape[1]], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_sinkhorn_is_doubly_stochastic_and_not_symmetric():
@@ -123,8 +125,10 @@ def _mtp_by_hand(model, streams, next_ids):
 
     e = rmsnorm(sd["embed.weight"][next_ids], sd["mtp.0.enorm.weight"])
     Y = (e @ sd["mtp.0.e_proj.weight"].T)[:, :, None] + rmsnorm(streams, sd["mtp.0.hnorm.weight"]) @ sd["mtp.0.h_proj.weight"].T
-    st = blk.attn.new_state(streams.shape[0], c.sliding_window, torch.float32, "cpu")
-    Z = blk(Y, next_ids, 0, st)
+    B, T = next_ids.shape
+    lc = blk.attn.new_cache(B, c.sliding_window, T, torch.float32, "cpu")
+    zeros, n = torch.zeros(B, dtype=torch.int64), torch.full((B,), T)
+    Z = blk(Y, next_ids, zeros, n, lc)
     x = Z.flatten(-2)
     z = (x @ sd["mtp.0.hc_head_fn"].T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
     w = torch.sigmoid(sd["mtp.0.hc_head_scale"] * z + sd["mtp.0.hc_head_base"]) + c.hc_eps
@@ -169,3 +173,26 @@ def test_moe_exports_with_one_expert_op(layer):
     assert ops.count(torch.ops.dsv4c.moe_experts.default) == 1
     u2, ids2 = torch.randn(1, 11, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 11))
     torch.testing.assert_close(ep.module()(u2, ids2), moe(u2, ids2))
+
+
+@torch.no_grad()
+def test_ragged_batch_with_padding_equals_separate_sequences(pair):
+    """Sequences at different positions share a batch; padded rows (n_real) never touch real state."""
+    model, _, T = pair
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    lens = [T // 3, T // 2 + 3]
+    seqs = [torch.randint(0, V, (1, n + 4), generator=g) for n in lens]
+    alone = []
+    for s, n in zip(seqs, lens):
+        c = model.new_cache(1, max_len=T + 8)
+        alone.append(torch.cat([model(s[:, :n], c)] + [model(s[:, n + i : n + i + 1], c) for i in range(4)], 1))
+    cache = model.new_cache(2, max_len=T + 8)
+    P = max(lens)
+    prompt = torch.stack([torch.nn.functional.pad(s[0, :n], (0, P - n), value=V - 1) for s, n in zip(seqs, lens)])
+    first, _ = model.forward_with_streams(prompt, cache, n_real=torch.tensor(lens))
+    assert cache.pos.tolist() == lens
+    steps = [model(torch.stack([s[0, n + i : n + i + 1] for s, n in zip(seqs, lens)]), cache) for i in range(4)]
+    for b, n in enumerate(lens):
+        got = torch.cat([first[b : b + 1, :n]] + [st[b : b + 1] for st in steps], 1)
+        assert rel_err(got, alone[b]) <= RTOL

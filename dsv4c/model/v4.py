@@ -4,9 +4,12 @@ Parameter names equal the official checkpoint names (`layers.L.attn.wq_a.weight`
 ...), except the routed experts, which are stacked: `layers.L.ffn.experts.w1 [E, I, D]` stands for the
 checkpoint's `layers.L.ffn.experts.{e}.w1.weight`. The checkpoint module maps between the two.
 
-One code path serves prefill, decode and chunked extend: `forward` absorbs a chunk of T tokens at
-positions p0..p0+T-1 into a `V4Cache` (p0 = cache.length) and attends over the window ring, the
-compressed entries and the chunk itself. Without a cache it prefills from position 0.
+One code path serves prefill, decode, chunked extend and speculative verify: `forward` absorbs a
+chunk of T tokens per sequence into a `V4Cache`, each sequence at its own position `cache.pos[b]`, and
+attends over the window ring, the compressed entries and the chunk itself. Without a cache it prefills
+from position 0. The stateful parts (compressor update, indexer top-k, attention with the ring) are the
+custom ops of `dsv4c.model.v4_ops`; everything between them is plain ATen, which export and the
+passes see.
 
 Legend: B batch, T chunk tokens, S key positions, D hidden, H heads, d head dim (K = V), r rope dim,
 Q q_lora rank, G output groups, R o_lora rank, N hc streams, m compress ratio, c overlap factor
@@ -14,8 +17,7 @@ Q q_lora rank, G output groups, R o_lora rank, N hc streams, m compress ratio, c
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from torch import nn
 
 from dsv4c.config import ModelConfig
 from dsv4c.model.common import RMSNorm, RotaryTable, rms, rope_interleaved, swiglu
+from dsv4c.model import v4_ops  # noqa: F401  (registers torch.ops.dsv4c.v4_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
 
@@ -30,37 +33,45 @@ from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4
 # caches
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class CompressorState:
-    """Open-group state of one compressor (deepseek_v4.md §5.1) plus its emitted entries.
+class LayerCache:
+    """Static per-layer decode state (deepseek_v4.md §5.1), updated in place by the v4 ops.
 
-    kv/score [B, c·m, c·d] fp32: slots [0, m) hold the previous group's rows (CSA only), slots
-    [(c-1)m, cm) the current, still open group. entries [B, n_e, d]: post-norm, post-RoPE, append-only."""
+    ring [B, S, d]: window rows, position p at slot p mod S (S = W + extra slots for speculation).
+    comp_kv/comp_score [B, c·m, c·d] fp32: open-group state (previous group at [0, m) for CSA).
+    entries [B, ⌈L/m⌉, d]: compressed entries, entry i pools positions i·m … i·m+m-1.
+    idx_*: the same three for the CSA indexer's compressor (width dI)."""
 
-    kv: torch.Tensor
-    score: torch.Tensor
-    entries: torch.Tensor
+    ring: torch.Tensor
+    comp_kv: torch.Tensor | None = None
+    comp_score: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+    idx_kv: torch.Tensor | None = None
+    idx_score: torch.Tensor | None = None
+    idx_entries: torch.Tensor | None = None
 
-    @classmethod
-    def empty(cls, batch: int, m: int, c: int, width: int, dtype: torch.dtype, device) -> "CompressorState":
-        kv = torch.zeros(batch, c * m, c * width, dtype=torch.float32, device=device)
-        score = torch.full_like(kv, float("-inf"))
-        return cls(kv, score, torch.zeros(batch, 0, width, dtype=dtype, device=device))
-
-
-@dataclass
-class LayerState:
-    """Per-layer decode state: the window ring (position p at slot p mod cap) and compressors."""
-
-    ring: torch.Tensor  # [B, cap, d]
-    comp: CompressorState | None = None
-    index_comp: CompressorState | None = None
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
 class V4Cache:
-    layers: list[LayerState]
-    length: int = 0  # tokens absorbed so far; the next chunk starts at this position
-    extra: dict = field(default_factory=dict)
+    layers: list[LayerCache]
+    pos: torch.Tensor  # [B] int64: the position of each sequence's next token
+    max_len: int  # positions the entry buffers can hold
+
+    @property
+    def length(self) -> int:
+        """The common position of all sequences (raises if they differ)."""
+        lo, hi = int(self.pos.min()), int(self.pos.max())
+        if lo != hi:
+            raise ValueError(f"sequences sit at different positions ({lo}..{hi}); use cache.pos")
+        return lo
+
+
+def _open_group_state(batch: int, m: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    c = 2 if m == 4 else 1
+    kv = torch.zeros(batch, c * m, c * width, dtype=torch.float32, device=device)
+    return kv, torch.full_like(kv, float("-inf"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,94 +137,42 @@ def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Compressor(nn.Module):
-    """Pools groups of m tokens into one entry (deepseek_v4.md §4.1(d), §5.2 step 2).
+    """Pools each group of m tokens into one entry (deepseek_v4.md §4.1(d)); CSA (m = 4) overlaps
+    with the previous group. The projections are plain fp32 linears here; the grouping, pooling, norm
+    and RoPE of closing groups is `torch.ops.dsv4c.v4_compress`."""
 
-    CSA (m = 4) overlaps: an entry pools 2m slots, the first half of the previous group's channels
-    and the second half of its own group's. HCA pools m slots of width d."""
-
-    def __init__(self, cfg: ModelConfig, m: int, width: int, rope: RotaryTable):
+    def __init__(self, cfg: ModelConfig, m: int, width: int):
         super().__init__()
-        self.m, self.width = m, width
+        self.m, self.width, self.eps = m, width, cfg.rms_norm_eps
         self.c = 2 if m == 4 else 1
         self.ape = nn.Parameter(torch.zeros(m, self.c * width))
         self.wkv = nn.Linear(cfg.hidden_size, self.c * width, bias=False)
         self.wgate = nn.Linear(cfg.hidden_size, self.c * width, bias=False)
         self.norm = RMSNorm(width, cfg.rms_norm_eps)
-        self.rope = rope
 
-    def new_state(self, batch: int, dtype: torch.dtype, device) -> CompressorState:
-        return CompressorState.empty(batch, self.m, self.c, self.width, dtype, device)
-
-    def forward(self, x: torch.Tensor, p0: int, st: CompressorState) -> CompressorState:
-        """Absorb x [B, T, D] at positions p0.. into st; append entries of groups that close."""
-        B, T, _ = x.shape
-        m, c, w = self.m, self.c, self.width
-        pos = p0 + torch.arange(T, device=x.device)
-        k = _linear_f32(x, self.wkv.weight)  # [B, T, c·w]
-        g = _linear_f32(x, self.wgate.weight) + self.ape.float()[pos % m]
-        r = p0 % m  # rows of the open group already in the state
-        cur = (c - 1) * m
-        rows_kv = torch.cat([st.kv[:, cur : cur + r], k], 1)  # [B, r+T, c·w], group-aligned
-        rows_sc = torch.cat([st.score[:, cur : cur + r], g], 1)
-        n_close = (r + T) // m
-        kv, score = st.kv.clone(), st.score.clone()
-        entries = st.entries
-        if n_close:
-            grp_kv = rows_kv[:, : n_close * m].unflatten(1, (n_close, m))  # [B, n, m, c·w]
-            grp_sc = rows_sc[:, : n_close * m].unflatten(1, (n_close, m))
-            if c == 2:
-                prev_kv = torch.cat([st.kv[:, None, :m], grp_kv[:, :-1]], 1)
-                prev_sc = torch.cat([st.score[:, None, :m], grp_sc[:, :-1]], 1)
-                slot_kv = torch.cat([prev_kv[..., :w], grp_kv[..., w:]], 2)  # [B, n, 2m, w]
-                slot_sc = torch.cat([prev_sc[..., :w], grp_sc[..., w:]], 2)
-                kv[:, :m], score[:, :m] = grp_kv[:, -1], grp_sc[:, -1]
-            else:
-                slot_kv, slot_sc = grp_kv, grp_sc
-            pooled = (slot_sc.softmax(2) * slot_kv).sum(2)  # [B, n, w] fp32
-            e = self.norm(pooled).to(st.entries.dtype)
-            start = p0 - r + m * torch.arange(n_close, device=x.device)  # first token of each group
-            cos, sin = self.rope(start)
-            entries = torch.cat([entries, rope_interleaved(e, cos, sin)], 1)
-        rem = r + T - n_close * m
-        kv[:, cur : cur + rem] = rows_kv[:, n_close * m :]
-        score[:, cur : cur + rem] = rows_sc[:, n_close * m :]
-        return CompressorState(kv, score, entries)
-
-
-def visible_entries(n_e: int, m: int, pos: torch.Tensor) -> torch.Tensor:
-    """[T, n_e] bool: entry w is visible to query t iff (w+1)·m <= t+1."""
-    w = torch.arange(n_e, device=pos.device)
-    return (w[None, :] + 1) * m <= pos[:, None] + 1
+    def forward(self, x, pos0, n_real, inv_freq, state_kv, state_score, entries) -> None:
+        """Absorb x [B, T, D] into the open-group state; write the entries of closing groups."""
+        torch.ops.dsv4c.v4_compress(_linear_f32(x, self.wkv.weight), _linear_f32(x, self.wgate.weight), pos0, n_real,
+                                    self.ape, self.norm.weight, inv_freq, state_kv, state_score, entries,
+                                    self.m, self.eps)
 
 
 class Indexer(nn.Module):
-    """Lightning indexer of CSA layers (deepseek_v4.md §4.1(e)): picks top-k visible entries per query."""
+    """Lightning indexer of CSA layers (§4.1(e)): its own compressor (width dI) and a top-k scorer."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryTable):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
-        self.compressor = Compressor(cfg, 4, self.head_dim, rope)
-        self.rope = rope
+        self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """x [B,T,D], qr [B,T,Q], keys [B,n_e,dI] -> selection mask [B, T, n_e]."""
-        B, T, _ = x.shape
-        n_e = keys.shape[1]
-        q = F.linear(qr, self.wq_b.weight).unflatten(-1, (self.n_heads, self.head_dim))  # [B,T,HI,dI]
-        cos, sin = self.rope(pos)
-        q = rope_interleaved(q, cos[:, None], sin[:, None])
-        wts = _linear_f32(x, self.weights_proj.weight) * self.n_heads**-0.5  # [B,T,HI]
-        dots = torch.einsum("bthi,bsi->bths", q.float(), keys.float())
-        score = torch.einsum("bth,bths->bts", wts * self.head_dim**-0.5, dots.relu())
-        visible = visible_entries(n_e, 4, pos)[None].expand(B, T, n_e)
-        k = min(self.topk, n_e)
-        if k == 0:
-            return visible
-        top = score.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter(-1, top, True)
-        return chosen & visible
+    def forward(self, x, qr, cos, sin, pos0, keys) -> torch.Tensor:
+        """x [B,T,D], qr [B,T,Q] (the q residual), keys [B,E,dI] -> entry ids [B, T, topk] (-1 = none)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, HI, dI]
+        q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
+        wts = _linear_f32(x, self.weights_proj.weight) * self.n_heads**-0.5  # [B, T, HI]
+        return torch.ops.dsv4c.v4_indexer_topk(q, wts, keys, pos0, self.topk, 4)
 
 
 class Attention(nn.Module):
@@ -237,69 +196,41 @@ class Attention(nn.Module):
             self.rope = RotaryTable(cfg.qk_rope_head_dim, cfg.rope_theta, None)
         else:
             self.rope = RotaryTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
-            self.compressor = Compressor(cfg, m, d, self.rope)
+            self.compressor = Compressor(cfg, m, d)
         if m == 4:
-            self.indexer = Indexer(cfg, self.rope)
+            self.indexer = Indexer(cfg)
 
-    def new_state(self, batch: int, ring_slots: int, dtype: torch.dtype, device) -> LayerState:
-        ring = torch.zeros(batch, ring_slots, self.head_dim, dtype=dtype, device=device)
-        st = LayerState(ring)
+    def new_cache(self, batch: int, ring_slots: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
+        lc = LayerCache(torch.zeros(batch, ring_slots, self.head_dim, dtype=dtype, device=device))
         if self.m:
-            st.comp = self.compressor.new_state(batch, dtype, device)
+            lc.comp_kv, lc.comp_score = _open_group_state(batch, self.m, self.head_dim, device)
+            lc.entries = torch.zeros(batch, -(-max_len // self.m), self.head_dim, dtype=dtype, device=device)
         if self.m == 4:
-            st.index_comp = self.indexer.compressor.new_state(batch, dtype, device)
-        return st
+            dI = self.indexer.head_dim
+            lc.idx_kv, lc.idx_score = _open_group_state(batch, 4, dI, device)
+            lc.idx_entries = torch.zeros(batch, -(-max_len // 4), dI, dtype=dtype, device=device)
+        return lc
 
-    def _window(self, kv: torch.Tensor, p0: int, st: LayerState):
-        """Cached rows of positions [p0-W+1, p0) followed by the chunk's rows; then write the
-        chunk into the ring. Returns keys [B, S, d] and their positions [S]."""
-        B, T, _ = kv.shape
-        cap = st.ring.shape[1]
-        old = torch.arange(max(0, p0 - self.window + 1), p0, device=kv.device)
-        keys = torch.cat([st.ring[:, old % cap], kv], 1)
-        pos = torch.cat([old, p0 + torch.arange(T, device=kv.device)])
-        keep = min(T, cap)
-        st.ring[:, pos[-keep:] % cap] = kv[:, -keep:].to(st.ring.dtype)
-        return keys, pos
-
-    def forward(self, x: torch.Tensor, p0: int, st: LayerState) -> torch.Tensor:
-        """x [B, T, D] (normed block input) -> [B, T, D]; updates st in place."""
+    def forward(self, x: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor, lc: LayerCache) -> torch.Tensor:
+        """x [B, T, D] (normed block input) -> [B, T, D]; updates lc in place."""
         B, T, _ = x.shape
         H, d = self.n_heads, self.head_dim
-        pos = p0 + torch.arange(T, device=x.device)
-        cos, sin = self.rope(pos)  # [T, r/2]
+        pos = pos0[:, None] + torch.arange(T, device=x.device)  # [B, T]
+        cos, sin = self.rope(pos)  # [B, T, r/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Q]
         q = rms(self.wq_b(qr).unflatten(-1, (H, d)), self.eps).to(x.dtype)  # [B, T, H, d]
-        q = rope_interleaved(q, cos[:, None], sin[:, None])
+        q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
         kv = rope_interleaved(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, d]
-
-        win_keys, win_pos = self._window(kv, p0, st)
-        rel = pos[:, None] - win_pos[None, :]
-        win_mask = (rel >= 0) & (rel < self.window)  # [T, S]
-        keys, masks = [win_keys], [win_mask[None].expand(B, T, -1)]
+        selected = None
         if self.m:
-            st.comp = self.compressor(x, p0, st.comp)
-            entries = st.comp.entries  # [B, n_e, d]
-            vis = visible_entries(entries.shape[1], self.m, pos)[None].expand(B, T, -1)
-            if self.m == 4:
-                st.index_comp = self.indexer.compressor(x, p0, st.index_comp)
-                vis = self.indexer.select(x, qr, pos, st.index_comp.entries)
-            keys.append(entries)
-            masks.append(vis)
-        keys_all = torch.cat(keys, 1).float()  # [B, S, d]
-        mask = torch.cat(masks, -1)  # [B, T, S]
-        o = self._core(q.float(), keys_all, mask)  # [B, T, H, d] fp32
-        o = rope_interleaved(o, cos[:, None], sin[:, None], inverse=True).to(x.dtype)
+            self.compressor(x, pos0, n_real, self.rope.inv_freq, lc.comp_kv, lc.comp_score, lc.entries)
+        if self.m == 4:
+            self.indexer.compressor(x, pos0, n_real, self.rope.inv_freq, lc.idx_kv, lc.idx_score, lc.idx_entries)
+            selected = self.indexer(x, qr, cos, sin, pos0, lc.idx_entries)
+        o = torch.ops.dsv4c.v4_attention(q, kv, pos0, n_real, lc.ring, self.attn_sink, lc.entries, selected,
+                                         self.window, self.m)  # [B, T, H, d] fp32
+        o = rope_interleaved(o, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         return self._output(o)
-
-    def _core(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(q·k/√d) with the sink in the denominator only; K = V. -> [B, T, H, d]."""
-        B, T, H, _ = q.shape
-        logits = torch.einsum("bthd,bsd->bths", q, keys) / math.sqrt(self.head_dim)
-        logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
-        sink = self.attn_sink.float().view(1, 1, H, 1).expand(B, T, H, 1)
-        p = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
-        return torch.einsum("bths,bsd->bthd", p, keys)
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: per group g, z_g = W_oa[g] · concat(heads of g); then W_ob."""
@@ -401,9 +332,10 @@ class Block(nn.Module):
         _hc_params(self, "attn", cfg.hc_mult, D)
         _hc_params(self, "ffn", cfg.hc_mult, D)
 
-    def forward(self, X: torch.Tensor, ids: torch.Tensor, p0: int, st: LayerState) -> torch.Tensor:
+    def forward(self, X: torch.Tensor, ids: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                lc: LayerCache) -> torch.Tensor:
         u, post, comb = self.hc.pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        X = self.hc.post(self.attn(self.attn_norm(u), p0, st), X, post, comb)
+        X = self.hc.post(self.attn(self.attn_norm(u), pos0, n_real, lc), X, post, comb)
         u, post, comb = self.hc.pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         return self.hc.post(self.ffn(self.ffn_norm(u), ids), X, post, comb)
 
@@ -447,31 +379,43 @@ class DeepseekV4Model(nn.Module):
     def act_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, batch_size: int, extra_ring_slots: int = 0) -> V4Cache:
-        """Fresh decode state. `extra_ring_slots` (k_max) keeps speculative rows from evicting live ones."""
-        dev = self.embed.weight.device
-        slots = self.config.sliding_window + extra_ring_slots
-        return V4Cache([b.attn.new_state(batch_size, slots, self.act_dtype, dev) for b in self.layers])
+    def new_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
+        """Zeroed decode state for `batch_size` sequences of up to `max_len` positions.
+        `extra_ring_slots` (k_max) keeps speculative rows from evicting live window rows."""
+        return self._cache(self.layers, batch_size, max_len, extra_ring_slots)
 
-    def new_mtp_cache(self, batch_size: int, extra_ring_slots: int = 0) -> V4Cache:
+    def new_mtp_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
+        return self._cache(self.mtp, batch_size, max_len, extra_ring_slots)
+
+    def _cache(self, blocks, batch_size: int, max_len: int, extra: int) -> V4Cache:
         dev = self.embed.weight.device
-        slots = self.config.sliding_window + extra_ring_slots
-        return V4Cache([self.mtp[0].attn.new_state(batch_size, slots, self.act_dtype, dev)])
+        slots = self.config.sliding_window + extra
+        layers = [b.attn.new_cache(batch_size, slots, max_len, self.act_dtype, dev) for b in blocks]
+        return V4Cache(layers, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] fp32. Without a cache: prefill from position 0."""
         return self.forward_with_streams(input_ids, cache)[0]
 
-    def forward_with_streams(self, input_ids: torch.Tensor, cache: V4Cache | None = None):
-        """-> (logits [B, T, V] fp32, last-layer streams [B, T, N, D]): the streams feed the MTP block."""
+    def forward_with_streams(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
+                             n_real: torch.Tensor | None = None):
+        """-> (logits [B, T, V] fp32, last-layer streams [B, T, N, D]); the streams feed the MTP block.
+        `n_real [B]`: real rows per sequence (default T); padded rows write no cache state."""
         B, T = input_ids.shape
-        cache = cache if cache is not None else self.new_cache(B)
-        p0 = cache.length
+        cache = cache if cache is not None else self.new_cache(B, max_len=T)
+        n_real = _check_chunk(cache, B, T, n_real)
+        logits, X = self.step(input_ids, cache.pos, n_real, cache.layers)
+        cache.pos = cache.pos + n_real
+        return logits, X
+
+    def step(self, input_ids: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+             layers: list[LayerCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traceable body: no Python-side state, caches updated in place by the v4 ops."""
+        B, T = input_ids.shape
         X = self.embed(input_ids)[:, :, None, :].expand(B, T, self.config.hc_mult, -1).contiguous()
-        for block, st in zip(self.layers, cache.layers):
-            X = block(X, input_ids, p0, st)
-        cache.length = p0 + T
+        for block, lc in zip(self.layers, layers):
+            X = block(X, input_ids, pos0, n_real, lc)
         return self._logits(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm), X
 
     def _logits(self, X, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
@@ -479,15 +423,33 @@ class DeepseekV4Model(nn.Module):
         u = hc_head_collapse(X, fn, base, scale, c.rms_norm_eps, c.hc_eps)
         return F.linear(norm(u).float(), self.head.weight.float())
 
-    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, cache: V4Cache):
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, cache: V4Cache,
+                    n_real: torch.Tensor | None = None):
         """Draft logits for position t+2 from the main streams at t and the token at t+1 (§6).
 
-        streams [B, T, N, D] at positions cache.length.., next_ids [B, T] ->
+        streams [B, T, N, D] at positions cache.pos.., next_ids [B, T] ->
         (logits [B, T, V] fp32, the MTP's output streams [B, T, N, D] for recursive drafting)."""
+        B, T = next_ids.shape
+        n_real = _check_chunk(cache, B, T, n_real)
+        out = self.mtp_step(streams, next_ids, cache.pos, n_real, cache.layers[0])
+        cache.pos = cache.pos + n_real
+        return out
+
+    def mtp_step(self, streams, next_ids, pos0, n_real, lc: LayerCache):
         blk = self.mtp[0]
-        p0 = cache.length
         e = blk.enorm(self.embed(next_ids))  # [B, T, D]
         Y = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(streams))
-        Z = blk(Y.to(streams.dtype), next_ids, p0, cache.layers[0])
-        cache.length = p0 + next_ids.shape[1]
+        Z = blk(Y.to(streams.dtype), next_ids, pos0, n_real, lc)
         return self._logits(Z, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm), Z
+
+
+def _check_chunk(cache: V4Cache, B: int, T: int, n_real: torch.Tensor | None) -> torch.Tensor:
+    """Eager-side checks before any state changes (the traced `step` has none)."""
+    if cache.pos.shape[0] != B:
+        raise ValueError(f"input_ids has batch {B}, the cache holds {cache.pos.shape[0]} sequences")
+    if n_real is None:
+        n_real = torch.full((B,), T, dtype=torch.int64, device=cache.pos.device)
+    end = int((cache.pos + n_real).max()) if B else 0
+    if end > cache.max_len:
+        raise ValueError(f"chunk reaches position {end}, beyond the cache's max_len={cache.max_len}")
+    return n_real

@@ -1,0 +1,176 @@
+"""DeepSeek-V4 attention-with-cache as custom ops (design.md: one custom op per dynamic thing).
+
+Each op has a readable reference implementation, which loops over sequences and works on plain
+Python positions, and a fake (shape-only) implementation for `torch.export`. The caches are static
+buffers that the ops update in place (`mutates_args`), and the positions are a device tensor
+`pos0 [B]`, the position of each sequence's first chunk token. Sequences in a batch may sit at
+different positions.
+
+Padding contract: `n_real [B]` says how many of the T chunk rows of each sequence are real. Rows at
+or after n_real are computed (their outputs are garbage and get dropped) but write nothing to any cache.
+
+Legend: B batch, T chunk tokens, H heads, d head dim, r rope dim, m compress ratio, c overlap factor,
+w entry width, E entry capacity, HI/dI indexer heads/dim, k indexer top-k, S ring slots.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4c.model.common import rms, rope_interleaved
+
+
+def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = pos.float()[..., None] * inv_freq.float()
+    return ang.cos(), ang.sin()
+
+
+# ------------------------------------------------------------------------------------------------
+# compressor update
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsv4c::v4_compress", mutates_args=("state_kv", "state_score", "entries"))
+def v4_compress(kv: torch.Tensor, score: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                ape: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, state_kv: torch.Tensor,
+                state_score: torch.Tensor, entries: torch.Tensor, m: int, eps: float) -> None:
+    """Absorb the chunk's compressor rows and append an entry for every group that closes.
+
+    kv, score [B, T, c·w] fp32 (score without `ape`); state_kv/state_score [B, c·m, c·w] fp32 with the
+    previous group in slots [0, m) (CSA only) and the open group in [(c-1)m, cm); entries [B, E, w],
+    where entry i pools the group starting at position i·m (post-norm, RoPE at i·m)."""
+    c = state_kv.shape[1] // m
+    for b in range(kv.shape[0]):
+        p0, n = int(pos0[b]), int(n_real[b])
+        _compress_row(kv[b, :n], score[b, :n] + ape.float()[(p0 + torch.arange(n, device=kv.device)) % m],
+                      p0, m, c, norm_weight, inv_freq, state_kv[b], state_score[b], entries[b], eps)
+
+
+def _compress_row(k, g, p0, m, c, norm_weight, inv_freq, st_kv, st_sc, entries, eps) -> None:
+    """One sequence: the same grouping as `dsv4c.model.v4.Compressor`, on state slices in place."""
+    w = entries.shape[-1]
+    r = p0 % m
+    cur = (c - 1) * m
+    rows_kv = torch.cat([st_kv[cur : cur + r], k])  # [r+T, c·w], group-aligned
+    rows_sc = torch.cat([st_sc[cur : cur + r], g])
+    n_close = rows_kv.shape[0] // m
+    if n_close:
+        grp_kv = rows_kv[: n_close * m].unflatten(0, (n_close, m))  # [n, m, c·w]
+        grp_sc = rows_sc[: n_close * m].unflatten(0, (n_close, m))
+        if c == 2:
+            prev_kv = torch.cat([st_kv[None, :m], grp_kv[:-1]])
+            prev_sc = torch.cat([st_sc[None, :m], grp_sc[:-1]])
+            slot_kv = torch.cat([prev_kv[..., :w], grp_kv[..., w:]], 1)  # [n, 2m, w]
+            slot_sc = torch.cat([prev_sc[..., :w], grp_sc[..., w:]], 1)
+            st_kv[:m], st_sc[:m] = grp_kv[-1], grp_sc[-1]
+        else:
+            slot_kv, slot_sc = grp_kv, grp_sc
+        pooled = (slot_sc.softmax(1) * slot_kv).sum(1)  # [n, w]
+        e = (norm_weight.float() * rms(pooled, eps)).to(entries.dtype)
+        first = (p0 - r) // m  # entry index of the first closing group
+        cos, sin = _cos_sin(inv_freq, (first + torch.arange(n_close, device=k.device)) * m)
+        entries[first : first + n_close] = rope_interleaved(e, cos, sin)
+    rem = rows_kv.shape[0] - n_close * m
+    st_kv[cur : cur + rem] = rows_kv[n_close * m :]
+    st_sc[cur : cur + rem] = rows_sc[n_close * m :]
+
+
+@v4_compress.register_fake
+def _(kv, score, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries, m, eps):
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer top-k
+# ------------------------------------------------------------------------------------------------
+def visible_count(pos: torch.Tensor, m: int) -> torch.Tensor:
+    """Entries visible to a query at `pos`: w is visible iff (w+1)·m <= pos+1."""
+    return torch.div(pos + 1, m, rounding_mode="floor")
+
+
+@torch.library.custom_op("dsv4c::v4_indexer_topk", mutates_args=())
+def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos0: torch.Tensor, topk: int,
+                    m: int) -> torch.Tensor:
+    """Lightning-indexer selection (deepseek_v4.md §4.1(e)).
+
+    q [B, T, HI, dI] (RoPE applied), weights [B, T, HI] fp32 (already × HI^-½), keys [B, E, dI] ->
+    idx [B, T, topk] int64: the top-min(topk, visible) visible entries by
+    Σ_h weights_h · dI^-½ · relu(q_h·K_w); -1 fills unused slots."""
+    B, T = q.shape[:2]
+    E = keys.shape[1]
+    out = torch.full((B, T, topk), -1, dtype=torch.int64, device=q.device)
+    pos = pos0[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    dots = torch.einsum("bthi,bsi->bths", q.float(), keys.float()).relu()
+    score = torch.einsum("bth,bths->bts", weights.float() * q.shape[-1] ** -0.5, dots)
+    visible = torch.arange(E, device=q.device) < visible_count(pos, m)[..., None]  # [B, T, E]
+    k = min(topk, E)
+    if k:
+        top = score.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
+        out[..., :k] = top.indices.masked_fill(top.values == float("-inf"), -1)
+    return out
+
+
+@v4_indexer_topk.register_fake
+def _(q, weights, keys, pos0, topk, m):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsv4c::v4_attention", mutates_args=("ring",))
+def v4_attention(q: torch.Tensor, kv: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor, ring: torch.Tensor,
+                 sinks: torch.Tensor, entries: torch.Tensor | None, selected: torch.Tensor | None, window: int,
+                 m: int) -> torch.Tensor:
+    """Shared-KV attention over the window and the compressed entries, sinks in the denominator.
+
+    q [B, T, H, d], kv [B, T, d] (both RoPE'd); ring [B, S, d] holds position p at slot p mod S and
+    receives the chunk's real rows; entries [B, E, d] (m > 0); selected [B, T, k] (CSA: the indexer's
+    choice, -1 = none; HCA: None = every visible entry). -> o [B, T, H, d] fp32, before inverse RoPE."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        p0, n = int(pos0[b]), int(n_real[b])
+        keys, key_pos = _window_keys(kv[b], p0, n, ring[b], window)
+        pos = p0 + torch.arange(q.shape[1], device=q.device)
+        rel = pos[:, None] - key_pos[None, :]
+        mask = (rel >= 0) & (rel < window)  # [T, S]
+        if entries is not None:
+            E = entries.shape[1]
+            if selected is None:
+                vis = torch.arange(E, device=q.device) < visible_count(pos, m)[:, None]
+            else:
+                sel = selected[b]
+                vis = torch.zeros(q.shape[1], E + 1, dtype=torch.bool, device=q.device)
+                vis.scatter_(1, torch.where(sel < 0, E, sel), True)
+                vis = vis[:, :E]
+            keys = torch.cat([keys, entries[b]])
+            mask = torch.cat([mask, vis], 1)
+        out[b] = _sink_attention(q[b].float(), keys.float(), mask, sinks)
+    return out
+
+
+def _window_keys(kv, p0, n, ring, window):
+    """Cached rows of positions [p0-W+1, p0) then the chunk's rows; write the chunk's real rows."""
+    T, S = kv.shape[0], ring.shape[0]
+    old = torch.arange(max(0, p0 - window + 1), p0, device=kv.device)
+    keys = torch.cat([ring[old % S], kv.to(ring.dtype)])
+    pos = torch.cat([old, p0 + torch.arange(T, device=kv.device)])
+    keep = min(n, S)
+    new = p0 + torch.arange(n - keep, n, device=kv.device)
+    ring[new % S] = kv[n - keep : n].to(ring.dtype)
+    return keys, pos
+
+
+def _sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """q [T, H, d], keys [S, d] (K = V), mask [T, S] -> [T, H, d]: softmax with exp(sink_h) added
+    to the denominator only."""
+    T, H, d = q.shape
+    logits = torch.einsum("thd,sd->hts", q, keys) / math.sqrt(d)
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    sink = sinks.float().view(H, 1, 1).expand(H, T, 1)
+    p = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
+    return torch.einsum("hts,sd->thd", p, keys)
+
+
+@v4_attention.register_fake
+def _(q, kv, pos0, n_real, ring, sinks, entries, selected, window, m):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
