@@ -86,11 +86,16 @@ def _read_header(path: Path) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     data = size - 8 - n
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        end = info.get("data_offsets", [0, 0])[1]
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {key!r} has no valid data_offsets)")
+        end = offsets[1]
         if end > data:
             raise CheckpointError(f"{path}: truncated: tensor {key!r} ends at byte {end} of a {data}-byte data section")
     return header
@@ -106,7 +111,9 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a JSON {type(weight_map).__name__}, not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         out, headers = {}, {}
         for name, fname in weight_map.items():
@@ -220,7 +227,11 @@ def _load_weight(reader: CheckpointReader, name: str, shape: tuple[int, ...], dt
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected an integer tensor")
         t = t.to(dtype)
     elif t.dtype == torch.float8_e4m3fn:
-        t = Q.dequant_fp8_block(t, _scale(reader, name, used), dtype=torch.float32)
+        scale = _scale(reader, name, used)
+        try:
+            t = Q.dequant_fp8_block(t, scale, dtype=torch.float32)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: tensor {name!r}: {e}") from None
     elif t.dtype in (torch.int8, torch.uint8):
         sname = _scale_name(reader, name)
         scale = reader.get(sname)
@@ -305,6 +316,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     `device="meta"` allocates nothing: names and shapes are checked against the headers only.
     A checkpoint without any MTP tensor (e.g. one saved by HF transformers) loads without the MTP block."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
     cfg = ModelConfig.from_pretrained(path if path.is_dir() else path.parent)
     reader = CheckpointReader(path, cfg)
     if cfg.num_nextn_predict_layers and not _mtp_in_checkpoint(cfg, reader):
@@ -442,9 +455,14 @@ def _disk_items(model_sd: dict[str, torch.Tensor], cfg: ModelConfig,
         else:
             plan.append((name, name, None))
     has_mtp = any(_is_mtp(cfg, n) for n in model_sd)
-    if has_mtp:
-        plan += [(dup, src, None) for dup, src in _v3_mtp_duplicates(cfg).items()]
-    return ((disk, get(disk, src, e)) for disk, src, e in plan), len(plan)
+    dups = _v3_mtp_duplicates(cfg) if has_mtp else {}
+    plan += [(dup, src, None) for dup, src in dups.items()]
+
+    def item(disk: str, src: str, e: int | None) -> tuple[str, torch.Tensor]:
+        t = get(disk, src, e)
+        return disk, t.clone() if disk in dups else t  # a copy: safetensors refuses tensors sharing storage
+
+    return (item(disk, src, e) for disk, src, e in plan), len(plan)
 
 
 def save_checkpoint(model: torch.nn.Module, out_dir: str | Path, quant: str = "none", dtype: torch.dtype | None = None,

@@ -90,10 +90,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from dsv4c.model.generate import greedy
 
     model = load_model(a.checkpoint, dtype=a.dtype)
-    ids = [int(t) for t in a.ids.split(",")] if a.ids else [model.config.bos_token_id or 0]
+    try:
+        ids = [int(t) for t in a.ids.split(",")] if a.ids else [model.config.bos_token_id or 0]
+    except ValueError:
+        raise ValueError(f"--ids: expected comma-separated integer token ids, got {a.ids!r}") from None
     bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
     if bad:
-        raise SystemExit(f"--ids: token ids {bad} outside vocab_size={model.config.vocab_size}")
+        raise ValueError(f"--ids: token ids {bad} outside vocab_size={model.config.vocab_size}")
     out = greedy(model, torch.tensor([ids]), a.max_new_tokens)
     print(",".join(str(t) for t in out[0].tolist()))
     return 0

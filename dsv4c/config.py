@@ -198,6 +198,9 @@ class ModelConfig:
 
         if str(name_or_path) in PRESETS:
             return cls.preset(str(name_or_path))
+        if not Path(name_or_path).exists():
+            raise FileNotFoundError(f"{name_or_path}: neither a known preset ({', '.join(sorted(PRESETS))}) "
+                                    f"nor an existing config.json or checkpoint folder")
         return cls.from_pretrained(name_or_path)
 
     # ---- serialisation -------------------------------------------------------------
