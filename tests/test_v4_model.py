@@ -127,8 +127,8 @@ def _mtp_by_hand(model, streams, next_ids):
     Y = (e @ sd["mtp.0.e_proj.weight"].T)[:, :, None] + rmsnorm(streams, sd["mtp.0.hnorm.weight"]) @ sd["mtp.0.h_proj.weight"].T
     B, T = next_ids.shape
     lc = blk.attn.new_cache(B, c.sliding_window, T, torch.float32, "cpu")
-    zeros, n = torch.zeros(B, dtype=torch.int64), torch.full((B,), T)
-    Z = blk(Y, next_ids, zeros, n, lc)
+    meta = (torch.arange(B), torch.zeros(B, dtype=torch.int64), torch.full((B,), T))
+    Z = blk(Y, next_ids, meta, lc)
     x = Z.flatten(-2)
     z = (x @ sd["mtp.0.hc_head_fn"].T) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
     w = torch.sigmoid(sd["mtp.0.hc_head_scale"] * z + sd["mtp.0.hc_head_base"]) + c.hc_eps

@@ -150,9 +150,9 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.hidden_size, self.c * width, bias=False)
         self.norm = RMSNorm(width, cfg.rms_norm_eps)
 
-    def forward(self, x, pos0, n_real, inv_freq, state_kv, state_score, entries) -> None:
+    def forward(self, x, meta, inv_freq, state_kv, state_score, entries) -> None:
         """Absorb x [B, T, D] into the open-group state; write the entries of closing groups."""
-        torch.ops.dsv4c.v4_compress(_linear_f32(x, self.wkv.weight), _linear_f32(x, self.wgate.weight), pos0, n_real,
+        torch.ops.dsv4c.v4_compress(_linear_f32(x, self.wkv.weight), _linear_f32(x, self.wgate.weight), *meta,
                                     self.ape, self.norm.weight, inv_freq, state_kv, state_score, entries,
                                     self.m, self.eps)
 
@@ -167,12 +167,13 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def forward(self, x, qr, cos, sin, pos0, keys) -> torch.Tensor:
+    def forward(self, x, qr, cos, sin, meta, keys) -> torch.Tensor:
         """x [B,T,D], qr [B,T,Q] (the q residual), keys [B,E,dI] -> entry ids [B, T, topk] (-1 = none)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, HI, dI]
         q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
         wts = _linear_f32(x, self.weights_proj.weight) * self.n_heads**-0.5  # [B, T, HI]
-        return torch.ops.dsv4c.v4_indexer_topk(q, wts, keys, pos0, self.topk, 4)
+        slots, pos0, _ = meta
+        return torch.ops.dsv4c.v4_indexer_topk(q, wts, keys, slots, pos0, self.topk, 4)
 
 
 class Attention(nn.Module):
@@ -211,11 +212,11 @@ class Attention(nn.Module):
             lc.idx_entries = torch.zeros(batch, -(-max_len // 4), dI, dtype=dtype, device=device)
         return lc
 
-    def forward(self, x: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor, lc: LayerCache) -> torch.Tensor:
-        """x [B, T, D] (normed block input) -> [B, T, D]; updates lc in place."""
+    def forward(self, x: torch.Tensor, meta: tuple, lc: LayerCache) -> torch.Tensor:
+        """x [B, T, D] (normed block input), meta = (slots, pos0, n_real) -> [B, T, D]; updates lc."""
         B, T, _ = x.shape
         H, d = self.n_heads, self.head_dim
-        pos = pos0[:, None] + torch.arange(T, device=x.device)  # [B, T]
+        pos = meta[1][:, None] + torch.arange(T, device=x.device)  # [B, T]
         cos, sin = self.rope(pos)  # [B, T, r/2]
         qr = self.q_norm(self.wq_a(x))  # [B, T, Q]
         q = rms(self.wq_b(qr).unflatten(-1, (H, d)), self.eps).to(x.dtype)  # [B, T, H, d]
@@ -223,11 +224,11 @@ class Attention(nn.Module):
         kv = rope_interleaved(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, d]
         selected = None
         if self.m:
-            self.compressor(x, pos0, n_real, self.rope.inv_freq, lc.comp_kv, lc.comp_score, lc.entries)
+            self.compressor(x, meta, self.rope.inv_freq, lc.comp_kv, lc.comp_score, lc.entries)
         if self.m == 4:
-            self.indexer.compressor(x, pos0, n_real, self.rope.inv_freq, lc.idx_kv, lc.idx_score, lc.idx_entries)
-            selected = self.indexer(x, qr, cos, sin, pos0, lc.idx_entries)
-        o = torch.ops.dsv4c.v4_attention(q, kv, pos0, n_real, lc.ring, self.attn_sink, lc.entries, selected,
+            self.indexer.compressor(x, meta, self.rope.inv_freq, lc.idx_kv, lc.idx_score, lc.idx_entries)
+            selected = self.indexer(x, qr, cos, sin, meta, lc.idx_entries)
+        o = torch.ops.dsv4c.v4_attention(q, kv, *meta, lc.ring, self.attn_sink, lc.entries, selected,
                                          self.window, self.m)  # [B, T, H, d] fp32
         o = rope_interleaved(o, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         return self._output(o)
@@ -332,10 +333,9 @@ class Block(nn.Module):
         _hc_params(self, "attn", cfg.hc_mult, D)
         _hc_params(self, "ffn", cfg.hc_mult, D)
 
-    def forward(self, X: torch.Tensor, ids: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
-                lc: LayerCache) -> torch.Tensor:
+    def forward(self, X: torch.Tensor, ids: torch.Tensor, meta: tuple, lc: LayerCache) -> torch.Tensor:
         u, post, comb = self.hc.pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        X = self.hc.post(self.attn(self.attn_norm(u), pos0, n_real, lc), X, post, comb)
+        X = self.hc.post(self.attn(self.attn_norm(u), meta, lc), X, post, comb)
         u, post, comb = self.hc.pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         return self.hc.post(self.ffn(self.ffn_norm(u), ids), X, post, comb)
 
@@ -399,23 +399,26 @@ class DeepseekV4Model(nn.Module):
         return self.forward_with_streams(input_ids, cache)[0]
 
     def forward_with_streams(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
-                             n_real: torch.Tensor | None = None):
+                             n_real: torch.Tensor | None = None, slots: torch.Tensor | None = None):
         """-> (logits [B, T, V] fp32, last-layer streams [B, T, N, D]); the streams feed the MTP block.
-        `n_real [B]`: real rows per sequence (default T); padded rows write no cache state."""
+        `slots [B]`: the cache rows of the batch (default: all, in order); `n_real [B]`: real rows per
+        sequence (default T); padded rows write no cache state."""
         B, T = input_ids.shape
         cache = cache if cache is not None else self.new_cache(B, max_len=T)
-        n_real = _check_chunk(cache, B, T, n_real)
-        logits, X = self.step(input_ids, cache.pos, n_real, cache.layers)
-        cache.pos = cache.pos + n_real
-        return logits, X
+        meta = _batch_meta(cache, B, T, n_real, slots)
+        out = self.step(input_ids, *meta, cache.layers)
+        cache.pos[meta[0]] += meta[2]
+        return out
 
-    def step(self, input_ids: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+    def step(self, input_ids: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
              layers: list[LayerCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The traceable body: no Python-side state, caches updated in place by the v4 ops."""
+        """The traceable body: no Python-side state; the v4 ops update the caches in place.
+        input_ids [B, T]; slots, pos0, n_real [B] int64 -> (logits [B, T, V] fp32, streams [B, T, N, D])."""
         B, T = input_ids.shape
+        meta = (slots, pos0, n_real)
         X = self.embed(input_ids)[:, :, None, :].expand(B, T, self.config.hc_mult, -1).contiguous()
         for block, lc in zip(self.layers, layers):
-            X = block(X, input_ids, pos0, n_real, lc)
+            X = block(X, input_ids, meta, lc)
         return self._logits(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm), X
 
     def _logits(self, X, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
@@ -424,32 +427,41 @@ class DeepseekV4Model(nn.Module):
         return F.linear(norm(u).float(), self.head.weight.float())
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, cache: V4Cache,
-                    n_real: torch.Tensor | None = None):
+                    n_real: torch.Tensor | None = None, slots: torch.Tensor | None = None):
         """Draft logits for position t+2 from the main streams at t and the token at t+1 (§6).
 
         streams [B, T, N, D] at positions cache.pos.., next_ids [B, T] ->
         (logits [B, T, V] fp32, the MTP's output streams [B, T, N, D] for recursive drafting)."""
         B, T = next_ids.shape
-        n_real = _check_chunk(cache, B, T, n_real)
-        out = self.mtp_step(streams, next_ids, cache.pos, n_real, cache.layers[0])
-        cache.pos = cache.pos + n_real
+        meta = _batch_meta(cache, B, T, n_real, slots)
+        out = self.mtp_step(streams, next_ids, *meta, cache.layers[0])
+        cache.pos[meta[0]] += meta[2]
         return out
 
-    def mtp_step(self, streams, next_ids, pos0, n_real, lc: LayerCache):
+    def mtp_step(self, streams, next_ids, slots, pos0, n_real, lc: LayerCache):
+        """Traceable MTP body (see `step`)."""
         blk = self.mtp[0]
         e = blk.enorm(self.embed(next_ids))  # [B, T, D]
         Y = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(streams))
-        Z = blk(Y.to(streams.dtype), next_ids, pos0, n_real, lc)
+        Z = blk(Y.to(streams.dtype), next_ids, (slots, pos0, n_real), lc)
         return self._logits(Z, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm), Z
 
 
-def _check_chunk(cache: V4Cache, B: int, T: int, n_real: torch.Tensor | None) -> torch.Tensor:
-    """Eager-side checks before any state changes (the traced `step` has none)."""
-    if cache.pos.shape[0] != B:
-        raise ValueError(f"input_ids has batch {B}, the cache holds {cache.pos.shape[0]} sequences")
+def _batch_meta(cache: V4Cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.Tensor | None):
+    """(slots, pos0, n_real) for a chunk, checked eagerly before any state changes."""
+    dev = cache.pos.device
+    if slots is None:
+        if cache.pos.shape[0] != B:
+            raise ValueError(f"input_ids has batch {B} but the cache holds {cache.pos.shape[0]} sequences; pass slots")
+        slots = torch.arange(B, device=dev)
     if n_real is None:
-        n_real = torch.full((B,), T, dtype=torch.int64, device=cache.pos.device)
-    end = int((cache.pos + n_real).max()) if B else 0
+        n_real = torch.full((B,), T, dtype=torch.int64, device=dev)
+    if slots.shape != (B,) or n_real.shape != (B,):
+        raise ValueError(f"slots and n_real need shape [{B}], got {list(slots.shape)} and {list(n_real.shape)}")
+    if B and int(n_real.max()) > T:
+        raise ValueError(f"n_real {n_real.tolist()} exceeds the chunk length {T}")
+    pos0 = cache.pos[slots]
+    end = int((pos0 + n_real).max()) if B else 0
     if end > cache.max_len:
         raise ValueError(f"chunk reaches position {end}, beyond the cache's max_len={cache.max_len}")
-    return n_real
+    return slots, pos0, n_real

@@ -2,14 +2,14 @@
 
 Each op has a readable reference implementation, which loops over sequences and works on plain
 Python positions, and a fake (shape-only) implementation for `torch.export`. The caches are static
-buffers that the ops update in place (`mutates_args`), and the positions are a device tensor
-`pos0 [B]`, the position of each sequence's first chunk token. Sequences in a batch may sit at
-different positions.
+buffers of `n_slots` sequences that the ops update in place (`mutates_args`). Batch row b uses cache
+row `slots[b]` and starts at position `pos0[b]`: sequences in a batch may sit at different positions,
+and a batch may hold any subset of the cached sequences.
 
 Padding contract: `n_real [B]` says how many of the T chunk rows of each sequence are real. Rows at
 or after n_real are computed (their outputs are garbage and get dropped) but write nothing to any cache.
 
-Legend: B batch, T chunk tokens, H heads, d head dim, r rope dim, m compress ratio, c overlap factor,
+Legend: B batch, n_slots cached sequences, T chunk tokens, H heads, d head dim, r rope dim, m compress ratio, c overlap factor,
 w entry width, E entry capacity, HI/dI indexer heads/dim, k indexer top-k, S ring slots.
 """
 from __future__ import annotations
@@ -30,19 +30,19 @@ def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, t
 # compressor update
 # ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsv4c::v4_compress", mutates_args=("state_kv", "state_score", "entries"))
-def v4_compress(kv: torch.Tensor, score: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+def v4_compress(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
                 ape: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, state_kv: torch.Tensor,
                 state_score: torch.Tensor, entries: torch.Tensor, m: int, eps: float) -> None:
     """Absorb the chunk's compressor rows and append an entry for every group that closes.
 
-    kv, score [B, T, c·w] fp32 (score without `ape`); state_kv/state_score [B, c·m, c·w] fp32 with the
-    previous group in slots [0, m) (CSA only) and the open group in [(c-1)m, cm); entries [B, E, w],
+    kv, score [B, T, c·w] fp32 (score without `ape`); state_kv/state_score [n_slots, c·m, c·w] fp32 with
+    the previous group in rows [0, m) (CSA only) and the open group in [(c-1)m, cm); entries [n_slots, E, w],
     where entry i pools the group starting at position i·m (post-norm, RoPE at i·m)."""
     c = state_kv.shape[1] // m
     for b in range(kv.shape[0]):
-        p0, n = int(pos0[b]), int(n_real[b])
+        p0, n, s = int(pos0[b]), int(n_real[b]), int(slots[b])
         _compress_row(kv[b, :n], score[b, :n] + ape.float()[(p0 + torch.arange(n, device=kv.device)) % m],
-                      p0, m, c, norm_weight, inv_freq, state_kv[b], state_score[b], entries[b], eps)
+                      p0, m, c, norm_weight, inv_freq, state_kv[s], state_score[s], entries[s], eps)
 
 
 def _compress_row(k, g, p0, m, c, norm_weight, inv_freq, st_kv, st_sc, entries, eps) -> None:
@@ -75,7 +75,7 @@ def _compress_row(k, g, p0, m, c, norm_weight, inv_freq, st_kv, st_sc, entries, 
 
 
 @v4_compress.register_fake
-def _(kv, score, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries, m, eps):
+def _(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries, m, eps):
     return None
 
 
@@ -88,18 +88,18 @@ def visible_count(pos: torch.Tensor, m: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("dsv4c::v4_indexer_topk", mutates_args=())
-def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos0: torch.Tensor, topk: int,
-                    m: int) -> torch.Tensor:
+def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
+                    pos0: torch.Tensor, topk: int, m: int) -> torch.Tensor:
     """Lightning-indexer selection (deepseek_v4.md §4.1(e)).
 
-    q [B, T, HI, dI] (RoPE applied), weights [B, T, HI] fp32 (already × HI^-½), keys [B, E, dI] ->
+    q [B, T, HI, dI] (RoPE applied), weights [B, T, HI] fp32 (already × HI^-½), keys [n_slots, E, dI] ->
     idx [B, T, topk] int64: the top-min(topk, visible) visible entries by
     Σ_h weights_h · dI^-½ · relu(q_h·K_w); -1 fills unused slots."""
     B, T = q.shape[:2]
     E = keys.shape[1]
     out = torch.full((B, T, topk), -1, dtype=torch.int64, device=q.device)
     pos = pos0[:, None] + torch.arange(T, device=q.device)  # [B, T]
-    dots = torch.einsum("bthi,bsi->bths", q.float(), keys.float()).relu()
+    dots = torch.einsum("bthi,bsi->bths", q.float(), keys[slots].float()).relu()
     score = torch.einsum("bth,bths->bts", weights.float() * q.shape[-1] ** -0.5, dots)
     visible = torch.arange(E, device=q.device) < visible_count(pos, m)[..., None]  # [B, T, E]
     k = min(topk, E)
@@ -110,7 +110,7 @@ def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
 
 
 @v4_indexer_topk.register_fake
-def _(q, weights, keys, pos0, topk, m):
+def _(q, weights, keys, slots, pos0, topk, m):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)
 
 
@@ -118,18 +118,19 @@ def _(q, weights, keys, pos0, topk, m):
 # attention
 # ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsv4c::v4_attention", mutates_args=("ring",))
-def v4_attention(q: torch.Tensor, kv: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor, ring: torch.Tensor,
+def v4_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                 ring: torch.Tensor,
                  sinks: torch.Tensor, entries: torch.Tensor | None, selected: torch.Tensor | None, window: int,
                  m: int) -> torch.Tensor:
     """Shared-KV attention over the window and the compressed entries, sinks in the denominator.
 
-    q [B, T, H, d], kv [B, T, d] (both RoPE'd); ring [B, S, d] holds position p at slot p mod S and
-    receives the chunk's real rows; entries [B, E, d] (m > 0); selected [B, T, k] (CSA: the indexer's
+    q [B, T, H, d], kv [B, T, d] (both RoPE'd); ring [n_slots, S, d] holds position p at row p mod S and
+    receives the chunk's real rows; entries [n_slots, E, d] (m > 0); selected [B, T, k] (CSA: the indexer's
     choice, -1 = none; HCA: None = every visible entry). -> o [B, T, H, d] fp32, before inverse RoPE."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
-        p0, n = int(pos0[b]), int(n_real[b])
-        keys, key_pos = _window_keys(kv[b], p0, n, ring[b], window)
+        p0, n, s = int(pos0[b]), int(n_real[b]), int(slots[b])
+        keys, key_pos = _window_keys(kv[b], p0, n, ring[s], window)
         pos = p0 + torch.arange(q.shape[1], device=q.device)
         rel = pos[:, None] - key_pos[None, :]
         mask = (rel >= 0) & (rel < window)  # [T, S]
@@ -142,7 +143,7 @@ def v4_attention(q: torch.Tensor, kv: torch.Tensor, pos0: torch.Tensor, n_real: 
                 vis = torch.zeros(q.shape[1], E + 1, dtype=torch.bool, device=q.device)
                 vis.scatter_(1, torch.where(sel < 0, E, sel), True)
                 vis = vis[:, :E]
-            keys = torch.cat([keys, entries[b]])
+            keys = torch.cat([keys, entries[s]])
             mask = torch.cat([mask, vis], 1)
         out[b] = _sink_attention(q[b].float(), keys.float(), mask, sinks)
     return out
@@ -172,5 +173,5 @@ def _sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sin
 
 
 @v4_attention.register_fake
-def _(q, kv, pos0, n_real, ring, sinks, entries, selected, window, m):
+def _(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m):
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)
