@@ -13,7 +13,7 @@ from oracle import hf_config, hf_v3_model, randomize_v3_, to_hf_state_dict
 from dsv4c.config import ModelConfig
 from dsv4c.model.common import rope_interleaved
 from dsv4c.model.moe import moe_experts_loop
-from dsv4c.model.v3 import DeepseekV3Model, MoE, softmax_scale
+from dsv4c.model.v3 import DeepseekV3Model, LayerCache, MoE, softmax_scale
 
 PRESETS = ["v3-tiny", "v32-tiny"]
 TOL = 1e-4  # max |a - b| / max |b|
@@ -80,7 +80,7 @@ def test_bf16_keeps_fp32_tensors_and_runs(pair: Pair):
         step = m16(ids[:, 8:9], cache)
         mtp_logits, z = m16.mtp_forward(h, ids[:, 1:9], mtp_cache)
     assert logits.dtype == step.dtype == mtp_logits.dtype == z.dtype == torch.bfloat16
-    assert cache.latent[0].dtype == torch.bfloat16 and cache.length == 9 and mtp_cache.length == 8
+    assert cache.layers[0].latent.dtype == torch.bfloat16 and cache.length == 9 and mtp_cache.length == 8
     assert torch.isfinite(logits).all() and torch.isfinite(step).all() and torch.isfinite(mtp_logits).all()
 
 
@@ -141,14 +141,16 @@ def test_cache_layout_matches_hf(pair: Pair):
     r = pair.cfg.qk_rope_head_dim
     deinterleave = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
     assert cache.length == 9
-    for layer in range(pair.cfg.num_hidden_layers):
+    assert len(cache.layers) == pair.cfg.num_hidden_layers
+    for layer, lc in enumerate(cache.layers):
         hl = hf_cache.layers[layer]
-        torch.testing.assert_close(cache.latent[layer], hl.keys[:, 0], rtol=0, atol=1e-5)
-        torch.testing.assert_close(cache.k_pe[layer][..., deinterleave], hl.values[:, 0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(lc.latent[:, :9], hl.keys[:, 0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(lc.kpe[:, :9, deinterleave], hl.values[:, 0], rtol=0, atol=1e-5)
         if pair.cfg.has_dsa_indexer:
-            torch.testing.assert_close(cache.index_k[layer], hl.indexer_keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(lc.index_keys[:, :9], hl.indexer_keys, rtol=0, atol=1e-5)
         else:
-            assert cache.index_k[layer] is None
+            assert lc.index_keys is None and set(lc.tensors()) == {"latent", "kpe"}
+        assert all((t[:, 9:] == 0).all() for t in lc.tensors().values())  # rows past the positions: untouched
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,7 +188,7 @@ def test_decode_equals_prefill(pair: Pair, prefix: int):
         parts = [pair.model(ids[:, :prefix], cache)]
         for t in range(prefix, T):
             parts.append(pair.model(ids[:, t : t + 1], cache))
-    assert cache.length == T and cache.latent[0].shape[1] == T
+    assert cache.length == T and cache.pos.tolist() == [T, T]
     assert rel_err(torch.cat(parts, 1), full) <= TOL
 
 
@@ -319,3 +321,161 @@ def test_moe_exports():
     ep = torch.export.export(moe, (torch.randn(1, 5, p.cfg.hidden_size),))
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert sum("moe_experts" in t for t in targets) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# (f) static caches: the custom ops, ragged batches with padding, export
+# ------------------------------------------------------------------------------------------------
+def test_cache_ops_reference():
+    """mla/dsa_cache_update write exactly the real rows at their positions; dsa_topk picks the
+    top-min(topk, p+1) causal keys of the fp32 score (-1 elsewhere)."""
+    g = torch.Generator().manual_seed(10)
+    B, T, L, c, r = 2, 4, 9, 5, 3
+    slots, pos0, n_real = torch.tensor([1, 0]), torch.tensor([0, 5]), torch.tensor([4, 2])
+    c_kv, k_pe = torch.randn(B, T, c, generator=g), torch.randn(B, T, r, generator=g)
+    latent, kpe = torch.zeros(B, L, c), torch.zeros(B, L, r)
+    torch.ops.dsv4c.mla_cache_update(c_kv, k_pe, slots, pos0, n_real, latent, kpe)  # row b -> cache slot slots[b]
+    assert torch.equal(latent[1, :4], c_kv[0]) and torch.equal(kpe[0, 5:7], k_pe[1, :2])
+    assert (latent[1, 4:] == 0).all() and (latent[0, :5] == 0).all() and (latent[0, 7:] == 0).all()
+    keys = torch.zeros(B, L, r)
+    torch.ops.dsv4c.dsa_cache_update(k_pe, slots, pos0, n_real, keys)
+    assert torch.equal(keys, kpe)
+
+    HI, dI, topk = 3, 4, 3
+    q, w = torch.randn(B, T, HI, dI, generator=g), torch.randn(B, T, HI, generator=g)
+    keys = torch.randn(B, L, dI, generator=g)
+    idx = torch.ops.dsv4c.dsa_topk(q, w, keys, pos0, topk)
+    assert idx.shape == (B, T, topk) and idx.dtype == torch.int64
+    for b in range(B):
+        for t in range(T):
+            p = int(pos0[b]) + t
+            score = [sum(float(w[b, t, h]) * max(0.0, float(q[b, t, h] @ keys[b, s]) / dI**0.5) for h in range(HI))
+                     for s in range(p + 1)]
+            want = sorted(range(p + 1), key=lambda s: -score[s])[:topk]
+            got = idx[b, t].tolist()
+            assert sorted(s for s in got if s >= 0) == sorted(want) and got.count(-1) == topk - len(want), (b, t)
+
+
+def test_cache_checks(pair: Pair):
+    model, V = pair.model, pair.cfg.vocab_size
+    cache = model.new_cache(2, max_len=8)
+    assert cache.max_len == 8 and cache.layers[0].latent.shape == (2, 8, pair.cfg.kv_lora_rank)
+    with pytest.raises(ValueError, match="batch"):
+        model(torch.zeros(3, 2, dtype=torch.int64), cache)
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.zeros(2, 9, dtype=torch.int64), cache)
+    assert cache.pos.tolist() == [0, 0]  # a refused chunk changes nothing
+    with torch.no_grad():
+        model.forward_with_hidden(torch.full((2, 3), V - 1), cache, n_real=torch.tensor([3, 1]))
+    assert cache.pos.tolist() == [3, 1]
+    with pytest.raises(ValueError, match="different positions"):
+        cache.length
+
+
+@torch.no_grad()
+def test_ragged_batch_with_padding_equals_separate_sequences(pair: Pair):
+    """Sequences at different positions share a batch; padded rows (n_real) never touch real state."""
+    model, V = pair.model, pair.cfg.vocab_size
+    g = torch.Generator().manual_seed(11)
+    lens, steps, L = [5, 11], 4, 24  # 11 > index_topk: the DSA selection is active (V3.2)
+    seqs = [torch.randint(0, V, (1, n + steps), generator=g) for n in lens]
+    alone = []
+    for s, n in zip(seqs, lens):
+        c = model.new_cache(1, max_len=L)
+        alone.append(torch.cat([model(s[:, :n], c)] + [model(s[:, n + i : n + i + 1], c) for i in range(steps)], 1))
+    cache = model.new_cache(2, max_len=L)
+    P = max(lens)
+    prompt = torch.stack([F.pad(s[0, :n], (0, P - n), value=V - 1) for s, n in zip(seqs, lens)])
+    first, _ = model.forward_with_hidden(prompt, cache, n_real=torch.tensor(lens))
+    assert cache.pos.tolist() == lens
+    for lc in cache.layers:  # the padded rows of sequence 0 wrote nothing
+        assert all((t[0, lens[0]:] == 0).all() for t in lc.tensors().values())
+        for t in lc.tensors().values():  # rows past a position are never read (stale rows after a rollback)
+            for b, n in enumerate(lens):
+                t[b, n:] = torch.randn(t[b, n:].shape, generator=g)
+    outs = [model(torch.stack([s[0, n + i : n + i + 1] for s, n in zip(seqs, lens)]), cache) for i in range(steps)]
+    assert cache.pos.tolist() == [n + steps for n in lens]
+    for b, n in enumerate(lens):
+        got = torch.cat([first[b : b + 1, :n]] + [o[b : b + 1] for o in outs], 1)
+        assert rel_err(got, alone[b]) <= TOL
+
+
+@torch.no_grad()
+def test_mtp_ragged_batch_equals_separate_sequences(pair: Pair):
+    """MTP with per-sequence positions: sequence 0 starts (position 0, embedding zeroed) while sequence 1
+    sits at position 5; rows with n_real = 0 write nothing."""
+    model, D, V = pair.model, pair.cfg.hidden_size, pair.cfg.vocab_size
+    g = torch.Generator().manual_seed(12)
+    h, ids = torch.randn(2, 8, D, generator=g), torch.randint(0, V, (2, 8), generator=g)
+    alone = [model.mtp_forward(h[b : b + 1], ids[b : b + 1], model.new_mtp_cache(1, max_len=8))[0] for b in range(2)]
+    cache = model.new_mtp_cache(2, max_len=8)
+    # chunk 1: sequence 0 all padding, sequence 1 rows 0..4
+    l1, _ = model.mtp_forward(h[:, :5], ids[:, :5], cache, n_real=torch.tensor([0, 5]))
+    # chunk 2: sequence 0 rows 0..2, sequence 1 rows 5..7
+    l2, _ = model.mtp_forward(torch.stack((h[0, :3], h[1, 5:])), torch.stack((ids[0, :3], ids[1, 5:])), cache)
+    # chunk 3: sequence 0 rows 3..7, sequence 1 padding
+    l3, _ = model.mtp_forward(h[:, 3:], ids[:, 3:], cache, n_real=torch.tensor([5, 0]))
+    assert cache.pos.tolist() == [8, 8]
+    assert rel_err(torch.cat((l2[0], l3[0])), alone[0][0]) <= TOL
+    assert rel_err(torch.cat((l1[1], l2[1])), alone[1][0]) <= TOL
+
+
+class _Step(torch.nn.Module):
+    """`model.step` with the caches as a list of dicts of tensors (what export flattens)."""
+
+    def __init__(self, model: DeepseekV3Model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, slots, pos0, n_real, caches: list[dict[str, torch.Tensor]]):
+        return self.model.step(ids, slots, pos0, n_real, [LayerCache(**d) for d in caches])
+
+
+@torch.no_grad()
+def test_step_exports_with_caches_as_inputs(pair: Pair):
+    """torch.export traces `step` with a dynamic chunk length: the cache writes are custom ops on the
+    cache inputs, the naive attention reads the whole latent cache through kv_b_proj in plain ATen, and
+    the exported module reproduces eager (ragged positions, prefill then decode)."""
+    model, cfg = pair.model, pair.cfg
+    n_layers, L = cfg.num_hidden_layers, 32
+
+    def fresh() -> list[dict[str, torch.Tensor]]:
+        return [lc.tensors() for lc in model.new_cache(2, max_len=L).layers]
+
+    caches = fresh()
+    ids = ids_for(cfg, 2, 5, seed=13)
+    T = torch.export.Dim("T", min=1, max=64)
+    slots = torch.arange(2)
+    ep = torch.export.export(_Step(model), (ids, slots, torch.zeros(2, dtype=torch.int64), torch.full((2,), 5), caches),
+                             strict=False,
+                             dynamic_shapes=({1: T}, None, None, None, [{k: None for k in d} for d in caches]))
+
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+    count = lambda op: sum(n.target == op for n in calls)  # noqa: E731
+    ops = torch.ops.dsv4c
+    assert count(ops.mla_cache_update.default) == n_layers
+    assert count(ops.dsa_cache_update.default) == count(ops.dsa_topk.default) == (n_layers if cfg.has_dsa_indexer else 0)
+    sig = ep.graph_signature
+    cache_inputs = sig.user_inputs[4:]  # ids, slots, pos0, n_real, then each layer's cache dict flattened
+    assert len(cache_inputs) == sum(len(d) for d in caches)
+    for i in range(n_layers):  # kv_b_proj applied to the whole latent cache input, after its update
+        latent = cache_inputs[sum(len(d) for d in caches[:i])]
+        weight = f"model.model.layers.{i}.self_attn.kv_b_proj.weight"
+        lin = [n for n in calls if n.target == torch.ops.aten.linear.default
+               and n.args[0].target == torch.ops.aten.index.Tensor and n.args[0].args[0].name == latent  # latent[slots]
+               and sig.inputs_to_parameters.get(n.args[1].name) == weight]
+        upd = [n for n in calls if n.target == ops.mla_cache_update.default and n.args[5].name == latent]
+        assert len(lin) == len(upd) == 1, i
+        assert calls.index(upd[0]) < calls.index(lin[0])
+
+    run = ep.module()
+    got_c, want_c = fresh(), fresh()
+    chunks = [(ids_for(cfg, 2, 9, seed=14), torch.tensor([0, 0]), torch.tensor([9, 6])),  # ragged prefill
+              (ids_for(cfg, 2, 1, seed=15), torch.tensor([9, 6]), torch.tensor([1, 1]))]   # decode, T = 1
+    for x, pos0, n_real in chunks:
+        got, _ = run(x, slots, pos0, n_real, got_c)
+        want, _ = model.step(x, slots, pos0, n_real, [LayerCache(**d) for d in want_c])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_c, want_c):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-6, msg=k)

@@ -114,3 +114,24 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
     return (torch.nn.functional.silu(g) * u) @ w2.t()
+
+
+def batch_meta(cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.Tensor | None):
+    """(slots, pos0, n_real) for a chunk of a [B, T] batch, checked eagerly before any state changes.
+    `cache` is a V4Cache or V3Cache (anything with `pos [n_slots]` and `max_len`)."""
+    dev = cache.pos.device
+    if slots is None:
+        if cache.pos.shape[0] != B:
+            raise ValueError(f"input_ids has batch {B} but the cache holds {cache.pos.shape[0]} sequences; pass slots")
+        slots = torch.arange(B, device=dev)
+    if n_real is None:
+        n_real = torch.full((B,), T, dtype=torch.int64, device=dev)
+    if slots.shape != (B,) or n_real.shape != (B,):
+        raise ValueError(f"slots and n_real need shape [{B}], got {list(slots.shape)} and {list(n_real.shape)}")
+    if B and int(n_real.max()) > T:
+        raise ValueError(f"n_real {n_real.tolist()} exceeds the chunk length {T}")
+    pos0 = cache.pos[slots]
+    end = int((pos0 + n_real).max()) if B else 0
+    if end > cache.max_len:
+        raise ValueError(f"chunk reaches position {end}, beyond the cache's max_len={cache.max_len}")
+    return slots, pos0, n_real

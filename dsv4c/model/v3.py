@@ -12,70 +12,72 @@ The MTP module (§8), present when `num_nextn_predict_layers == 1`, is the last 
 `model.embed_tokens` and `lm_head` (the checkpoint's duplicates `embed_tokens`/`shared_head.head` under
 that prefix are the checkpoint loader's business).
 
-Attention is MLA in its naive form (§4) for prefill, decode and chunked extend alike: one code path
-absorbs a chunk of T tokens at positions p0..p0+T-1 (p0 = cache.length) into the latent cache and
-expands K/V for all S = p0+T positions through `kv_b_proj`. The absorbed form (§5) is a compiler pass.
+Attention is MLA in its naive form (§4) for prefill, decode, chunked extend and speculative verify alike:
+one code path absorbs a chunk of T tokens per sequence into a static `V3Cache`, each sequence at its own
+position `cache.pos[b]` (rows p0..p0+T-1, of which the first `n_real[b]` are real), then reads the whole
+cache and expands K/V for all L cache rows through `kv_b_proj`, masking keys after each query's
+position. The cache writes and V3.2's top-k are the custom ops of `dsv4c.model.v3_ops`; the attention
+itself is plain ATen, which export and the passes see (the absorbed form, §5, is a compiler pass).
+`step` / `mtp_step` are the traceable bodies (caches as explicit inputs, no Python-side state);
+`forward` / `forward_with_hidden` / `mtp_forward` check the chunk and advance `cache.pos`.
 
 Numerics follow HF (the oracle): RMSNorm casts `rms(x)` to the input dtype before the weight; the
 softmax, router and indexer scores are fp32; YaRN's mscale² is in the softmax scale whenever
 rope_scaling is YaRN (§3).
 
-Legend: B batch, T chunk tokens, S key positions (cached + chunk), D hidden, V vocab, H heads,
+Legend: B batch, T chunk tokens, L cache capacity (key positions), D hidden, V vocab, H heads,
 dn/dr/dv = qk_nope/qk_rope/v head dims, c kv_lora_rank, Q q_lora_rank, HI/dI indexer heads/head dim,
 E routed experts, G expert groups, K experts per token, I expert width, N = B·T flattened tokens.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig, YarnScaling
-from dsv4c.model.common import (RMSNorm, RotaryTable, rope_half_split, rope_interleaved, rope_inv_freq, swiglu,
+from dsv4c.model.common import (RMSNorm, batch_meta, RotaryTable, rope_half_split, rope_interleaved, rope_inv_freq, swiglu,
                                 yarn_mscale)
+from dsv4c.model import v3_ops  # noqa: F401  (registers torch.ops.dsv4c.mla_cache_update, dsa_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
 
 # ------------------------------------------------------------------------------------------------
-# cache
+# caches
 # ------------------------------------------------------------------------------------------------
+@dataclass
+class LayerCache:
+    """Static per-layer decode state, updated in place by the v3 ops; position p at row p.
+
+    latent [B, L, c]      c_KV after kv_a_layernorm, not rotated (§5).
+    kpe [B, L, dr]        rotated k_pe in the *interleaved* (official) layout: channels (2i, 2i+1) are the
+                          pair rotated by p·f_i. HF caches the de-interleaved layout [rotated evens |
+                          rotated odds]; the logits are identical (§3).
+    index_keys [B, L, dI] V3.2 only: LayerNorm'd indexer key, rope part first, half-split rotated (§6)."""
+
+    latent: torch.Tensor
+    kpe: torch.Tensor
+    index_keys: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
 class V3Cache:
-    """Per-layer latent cache (§5) plus V3.2's indexer keys (§6). Grows by `torch.cat`.
+    layers: list[LayerCache]  # main model: one per layer; MTP: a single one
+    pos: torch.Tensor  # [B] int64: the position of each sequence's next token
+    max_len: int  # positions the buffers can hold (L)
 
-    For layer l (the MTP cache has a single layer, l = 0):
-      latent[l]  [B, S, c]   c_KV after kv_a_layernorm (not rotated)
-      k_pe[l]    [B, S, dr]  rotated k_pe in the *interleaved* (official) layout: channels (2i, 2i+1)
-                             are the pair rotated by p·f_i. HF caches the de-interleaved layout
-                             [rotated evens | rotated odds]; the logits are identical (§3).
-      index_k[l] [B, S, dI]  V3.2 only (else None): LayerNorm'd indexer key, rope part first, half-split
-                             rotated.
-    `length` = positions absorbed so far (= S after a forward); the next chunk starts there."""
-
-    def __init__(self, num_layers: int, batch_size: int, kv_lora_rank: int, rope_dim: int, index_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        def empty(width: int) -> torch.Tensor:
-            return torch.zeros(batch_size, 0, width, dtype=dtype, device=device)
-
-        self.batch_size = batch_size
-        self.latent: list[torch.Tensor] = [empty(kv_lora_rank) for _ in range(num_layers)]
-        self.k_pe: list[torch.Tensor] = [empty(rope_dim) for _ in range(num_layers)]
-        self.index_k: list[torch.Tensor | None] = [empty(index_dim) if index_dim else None for _ in range(num_layers)]
-        self.length = 0
-
-    def append_latent(self, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the chunk's [B, T, c] / [B, T, dr]; return all [B, S, c] / [B, S, dr]."""
-        self.latent[layer] = torch.cat((self.latent[layer], c_kv), dim=1)
-        self.k_pe[layer] = torch.cat((self.k_pe[layer], k_pe), dim=1)
-        return self.latent[layer], self.k_pe[layer]
-
-    def append_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """Append the chunk's indexer keys [B, T, dI]; return all [B, S, dI]."""
-        prev = self.index_k[layer]
-        assert prev is not None, "this cache has no indexer keys (model_type is not deepseek_v32)"
-        self.index_k[layer] = torch.cat((prev, k), dim=1)
-        return self.index_k[layer]
+    @property
+    def length(self) -> int:
+        """The common position of all sequences (raises if they differ)."""
+        lo, hi = int(self.pos.min()), int(self.pos.max())
+        if lo != hi:
+            raise ValueError(f"sequences sit at different positions ({lo}..{hi}); use cache.pos")
+        return lo
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,10 +104,10 @@ def rope_attention_factor(yarn: YarnScaling | None) -> float:
     return yarn_mscale(yarn.factor, 1.0)
 
 
-def causal_visible(pos: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Key s is visible to the query at absolute position pos[t] iff s <= pos[t]. pos [T] -> bool [T, S]."""
-    keys = torch.arange(num_keys, device=pos.device)
-    return keys[None, :] <= pos[:, None]
+def causal_visible(pos0: torch.Tensor, T: int, num_keys: int) -> torch.Tensor:
+    """Key s is visible to chunk row t of sequence b iff s <= pos0[b] + t. pos0 [B] -> bool [B, T, L]."""
+    pos = pos0[:, None] + torch.arange(T, device=pos0.device)                # [B,T]
+    return torch.arange(num_keys, device=pos0.device) <= pos[..., None]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,26 +132,25 @@ class Indexer(nn.Module):
         r = self.rope_dim
         return torch.cat((rope_half_split(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
-    def forward(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                visible: torch.Tensor, cache: V3Cache, layer: int) -> torch.Tensor:
-        """x [B,T,D], c_q [B,T,Q], cos/sin [T, dr/2], visible bool [T,S] -> selected bool [B,T,S]."""
-        B, T, _ = x.shape
-        q = self.wq_b(c_q).view(B, T, self.n_heads, self.head_dim)           # [B,T,HI,dI]
-        q = self._rope_first(q, cos[:, None, :], sin[:, None, :])
+    def forward(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: tuple,
+                index_keys: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D], c_q [B,T,Q], cos/sin [B,T,dr/2], meta = (slots, pos0, n_real); writes the chunk's
+        keys into index_keys [n_slots,L,dI] -> selected key positions [B,T,index_topk] int64 (-1 = unused)."""
+        slots, pos0, n_real = meta
+        q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))       # [B,T,HI,dI]
+        q = self._rope_first(q, cos[:, :, None], sin[:, :, None])
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)              # [B,T,dI]
-        keys = cache.append_index(layer, k)                                   # [B,S,dI]
-
+        torch.ops.dsv4c.dsa_cache_update(k, slots, pos0, n_real, index_keys)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5  # [B,T,HI]
-        dots = torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5
-        score = torch.einsum("bth,bths->bts", w, F.relu(dots))              # [B,T,S] fp32
-        score = score.masked_fill(~visible, float("-inf"))
+        return torch.ops.dsv4c.dsa_topk(q, w, index_keys[slots], pos0, self.topk)
 
-        # top-k over the whole row: rows with fewer than k causal keys pick some masked (future) keys
-        # as well, which `& visible` removes again, leaving exactly the top-min(k, t+1) causal keys.
-        k_sel = min(self.topk, score.shape[-1])
-        top = score.topk(k_sel, dim=-1).indices                               # [B,T,k]
-        selected = torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True)
-        return selected & visible
+
+def selection_mask(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """selected [B,T,k] key positions (-1 = unused) -> bool [B,T,L], True at the selected keys."""
+    B, T, _ = selected.shape
+    slot = torch.where(selected < 0, num_keys, selected)                      # -1 -> a dropped extra column
+    mask = torch.zeros(B, T, num_keys + 1, dtype=torch.bool, device=selected.device)
+    return mask.scatter(-1, slot, True)[..., :num_keys]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,40 +175,56 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg) if cfg.has_dsa_indexer else None
         self.scale = softmax_scale(cfg)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: V3Cache, layer: int) -> torch.Tensor:
-        """x [B,T,D] (after input_layernorm), pos [T], cos/sin [T, dr/2] -> [B,T,D]."""
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
+        def zeros(width: int) -> torch.Tensor:
+            return torch.zeros(batch, max_len, width, dtype=dtype, device=device)
+
+        index_keys = zeros(self.indexer.head_dim) if self.indexer is not None else None
+        return LayerCache(zeros(self.kv_lora_rank), zeros(self.dr), index_keys)
+
+    def forward(self, x: torch.Tensor, meta: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                lc: LayerCache) -> torch.Tensor:
+        """x [B,T,D] (after input_layernorm); meta = (slots, pos0, n_real): batch row b is cache row
+        slots[b] and its chunk row t sits at position pos0[b]+t; cos/sin [B,T,dr/2] -> [B,T,D].
+        Writes the chunk's real rows into lc."""
         B, T, _ = x.shape
+        slots, pos0, n_real = meta
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
 
         # §4.1-2: queries
         c_q = self.q_a_layernorm(self.q_a_proj(x))                           # [B,T,Q]
         q = self.q_b_proj(c_q).view(B, T, H, dn + dr)                         # [B,T,H,dn+dr]
         q_nope, q_pe = q.split([dn, dr], dim=-1)
-        q_pe = rope_interleaved(q_pe, cos[:, None, :], sin[:, None, :])      # [B,T,H,dr]
+        q_pe = rope_interleaved(q_pe, cos[:, :, None], sin[:, :, None])      # [B,T,H,dr]
 
-        # §4.3-4: the latent and the shared rope key, appended to the cache
+        # §4.3-4: the latent and the shared rope key, written into the static cache
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)                                      # [B,T,c]
         k_pe = rope_interleaved(k_pe, cos, sin)                               # [B,T,dr]
-        C, K_pe = cache.append_latent(layer, c_kv, k_pe)                      # [B,S,c], [B,S,dr]
-        S = C.shape[1]
+        torch.ops.dsv4c.mla_cache_update(c_kv, k_pe, slots, pos0, n_real, lc.latent, lc.kpe)
+        latent, kpe = lc.latent[slots], lc.kpe[slots]                        # [B,L,c], [B,L,dr]
 
-        # §4.5-6: expand K/V for every key position from the latent
-        kv = self.kv_b_proj(C).view(B, S, H, dn + dv)                         # [B,S,H,dn+dv]
-        k_nope, v = kv.split([dn, dv], dim=-1)
-        k = torch.cat((k_nope, K_pe[:, :, None, :].expand(B, S, H, dr)), dim=-1)  # [B,S,H,dn+dr]
-        q = torch.cat((q_nope, q_pe), dim=-1)                                 # [B,T,H,dn+dr]
-
-        allowed = causal_visible(pos, S)[None]                                # [1,T,S]
+        # which keys each query sees: causal, and on V3.2 the indexer's selection (§6.7)
+        L = latent.shape[1]
+        allowed = causal_visible(pos0, T, L)                                  # [B,T,L]
         if self.indexer is not None:
-            allowed = self.indexer(x, c_q, cos, sin, allowed[0], cache, layer)  # [B,T,S]
+            selected = self.indexer(x, c_q, cos, sin, meta, lc.index_keys)   # [B,T,topk]
+            allowed = allowed & selection_mask(selected, L)
+        o = self._attend(torch.cat((q_nope, q_pe), dim=-1), latent, kpe, allowed)
+        return self.o_proj(o)                                                  # §4.7
 
-        logits = torch.einsum("bthd,bshd->bhts", q, k) * self.scale          # [B,H,T,S]
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, kpe: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """§4.5-6 over the whole static cache: q [B,T,H,dn+dr], latent [B,L,c], kpe [B,L,dr],
+        allowed bool [B,T,L] -> o [B,T,H·dv]."""
+        B, T, H, _ = q.shape
+        L = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(B, L, H, self.dn + self.dv)          # [B,L,H,dn+dv]
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        k = torch.cat((k_nope, kpe[:, :, None, :].expand(B, L, H, self.dr)), dim=-1)  # [B,L,H,dn+dr]
+        logits = torch.einsum("bthd,bshd->bhts", q, k) * self.scale           # [B,H,T,L]
         logits = logits.masked_fill(~allowed[:, None], float("-inf"))
         p = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-        o = torch.einsum("bhts,bshd->bthd", p, v).reshape(B, T, H * dv)       # [B,T,H·dv]
-        return self.o_proj(o)                                                  # §4.7
+        return torch.einsum("bhts,bshd->bthd", p, v).reshape(B, T, H * self.dv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,9 +321,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cast_first=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cast_first=True)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: V3Cache, layer: int) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache, layer)
+    def forward(self, x: torch.Tensor, meta: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                lc: LayerCache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, cos, sin, lc)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -329,11 +346,11 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)  # [D, 2D]: embedding half first
         self.shared_head = SharedHead(cfg)
 
-    def draft(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              cache: V3Cache) -> torch.Tensor:
+    def draft(self, emb: torch.Tensor, h: torch.Tensor, meta: tuple, cos: torch.Tensor, sin: torch.Tensor,
+              lc: LayerCache) -> torch.Tensor:
         """emb = embed(next ids) [B,T,D] (already zeroed where required), h [B,T,D] -> z [B,T,D] (pre-norm)."""
         y = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # §8.1-3
-        return self.forward(y, pos, cos, sin, cache, 0)                        # §8.4
+        return self.forward(y, meta, cos, sin, lc)                             # §8.4
 
 
 class Backbone(nn.Module):
@@ -380,57 +397,84 @@ class DeepseekV3Model(nn.Module):
         n = self.config.num_hidden_layers
         return self.model.layers[n] if len(self.model.layers) > n else None
 
-    def _new_cache(self, num_layers: int, batch_size: int) -> V3Cache:
-        c, w = self.config, self.model.embed_tokens.weight
-        index_dim = c.index_head_dim if c.has_dsa_indexer else 0
-        return V3Cache(num_layers, batch_size, c.kv_lora_rank, c.qk_rope_head_dim, index_dim, w.dtype, w.device)
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
 
-    def new_cache(self, batch_size: int) -> V3Cache:
-        return self._new_cache(self.config.num_hidden_layers, batch_size)
-
-    def new_mtp_cache(self, batch_size: int) -> V3Cache:
-        return self._new_cache(1, batch_size)
-
-    def _rope(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Positions start..start+T-1 [T] and their cos/sin [T, dr/2] (fp32, × HF's YaRN attention factor)."""
-        pos = torch.arange(start, start + T, device=self.model.embed_tokens.weight.device)
+    def _rope(self, pos0: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions pos [B,T] = pos0[b] + t and their cos/sin [B,T,dr/2] (fp32, × HF's YaRN attention factor)."""
+        pos = pos0[:, None] + torch.arange(T, device=pos0.device)
         cos, sin = self.rotary(pos)
         return pos, cos * self.rope_factor, sin * self.rope_factor
 
+    # ---- caches ----------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int = 4096) -> V3Cache:
+        """Zeroed decode state for `batch_size` sequences of up to `max_len` positions."""
+        return self._cache(self.model.layers[: self.config.num_hidden_layers], batch_size, max_len)
+
+    def new_mtp_cache(self, batch_size: int, max_len: int = 4096) -> V3Cache:
+        if self.mtp is None:
+            raise ValueError("this config has no MTP module (num_nextn_predict_layers == 0)")
+        return self._cache([self.mtp], batch_size, max_len)
+
+    def _cache(self, layers, batch_size: int, max_len: int) -> V3Cache:
+        dev = self.model.embed_tokens.weight.device
+        lcs = [layer.self_attn.new_cache(batch_size, max_len, self.act_dtype, dev) for layer in layers]
+        return V3Cache(lcs, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
+
     # ---- main model ------------------------------------------------------------------------------
-    def forward_with_hidden(self, input_ids: torch.Tensor, cache: V3Cache | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B,T] at positions cache.length.. (0 without a cache) -> logits [B,T,V] and the final
-        hidden state h [B,T,D] after model.norm (the MTP input, vLLM convention). Updates cache in place."""
+    def forward(self, input_ids: torch.Tensor, cache: V3Cache | None = None, n_real: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> logits [B,T,V]. Without a cache: prefill from position 0."""
+        return self.forward_with_hidden(input_ids, cache, n_real, slots)[0]
+
+    def forward_with_hidden(self, input_ids: torch.Tensor, cache: V3Cache | None = None,
+                            n_real: torch.Tensor | None = None,
+                            slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B,T], row t of sequence b at position cache.pos[b]+t (0+t without a cache) -> logits
+        [B,T,V] and the final hidden state h [B,T,D] after model.norm (the MTP input, vLLM convention).
+        `n_real [B]`: real rows per sequence (default T); padded rows write no cache state. `slots [B]`:
+        the cache rows of the batch (default: all, in order). Updates the cache, advances cache.pos."""
         B, T = input_ids.shape
-        if cache is None:
-            cache = self.new_cache(B)
-        pos, cos, sin = self._rope(cache.length, T)
+        cache = cache if cache is not None else self.new_cache(B, max_len=T)
+        meta = batch_meta(cache, B, T, n_real, slots)
+        logits, h = self.step(input_ids, *meta, cache.layers)
+        cache.pos[meta[0]] += meta[2]
+        return logits, h
+
+    def step(self, input_ids: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+             layers: list[LayerCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traceable body: no Python-side state, caches updated in place by the v3 ops.
+        input_ids [B,T], slots/pos0/n_real [B] -> logits [B,T,V], h [B,T,D]."""
+        _, cos, sin = self._rope(pos0, input_ids.shape[1])
+        meta = (slots, pos0, n_real)
         x = self.model.embed_tokens(input_ids)                                # [B,T,D]
-        for i in range(self.config.num_hidden_layers):
-            x = self.model.layers[i](x, pos, cos, sin, cache, i)
-        cache.length += T
+        for layer, lc in zip(self.model.layers[: self.config.num_hidden_layers], layers):
+            x = layer(x, meta, cos, sin, lc)
         h = self.model.norm(x)
         return self.lm_head(h), h
 
-    def forward(self, input_ids: torch.Tensor, cache: V3Cache | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> logits [B,T,V]."""
-        return self.forward_with_hidden(input_ids, cache)[0]
-
     # ---- MTP (§8) --------------------------------------------------------------------------------
-    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, mtp_cache: V3Cache
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B,T,D] at positions mtp_cache.length.. (the main model's post-norm hidden, or the previous
+    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, mtp_cache: V3Cache,
+                    n_real: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B,T,D] at positions mtp_cache.pos.. (the main model's post-norm hidden, or the previous
         draft step's z), next_ids [B,T] the tokens one ahead -> logits [B,T,V] for the token two ahead and
-        z [B,T,D] (before shared_head.norm, the h of the next recursion step)."""
-        mtp = self.mtp
-        if mtp is None:
+        z [B,T,D] (before shared_head.norm, the h of the next recursion step). Advances mtp_cache.pos."""
+        if self.mtp is None:
             raise ValueError("this config has no MTP module (num_nextn_predict_layers == 0)")
-        T = next_ids.shape[1]
-        pos, cos, sin = self._rope(mtp_cache.length, T)
+        B, T = next_ids.shape
+        meta = batch_meta(mtp_cache, B, T, n_real, slots)
+        out = self.mtp_step(h, next_ids, *meta, mtp_cache.layers[0])
+        mtp_cache.pos[meta[0]] += meta[2]
+        return out
+
+    def mtp_step(self, h: torch.Tensor, next_ids: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                 n_real: torch.Tensor, lc: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The traceable MTP body (see `mtp_forward`)."""
+        pos, cos, sin = self._rope(pos0, next_ids.shape[1])
         emb = self.model.embed_tokens(next_ids)                               # [B,T,D]
         if self.config.mtp_zero_embed_at_pos0:                                # vLLM: zero at absolute position 0
-            emb = emb.masked_fill((pos == 0)[None, :, None], 0.0)
-        z = mtp.draft(emb, h, pos, cos, sin, mtp_cache)
-        mtp_cache.length += T
-        return self.lm_head(mtp.shared_head.norm(z)), z
+            emb = emb.masked_fill((pos == 0)[:, :, None], 0.0)
+        z = self.mtp.draft(emb, h, (slots, pos0, n_real), cos, sin, lc)
+        return self.lm_head(self.mtp.shared_head.norm(z)), z

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig
-from dsv4c.model.common import RMSNorm, RotaryTable, rms, rope_interleaved, swiglu
+from dsv4c.model.common import RMSNorm, RotaryTable, batch_meta, rms, rope_interleaved, swiglu
 from dsv4c.model import v4_ops  # noqa: F401  (registers torch.ops.dsv4c.v4_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -394,9 +394,10 @@ class DeepseekV4Model(nn.Module):
         return V4Cache(layers, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None, n_real: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] fp32. Without a cache: prefill from position 0."""
-        return self.forward_with_streams(input_ids, cache)[0]
+        return self.forward_with_streams(input_ids, cache, n_real, slots)[0]
 
     def forward_with_streams(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
                              n_real: torch.Tensor | None = None, slots: torch.Tensor | None = None):
@@ -405,7 +406,7 @@ class DeepseekV4Model(nn.Module):
         sequence (default T); padded rows write no cache state."""
         B, T = input_ids.shape
         cache = cache if cache is not None else self.new_cache(B, max_len=T)
-        meta = _batch_meta(cache, B, T, n_real, slots)
+        meta = batch_meta(cache, B, T, n_real, slots)
         out = self.step(input_ids, *meta, cache.layers)
         cache.pos[meta[0]] += meta[2]
         return out
@@ -433,7 +434,7 @@ class DeepseekV4Model(nn.Module):
         streams [B, T, N, D] at positions cache.pos.., next_ids [B, T] ->
         (logits [B, T, V] fp32, the MTP's output streams [B, T, N, D] for recursive drafting)."""
         B, T = next_ids.shape
-        meta = _batch_meta(cache, B, T, n_real, slots)
+        meta = batch_meta(cache, B, T, n_real, slots)
         out = self.mtp_step(streams, next_ids, *meta, cache.layers[0])
         cache.pos[meta[0]] += meta[2]
         return out
@@ -445,23 +446,3 @@ class DeepseekV4Model(nn.Module):
         Y = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(streams))
         Z = blk(Y.to(streams.dtype), next_ids, (slots, pos0, n_real), lc)
         return self._logits(Z, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, blk.norm), Z
-
-
-def _batch_meta(cache: V4Cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.Tensor | None):
-    """(slots, pos0, n_real) for a chunk, checked eagerly before any state changes."""
-    dev = cache.pos.device
-    if slots is None:
-        if cache.pos.shape[0] != B:
-            raise ValueError(f"input_ids has batch {B} but the cache holds {cache.pos.shape[0]} sequences; pass slots")
-        slots = torch.arange(B, device=dev)
-    if n_real is None:
-        n_real = torch.full((B,), T, dtype=torch.int64, device=dev)
-    if slots.shape != (B,) or n_real.shape != (B,):
-        raise ValueError(f"slots and n_real need shape [{B}], got {list(slots.shape)} and {list(n_real.shape)}")
-    if B and int(n_real.max()) > T:
-        raise ValueError(f"n_real {n_real.tolist()} exceeds the chunk length {T}")
-    pos0 = cache.pos[slots]
-    end = int((pos0 + n_real).max()) if B else 0
-    if end > cache.max_len:
-        raise ValueError(f"chunk reaches position {end}, beyond the cache's max_len={cache.max_len}")
-    return slots, pos0, n_real
