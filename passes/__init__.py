@@ -1,0 +1,247 @@
+"""The FX pass pipeline (dsv4c.passes).
+
+A pass is a plain function `(gm, ctx) -> PassResult(gm, changed, stats)` over the GraphModule of an
+exported graph (`ExportedGraph.module()`: weights are attributes, caches are inputs that custom ops
+mutate). `ctx` carries the model config, the target and the graph kind; a pass reads nothing else.
+The default pipeline is the one ordered list in `default_pipeline`. `verify` checks the graph
+invariants after every pass.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv4c.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PassContext:
+    config: ModelConfig
+    target: str = "cpu"
+    graph_kind: str = "decode"  # prefill | decode | mtp
+
+
+@dataclass
+class PassResult:
+    graph: GraphModule
+    changed: bool
+    stats: dict = field(default_factory=dict)
+
+
+Pass = Callable[[GraphModule, PassContext], PassResult]
+
+
+@dataclass
+class PassRecord:
+    """What one pipeline step did (the per-pass report builds on these)."""
+
+    name: str
+    changed: bool
+    stats: dict
+    seconds: float
+    skipped: bool = False
+
+
+def default_pipeline() -> list[tuple[str, Pass]]:
+    """The lowering passes, in order. Later issues append: split_at_routers, quantize_experts."""
+    from dsv4c.passes.absorb_mla import absorb_mla
+    from dsv4c.passes.fuse_projections import fuse_projections
+
+    return [
+        ("fuse_projections", fuse_projections),
+        ("absorb_mla", absorb_mla),
+    ]
+
+
+class VerifyError(AssertionError):
+    """A graph invariant broke; the message names the pass and the node."""
+
+
+_ALLOWED_NAMESPACES = {"aten", "dsv4c"}
+
+
+def verify(gm: GraphModule, ctx: PassContext, after: str = "export") -> None:
+    """Graph invariants, checked after every pass:
+    lint; every value node carries meta["val"]; only aten/dsv4c ops and getitem; in-place writes
+    only to graph inputs (the caches); no graph output aliases a graph input."""
+    where = f"after {after}"
+    try:
+        gm.graph.lint()
+    except Exception as e:  # lint raises plain RuntimeErrors
+        raise VerifyError(f"{where}: graph lint failed: {e}") from None
+    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_function":
+            _check_op(n, where)
+            _check_mutation(n, inputs, where)
+        if n.op in ("call_function", "get_attr") and "val" not in n.meta and n.users:
+            raise VerifyError(f"{where}: node {n.name} ({n.target}) has no meta['val']")
+    for out in gm.graph.find_nodes(op="output")[0].args[0]:
+        if isinstance(out, Node) and (out in inputs or _is_view_of_input(out, inputs)):
+            raise VerifyError(f"{where}: graph output {out.name} aliases a graph input")
+
+
+def _check_op(n: Node, where: str) -> None:
+    if n.target is operator.getitem:
+        return
+    if getattr(n.target, "__module__", None) == "_operator" and not isinstance(n.meta.get("val"), torch.Tensor):
+        return  # shape arithmetic on symbolic sizes
+    ns = getattr(n.target, "namespace", None)
+    if ns not in _ALLOWED_NAMESPACES:
+        raise VerifyError(f"{where}: node {n.name} calls {n.target}, not an aten or dsv4c op")
+
+
+def _mutated_args(n: Node) -> list[Node]:
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if isinstance(v, Node):
+                out.append(v)
+    return out
+
+
+def _check_mutation(n: Node, inputs: set[Node], where: str) -> None:
+    for arg in _mutated_args(n):
+        if arg not in inputs:
+            raise VerifyError(f"{where}: node {n.name} ({n.target}) writes {arg.name}, which is not a graph input")
+
+
+def _is_view_of_input(n: Node, inputs: set[Node]) -> bool:
+    seen = n
+    while seen.op == "call_function" and getattr(seen.target, "_schema", None) is not None:
+        rets = seen.target._schema.returns
+        if not (rets and rets[0].alias_info is not None) or not seen.args or not isinstance(seen.args[0], Node):
+            return False
+        seen = seen.args[0]
+        if seen in inputs:
+            return True
+    return False
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext, passes: list[tuple[str, Pass]] | None = None,
+                 skip: tuple[str, ...] | list[str] = (), dump_dir: str | Path | None = None,
+                 after_each: Callable[[str, GraphModule], None] | None = None,
+                 check: bool = True) -> tuple[GraphModule, list[PassRecord]]:
+    """Run the passes in order. `skip` names passes to leave out; `dump_dir` gets the readable code
+    before and after every pass; `after_each(name, gm)` sees the graph after each pass (reports)."""
+    passes = default_pipeline() if passes is None else passes
+    known = {name for name, _ in passes}
+    unknown = set(skip) - known
+    if unknown:
+        raise ValueError(f"skip: unknown pass name(s) {sorted(unknown)}; the pipeline has {sorted(known)}")
+    if check:
+        verify(gm, ctx)
+    records = []
+    for i, (name, fn) in enumerate(passes):
+        if name in skip:
+            records.append(PassRecord(name, False, {}, 0.0, skipped=True))
+            continue
+        _dump(dump_dir, f"{i:02d}_{name}.before.py", gm)
+        t0 = time.perf_counter()
+        res = fn(gm, ctx)
+        seconds = time.perf_counter() - t0
+        gm = res.graph
+        if res.changed:
+            gm.recompile()
+        if check:
+            verify(gm, ctx, after=name)
+        _dump(dump_dir, f"{i:02d}_{name}.after.py", gm)
+        records.append(PassRecord(name, res.changed, res.stats, seconds))
+        if after_each is not None:
+            after_each(name, gm)
+    return gm, records
+
+
+def _dump(dump_dir, fname: str, gm: GraphModule) -> None:
+    if dump_dir is None:
+        return
+    d = Path(dump_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / fname).write_text(gm.code)
+
+
+# ---- helpers shared by the passes ------------------------------------------------------------------
+def is_noop_cast(n: Node) -> bool:
+    """`aten.to.dtype(x, dt)` where x already has dtype dt."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.to.dtype:
+        return False
+    src = n.args[0]
+    return isinstance(src, Node) and "val" in src.meta and src.meta["val"].dtype == n.args[1]
+
+
+def resolve(n: Node) -> Node:
+    """Look through no-op casts to the node that really produces the value."""
+    while is_noop_cast(n):
+        n = n.args[0]
+    return n
+
+
+def get_param(gm: GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_param(gm: GraphModule, target: str, value: torch.Tensor) -> None:
+    *path, leaf = target.split(".")
+    mod = gm
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, torch.nn.Parameter(value, requires_grad=False))
+
+
+def delete_param(gm: GraphModule, target: str) -> None:
+    *path, leaf = target.split(".")
+    mod = gm
+    for part in path:
+        mod = getattr(mod, part)
+    delattr(mod, leaf)
+
+
+def fake_value(ref: Node, fn: Callable, *args):
+    """Compute a new node's meta['val'] with the graph's fake mode (`ref` carries a fake tensor)."""
+    mode = ref.meta["val"].fake_mode
+    with mode:
+        conv = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, torch._subclasses.FakeTensor)
+                else a for a in args]
+        return fn(*conv)
+
+
+def erase_unused(gm: GraphModule, nodes) -> None:
+    """Erase `nodes` once nothing uses them, then whatever fed only them (transitively). Placeholders
+    and ops that write their arguments (cache updates) are never erased; `_assert_tensor_metadata`
+    checks on an erased value go with it."""
+    assert_op = torch.ops.aten._assert_tensor_metadata.default
+    pending = set(nodes)
+    while pending:
+        progress = False
+        for n in list(pending):
+            checks = [u for u in n.users if u.target is assert_op]
+            if len(n.users) > len(checks):
+                continue
+            pending.discard(n)
+            progress = True
+            if n.op in ("placeholder", "output") or _mutated_args(n):
+                continue
+            for u in checks:
+                gm.graph.erase_node(u)
+            inputs = n.all_input_nodes
+            gm.graph.erase_node(n)
+            pending.update(inputs)
+        if not progress:
+            break

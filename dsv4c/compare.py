@@ -1,0 +1,146 @@
+"""Per-pass numerical report: run the pipeline one pass at a time and compare each graph's logits
+with the eager model on the same inputs (`dsv4c compare`).
+
+For every graph kind, the first row ("export") is the traced graph before any pass; every later
+row is the graph after that pass. Each row carries the pass's stats and time and, unless the model
+lives on the meta device, the SNR (dB), max abs error and cosine similarity of the logits against
+the eager model. Later passes (split, quantize) are judged the same way.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsv4c.export import GraphSpec, export_graph, flat_caches
+from dsv4c.passes import PassContext, default_pipeline, run_pipeline
+
+
+def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """SNR in dB (inf when identical), max abs error, and cosine similarity, in float64."""
+    o, r = out.double().flatten(), ref.double().flatten()
+    noise = (o - r).pow(2).sum().item()
+    signal = r.pow(2).sum().item()
+    snr = math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    cos = torch.nn.functional.cosine_similarity(o, r, dim=0).item()
+    return {"snr_db": snr, "max_abs_err": (o - r).abs().max().item(), "cosine": cos}
+
+
+@dataclass
+class _Case:
+    """One graph's sample inputs: the batch metadata and a cache state to copy per run."""
+
+    spec: GraphSpec
+    args: tuple  # (ids, slots, pos0, n_real) or (hidden, ids, slots, pos0, n_real)
+    cache: object  # the model's cache object before the step
+    ref: torch.Tensor  # eager logits
+
+
+def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    V, B = cfg.vocab_size, 2
+    prompt_len = (cfg.sliding_window + 9) if cfg.is_v4 else 13
+    spec_len = prompt_len + 16
+    cases = []
+    for kind in kinds:
+        spec = GraphSpec(kind, k=k, n_slots=B, max_len=spec_len + 8)
+        T = prompt_len if kind == "prefill" else 1 + k
+        ids = torch.randint(0, V, (B, T), generator=g)
+        meta = (torch.arange(B), None, torch.full((B,), T))
+        if kind == "mtp":
+            cache = model.new_mtp_cache(B, max_len=spec.max_len)
+            hidden = _sample_hidden(model, B, T, g)
+            pos0 = cache.pos.clone()
+            ref = model.mtp_forward(hidden, ids, copy.deepcopy(cache))[0]
+            cases.append(_Case(spec, (hidden, ids, meta[0], pos0, meta[2]), cache, ref))
+            continue
+        cache = model.new_cache(B, max_len=spec.max_len)
+        if kind == "decode":  # decode after a prompt, so the step sees a real cache
+            model(torch.randint(0, V, (B, prompt_len), generator=g), cache)
+        pos0 = cache.pos.clone()
+        ref = model(ids, copy.deepcopy(cache))
+        cases.append(_Case(spec, (ids, meta[0], pos0, meta[2]), cache, ref))
+    return cases
+
+
+def _sample_hidden(model, B: int, T: int, g: torch.Generator) -> torch.Tensor:
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    if cfg.is_v4:
+        return model.forward_with_streams(ids)[1]
+    return model.forward_with_hidden(ids)[1]
+
+
+def _run(gm, case: _Case) -> torch.Tensor:
+    cache = copy.deepcopy(case.cache)
+    return gm(*case.args, flat_caches(cache.layers))[0]
+
+
+@torch.no_grad()
+def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: int = 0, skip=(),
+                   seed: int = 0, passes=None) -> list[dict]:
+    """One row per (graph kind, step): export first, then each pass of the pipeline."""
+    cfg = model.config
+    meta = next(model.parameters()).is_meta
+    rows = []
+    for kind in kinds:
+        case = None if meta else next(c for c in _cases(model, [kind], k, seed))
+        spec = case.spec if case else GraphSpec(kind, k=k)
+        eg = export_graph(model, spec)
+        gm = eg.module()
+
+        def record(name, graph, stats=None, seconds=0.0, changed=False):
+            row = {"graph": kind, "name": name, "changed": changed, "stats": stats or {}, "seconds": seconds,
+                   "snr_db": None, "max_abs_err": None, "cosine": None}
+            if case is not None:
+                row.update(error_metrics(_run(graph, case), case.ref))
+            rows.append(row)
+
+        record("export", gm, {"nodes": len(gm.graph.nodes)}, eg.seconds)
+        ctx = PassContext(cfg, target=target, graph_kind=kind)
+        snapshots = {}
+        gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
+                                   after_each=lambda name, g: snapshots.__setitem__(name, _metrics_now(g, case)))
+        for r in records:
+            row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
+                   "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None}
+            row.update(snapshots.get(r.name, {}))
+            rows.append(row)
+    return rows
+
+
+def _metrics_now(gm, case: _Case | None) -> dict:
+    return {} if case is None else error_metrics(_run(gm, case), case.ref)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table (the CLI prints it with rich when available)."""
+    head = f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'max abs':>10} {'cosine':>10} {'sec':>6}  stats"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        snr = "-" if r["snr_db"] is None else ("inf" if r["snr_db"] == math.inf else f"{r['snr_db']:.1f}")
+        mae = "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
+        cos = "-" if r["cosine"] is None else f"{r['cosine']:.6f}"
+        step = r["name"] + (" (skipped)" if r.get("skipped") else "")
+        lines.append(f"{r['graph']:8} {step:18} {str(r['changed']):7} {snr:>8} {mae:>10} {cos:>10} "
+                     f"{r['seconds']:6.2f}  {_short_stats(r['stats'])}")
+    return "\n".join(lines)
+
+
+def _short_stats(stats: dict) -> str:
+    parts = []
+    for key, v in stats.items():
+        if isinstance(v, list):
+            parts.append(f"{key}={len(v)}")
+        elif isinstance(v, dict):
+            parts.append(f"{key}={{...}}")
+        else:
+            parts.append(f"{key}={v}")
+    return ", ".join(parts)[:80]
+
+
+def default_pass_names() -> list[str]:
+    return [name for name, _ in default_pipeline()]

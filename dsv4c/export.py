@@ -1,0 +1,139 @@
+"""torch.export of the eager models into the graphs dsv4c compiles.
+
+Three graph kinds, all traced from the models' traceable `step` bodies:
+  * `prefill`: a chunk of T tokens per sequence, T and the batch B dynamic;
+  * `decode`:  1 + k tokens per sequence (k speculative tokens, k = 0 included), B dynamic;
+  * `mtp`:     the MTP block over 1 + k positions, B dynamic (V4 takes the main model's streams).
+
+Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
+flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
+update in place; the mtp graph takes the streams/hidden state first. Positions and slots are device
+tensors, so the graphs carry no data-dependent guards. Tracing works on the `meta` device: a
+full-size config exports without weights.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv4c.config import ModelConfig
+
+GRAPH_KINDS = ("prefill", "decode", "mtp")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What one exported graph computes."""
+
+    kind: str  # prefill | decode | mtp
+    k: int = 0  # speculative tokens: decode/mtp graphs take 1 + k tokens per sequence
+    n_slots: int = 2  # cached sequences (the caches' leading dim)
+    max_len: int = 256  # positions per sequence the caches hold
+
+    def __post_init__(self):
+        if self.kind not in GRAPH_KINDS:
+            raise ValueError(f"kind: expected one of {GRAPH_KINDS}, got {self.kind!r}")
+        if not 0 <= self.k <= 8:
+            raise ValueError(f"k: speculative tokens must be in [0, 8], got {self.k}")
+        if self.n_slots < 2:
+            raise ValueError("n_slots: at least 2 (a dynamic batch dim needs an example of 2)")
+
+    @property
+    def tokens(self) -> int | None:
+        """Fixed tokens per sequence, or None when dynamic (prefill)."""
+        return None if self.kind == "prefill" else 1 + self.k
+
+
+def flat_caches(layers) -> dict[str, torch.Tensor]:
+    """[LayerCache] -> {"{i}.{name}": tensor}."""
+    return {f"{i}.{k}": t for i, lc in enumerate(layers) for k, t in lc.tensors().items()}
+
+
+def unflat_caches(flat: dict[str, torch.Tensor], cache_cls, n_layers: int) -> list:
+    per = [dict() for _ in range(n_layers)]
+    for key, t in flat.items():
+        i, name = key.split(".", 1)
+        per[int(i)][name] = t
+    return [cache_cls(**d) for d in per]
+
+
+class StepModule(nn.Module):
+    """The main-model step with a flat-dict cache interface (what `torch.export` traces)."""
+
+    def __init__(self, model: nn.Module, cache_cls, n_layers: int):
+        super().__init__()
+        self.model, self.cache_cls, self.n_layers = model, cache_cls, n_layers
+
+    def forward(self, input_ids, slots, pos0, n_real, caches: dict[str, torch.Tensor]):
+        layers = unflat_caches(caches, self.cache_cls, self.n_layers)
+        return self.model.step(input_ids, slots, pos0, n_real, layers)
+
+
+class MTPStepModule(StepModule):
+    def forward(self, hidden, input_ids, slots, pos0, n_real, caches: dict[str, torch.Tensor]):
+        (lc,) = unflat_caches(caches, self.cache_cls, 1)
+        return self.model.mtp_step(hidden, input_ids, slots, pos0, n_real, lc)
+
+
+def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
+    """Representative inputs: B = 2 sequences at different positions, real tokens everywhere."""
+    cfg: ModelConfig = model.config
+    B = 2
+    T = spec.tokens or 3
+    cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len)
+    caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}
+    ids = torch.zeros(B, T, dtype=torch.int64, device=device)
+    slots = torch.arange(B, device=device)
+    pos0 = torch.tensor([0, 5], device=device)
+    n_real = torch.full((B,), T, dtype=torch.int64, device=device)
+    args = (ids, slots, pos0, n_real, caches)
+    if spec.kind == "mtp":
+        shape = (B, T, cfg.hc_mult, cfg.hidden_size) if cfg.is_v4 else (B, T, cfg.hidden_size)
+        args = (torch.zeros(shape, dtype=model.act_dtype, device=device),) + args
+    return args
+
+
+def _dynamic_shapes(spec: GraphSpec, caches: dict) -> tuple:
+    B = torch.export.Dim("B", min=1, max=spec.n_slots)
+    tok = {0: B} if spec.tokens else {0: B, 1: torch.export.Dim("T", min=1, max=spec.max_len)}
+    meta = {0: B}
+    shapes = (tok, meta, meta, meta, {k: None for k in caches})
+    if spec.kind == "mtp":
+        shapes = ({0: B, **({} if spec.tokens else {1: tok[1]})},) + shapes
+    return shapes
+
+
+@dataclass
+class ExportedGraph:
+    spec: GraphSpec
+    program: torch.export.ExportedProgram
+    seconds: float
+
+    def module(self) -> torch.fx.GraphModule:
+        """The graph as an FX GraphModule with weights as attributes: what the passes rewrite."""
+        return self.program.module()
+
+
+def export_graph(model: nn.Module, spec: GraphSpec) -> ExportedGraph:
+    """Trace one graph kind of `model` (on its own device, `meta` included)."""
+    device = next(model.parameters()).device
+    cache = model.new_mtp_cache(2, max_len=8) if spec.kind == "mtp" else model.new_cache(2, max_len=8)
+    cache_cls, n_layers = type(cache.layers[0]), len(cache.layers)
+    wrapper = (MTPStepModule if spec.kind == "mtp" else StepModule)(model, cache_cls, n_layers)
+    args = example_inputs(model, spec, device)
+    t0 = time.perf_counter()
+    program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(spec, args[-1]), strict=False)
+    return ExportedGraph(spec, program, time.perf_counter() - t0)
+
+
+def graph_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Op histogram of a graph: target name -> count."""
+    out: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            key = getattr(n.target, "__name__", str(n.target))
+            out[key] = out.get(key, 0) + 1
+    return out
