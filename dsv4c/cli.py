@@ -1,5 +1,5 @@
-"""The `dsv4c` command line: `init` writes a random checkpoint, `info` describes a model,
-`generate` runs the eager reference on a checkpoint."""
+"""The `dsv4c` command line: `init` writes a random checkpoint, `info` describes a model, `compare`
+reports what each lowering pass does to the logits, `generate` runs the eager reference."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +102,39 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _model_for(spec: str, meta: bool, dtype: torch.dtype):
+    """A checkpoint folder loads its weights; a preset or config.json gets seeded random weights,
+    or none at all on the meta device (also chosen automatically above 2B parameters)."""
+    from dsv4c.checkpoint import load_model
+    from dsv4c.model import build_model, count_parameters
+
+    p = Path(spec)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return load_model(p, device="meta" if meta else "cpu", dtype=dtype)
+    cfg = ModelConfig.resolve(spec)
+    big = count_parameters(build_model(cfg, device="meta"))["total"] > 2e9
+    if big and not meta:
+        print(f"{spec}: {cfg.model_type} is full size; comparing on the meta device (stats only)", file=sys.stderr)
+    return build_model(cfg, device="meta" if meta or big else "cpu", dtype=dtype)
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    import json
+
+    from dsv4c.compare import compare_passes, format_table
+
+    model = _model_for(a.checkpoint, a.meta, a.dtype)
+    kinds = tuple(k for k in a.graphs.split(",") if k)
+    rows = compare_passes(model, target=a.target, kinds=kinds, k=a.k, skip=tuple(a.skip_pass), seed=a.seed)
+    if a.json:
+        # strict JSON has no Infinity: identical logits report snr_db "inf"
+        clean = [{k: ("inf" if isinstance(v, float) and v == float("inf") else v) for k, v in r.items()} for r in rows]
+        print(json.dumps(clean, indent=2, default=str))
+    else:
+        print(format_table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4c", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -120,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="describe a model: layers and total/active parameter counts")
     s.add_argument("config", help="preset name or a config.json / checkpoint folder")
     s.set_defaults(fn=cmd_info)
+
+    s = sub.add_parser("compare", help="run the pass pipeline one pass at a time; report logits error vs eager")
+    s.add_argument("checkpoint", help="checkpoint folder, preset name or config.json (random weights)")
+    s.add_argument("--target", default="cpu", choices=("cpu", "h100", "h200", "b200"))
+    s.add_argument("--skip-pass", action="append", default=[], metavar="NAME", help="leave a pass out (repeatable)")
+    s.add_argument("--graphs", default="prefill,decode", help="comma-separated graph kinds: prefill,decode,mtp")
+    s.add_argument("--k", type=int, default=0, help="speculative tokens of the decode/mtp graphs (1 + k per step)")
+    s.add_argument("--meta", action="store_true", help="no weights: export and pass stats only, no numerics")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", type=_dtype, default=torch.float32)
+    s.add_argument("--json", action="store_true", help="print JSON: one entry per graph and pass")
+    s.set_defaults(fn=cmd_compare)
 
     s = sub.add_parser("generate", help="greedy-decode token ids with the eager reference model")
     s.add_argument("checkpoint", type=Path)

@@ -1,0 +1,202 @@
+"""Export of the step graphs and the pass pipeline: every pass preserves the eager function."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.cli import main as cli_main
+from dsv4c.compare import compare_passes, error_metrics
+from dsv4c.export import GraphSpec, export_graph, flat_caches, graph_ops
+from dsv4c.model import build_model
+from dsv4c.passes import PassContext, VerifyError, run_pipeline, verify
+from dsv4c.passes.absorb_mla import absorb_mla, crossover_tokens
+from dsv4c.passes.fuse_projections import fuse_projections
+
+PRESETS = ["v4-tiny-a", "v3-tiny", "v32-tiny"]
+REL = 1e-5  # fp32 relative error bound (max |err| / max |logit|), absorption included
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def model(request):
+    return build_model(ModelConfig.preset(request.param))
+
+
+@pytest.fixture(scope="module")
+def decode_graph(model):
+    return export_graph(model, GraphSpec("decode", k=2, n_slots=2, max_len=64))
+
+
+def _inputs(model, T: int, prompt: int = 11, seed: int = 0):
+    """A cache after a ragged prompt, and a [2, T] step at different positions."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    cache = model.new_cache(2, max_len=64)
+    model(torch.randint(0, V, (2, prompt), generator=g), cache, n_real=torch.tensor([prompt, prompt - 4]))
+    ids = torch.randint(0, V, (2, T), generator=g)
+    return ids, cache
+
+
+def _run_graph(gm, ids, cache):
+    c = copy.deepcopy(cache)
+    out = gm(ids, torch.arange(2), c.pos.clone(), torch.full((2,), ids.shape[1]), flat_caches(c.layers))[0]
+    return out, c
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@torch.no_grad()
+def test_export_round_trips_through_save_and_load(model, decode_graph, tmp_path):
+    path = tmp_path / "decode.pt2"
+    torch.export.save(decode_graph.program, str(path))
+    loaded = torch.export.load(str(path))
+    ids, cache = _inputs(model, 3)
+    a, ca = _run_graph(decode_graph.module(), ids, cache)
+    b, cb = _run_graph(loaded.module(), ids, cache)
+    assert torch.equal(a, b)
+    for x, y in zip(ca.layers, cb.layers):
+        for k, t in x.tensors().items():
+            assert torch.equal(t, getattr(y, k)), k
+
+
+@torch.no_grad()
+def test_graphs_have_no_data_dependent_guards_and_find_the_routers(model, decode_graph):
+    ops = graph_ops(decode_graph.module())
+    n_moe = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    assert ops.get("moe_experts.default", 0) == n_moe
+    # one graph serves every batch size up to n_slots: run B = 1 through the B-dynamic graph
+    ids, cache = _inputs(model, 3)
+    c = copy.deepcopy(cache)
+    out = decode_graph.module()(ids[1:], torch.tensor([1]), c.pos[1:].clone(), torch.tensor([3]), flat_caches(c.layers))[0]
+    ref = model(ids[1:], copy.deepcopy(cache), slots=torch.tensor([1]))
+    assert _rel(out, ref) <= REL
+
+
+@torch.no_grad()
+def test_decode_graph_with_k2_equals_three_single_steps(model, decode_graph):
+    ids, cache = _inputs(model, 3)
+    got, _ = _run_graph(decode_graph.module(), ids, cache)
+    c = copy.deepcopy(cache)
+    steps = torch.cat([model(ids[:, t : t + 1], c) for t in range(3)], 1)
+    assert _rel(got, steps) <= REL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_each_pass_preserves_outputs(model, kind):
+    T = 9 if kind == "prefill" else 3
+    eg = export_graph(model, GraphSpec(kind, k=2, n_slots=2, max_len=64))
+    ids, cache = _inputs(model, T)
+    ref = model(ids, copy.deepcopy(cache))
+    errors = {}
+    run_pipeline(eg.module(), PassContext(model.config, graph_kind=kind),
+                 after_each=lambda name, gm: errors.__setitem__(name, _rel(_run_graph(gm, ids, cache)[0], ref)))
+    assert set(errors) == {"fuse_projections", "absorb_mla"}
+    assert max(errors.values()) <= REL, errors
+
+
+@torch.no_grad()
+def test_fuse_projections_op_counts():
+    cfg = ModelConfig.preset("v4-tiny-a")
+    m = build_model(cfg)
+    gm = export_graph(m, GraphSpec("decode", n_slots=2, max_len=64)).module()
+    before = graph_ops(gm)["linear.default"]
+    res = fuse_projections(gm, PassContext(cfg))
+    gm.recompile()
+    verify(gm, PassContext(cfg), after="fuse_projections")
+    groups = res.stats["groups"]
+    # per layer: x feeds wq_a ‖ wkv (+ compressor wkv/wgate for m > 0, + indexer for CSA); qr feeds wq_b ‖ indexer wq_b
+    members = {len(g["members"]) for g in groups}
+    assert members == {2, 4, 7}
+    assert graph_ops(gm)["linear.default"] == before - sum(len(g["members"]) - 1 for g in groups)
+    names = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    assert not any(n.endswith(("attn.wq_a.weight", "attn.wkv.weight", "compressor.wgate.weight")) for n in names)
+    csa = next(g for g in groups if len(g["members"]) == 7)
+    assert csa["out_features"] == [cfg.q_lora_rank, cfg.head_dim, 2 * cfg.head_dim, 2 * cfg.head_dim,
+                                   2 * cfg.index_head_dim, 2 * cfg.index_head_dim, cfg.index_n_heads]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("preset", ["v3-tiny", "v32-tiny"])
+def test_absorbed_decode_graph_never_expands_the_cache(preset):
+    cfg = ModelConfig.preset(preset)
+    m = build_model(cfg)
+    kv_b = lambda gm: sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.users  # noqa: E731
+                          and n.target.endswith("kv_b_proj.weight"))
+    dec = export_graph(m, GraphSpec("decode", n_slots=2, max_len=64)).module()
+    n = cfg.num_hidden_layers
+    assert kv_b(dec) == n
+    einsums = graph_ops(dec)["einsum.default"]
+    res = absorb_mla(dec, PassContext(cfg, graph_kind="decode"))
+    dec.recompile()
+    verify(dec, PassContext(cfg), after="absorb_mla")
+    assert res.stats["decision"] == "absorbed" and res.stats["kv_b_linears_left"] == 0 and kv_b(dec) == 0
+    assert graph_ops(dec)["einsum.default"] == einsums + 3 * n  # 2 einsums become 5 per layer
+    pre = export_graph(m, GraphSpec("prefill", n_slots=2, max_len=64)).module()
+    res = absorb_mla(pre, PassContext(cfg, graph_kind="prefill"))
+    assert not res.changed and res.stats["decision"] == "naive" and kv_b(pre) == n
+
+
+def test_absorption_crossover_for_v3_geometry():
+    assert 165 < crossover_tokens(PassContext(ModelConfig.preset("v3"))) < 175
+
+
+def test_verify_rejects_broken_graphs():
+    cfg = ModelConfig.preset("v3-tiny")
+    gm = export_graph(build_model(cfg), GraphSpec("decode", n_slots=2, max_len=16)).module()
+    ctx = PassContext(cfg)
+    verify(gm, ctx)
+    lin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    with gm.graph.inserting_after(lin):
+        bad = gm.graph.call_function(torch.relu, (lin,))  # not an aten/dsv4c op, and no meta["val"]
+    lin.replace_all_uses_with(bad)
+    bad.args = (lin,)
+    with pytest.raises(VerifyError, match="not an aten or dsv4c op"):
+        verify(gm, ctx, after="bad_pass")
+
+
+def test_run_pipeline_skips_dumps_and_rejects_unknown_names(tmp_path):
+    cfg = ModelConfig.preset("v4-tiny-a")
+    gm = export_graph(build_model(cfg), GraphSpec("decode", n_slots=2, max_len=16)).module()
+    ctx = PassContext(cfg)
+    _, recs = run_pipeline(gm, ctx, skip=["fuse_projections"], dump_dir=tmp_path)
+    assert [(r.name, r.skipped) for r in recs] == [("fuse_projections", True), ("absorb_mla", False)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_absorb_mla.after.py", "01_absorb_mla.before.py"]
+    with pytest.raises(ValueError, match="unknown pass"):
+        run_pipeline(gm, ctx, skip=["no_such_pass"])
+
+
+def test_error_metrics():
+    ref = torch.tensor([1.0, -2.0, 3.0])
+    m = error_metrics(ref.clone(), ref)
+    assert m["snr_db"] == float("inf") and m["max_abs_err"] == 0
+    m = error_metrics(ref + torch.tensor([0.1, 0.0, 0.0]), ref)
+    assert abs(m["snr_db"] - 10 * math.log10(14 / 0.01)) < 1e-4 and abs(m["max_abs_err"] - 0.1) < 1e-6
+
+
+def test_compare_cli_json_on_a_checkpoint(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert cli_main(["init", "v32-tiny", "-o", str(ck), "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert cli_main(["compare", str(ck), "--graphs", "decode", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla"]
+    for r in rows:
+        assert set(r) >= {"name", "changed", "stats", "seconds", "snr_db", "max_abs_err", "cosine"}
+    absorbed = rows[-1]
+    assert absorbed["changed"] and 80 < absorbed["snr_db"] < 1000 and absorbed["cosine"] > 0.999999
+
+
+def test_compare_on_meta_full_size_dims_reports_stats_only(capsys):
+    """The benchmark slice has V4-Flash's per-layer dims; on meta there are no numerics."""
+    rows = compare_passes(build_model(ModelConfig.preset("v4-flash-slice"), device="meta"), kinds=("decode",))
+    fused = rows[1]
+    assert fused["changed"] and fused["snr_db"] is None
+    csa = next(g for g in fused["stats"]["groups"] if len(g["members"]) == 7)
+    assert csa["out_features"] == [1024, 512, 1024, 1024, 256, 256, 64]
