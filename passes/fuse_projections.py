@@ -18,6 +18,16 @@ output element, so bit-for-bit on the CPU reference). The compressor's projectio
 The fused weight is a new graph attribute `<common prefix>.fused_<members>`; the member weights
 are dropped from the graph. `stats["groups"]` lists each fused weight with its members, which the
 artifact's weight map records.
+
+Second rewrite, the per-head q norm with RoPE (one kernel instead of ~25 elementwise ops):
+Before:
+    xf = to(q, fp32); n = xf * rsqrt(mean(xf², -1) + eps); q2 = to(n, act)
+    q3 = cat([q2[..., :d-r], interleave(rot_even(q2[..., d-r:], cos, sin), rot_odd(...))], -1)
+After:
+    q3 = dsv4c.head_rms_rope(q, cos, sin, eps)
+Valid because `head_rms_rope` is defined as exactly that computation (its reference implementation
+calls the same `rms` and `rope_interleaved` as the model); the matcher checks the structure and
+leaves a site alone when anything differs.
 """
 from __future__ import annotations
 
@@ -29,6 +39,8 @@ from torch.fx import GraphModule, Node
 
 from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_value, get_param,
                           resolve, set_param)
+
+aten = torch.ops.aten
 
 
 def _linear_weight(n: Node) -> str | None:
@@ -69,7 +81,9 @@ def fuse_projections(gm: GraphModule, ctx: PassContext) -> PassResult:
     for group in _groups(gm):
         groups_out.append(_fuse(gm, group))
     after = sum(_linear_weight(n) is not None for n in gm.graph.nodes)
-    return PassResult(gm, bool(groups_out), {"groups": groups_out, "linears_before": before, "linears_after": after})
+    ropes = _fuse_q_norm_rope(gm, ctx)
+    stats = {"groups": groups_out, "linears_before": before, "linears_after": after, "q_norm_rope_fused": ropes}
+    return PassResult(gm, bool(groups_out) or ropes > 0, stats)
 
 
 def _fuse(gm: GraphModule, group: list[Node]) -> dict:
@@ -99,3 +113,91 @@ def _fuse(gm: GraphModule, group: list[Node]) -> dict:
         if w not in used:
             delete_param(gm, w)
     return {"fused": fname, "members": names, "out_features": sizes, "dtype": str(dtype).replace("torch.", "")}
+
+
+# ---- per-head q norm + RoPE ------------------------------------------------------------------------
+def _only_user(n: Node) -> Node | None:
+    users = [u for u in n.users if u.target is not aten._assert_tensor_metadata.default]
+    return users[0] if len(users) == 1 else None
+
+
+def _match_q_norm_rope(rsqrt: Node, ctx: PassContext):
+    """From an rsqrt of a 4-d input, check the rms -> cast -> rope chain; return (q, cos, sin, out)."""
+    add = rsqrt.args[0]
+    if add.target is not aten.add.Tensor or add.args[1] != ctx.config.rms_norm_eps:
+        return None
+    mean = add.args[0]
+    if mean.target is not aten.mean.dim or mean.args[0].target is not aten.pow.Tensor_Scalar:
+        return None
+    xf = mean.args[0].args[0]
+    mul = _only_user(rsqrt)
+    if mul is None or mul.target is not aten.mul.Tensor or xf.meta["val"].dim() != 4:
+        return None
+    q = xf.args[0] if xf.target is aten.to.dtype else xf
+    cast = _only_user(mul)
+    if cast is None or cast.target is not aten.to.dtype:
+        return None
+    d, r = ctx.config.head_dim, ctx.config.qk_rope_head_dim
+    slices = {u.args[2]: u for u in cast.users if u.target is aten.slice.Tensor and u.args[1] == 3}
+    if set(slices) != {0, d - r} or len(cast.users) - _n_checks(cast) != 2:
+        return None
+    out = _only_user(slices[0])
+    if out is None or out.target is not aten.cat.default:
+        return None
+    cos_sin = _rope_tables(slices[d - r])
+    if cos_sin is None:
+        return None
+    return q, cos_sin[0], cos_sin[1], out
+
+
+def _n_checks(n: Node) -> int:
+    return sum(u.target is aten._assert_tensor_metadata.default for u in n.users)
+
+
+def _rope_tables(rot: Node):
+    """cos and sin [B, T, r/2] of the interleaved rotation applied to `rot` (via unsqueeze(., 2))."""
+    tables = []
+    for n in rot.graph.nodes:
+        if n.target is aten.mul.Tensor and _feeds_from(n, rot) and n.args[1].target is aten.unsqueeze.default:
+            tables.append(n.args[1].args[0])
+    uniq = list(dict.fromkeys(tables))
+    if len(uniq) != 2:
+        return None
+    sub = next((n for n in rot.graph.nodes if n.target is aten.sub.Tensor and _feeds_from(n, rot)), None)
+    if sub is None:
+        return None
+    cos = sub.args[0].args[1].args[0]  # x_even·cos − x_odd·sin
+    sin = uniq[1] if uniq[0] is cos else uniq[0]
+    return cos, sin
+
+
+def _feeds_from(n: Node, src: Node, depth: int = 4) -> bool:
+    frontier = [n]
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            for a in x.all_input_nodes:
+                if a is src:
+                    return True
+                nxt.append(a)
+        frontier = nxt
+    return False
+
+
+def _fuse_q_norm_rope(gm: GraphModule, ctx: PassContext) -> int:
+    from dsv4c.model import v4_ops  # noqa: F401  (registers the op)
+
+    op = torch.ops.dsv4c.head_rms_rope.default
+    count = 0
+    for rsqrt in [n for n in gm.graph.nodes if n.target is aten.rsqrt.default]:
+        m = _match_q_norm_rope(rsqrt, ctx)
+        if m is None:
+            continue
+        q, cos, sin, out = m
+        with gm.graph.inserting_before(out):
+            fused = gm.graph.call_function(op, (q, cos, sin, ctx.config.rms_norm_eps))
+        fused.meta["val"] = fake_value(q, op, q.meta["val"], cos.meta["val"], sin.meta["val"], ctx.config.rms_norm_eps)
+        out.replace_all_uses_with(fused)
+        erase_unused(gm, [out])
+        count += 1
+    return count

@@ -102,6 +102,17 @@ def test_each_pass_preserves_outputs(model, kind):
 
 
 @torch.no_grad()
+def test_head_rms_rope_op_equals_model_math():
+    from dsv4c.model.common import rms, rope_interleaved
+
+    g = torch.Generator().manual_seed(3)
+    q, cos, sin = torch.randn(2, 3, 4, 64, generator=g), torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    want = rope_interleaved(rms(q, 1e-6), cos[:, :, None], sin[:, :, None])
+    assert torch.equal(torch.ops.dsv4c.head_rms_rope(q, cos, sin, 1e-6), want)
+    assert not torch.allclose(want[..., :48], q[..., :48])  # the norm did something
+
+
+@torch.no_grad()
 def test_fuse_projections_op_counts():
     cfg = ModelConfig.preset("v4-tiny-a")
     m = build_model(cfg)
@@ -117,6 +128,8 @@ def test_fuse_projections_op_counts():
     assert graph_ops(gm)["linear.default"] == before - sum(len(g["members"]) - 1 for g in groups)
     names = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     assert not any(n.endswith(("attn.wq_a.weight", "attn.wkv.weight", "compressor.wgate.weight")) for n in names)
+    # the per-head q norm + RoPE of every layer became one op
+    assert res.stats["q_norm_rope_fused"] == graph_ops(gm)["head_rms_rope.default"] == cfg.num_hidden_layers
     csa = next(g for g in groups if len(g["members"]) == 7)
     assert csa["out_features"] == [cfg.q_lora_rank, cfg.head_dim, 2 * cfg.head_dim, 2 * cfg.head_dim,
                                    2 * cfg.index_head_dim, 2 * cfg.index_head_dim, cfg.index_n_heads]

@@ -28,9 +28,11 @@ def _write_rows(rows: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_r
                 cache: torch.Tensor) -> None:
     """cache[slots[b], pos0[b] + t] = rows[b, t] for the real rows t < n_real[b].
     rows [B, T, w], cache [n_slots, L, w]."""
-    for b in range(rows.shape[0]):
-        s, p0, n = int(slots[b]), int(pos0[b]), int(n_real[b])
-        cache[s, p0 : p0 + n] = rows[b, :n].to(cache.dtype)
+    t = torch.arange(rows.shape[1], device=rows.device)
+    real = t[None, :] < n_real[:, None]  # [B, T]
+    where_slot = slots[:, None].expand_as(real)[real]
+    where_pos = (pos0[:, None] + t)[real]
+    cache[where_slot, where_pos] = rows[real].to(cache.dtype)
 
 
 @torch.library.custom_op("dsv4c::mla_cache_update", mutates_args=("latent", "kpe"))

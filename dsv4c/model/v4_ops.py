@@ -175,3 +175,18 @@ def _sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sin
 @v4_attention.register_fake
 def _(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m):
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+# ------------------------------------------------------------------------------------------------
+# fused per-head q norm + RoPE (the target of passes/fuse_projections.py)
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsv4c::head_rms_rope", mutates_args=())
+def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """rope(rms(q_h)) per head: the unweighted per-head RMS norm of V4's query (in fp32, cast back),
+    then interleaved RoPE on the last 2·r/2 channels. q [B, T, H, d]; cos/sin [B, T, r/2]."""
+    return rope_interleaved(rms(q, eps).to(q.dtype), cos[:, :, None], sin[:, :, None])
+
+
+@head_rms_rope.register_fake
+def _(q, cos, sin, eps):
+    return torch.empty_like(q)
