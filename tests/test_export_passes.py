@@ -103,6 +103,7 @@ def test_each_pass_preserves_outputs(model, kind):
 
 @torch.no_grad()
 def test_head_rms_rope_op_equals_model_math():
+    from dsv4c.model import v4_ops  # noqa: F401  (registers the op)
     from dsv4c.model.common import rms, rope_interleaved
 
     g = torch.Generator().manual_seed(3)
