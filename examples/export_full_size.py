@@ -14,7 +14,8 @@ from dsv4c.model import build_model
 
 
 def main(argv: list[str]) -> int:
-    name, kind = (argv + ["v4-flash", "decode"])[:2] if len(argv) < 2 else argv[:2]
+    name = argv[0] if argv else "v4-flash"
+    kind = argv[1] if len(argv) > 1 else "decode"
     t0 = time.perf_counter()
     model = build_model(ModelConfig.preset(name), device="meta")
     built = time.perf_counter() - t0
