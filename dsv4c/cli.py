@@ -90,16 +90,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from dsv4c.model.generate import greedy
 
     model = load_model(a.checkpoint, dtype=a.dtype)
-    try:
-        ids = [int(t) for t in a.ids.split(",")] if a.ids else [model.config.bos_token_id or 0]
-    except ValueError:
-        raise ValueError(f"--ids: expected comma-separated integer token ids, got {a.ids!r}") from None
+    tok = _tokenizer(a.checkpoint) if a.prompt is not None else None
+    if tok is not None:
+        bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
+        ids = bos + tok.encode(a.prompt).ids
+    else:
+        try:
+            ids = [int(t) for t in a.ids.split(",")] if a.ids else [model.config.bos_token_id or 0]
+        except ValueError:
+            raise ValueError(f"--ids: expected comma-separated integers, got {a.ids!r}") from None
     bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
     if bad:
         raise ValueError(f"--ids: token ids {bad} outside vocab_size={model.config.vocab_size}")
-    out = greedy(model, torch.tensor([ids]), a.max_new_tokens)
-    print(",".join(str(t) for t in out[0].tolist()))
+    out = greedy(model, torch.tensor([ids]), a.max_new_tokens)[0].tolist()
+    print(a.prompt + tok.decode(out) if tok is not None else ",".join(str(t) for t in out))
     return 0
+
+
+def _tokenizer(checkpoint: Path):
+    from tokenizers import Tokenizer
+
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: --prompt needs the checkpoint's tokenizer.json (or use --ids)")
+    return Tokenizer.from_file(str(path))
 
 
 def _model_for(spec: str, meta: bool, dtype: torch.dtype):
@@ -166,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON: one entry per graph and pass")
     s.set_defaults(fn=cmd_compare)
 
-    s = sub.add_parser("generate", help="greedy-decode token ids with the eager reference model")
+    s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
     s.add_argument("checkpoint", type=Path)
     s.add_argument("--ids", default="", help="comma-separated prompt token ids")
+    s.add_argument("--prompt", default=None, help="prompt text, encoded with the checkpoint's tokenizer.json")
     s.add_argument("--max-new-tokens", type=int, default=16)
     s.add_argument("--dtype", type=_dtype, default=torch.float32)
     s.set_defaults(fn=cmd_generate)
