@@ -20,14 +20,6 @@ from dsv4c.model import randomize_
 from dsv4c.presets import PRESETS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: OpenMP threads only add overhead, and spin badly when the CPU is shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _v3_skip_reason() -> str | None:
     try:

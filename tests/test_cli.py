@@ -22,13 +22,6 @@ _UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 FP32_ISLANDS = ("_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def run(capsys, *argv) -> tuple[int, str, str]:
     rc = main([str(a) for a in argv])

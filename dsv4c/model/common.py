@@ -105,6 +105,18 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
 
 
+def topk_visible(score: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """Indexer selection shared by V4's CSA and V3.2's DSA: the top-min(topk, visible) visible keys of
+    `score [B, T, L]` by score, as key indices [B, T, topk] with -1 in unused slots."""
+    B, T, L = score.shape
+    out = torch.full((B, T, topk), -1, dtype=torch.int64, device=score.device)
+    k = min(topk, L)
+    if k:
+        top = score.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
+        out[..., :k] = top.indices.masked_fill(top.values == float("-inf"), -1)
+    return out
+
+
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
     """down(silu(gate(x)) ⊙ up(x)); with limit > 0 the V4 clamp: gate ≤ L, |up| ≤ L.
     x [T, D]; w1, w3 [I, D]; w2 [D, I]."""

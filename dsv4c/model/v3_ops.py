@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4c.model.common import topk_visible
+
 
 # ------------------------------------------------------------------------------------------------
 # cache writes
@@ -75,18 +77,13 @@ def dsa_topk(q_idx: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tenso
     q_idx [B, T, HI, dI] (RoPE applied), weights [B, T, HI] (already × HI^-½), index_keys [B, L, dI] ->
     idx [B, T, topk] int64: for the query at position p = pos0[b] + t, the top-min(topk, p+1) keys
     s <= p by score(s) = Σ_h weights_h · relu(q_h·K_s · dI^-½), in fp32; -1 fills unused slots."""
-    B, T = q_idx.shape[:2]
+    T = q_idx.shape[1]
     L = index_keys.shape[1]
-    out = torch.full((B, T, topk), -1, dtype=torch.int64, device=q_idx.device)
     pos = pos0[:, None] + torch.arange(T, device=q_idx.device)  # [B, T]
     dots = torch.einsum("bthd,bsd->bths", q_idx.float(), index_keys.float()) * q_idx.shape[-1] ** -0.5
     score = torch.einsum("bth,bths->bts", weights.float(), dots.relu())  # [B, T, L]
     visible = torch.arange(L, device=q_idx.device) <= pos[..., None]  # [B, T, L]
-    k = min(topk, L)
-    if k:
-        top = score.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
-        out[..., :k] = top.indices.masked_fill(top.values == float("-inf"), -1)
-    return out
+    return topk_visible(score, visible, topk)
 
 
 @dsa_topk.register_fake

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from dsv4c.model.common import rms, rope_interleaved
+from dsv4c.model.common import rms, rope_interleaved, topk_visible
 
 
 def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,18 +95,13 @@ def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
     q [B, T, HI, dI] (RoPE applied), weights [B, T, HI] fp32 (already × HI^-½), keys [n_slots, E, dI] ->
     idx [B, T, topk] int64: the top-min(topk, visible) visible entries by
     Σ_h weights_h · dI^-½ · relu(q_h·K_w); -1 fills unused slots."""
-    B, T = q.shape[:2]
+    T = q.shape[1]
     E = keys.shape[1]
-    out = torch.full((B, T, topk), -1, dtype=torch.int64, device=q.device)
     pos = pos0[:, None] + torch.arange(T, device=q.device)  # [B, T]
     dots = torch.einsum("bthi,bsi->bths", q.float(), keys[slots].float()).relu()
     score = torch.einsum("bth,bths->bts", weights.float() * q.shape[-1] ** -0.5, dots)
     visible = torch.arange(E, device=q.device) < visible_count(pos, m)[..., None]  # [B, T, E]
-    k = min(topk, E)
-    if k:
-        top = score.masked_fill(~visible, float("-inf")).topk(k, dim=-1)
-        out[..., :k] = top.indices.masked_fill(top.values == float("-inf"), -1)
-    return out
+    return topk_visible(score, visible, topk)
 
 
 @v4_indexer_topk.register_fake
