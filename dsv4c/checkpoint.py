@@ -276,21 +276,31 @@ def load_state_(model: torch.nn.Module, reader: CheckpointReader, progress: bool
     meta = next(model.parameters()).is_meta
     items = list(model.state_dict(keep_vars=True).items())
     for name, dst in _progress(items, progress, "load"):
-        if is_stacked(name):
-            parts = [(expert_disk_name(name, e), tuple(dst.shape[1:])) for e in range(dst.shape[0])]
-        else:
-            parts = [(name, tuple(dst.shape))]
         if meta:
-            _check_shapes(reader, parts, used)
+            _check_shapes(reader, _disk_parts(name, tuple(dst.shape)), used)
             continue
-        vals = [_load_weight(reader, n, s, dst.dtype, used) for n, s in parts]
-        dst.copy_(torch.stack(vals) if is_stacked(name) else vals[0])
+        dst.copy_(read_param(reader, name, tuple(dst.shape), dst.dtype, used))
     dups = _v3_mtp_duplicates(cfg)
     used |= {d for d in dups if d in reader}
     extra = sorted(reader.names() - used)
     if extra:
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise CheckpointError(f"{reader.where(extra[0])}: unexpected tensor(s) for this {cfg.model_type} config: {shown}")
+
+
+def _disk_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The disk tensors behind one model tensor: itself, or one per expert for a stacked one."""
+    if is_stacked(name):
+        return [(expert_disk_name(name, e), shape[1:]) for e in range(shape[0])]
+    return [(name, shape)]
+
+
+def read_param(reader: CheckpointReader, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               used: set[str] | None = None) -> torch.Tensor:
+    """One model tensor (canonical name, stacked experts included), dequantised and checked."""
+    used = set() if used is None else used
+    vals = [_load_weight(reader, n, s, dtype, used) for n, s in _disk_parts(name, shape)]
+    return torch.stack(vals) if is_stacked(name) else vals[0]
 
 
 def _check_shapes(reader: CheckpointReader, parts, used: set[str]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dsv4c.config import ConfigError, ModelConfig
+from dsv4c.targets import TargetError
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -149,6 +150,49 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0
 
 
+def _buckets(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in s.split(",") if b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--buckets: expected comma-separated integers, got {s!r}") from None
+
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    from dsv4c.compile import compile_checkpoint, describe_artifact
+
+    t0 = time.perf_counter()
+    compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
+                       max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
+                       progress=True)
+    print(describe_artifact(a.output))
+    print(f"compiled in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from dsv4c.compile import describe_artifact
+
+    print(describe_artifact(a.artifact))
+    return 0
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from dsv4c.runtime import Session
+
+    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate)
+    prompts = a.prompt or []
+    if not prompts:
+        raise ValueError("run: give at least one --prompt")
+    results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed)
+    for p, r in zip(prompts, results):
+        print(p + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
+        if a.stats:
+            print(f"  [{r.finish_reason}; {len(r.tokens)} tokens; ttft {r.stats['ttft_s'] * 1e3:.0f} ms; "
+                  f"{r.stats['tokens_per_s']:.1f} tok/s; prefill chunks {r.stats['prefill_chunks']}]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4c", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -180,6 +224,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON: one entry per graph and pass")
     s.set_defaults(fn=cmd_compare)
 
+    s = sub.add_parser("compile", help="compile a checkpoint for a target into an artifact folder")
+    s.add_argument("checkpoint", type=Path)
+    s.add_argument("--target", required=True, choices=("b200", "h200", "h100", "cpu"))
+    s.add_argument("-o", "--output", required=True, type=Path)
+    s.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
+    s.add_argument("--max-tokens", type=int, default=4096, help="positions per sequence the caches hold")
+    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (cache slots)")
+    s.add_argument("--buckets", type=_buckets, default=None, help="CUDA-graph token buckets, e.g. 1,2,4,8")
+    s.add_argument("--mtp", type=int, default=0, help="speculative tokens k of the decode graph (1 + k per step)")
+    s.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
+    s.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    s.set_defaults(fn=cmd_compile)
+
+    s = sub.add_parser("inspect", help="print an artifact's manifest readably")
+    s.add_argument("artifact", type=Path)
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("run", help="load an artifact in a Session and generate")
+    s.add_argument("artifact", type=Path)
+    s.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch)")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
+    s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s")
+    s.set_defaults(fn=cmd_run)
+
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
     s.add_argument("checkpoint", type=Path)
     s.add_argument("--ids", default="", help="comma-separated prompt token ids")
@@ -194,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError, TargetError) as e:
         print(f"dsv4c {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -137,3 +137,63 @@ def graph_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
             key = getattr(n.target, "__name__", str(n.target))
             out[key] = out.get(key, 0) + 1
     return out
+
+
+def lift_weights(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Turn every weight the graph reads into a trailing `weights: dict[name, tensor]` input.
+
+    Returns the weights it removed (values as they were: real or meta). Re-exporting the graph then
+    gives an ExportedProgram with no state at all, so the saved graph holds code only and weights are
+    bound by name at load (design.md: weights are data, graphs are code)."""
+    import torch.utils._pytree as pytree
+
+    from dsv4c.passes import delete_param, get_param
+
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "get_attr" and not n.users:
+            g.erase_node(n)
+    getattrs = [n for n in g.nodes if n.op == "get_attr"]
+    names = sorted({n.target for n in getattrs})
+    weights = {k: get_param(gm, k) for k in names}
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    holders = {}
+    for k in reversed(names):  # inserting right after `last` in reverse keeps `names` order
+        with g.inserting_after(last):
+            holders[k] = g.placeholder("w_" + k.replace(".", "_"))
+        holders[k].meta["val"] = next(n.meta.get("val") for n in getattrs if n.target == k)
+    for n in getattrs:
+        n.replace_all_uses_with(holders[n.target])
+        g.erase_node(n)
+    for k, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        delete_param(gm, k)
+    args_spec = gm._in_spec.children()[0]
+    examples = pytree.tree_unflatten([0] * args_spec.num_leaves, args_spec)
+    spec = pytree.tree_structure(((*examples, {k: 0 for k in names}), {}))
+    cg = g._codegen
+    cg.pytree_info = cg.pytree_info._replace(orig_args=list(cg.pytree_info.orig_args) + ["weights"], in_spec=spec)
+    gm._in_spec = spec
+    gm._forward_pre_hooks.clear()  # the input check of the original signature
+    gm.recompile()
+    return weights
+
+
+def export_lifted(gm: torch.fx.GraphModule, spec: GraphSpec, args: tuple,
+                  weights: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+    """Re-export a lifted graph (see `lift_weights`) into a stateless, saveable program."""
+    shapes = _dynamic_shapes(spec, args[-1]) + ({k: None for k in weights},)
+    ep = torch.export.export(gm, (*args, weights), dynamic_shapes=shapes, strict=False)
+    ep._example_inputs = None  # torch.export.save would otherwise pickle them
+    return ep
+
+
+def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+    """Point the device literals a graph captured while tracing (`meta` at compile time) at `device`."""
+    dev = torch.device(device)
+    for n in gm.graph.nodes:
+        if isinstance(n.kwargs.get("device"), torch.device):
+            n.kwargs = {**n.kwargs, "device": dev}
+        if any(isinstance(a, torch.device) for a in n.args):
+            n.args = tuple(dev if isinstance(a, torch.device) else a for a in n.args)
+    gm.recompile()
+    return gm

@@ -19,6 +19,11 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
+def register_ops() -> None:
+    """Import every module that defines dsv4c custom ops (needed before torch.export.load)."""
+    from dsv4c.model import moe, v3_ops, v4_ops  # noqa: F401
+
+
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
     if cfg.is_v4:
         from dsv4c.model.v4 import DeepseekV4Model

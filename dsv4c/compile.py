@@ -1,0 +1,238 @@
+"""`dsv4c compile`: checkpoint -> a self-contained, versioned artifact folder.
+
+    ART/
+      manifest.json            format version, versions, target, model config, graphs with their pass
+                               records, buckets, limits, quant map, weight table, sha256 + size of every file
+      graphs/{kind}.pt2        torch.export programs with no state (weights lifted to a `weights` input)
+      weights/weights-XXXXX.safetensors   every tensor the graphs read, by graph name
+      tokenizer.json ...       copied from the checkpoint
+
+The model is traced on the `meta` device (no weights in memory). Weights are then streamed: each
+graph weight is read from the checkpoint one tensor at a time, transformed by the passes' recipes
+(fused projections, absorbed kv_b_proj halves), cast, and written. Nothing in the artifact is a pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import dsv4c
+from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_param
+from dsv4c.config import ModelConfig
+from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
+from dsv4c.passes import PassContext, get_param, run_pipeline
+from dsv4c.targets import get_target
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+class ArtifactError(ValueError):
+    """A bad artifact: the message names the file or manifest field."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, int]]:
+    kinds = [("prefill", 0), ("decode", mtp_k)]
+    if mtp_k > 0 and cfg.num_nextn_predict_layers:
+        kinds.append(("mtp", mtp_k))
+    return kinds
+
+
+def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", skip: tuple[str, ...] = (),
+                       max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
+                       mtp_k: int = 0, dtype: torch.dtype = torch.bfloat16, force: bool = False,
+                       progress: bool = False) -> dict:
+    """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest."""
+    t0 = time.perf_counter()
+    ckpt, out = Path(ckpt), Path(out)
+    tgt = get_target(target)
+    if max_batch < 2:
+        raise ValueError("--max-batch: at least 2")
+    model = load_model(ckpt, device="meta", dtype=dtype)  # checks names and shapes, allocates nothing
+    cfg = model.config
+    _prepare(out, force)
+    graphs, weight_specs, recipes = {}, {}, {}
+    for kind, k in graph_kinds(cfg, mtp_k):
+        spec = GraphSpec(kind, k=k, n_slots=max_batch, max_len=max_tokens)
+        eg = export_graph(model, spec)
+        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind), skip=skip)
+        recipes.update(_recipes(records))
+        weights = lift_weights(gm)
+        args = example_inputs(model, spec, torch.device("meta"))
+        program = export_lifted(gm, spec, args, weights)
+        path = out / "graphs" / f"{kind}.pt2"
+        torch.export.save(program, str(path))
+        weight_specs.update({n: (tuple(t.shape), t.dtype) for n, t in weights.items()})
+        graphs[kind] = {"file": f"graphs/{kind}.pt2", "k": k, "tokens_per_seq": spec.tokens,
+                        "export_seconds": round(eg.seconds, 2), "weights": sorted(weights),
+                        "passes": [_record(r) for r in records]}
+        if progress:
+            print(f"{kind}: exported in {eg.seconds:.1f}s, passes {[r.name for r in records if r.changed]}")
+    weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress)
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
+        "target": tgt.to_dict(),
+        "model_config": cfg.to_dict(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "limits": {"max_tokens": max_tokens, "max_batch": max_batch},
+        "buckets": list(buckets if buckets is not None else tgt.buckets),
+        "mtp_k": mtp_k,
+        "graphs": graphs,
+        "segment_plan": None,  # issue 5: the router split
+        "quant_map": {},  # issue 6: expert formats per target
+        "weights": weights_table,
+        "compile_seconds": round(time.perf_counter() - t0, 2),
+    }
+    manifest["files"] = {str(p.relative_to(out)): {"sha256": sha256(p), "size": p.stat().st_size}
+                         for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _prepare(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise FileExistsError(f"{out}: folder is not empty (pass --force to replace it)")
+        shutil.rmtree(out)
+    (out / "graphs").mkdir(parents=True)
+    (out / "weights").mkdir()
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def _record(r) -> dict:
+    return {"name": r.name, "changed": r.changed, "skipped": r.skipped, "seconds": round(r.seconds, 3),
+            "stats": json.loads(json.dumps(r.stats, default=str))}
+
+
+def _recipes(records) -> dict[str, tuple]:
+    """Weights the passes created, as recipes over checkpoint weights (graph names)."""
+    out = {}
+    for r in records:
+        for g in r.stats.get("groups", []) if r.name == "fuse_projections" else []:
+            out[g["fused"]] = ("cat", tuple(g["members"]))
+        for lay in r.stats.get("layers", []) if r.name == "absorb_mla" else []:
+            out[lay["w_uk"]] = ("w_uk", lay["weight"])
+            out[lay["w_uv"]] = ("w_uv", lay["weight"])
+    return out
+
+
+def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: dict, out: Path,
+                   progress: bool) -> dict:
+    """Stream every graph weight from the checkpoint into safetensors shards under weights/."""
+    reader = CheckpointReader(ckpt, cfg)
+    writer = _ShardWriter(out / "weights", 2 << 30)
+
+    def value(name: str, shape, dtype) -> torch.Tensor:
+        if name in recipes:
+            kind, src = recipes[name]
+            if kind == "cat":
+                return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
+            W = value(src, None, dtype)
+            H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            Wv = W.view(H, dn + dv, cfg.kv_lora_rank)
+            return (Wv[:, :dn] if kind == "w_uk" else Wv[:, dn:]).contiguous()
+        canon = name[len("model."):]
+        if canon.endswith("inv_freq"):  # RoPE tables are computed, not stored in checkpoints
+            return get_param(model, canon.rsplit(".", 1)[0]).make_inv_freq()
+        meta = get_param(model, canon)
+        return read_param(reader, canon, tuple(meta.shape), meta.dtype)
+
+    table = {}
+    items = sorted(specs.items())
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="weights", unit="tensor")
+    for name, (shape, dtype) in items:
+        t = value(name, shape, dtype).to(dtype)
+        if tuple(t.shape) != tuple(shape):
+            raise ArtifactError(f"weight {name}: built shape {list(t.shape)}, the graph expects {list(shape)}")
+        writer.add(name, t.contiguous())
+        table[name] = {"shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
+    files = writer.close()
+    weight_map = json.loads((out / "weights" / "model.safetensors.index.json").read_text())["weight_map"] \
+        if len(files) > 1 else {n: files[0] for n in table}
+    for n in table:
+        table[n]["file"] = f"weights/{weight_map[n]}"
+    reader.close()
+    return table
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def read_manifest(art: str | Path, verify: bool = True) -> dict:
+    """Load and check an artifact's manifest: format version, and every file's size and sha256."""
+    art = Path(art)
+    path = art / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; {art} is not a dsv4c artifact")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    version = m.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path}: format_version is missing")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: format_version {version} is newer than this dsv4c reads ({FORMAT_VERSION}); "
+                            f"upgrade dsv4c or recompile")
+    for key in ("target", "model_config", "graphs", "weights", "files", "limits"):
+        if key not in m:
+            raise ArtifactError(f"{path}: field {key!r} is missing")
+    if verify:
+        for rel, info in m["files"].items():
+            f = art / rel
+            if not f.is_file():
+                raise ArtifactError(f"{f}: listed in the manifest but missing")
+            if f.stat().st_size != info["size"]:
+                raise ArtifactError(f"{f}: size {f.stat().st_size} != {info['size']} in the manifest")
+            if sha256(f) != info["sha256"]:
+                raise ArtifactError(f"{f}: sha256 does not match the manifest (file changed or corrupt)")
+    return m
+
+
+def describe_artifact(art: str | Path) -> str:
+    """`dsv4c inspect`: the manifest, readably."""
+    m = read_manifest(art, verify=False)
+    cfg = m["model_config"]
+    lines = [f"artifact   {art}", f"format     v{m['format_version']}  (dsv4c {m['versions']['dsv4c']}, "
+             f"torch {m['versions']['torch']}, triton {m['versions']['triton']})",
+             f"target     {m['target']['name']} ({m['target']['device']}, capability {m['target']['capability']}); "
+             f"{m['target']['status']}",
+             f"model      {cfg['model_type']}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+             f"dtype {m['dtype']}",
+             f"limits     max_tokens {m['limits']['max_tokens']}, max_batch {m['limits']['max_batch']}; "
+             f"buckets {m['buckets']}; mtp k={m['mtp_k']}"]
+    for kind, g in m["graphs"].items():
+        changed = [p["name"] for p in g["passes"] if p["changed"]]
+        lines.append(f"graph      {kind:8} {g['file']:20} tokens/seq {g['tokens_per_seq'] or 'dynamic'}, "
+                     f"{len(g['weights'])} weights, passes applied: {', '.join(changed) or 'none'}")
+    size = sum(f["size"] for f in m["files"].values())
+    lines.append(f"files      {len(m['files'])} files, {size / 1e6:.1f} MB; {len(m['weights'])} weight tensors")
+    lines.append(f"segments   {m['segment_plan'] or 'not split yet (issue 5)'}; quant map: {m['quant_map'] or 'none'}")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Compile targets, declared as data (design.md: "targets are data").
+
+A target says which GPU capability it needs, the weight format per module class, the kernel per
+custom op, and the default CUDA-graph token buckets. Passes and the Session read the target; they
+never branch on GPU names.
+
+Until the quantisation pass and the Triton kernels exist (issue 6), every target uses the reference
+implementations and keeps weights unquantised; the formats below are what each target will lower to,
+and `status` says which of them are live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+class TargetError(RuntimeError):
+    """The artifact's target cannot run here; the message names the capability needed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    device: str  # "cuda" or "cpu"
+    capability: tuple[int, int] | None  # minimum CUDA compute capability
+    expert_format: str  # planned routed-expert weight format
+    dense_format: str  # planned format of attention / shared-expert / dense linears
+    kernels: dict = field(default_factory=dict)  # custom op -> implementation
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    status: str = "reference kernels, unquantised weights (issue 6 lowers the formats)"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "device": self.device, "capability": self.capability,
+                "expert_format": self.expert_format, "dense_format": self.dense_format,
+                "kernels": dict(self.kernels), "buckets": list(self.buckets), "status": self.status}
+
+
+_REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
+                                          "head_rms_rope", "mla_cache_update", "dsa_cache_update", "dsa_topk")}
+
+TARGETS: dict[str, Target] = {
+    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_REFERENCE),
+    "h200": Target("h200", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
+    "h100": Target("h100", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
+    "cpu": Target("cpu", "cpu", None, expert_format="reference", dense_format="reference", kernels=_REFERENCE,
+                  buckets=()),
+}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise ValueError(f"--target: unknown target {name!r}; expected one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
+def check_runnable(target: Target, device: str, emulate: bool = False) -> None:
+    """Raise TargetError if an artifact for `target` cannot run on `device` (unless emulating)."""
+    import torch
+
+    if emulate or target.device == "cpu":
+        return
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        raise TargetError(f"artifact target {target.name!r} needs a CUDA GPU of compute capability "
+                          f"{target.capability[0]}.{target.capability[1]}+; this device is {device!r} "
+                          f"(pass emulate=True / --emulate to run the same formats through emulation kernels)")
+    have = torch.cuda.get_device_capability(torch.device(device))
+    if have < target.capability:
+        raise TargetError(f"artifact target {target.name!r} needs compute capability "
+                          f"{target.capability[0]}.{target.capability[1]}+, this GPU has {have[0]}.{have[1]} "
+                          f"(pass --emulate to run it through emulation kernels)")

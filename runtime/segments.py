@@ -1,0 +1,425 @@
+"""Run a graph split at its routers (`dsv4c.passes.split_at_routers`) segment by segment, with the
+capturable segments as CUDA graphs per batch bucket.
+
+    split = apply_plan(gm, plan)
+    ex = SegmentExecutor(split, plan, "cuda")
+    logits, streams = ex.run(ids, slots, pos0, n_real, caches)   # same call as gm
+
+Modes (`mode=`):
+  eager    run the split module as is (the default on CPU): equal to the unsplit graph.
+  graphs   (CUDA, the default there) pad the batch to a bucket, capture every capturable segment once
+           per bucket as a `torch.cuda.CUDAGraph`, all buckets sharing one memory pool and captured
+           largest first; replay them, run the other segments eagerly in between, slice back.
+  emulate  the `graphs` data flow without CUDA graphs, on any device: the same static buffers,
+           padding and slicing; a "capture" runs the segment once and keeps its outputs as the
+           static outputs, a "replay" runs it again and copies into them. CPU tests use it.
+
+Padding (decode/mtp graphs: T = 1 + k tokens per row is fixed; the bucket is over the batch B, so a
+bucket b holds b·T tokens). A batch of B rows runs in the smallest bucket b >= B. Rows B..b-1 are
+padding: n_real = 0 (the ops write nothing for them), pos0 = 0, slot = `pad_slot` (default: the
+slot of row 0; any slot works because nothing is written), token ids 0. Dynamic segments (the routed
+experts) get only the real tokens (the first B·T rows), so padded rows reach no expert and stay out
+of the tokens-per-expert counts; their outputs are padded back with zeros. Graph outputs are sliced
+to the B real rows and copied out of the static buffers.
+
+Capture writes nothing to the caches: the capture pass runs on representative inputs (random token
+ids, small distinct positions, the bucket's rows all treated as real for the experts) with
+n_real = 0 in every row. The caches must be the same tensors at every call (their addresses are
+baked into the graphs); `run` checks that. With `debug=True` every captured input's data_ptr is
+checked against its capture-time value at every replay.
+
+Graphs need a fixed T: a prefill graph (dynamic T) runs only in `eager` mode. A batch larger than
+the largest bucket (or than `max_tokens` tokens) runs eagerly on the split module, unpadded.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv4c.passes.split_at_routers import SegmentPlan
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MODES = ("eager", "graphs", "emulate")
+
+
+@dataclass
+class _Binding:
+    """How a captured segment's input is provided at replay."""
+
+    kind: str  # static (same tensor every run) | copy (copied into `tensor` before replay) | const
+    node: Node  # the parent-graph node the value comes from
+    value: object  # the tensor the graph reads (static/copy), or the constant
+    ptr: int = 0  # data_ptr at capture (tensors)
+
+
+@dataclass
+class _Captured:
+    seg: int
+    bindings: list[_Binding]
+    outputs: tuple  # static outputs (tensors in the graph pool / ints)
+    graph: object = None  # torch.cuda.CUDAGraph (graphs mode)
+    args: tuple = ()  # the static argument tuple (emulate mode re-runs on it)
+
+
+@dataclass
+class _Bucket:
+    size: int
+    captured: dict[int, _Captured] = field(default_factory=dict)
+    flat_views: dict[int, torch.Tensor] = field(default_factory=dict)  # flat input index -> buffer[:size]
+    pad_bufs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (seg, out) -> [size*T, ...]
+    owned: list[torch.Tensor] = field(default_factory=list)  # copy-binding buffers
+
+
+@dataclass
+class _Step:
+    seg: int
+    call: Node  # the call_module node in the parent graph
+    module: torch.nn.Module
+    args: tuple[Node, ...]
+    outs: list[Node | None]  # parent node per submodule output (getitem or the call itself)
+    real_in: frozenset[int]  # argument positions sized to real tokens (dynamic segments)
+    real_out: frozenset[int]  # output positions sized to real tokens
+    captured: bool  # captured (graphs/emulate) or eager
+
+
+class SegmentExecutor:
+    """Runs `split_gm` (from `apply_plan`) with `plan`; see the module docstring."""
+
+    def __init__(self, split_gm: GraphModule, plan: SegmentPlan, device, buckets=DEFAULT_BUCKETS,
+                 max_tokens: int | None = None, *, mode: str | None = None, pad_slot: int | None = None,
+                 debug: bool = False, warmup: int = 2, seed: int = 0):
+        self.gm, self.plan = split_gm, plan
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mode = mode or ("graphs" if self.device.type == "cuda" else "eager")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
+        if self.mode == "graphs" and self.device.type != "cuda":
+            raise ValueError("mode 'graphs' needs a CUDA device; use 'emulate' to test the bucketed path elsewhere")
+        self.debug, self.warmup, self.seed, self.pad_slot = debug, warmup, seed, pad_slot
+        self.T = plan.tokens_per_row
+        self.stats: dict = {"mode": self.mode, "runs": 0, "replays": 0, "eager_segment_runs": 0,
+                            "eager_fallbacks": 0, "capture_s": 0.0, "graph_bytes": 0, "graph_reserved_bytes": 0,
+                            "static_buffer_bytes": 0, "buckets": {}}
+        if self.mode == "eager":
+            self.buckets: tuple[int, ...] = ()
+            return
+        if self.T is None:
+            raise ValueError(f"{plan.graph_kind} graph: bucketed execution needs a fixed number of tokens per row "
+                             f"(decode/mtp graphs); run it with mode='eager'")
+        self._check_device()
+        self.max_tokens = max_tokens if max_tokens is not None else max(buckets) * self.T
+        bs = sorted(b for b in set(buckets) if b * self.T <= self.max_tokens)
+        if plan.n_slots is not None:  # no batch has more rows than cache slots
+            enough = [b for b in bs if b >= plan.n_slots]
+            bs = [b for b in bs if b < plan.n_slots] + enough[:1]
+        if not bs:
+            raise ValueError(f"no bucket fits max_tokens={self.max_tokens} at {self.T} tokens per row")
+        self.buckets = tuple(bs)
+        self._parse()
+        self._bucket_state: dict[int, _Bucket] = {}
+        self._flat_bufs: dict[int, torch.Tensor] = {}
+        self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches captured against
+        self._captured_all = False
+        self.pool = None
+
+    # ---- public ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, *args):
+        """Same call and result as `split_gm(*args)` (the outputs are fresh tensors)."""
+        self.stats["runs"] += 1
+        if self.mode == "eager":
+            return self.gm(*args)
+        flat = self._flatten(args)
+        B = flat[self._ids].shape[0]
+        if flat[self._ids].shape[1] != self.T:
+            raise ValueError(f"expected {self.T} tokens per row, got {flat[self._ids].shape[1]}")
+        b = next((x for x in self.buckets if x >= B), None)
+        if b is None:
+            self.stats["eager_fallbacks"] += 1
+            return self.gm(*args)
+        if not self._captured_all:
+            self.capture(*args)
+        self._check_externals(flat)
+        st = self._bucket_state[b]
+        self._fill_inputs(st, flat, B)
+        env = self._base_env(st, flat)
+        for step in self._steps:
+            if step.captured:
+                self._replay(st, step, env)
+            else:
+                self._run_eager(st, step, env, B * self.T)
+        outs = []
+        for v, n in zip(self.plan.graph_outputs, self._out_nodes):
+            t = env[n]
+            if isinstance(t, torch.Tensor) and v.rows in ("batch", "tokens"):
+                t = t[: B if v.rows == "batch" else B * self.T].clone()
+            outs.append(t)
+        return self._unflatten(outs)
+
+    __call__ = run
+
+    @torch.no_grad()
+    def capture(self, *args) -> None:
+        """Capture every bucket, largest first, against the caches in `args` (nothing is written to
+        them). `run` calls this on its first bucketed call."""
+        if self.mode == "eager" or self._captured_all:
+            return
+        flat = self._flatten(args)
+        self._externals = {i: flat[i].data_ptr() for i in self._cache_idx}
+        Bmax = max(self.buckets)
+        for i in self._padded_idx:
+            x = flat[i]
+            buf = torch.zeros((Bmax, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._flat_bufs[i] = buf
+            self.stats["static_buffer_bytes"] += buf.numel() * buf.element_size()
+        if self.mode == "graphs":
+            self.pool = torch.cuda.graph_pool_handle()
+        t_all = time.perf_counter()
+        for b in sorted(self.buckets, reverse=True):
+            self._capture_bucket(b, flat)
+        self.stats["capture_s"] = time.perf_counter() - t_all
+        self._captured_all = True
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _check_device(self) -> None:
+        for name, p in list(self.gm.named_parameters()) + list(self.gm.named_buffers()):
+            if p.device != self.device:
+                raise ValueError(f"{name} lives on {p.device}, not {self.device}: export the graph from a model on "
+                                 f"{self.device} (graphs hold device constants, so .to() is not enough)")
+
+    def _parse(self) -> None:
+        g = self.gm.graph
+        self._placeholders = [n for n in g.nodes if n.op == "placeholder"]
+        names = [n.name for n in self._placeholders]
+        roles = {v.name: v for v in self.plan.graph_inputs}
+        if names != [v.name for v in self.plan.graph_inputs]:
+            raise ValueError("split module and plan disagree on the graph inputs")
+        self._ids = names.index("input_ids") if "input_ids" in names else 0
+        self._padded_idx = [i for i, n in enumerate(names) if roles[n].role in ("padded", "meta")]
+        self._cache_idx = [i for i, n in enumerate(names) if roles[n].role == "cache"]
+        self._weights = {n: _get_attr(self.gm, n.target) for n in g.nodes if n.op == "get_attr"}
+        out = g.find_nodes(op="output")[0]
+        self._out_nodes = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, Node)]
+        calls = [n for n in g.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+        self._steps = []
+        for seg, call in zip(self.plan.segments, calls):
+            mod = getattr(self.gm, call.target)
+            n_out = len(seg.outputs)
+            getitems = {u.args[1]: u for u in call.users if u.op == "call_function"}
+            outs = [call] if n_out == 1 and not getitems else [getitems.get(i) for i in range(n_out)]
+            real_in = frozenset(i for i, v in enumerate(seg.inputs) if v.role == "real" and v.rows == "tokens")
+            real_out = frozenset(i for i, v in enumerate(seg.outputs) if v.role == "real" and v.rows == "tokens")
+            self._steps.append(_Step(seg.index, call, mod, tuple(call.args), outs, real_in, real_out, seg.capturable))
+        if len(self._steps) != len(self.plan.segments):
+            raise ValueError("split module and plan disagree on the segments")
+
+    def _flatten(self, args) -> list:
+        return list(self.gm.graph._codegen.process_inputs(*args))
+
+    def _unflatten(self, outs: list):
+        return self.gm.graph._codegen.process_outputs(outs)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _check_externals(self, flat) -> None:
+        for i, ptr in self._externals.items():
+            if flat[i].data_ptr() != ptr:
+                raise RuntimeError(f"cache input {self._placeholders[i].name} is not the tensor the graphs were captured "
+                                   f"with (data_ptr changed); caches must keep their addresses")
+
+    def _fill_inputs(self, st: _Bucket, flat, B: int) -> None:
+        """Copy the real rows into the static buffers and set the padded rows."""
+        b = st.size
+        for i in self._padded_idx:
+            view, x = st.flat_views[i], flat[i]
+            view[:B].copy_(x)
+            if B < b:
+                name = self._placeholders[i].name
+                if name == "slots":
+                    if self.pad_slot is None:
+                        view[B:].copy_(x[:1].expand(b - B))
+                    else:
+                        view[B:].fill_(self.pad_slot)
+                else:  # n_real = 0 (write nothing), pos0 = 0, ids 0, hidden 0
+                    view[B:].zero_()
+
+    def _base_env(self, st: _Bucket, flat) -> dict:
+        env: dict = {}
+        for i, n in enumerate(self._placeholders):
+            env[n] = st.flat_views[i] if i in st.flat_views else flat[i]
+        if self.debug:  # weights may have been re-bound since capture
+            env.update({n: _get_attr(self.gm, n.target) for n in self._weights})
+        else:
+            env.update(self._weights)
+        return env
+
+    def _representative(self, st: _Bucket, flat) -> None:
+        """Capture-time inputs: real-looking ids/positions/slots, n_real = 0 (nothing gets written)."""
+        b = st.size
+        g = torch.Generator(device="cpu").manual_seed(self.seed + b)
+        n_slots = self.plan.n_slots or b
+        for i in self._padded_idx:
+            view, name = st.flat_views[i], self._placeholders[i].name
+            if name == "input_ids":
+                v = torch.randint(0, self.plan.vocab_size, tuple(view.shape), generator=g)
+            elif name == "slots":
+                v = torch.arange(b) % n_slots
+            elif name == "pos0":
+                v = torch.arange(b) % 4
+            elif name == "n_real":
+                v = torch.zeros(b, dtype=view.dtype)
+            elif view.dtype.is_floating_point:
+                v = torch.randn(tuple(view.shape), generator=g)
+            else:
+                v = torch.zeros(tuple(view.shape), dtype=view.dtype)
+            view.copy_(v.to(view.dtype))
+
+    # ---- capture ------------------------------------------------------------------------------
+    def _capture_bucket(self, b: int, flat) -> None:
+        st = _Bucket(b)
+        self._bucket_state[b] = st
+        for i, buf in self._flat_bufs.items():
+            st.flat_views[i] = buf[:b]
+        self._representative(st, flat)
+        env = self._base_env(st, flat)
+        static_ids = {id(v) for v in env.values() if isinstance(v, torch.Tensor)}
+        t0 = time.perf_counter()
+        mem0, res0 = self._mem()
+        n_captured = 0
+        for step in self._steps:
+            if not step.captured:
+                self._run_eager(st, step, env, b * self.T)  # experts see all b rows as real here
+                for t in st.pad_bufs.values():
+                    static_ids.add(id(t))
+                continue
+            bindings, args = [], []
+            for a in step.args:
+                v = env[a]
+                if isinstance(v, torch.Tensor):
+                    if id(v) not in static_ids:  # produced by an eager segment: own a buffer, copy per replay
+                        v = v.detach().clone()
+                        st.owned.append(v)
+                        static_ids.add(id(v))
+                        bindings.append(_Binding("copy", a, v, v.data_ptr()))
+                    else:
+                        bindings.append(_Binding("static", a, v, v.data_ptr()))
+                else:
+                    bindings.append(_Binding("const", a, v))
+                args.append(v)
+            args = tuple(args)
+            cap = _Captured(step.seg, bindings, (), args=args)
+            if self.mode == "graphs":
+                cap.graph, outs = self._cuda_capture(step.module, args)
+            else:
+                outs = _as_tuple(step.module(*args), len(step.outs))
+            cap.outputs = outs
+            st.captured[step.seg] = cap
+            n_captured += 1
+            for node, o in zip(step.outs, outs):
+                if node is not None:
+                    env[node] = o
+                if isinstance(o, torch.Tensor):
+                    static_ids.add(id(o))
+        env.clear()  # drop the eager segments' outputs before measuring
+        mem1, res1 = self._mem()
+        dt = time.perf_counter() - t0
+        static = sum(t.numel() * t.element_size() for t in [*st.pad_bufs.values(), *st.owned])
+        graph = max(mem1 - mem0 - static, 0) if self.mode == "graphs" else 0
+        self.stats["buckets"][b] = {"captured_segments": n_captured, "eager_segments": len(self._steps) - n_captured,
+                                    "capture_s": dt, "graph_bytes": graph, "graph_reserved_bytes": res1 - res0,
+                                    "static_buffer_bytes": static}
+        self.stats["graph_bytes"] += graph
+        self.stats["graph_reserved_bytes"] += res1 - res0
+        self.stats["static_buffer_bytes"] += static
+
+    def _cuda_capture(self, module, args):
+        """Warm up on a side stream, capture into the shared pool, replay once (so the static outputs
+        hold real values for the segments captured after this one)."""
+        s = torch.cuda.Stream(device=self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(self.warmup):
+                module(*args)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            outs = module(*args)
+        outs = _as_tuple(outs, None)
+        g.replay()
+        return g, outs
+
+    def _mem(self) -> tuple[int, int]:
+        if self.mode != "graphs":
+            return 0, 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+    # ---- running ------------------------------------------------------------------------------
+    def _replay(self, st: _Bucket, step: _Step, env: dict) -> None:
+        cap = st.captured[step.seg]
+        for bd in cap.bindings:
+            v = env[bd.node]
+            if bd.kind == "copy":
+                if v is not bd.value:
+                    bd.value.copy_(v)
+            elif bd.kind == "const":
+                if v != bd.value:
+                    raise RuntimeError(f"segment {step.seg}: input {bd.node.name} = {v}, captured with {bd.value}")
+            elif self.debug and (v.data_ptr() != bd.ptr or v.shape != bd.value.shape):
+                raise RuntimeError(f"segment {step.seg}: input {bd.node.name} moved since capture "
+                                   f"(data_ptr {bd.ptr:#x} -> {v.data_ptr():#x})")
+            if self.debug and isinstance(bd.value, torch.Tensor) and bd.value.data_ptr() != bd.ptr:
+                raise RuntimeError(f"segment {step.seg}: static buffer of {bd.node.name} moved since capture")
+        if cap.graph is not None:
+            cap.graph.replay()
+        else:  # emulate: recompute from the static arguments into the static outputs
+            new = _as_tuple(step.module(*cap.args), len(cap.outputs))
+            for o, n in zip(cap.outputs, new):
+                if isinstance(o, torch.Tensor):
+                    if o.data_ptr() != n.data_ptr():
+                        o.copy_(n)
+                elif o != n:
+                    raise RuntimeError(f"segment {step.seg}: output {o} changed to {n} between replays")
+        self.stats["replays"] += 1
+        for node, o in zip(step.outs, cap.outputs):
+            if node is not None:
+                env[node] = o
+
+    def _run_eager(self, st: _Bucket, step: _Step, env: dict, real_rows: int) -> None:
+        args = [env[a] for a in step.args]
+        for i in step.real_in:  # dynamic segment: only the real tokens
+            args[i] = args[i][:real_rows]
+        outs = _as_tuple(step.module(*args), len(step.outs))
+        self.stats["eager_segment_runs"] += 1
+        for j, (node, o) in enumerate(zip(step.outs, outs)):
+            if j in step.real_out:
+                key = (step.seg, j)
+                buf = st.pad_bufs.get(key)
+                if buf is None:
+                    buf = torch.zeros((st.size * self.T, *o.shape[1:]), dtype=o.dtype, device=o.device)
+                    st.pad_bufs[key] = buf
+                buf[:real_rows].copy_(o)
+                buf[real_rows:].zero_()
+                o = buf
+            if node is not None:
+                env[node] = o
+
+
+def _as_tuple(out, n: int | None) -> tuple:
+    if n == 1 and not isinstance(out, (tuple, list)):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    return (out,)
+
+
+def _get_attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,238 @@
+"""`Session`: load a compiled artifact and generate text with it.
+
+`Session.load(ART)` checks the manifest (format version, every file's sha256, the target against this
+device), loads the stateless graphs and binds the weights by name, then allocates the static caches
+(`max_batch` sequence slots of `max_tokens` positions). Generation is batched with continuous batching:
+prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, and
+then decode together, one token per sequence per step, through the one decode graph. A finished
+sequence frees its slot for the next prompt at once.
+
+CUDA-graph replay of the decode step arrives with the router split (issue 5), MTP speculation with
+issue 8; until then the graphs run op by op on the chosen device.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from dsv4c.compile import ArtifactError, read_manifest
+from dsv4c.config import ModelConfig
+from dsv4c.export import flat_caches, retarget_device
+from dsv4c.model import build_model, register_ops
+from dsv4c.targets import Target, check_runnable
+from dsv4c.runtime.sampling import SamplingParams, sample
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str | None
+    finish_reason: str  # "length" | "stop"
+    stats: dict = field(default_factory=dict)  # ttft_s, tokens_per_s, prefill_chunks, accepted_draft_tokens
+
+
+@dataclass
+class _Request:
+    index: int
+    ids: list[int]
+    max_new: int
+    params: SamplingParams
+    stop_ids: set[int]
+    stop_strs: list[str]
+    gen: torch.Generator
+    out: list[int] = field(default_factory=list)
+    slot: int = -1
+    t_start: float = 0.0
+    t_first: float | None = None
+    chunks: int = 0
+    finish: str | None = None
+
+
+class Session:
+    def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer):
+        self.art, self.manifest, self.device = art, manifest, device
+        self.config = ModelConfig.from_dict(manifest["model_config"])
+        self.graphs, self.weights, self.tokenizer = graphs, weights, tokenizer
+        self.max_tokens = manifest["limits"]["max_tokens"]
+        self.max_batch = manifest["limits"]["max_batch"]
+        self.max_num_batched_tokens = self.max_tokens
+        self.caches = self._allocate_caches()
+        self.pos = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+
+    # ---- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False) -> "Session":
+        """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
+        format, or a target this device cannot run (`emulate=True` runs it on the reference ops)."""
+        from safetensors.torch import load_file
+
+        art = Path(art)
+        manifest = read_manifest(art, verify=True)
+        t = manifest["target"]
+        target = Target(t["name"], t["device"], tuple(t["capability"]) if t["capability"] else None,
+                        t["expert_format"], t["dense_format"])
+        device = torch.device(device)
+        check_runnable(target, str(device), emulate)
+        register_ops()
+        graphs = {kind: retarget_device(torch.export.load(str(art / g["file"])).module(), device)
+                  for kind, g in manifest["graphs"].items()}
+        weights = {}
+        for f in sorted({w["file"] for w in manifest["weights"].values()}):
+            weights.update(load_file(str(art / f), device=str(device)))
+        missing = set(manifest["weights"]) - set(weights)
+        if missing:
+            raise ArtifactError(f"{art}: weights missing from the weight files: {sorted(missing)[:5]}")
+        tok = None
+        if (art / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+        return cls(art, manifest, graphs, weights, device, tok)
+
+    def _allocate_caches(self) -> dict[str, torch.Tensor]:
+        """Static caches shaped as the model defines them (built on meta, then allocated)."""
+        model = build_model(self.config, device="meta", dtype=getattr(torch, self.manifest["dtype"]))
+        meta = flat_caches(model.new_cache(self.max_batch, max_len=self.max_tokens).layers)
+        return {k: torch.full(t.shape, _fill(k), dtype=t.dtype, device=self.device) for k, t in meta.items()}
+
+    def _reset_slot(self, slot: int) -> None:
+        for k, t in self.caches.items():
+            t[slot].fill_(_fill(k))
+        self.pos[slot] = 0
+
+    def _graph_weights(self, kind: str) -> dict[str, torch.Tensor]:
+        return {n: self.weights[n] for n in self.manifest["graphs"][kind]["weights"]}
+
+    # ---- running the graphs ---------------------------------------------------------------------
+    def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int]) -> torch.Tensor:
+        s = torch.tensor(slots, device=self.device)
+        n = torch.tensor(n_real, device=self.device)
+        out = self.graphs[kind](ids.to(self.device), s, self.pos[s].clone(), n, self.caches,
+                                self._graph_weights(kind))[0]
+        self.pos[s] += n
+        return out
+
+    def _prefill(self, req: _Request) -> torch.Tensor:
+        """Prefill one prompt in chunks; returns the last position's logits [V]."""
+        ids = req.ids
+        step = self.max_num_batched_tokens
+        logits = None
+        for i in range(0, len(ids), step):
+            chunk = torch.tensor([ids[i : i + step]])
+            logits = self._run("prefill", chunk, [req.slot], [chunk.shape[1]])
+            req.chunks += 1
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Prefill logits [T, V] (fp32) for one token-id sequence, in chunks of max_num_batched_tokens."""
+        ids = self._check_prompt(list(ids), 0)
+        self._reset_slot(0)
+        out = []
+        for i in range(0, len(ids), self.max_num_batched_tokens):
+            chunk = torch.tensor([ids[i : i + self.max_num_batched_tokens]])
+            out.append(self._run("prefill", chunk, [0], [chunk.shape[1]])[0].float().cpu())
+        self._reset_slot(0)
+        return torch.cat(out, 0)
+
+    # ---- generation -----------------------------------------------------------------------------
+    def _check_prompt(self, ids: list[int], max_new: int) -> list[int]:
+        V = self.config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (vocab_size={V})")
+        if len(ids) + max_new > self.max_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the compiled "
+                             f"limit max_tokens={self.max_tokens}")
+        return ids
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.art}: no tokenizer.json in the artifact; pass token ids")
+            bos = [self.config.bos_token_id] if self.config.bos_token_id is not None else []
+            return bos + self.tokenizer.encode(prompt).ids
+        return [int(t) for t in prompt]
+
+    def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[_Request]:
+        params = SamplingParams(temperature, top_p, top_k)
+        stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
+        stop_strs = []
+        for s in stop or []:
+            (stop_strs.append(s) if isinstance(s, str) else stop_ids.add(int(s)))
+        reqs = []
+        for i, p in enumerate(prompts):
+            ids = self._check_prompt(self._encode(p), max_new_tokens)  # every prompt checked before any work
+            reqs.append(_Request(i, ids, max_new_tokens, params, stop_ids, stop_strs,
+                                 torch.Generator().manual_seed(seed + i)))
+        return reqs
+
+    @torch.no_grad()
+    def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, stop=None) -> Iterator[tuple[int, int]]:
+        """Yield (request index, token) as tokens are produced, with continuous batching."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
+        yield from self._serve(reqs)
+
+    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop=None) -> list[GenerationResult]:
+        """Generate for a batch of prompts (strings or token-id lists); one result per prompt."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
+        for _ in self._serve(reqs):
+            pass
+        return [self._result(r) for r in reqs]
+
+    def _serve(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
+        waiting, active = deque(reqs), {}
+        free = list(range(self.max_batch))
+        while waiting or active:
+            while waiting and free:  # admit: prefill into a free slot, sample the first token
+                r = waiting.popleft()
+                r.slot, r.t_start = free.pop(0), time.perf_counter()
+                self._reset_slot(r.slot)
+                yield from self._emit(r, self._prefill(r))
+                (active.__setitem__(r.slot, r) if r.finish is None else free.append(r.slot))
+            if not active:
+                continue
+            slots = sorted(active)
+            last = torch.tensor([[active[s].out[-1]] for s in slots])
+            logits = self._run("decode", last, slots, [1] * len(slots))
+            for i, s in enumerate(slots):
+                r = active[s]
+                yield from self._emit(r, logits[i, -1])
+                if r.finish is not None:
+                    del active[s]
+                    free.append(s)
+
+    def _emit(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[int, int]]:
+        tok = sample(logits.float().cpu(), r.params, r.gen)
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        r.out.append(tok)
+        yield r.index, tok
+        if tok in r.stop_ids or (r.stop_strs and self.tokenizer is not None
+                                 and any(s in self.tokenizer.decode(r.out) for s in r.stop_strs)):
+            r.finish = "stop"
+        elif len(r.out) >= r.max_new:
+            r.finish = "length"
+
+    def _result(self, r: _Request) -> GenerationResult:
+        now = time.perf_counter()
+        text = self.tokenizer.decode(r.out) if self.tokenizer is not None else None
+        decode_s = max(now - (r.t_first or now), 1e-9)
+        stats = {"ttft_s": (r.t_first or now) - r.t_start, "tokens_per_s": max(len(r.out) - 1, 0) / decode_s,
+                 "prefill_chunks": r.chunks, "accepted_draft_tokens": 0}
+        return GenerationResult(r.ids, r.out, text, r.finish or "length", stats)
+
+
+def _fill(cache_name: str) -> float:
+    """Initial value of a cache tensor: open-group scores start at -inf (an empty slot has weight 0)."""
+    return float("-inf") if cache_name.endswith("_score") else 0.0

@@ -1,0 +1,154 @@
+"""`dsv4c compile` -> artifact -> `Session`: equal to the eager model, and every bad input named."""
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig, load_model, write_random_checkpoint
+from dsv4c.cli import main as cli_main
+from dsv4c.compile import ArtifactError, compile_checkpoint
+from dsv4c.model.generate import greedy
+from dsv4c.runtime import Session
+from dsv4c.targets import TargetError
+
+PROMPTS = [[5, 9, 17], [3, 44, 2, 7, 19, 23, 1, 8], [4], [6, 6, 6, 6, 6], [8, 9], [10, 11, 12]]
+
+
+@pytest.fixture(scope="module", params=["v4-tiny-a", "v32-tiny"])
+def compiled(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    write_random_checkpoint(ModelConfig.preset(request.param), d / "ckpt", seed=3, dtype=torch.float32)
+    manifest = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=64, max_batch=4,
+                                  dtype=torch.float32)
+    return d, manifest, load_model(d / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def session(compiled):
+    return Session.load(compiled[0] / "art")
+
+
+def test_manifest_lists_every_file_with_its_hash(compiled):
+    d, m, _ = compiled
+    files = {str(p.relative_to(d / "art")) for p in (d / "art").rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(m["files"]) == files and {"graphs/prefill.pt2", "graphs/decode.pt2"} <= files
+    assert m["format_version"] == 1 and m["target"]["name"] == "cpu"
+    assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
+    assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == ["fuse_projections", "absorb_mla"]
+
+
+def test_graphs_hold_no_weights_and_no_pickle(compiled):
+    d, m, _ = compiled
+    for g in m["graphs"].values():
+        ep = torch.export.load(str(d / "art" / g["file"]))
+        assert len(ep.state_dict) == 0 and len(ep.constants) == 0
+        with zipfile.ZipFile(d / "art" / g["file"]) as z:
+            for info in z.infolist():
+                data = z.read(info.filename)
+                assert not data.startswith(b"\x80"), f"{info.filename} looks like a pickle"
+                assert not info.filename.endswith((".pkl", ".pickle")) and (
+                    not info.filename.endswith(".pt") or info.file_size == 0), info.filename
+
+
+@torch.no_grad()
+def test_session_logits_equal_eager_and_chunked_prefill_equals_one_shot(compiled, session):
+    d, _, model = compiled
+    sess = session
+    ids = [5, 9, 17, 3, 44, 2, 7, 19, 23, 30, 31]
+    ref = model(torch.tensor([ids]))[0]
+    full = sess.logits(ids)
+    assert ((full - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    sess.max_num_batched_tokens = 4
+    try:
+        assert ((sess.logits(ids) - full).abs().max() / full.abs().max()).item() < 1e-5
+    finally:
+        sess.max_num_batched_tokens = sess.max_tokens
+
+
+@torch.no_grad()
+def test_generate_batches_continuously_and_equals_eager_greedy(compiled, session):
+    d, _, model = compiled
+    sess = session
+    results = sess.generate(PROMPTS, max_new_tokens=6)  # 6 prompts through 4 cache slots
+    for p, r in zip(PROMPTS, results):
+        assert r.tokens == greedy(model, torch.tensor([p]), 6)[0].tolist()
+        assert r.finish_reason == "length" and r.stats["prefill_chunks"] == 1
+    streamed = {}
+    for i, tok in sess.stream(PROMPTS[:3], max_new_tokens=6):
+        streamed.setdefault(i, []).append(tok)
+    assert [streamed[i] for i in range(3)] == [r.tokens for r in results[:3]]
+
+
+def test_sampling_is_seeded(session):
+    sess = session
+    a = sess.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
+    b = sess.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
+    c = sess.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=2)
+    assert [r.tokens for r in a] == [r.tokens for r in b] != [r.tokens for r in c]
+
+
+def test_bad_prompts_are_rejected_before_any_work(compiled, session):
+    d, _, model = compiled
+    sess = session
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match="max_tokens=64"):
+        sess.generate([[1] * 60], max_new_tokens=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sess.generate([[1, 2], [V + 3]])
+    with pytest.raises(ValueError, match="empty"):
+        sess.generate([[1], []])
+    before = sess.pos.clone()
+    with pytest.raises(ValueError, match="max_tokens=64"):
+        sess.generate([[2, 3], [1] * 60], max_new_tokens=8)  # the good prompt is not started either
+    assert torch.equal(sess.pos, before)
+
+
+def _copy(d, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(d / "art", art)
+    return art
+
+
+def test_load_errors_name_the_file_or_field(compiled, tmp_path):
+    d, m, _ = compiled
+    art = _copy(d, tmp_path)
+    w = sorted((art / "weights").glob("*.safetensors"))[0]
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=f"{w.name}: sha256"):
+        Session.load(art)
+    (art / "graphs" / "decode.pt2").unlink()
+    with pytest.raises(ArtifactError, match="decode.pt2: listed in the manifest but missing"):
+        Session.load(art)
+    newer = json.loads((d / "art" / "manifest.json").read_text())
+    newer["format_version"] = 99
+    art2 = _copy(d, tmp_path / "b")
+    (art2 / "manifest.json").write_text(json.dumps(newer))
+    with pytest.raises(ArtifactError, match="format_version 99 is newer"):
+        Session.load(art2)
+
+
+def test_target_mismatch_needs_emulate(tmp_path):
+    write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="b200", max_tokens=32, max_batch=2,
+                       dtype=torch.float32)
+    with pytest.raises(TargetError, match="b200.*capability 10.0"):
+        Session.load(tmp_path / "art")
+    sess = Session.load(tmp_path / "art", emulate=True)
+    assert len(sess.generate([[1, 2, 3]], max_new_tokens=2)[0].tokens) == 2
+    with pytest.raises(FileExistsError):
+        compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu")
+
+
+def test_cli_inspect_and_run(compiled, capsys):
+    d, _, model = compiled
+    assert cli_main(["inspect", str(d / "art")]) == 0
+    out = capsys.readouterr().out
+    assert "target     cpu" in out and "graphs/decode.pt2" in out
+    assert cli_main(["run", str(d / "art"), "--prompt", "x"]) == 2  # no tokenizer in a random checkpoint
+    assert "tokenizer" in capsys.readouterr().err
