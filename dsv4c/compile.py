@@ -103,8 +103,15 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     }
     manifest["files"] = {str(p.relative_to(out)): {"sha256": sha256(p), "size": p.stat().st_size}
                          for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    manifest["checksum"] = manifest_checksum(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def manifest_checksum(m: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own `checksum` field."""
+    body = json.dumps({k: v for k, v in m.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _prepare(out: Path, force: bool) -> None:
@@ -201,9 +208,11 @@ def read_manifest(art: str | Path, verify: bool = True) -> dict:
     if version > FORMAT_VERSION:
         raise ArtifactError(f"{path}: format_version {version} is newer than this dsv4c reads ({FORMAT_VERSION}); "
                             f"upgrade dsv4c or recompile")
-    for key in ("target", "model_config", "graphs", "weights", "files", "limits"):
+    for key in ("target", "model_config", "graphs", "weights", "files", "limits", "checksum"):
         if key not in m:
             raise ArtifactError(f"{path}: field {key!r} is missing")
+    if verify and manifest_checksum(m) != m["checksum"]:
+        raise ArtifactError(f"{path}: checksum does not match its contents (the manifest was edited)")
     if verify:
         for rel, info in m["files"].items():
             f = art / rel

@@ -131,6 +131,12 @@ def test_load_errors_name_the_file_or_field(compiled, tmp_path):
     (art2 / "manifest.json").write_text(json.dumps(newer))
     with pytest.raises(ArtifactError, match="format_version 99 is newer"):
         Session.load(art2)
+    edited = json.loads((d / "art" / "manifest.json").read_text())
+    edited["limits"]["max_tokens"] = 4096  # would let prompts overrun the compiled caches
+    art3 = _copy(d, tmp_path / "c")
+    (art3 / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(ArtifactError, match="manifest.json: checksum does not match"):
+        Session.load(art3)
 
 
 def test_target_mismatch_needs_emulate(tmp_path):
