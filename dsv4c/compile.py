@@ -54,12 +54,13 @@ def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, int]]:
 
 def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", skip: tuple[str, ...] = (),
                        max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
-                       mtp_k: int = 0, dtype: torch.dtype = torch.bfloat16, force: bool = False,
+                       mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                        progress: bool = False) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
+    dtype = dtype if dtype is not None else getattr(torch, tgt.dtype)
     if max_batch < 2:
         raise ValueError("--max-batch: at least 2")
     model = load_model(ckpt, device="meta", dtype=dtype)  # checks names and shapes, allocates nothing

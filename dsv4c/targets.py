@@ -28,12 +28,14 @@ class Target:
     dense_format: str  # planned format of attention / shared-expert / dense linears
     kernels: dict = field(default_factory=dict)  # custom op -> implementation
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    dtype: str = "bfloat16"  # activation dtype the artifact is compiled in unless --dtype says otherwise
     status: str = "reference kernels, unquantised weights (issue 6 lowers the formats)"
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "capability": self.capability,
                 "expert_format": self.expert_format, "dense_format": self.dense_format,
-                "kernels": dict(self.kernels), "buckets": list(self.buckets), "status": self.status}
+                "kernels": dict(self.kernels), "buckets": list(self.buckets), "dtype": self.dtype,
+                "status": self.status}
 
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
@@ -44,7 +46,7 @@ TARGETS: dict[str, Target] = {
     "h200": Target("h200", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
     "h100": Target("h100", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
     "cpu": Target("cpu", "cpu", None, expert_format="reference", dense_format="reference", kernels=_REFERENCE,
-                  buckets=()),
+                  buckets=(), dtype="float32"),  # bf16 matmuls are slow on CPUs
 }
 
 
