@@ -158,3 +158,22 @@ def test_cli_inspect_and_run(compiled, capsys):
     assert "target     cpu" in out and "graphs/decode.pt2" in out
     assert cli_main(["run", str(d / "art"), "--prompt", "x"]) == 2  # no tokenizer in a random checkpoint
     assert "tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_artifact_runs_on_cuda_and_equals_eager(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=64, max_batch=4,
+                       dtype=torch.float32)
+    sess = Session.load(tmp_path / "art", device="cuda")
+    model = load_model(tmp_path / "ckpt").cuda()
+    ids = [5, 9, 17, 3, 44, 2, 7, 19, 23]
+    ref = model(torch.tensor([ids], device="cuda"))[0].float().cpu()
+    got = sess.logits(ids)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    results = sess.generate(PROMPTS, max_new_tokens=5)
+    for p, r in zip(PROMPTS, results):
+        assert r.tokens == greedy(model, torch.tensor([p], device="cuda"), 5)[0].tolist()
