@@ -19,14 +19,16 @@ bucket b holds b·T tokens). A batch of B rows runs in the smallest bucket b >= 
 padding: n_real = 0 (the ops write nothing for them), pos0 = 0, slot = `pad_slot` (default: the
 slot of row 0; any slot works because nothing is written), token ids 0. Dynamic segments (the routed
 experts) get only the real tokens (the first B·T rows), so padded rows reach no expert and stay out
-of the tokens-per-expert counts; their outputs are padded back with zeros. Graph outputs are sliced
-to the B real rows and copied out of the static buffers.
+of the tokens-per-expert counts; their outputs are padded back with zeros. (A dynamic segment that a
+target makes capturable is captured like the others and then sees all b rows.) Graph outputs are
+sliced to the B real rows and copied out of the static buffers.
 
 Capture writes nothing to the caches: the capture pass runs on representative inputs (random token
 ids, small distinct positions, the bucket's rows all treated as real for the experts) with
-n_real = 0 in every row. The caches must be the same tensors at every call (their addresses are
-baked into the graphs); `run` checks that. With `debug=True` every captured input's data_ptr is
-checked against its capture-time value at every replay.
+n_real = 0 in every row. The caches (and weights, when the graph takes them as inputs) must be the
+same tensors at every call (their addresses are baked into the graphs); `run` checks that. With
+`debug=True` every captured input's data_ptr is checked against its capture-time value at every
+replay.
 
 Graphs need a fixed T: a prefill graph (dynamic T) runs only in `eager` mode. A batch larger than
 the largest bucket (or than `max_tokens` tokens) runs eagerly on the split module, unpadded.
@@ -40,8 +42,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dsv4c.passes.split_at_routers import SegmentPlan
+from dsv4c.targets import DEFAULT_BUCKETS
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MODES = ("eager", "graphs", "emulate")
 
 
@@ -123,7 +125,7 @@ class SegmentExecutor:
         self._parse()
         self._bucket_state: dict[int, _Bucket] = {}
         self._flat_bufs: dict[int, torch.Tensor] = {}
-        self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches captured against
+        self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches/weights captured against
         self._captured_all = False
         self.pool = None
 
@@ -201,7 +203,7 @@ class SegmentExecutor:
             raise ValueError("split module and plan disagree on the graph inputs")
         self._ids = names.index("input_ids") if "input_ids" in names else 0
         self._padded_idx = [i for i, n in enumerate(names) if roles[n].role in ("padded", "meta")]
-        self._cache_idx = [i for i, n in enumerate(names) if roles[n].role == "cache"]
+        self._cache_idx = [i for i, n in enumerate(names) if roles[n].role in ("cache", "weight")]
         self._weights = {n: _get_attr(self.gm, n.target) for n in g.nodes if n.op == "get_attr"}
         out = g.find_nodes(op="output")[0]
         self._out_nodes = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, Node)]
@@ -228,8 +230,8 @@ class SegmentExecutor:
     def _check_externals(self, flat) -> None:
         for i, ptr in self._externals.items():
             if flat[i].data_ptr() != ptr:
-                raise RuntimeError(f"cache input {self._placeholders[i].name} is not the tensor the graphs were captured "
-                                   f"with (data_ptr changed); caches must keep their addresses")
+                raise RuntimeError(f"input {self._placeholders[i].name} is not the tensor the graphs were captured "
+                                   f"with (data_ptr changed); caches and weights must keep their addresses")
 
     def _fill_inputs(self, st: _Bucket, flat, B: int) -> None:
         """Copy the real rows into the static buffers and set the padded rows."""
@@ -315,7 +317,7 @@ class SegmentExecutor:
             if self.mode == "graphs":
                 cap.graph, outs = self._cuda_capture(step.module, args)
             else:
-                outs = _as_tuple(step.module(*args), len(step.outs))
+                outs = _as_tuple(step.module(*args))
             cap.outputs = outs
             st.captured[step.seg] = cap
             n_captured += 1
@@ -349,7 +351,7 @@ class SegmentExecutor:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
             outs = module(*args)
-        outs = _as_tuple(outs, None)
+        outs = _as_tuple(outs)
         g.replay()
         return g, outs
 
@@ -378,7 +380,7 @@ class SegmentExecutor:
         if cap.graph is not None:
             cap.graph.replay()
         else:  # emulate: recompute from the static arguments into the static outputs
-            new = _as_tuple(step.module(*cap.args), len(cap.outputs))
+            new = _as_tuple(step.module(*cap.args))
             for o, n in zip(cap.outputs, new):
                 if isinstance(o, torch.Tensor):
                     if o.data_ptr() != n.data_ptr():
@@ -394,7 +396,7 @@ class SegmentExecutor:
         args = [env[a] for a in step.args]
         for i in step.real_in:  # dynamic segment: only the real tokens
             args[i] = args[i][:real_rows]
-        outs = _as_tuple(step.module(*args), len(step.outs))
+        outs = _as_tuple(step.module(*args))
         self.stats["eager_segment_runs"] += 1
         for j, (node, o) in enumerate(zip(step.outs, outs)):
             if j in step.real_out:
@@ -410,12 +412,9 @@ class SegmentExecutor:
                 env[node] = o
 
 
-def _as_tuple(out, n: int | None) -> tuple:
-    if n == 1 and not isinstance(out, (tuple, list)):
-        return (out,)
-    if isinstance(out, (tuple, list)):
-        return tuple(out)
-    return (out,)
+def _as_tuple(out) -> tuple:
+    """A submodule returns its single output bare, several as a tuple (and none as ())."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _get_attr(gm: torch.nn.Module, target: str):
