@@ -222,6 +222,21 @@ def fake_value(ref: Node, fn: Callable, *args):
         return fn(*conv)
 
 
+def fake_linear(x, w):
+    """Fake value of `linear(x, w)` from shapes alone (torch 2.11's composite linear calls numel() on
+    symbolic sizes under fake tensors)."""
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def fake_einsum(eq: str, operands):
+    """Fake value of a two-operand einsum, from its equation and the operand shapes."""
+    ins, out = eq.split("->")
+    sizes = {}
+    for spec, t in zip(ins.split(","), operands):
+        sizes.update(zip(spec, t.shape))
+    return operands[0].new_empty(tuple(sizes[c] for c in out))
+
+
 def erase_unused(gm: GraphModule, nodes) -> None:
     """Erase `nodes` once nothing uses them, then whatever fed only them (transitively). Placeholders
     and ops that write their arguments (cache updates) are never erased; `_assert_tensor_metadata`

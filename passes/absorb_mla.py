@@ -33,8 +33,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_value, get_param,
-                          resolve, set_param)
+from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_einsum, fake_value,
+                          get_param, resolve, set_param)
 
 aten = torch.ops.aten
 
@@ -126,7 +126,8 @@ def _rewrite(gm: GraphModule, ctx: PassContext, s: dict) -> dict:
             n = g.call_function(target, args)
         vals = [a.meta["val"] if isinstance(a, Node) else
                 ([x.meta["val"] for x in a] if isinstance(a, list) else a) for a in args]
-        n.meta["val"] = fake_value(ref, target, *vals)
+        shape_fn = fake_einsum if target is aten.einsum.default else target  # see fake_linear
+        n.meta["val"] = fake_value(ref, shape_fn, *vals)
         return n
 
     def attr(name, before):

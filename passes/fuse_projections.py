@@ -37,8 +37,8 @@ from collections import defaultdict
 import torch
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_value, get_param,
-                          resolve, set_param)
+from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_linear, fake_value,
+                          get_param, resolve, set_param)
 
 aten = torch.ops.aten
 
@@ -99,7 +99,7 @@ def _fuse(gm: GraphModule, group: list[Node]) -> dict:
         w_node = gm.graph.get_attr(fname)
         w_node.meta["val"] = fake_value(x, lambda t: t, fused)
         y = gm.graph.call_function(torch.ops.aten.linear.default, (x, w_node))
-        y.meta["val"] = fake_value(x, torch.ops.aten.linear.default, x.meta["val"], w_node.meta["val"])
+        y.meta["val"] = fake_value(x, fake_linear, x.meta["val"], w_node.meta["val"])
         parts = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (y, sizes, -1))
         parts.meta["val"] = fake_value(x, torch.ops.aten.split_with_sizes.default, y.meta["val"], sizes, -1)
     for i, n in enumerate(group):
