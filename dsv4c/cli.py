@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
     s.add_argument("--max-tokens", type=int, default=4096, help="positions per sequence the caches hold")
     s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (cache slots)")
-    s.add_argument("--buckets", type=_buckets, default=None, help="CUDA-graph token buckets, e.g. 1,2,4,8")
+    s.add_argument("--buckets", type=_buckets, default=None, help="CUDA-graph batch buckets (sequences per decode step), e.g. 1,2,4,8")
     s.add_argument("--mtp", type=int, default=0, help="speculative tokens k of the decode graph (1 + k per step)")
     s.add_argument("--dtype", type=_dtype, default=None, help="activation dtype (default: the target's; cpu fp32)")
     s.add_argument("--force", action="store_true", help="replace a non-empty output folder")

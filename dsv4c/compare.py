@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4c.export import GraphSpec, export_graph, flat_caches
-from dsv4c.passes import PassContext, default_pipeline, run_pipeline
+from dsv4c.passes import PassContext, run_pipeline
 
 
 def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -117,7 +117,7 @@ def _metrics_now(gm, case: _Case | None) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table (the CLI prints it with rich when available)."""
+    """A plain-text table, one row per graph and step."""
     head = f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'max abs':>10} {'cosine':>10} {'sec':>6}  stats"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -140,7 +140,3 @@ def _short_stats(stats: dict) -> str:
         else:
             parts.append(f"{key}={v}")
     return ", ".join(parts)[:80]
-
-
-def default_pass_names() -> list[str]:
-    return [name for name, _ in default_pipeline()]

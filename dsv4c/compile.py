@@ -45,10 +45,14 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, int]]:
-    kinds = [("prefill", 0), ("decode", mtp_k)]
-    if mtp_k > 0 and cfg.num_nextn_predict_layers:
-        kinds.append(("mtp", mtp_k))
+def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, str, int]]:
+    """(artifact graph name, export kind, k): decode always takes one token per sequence; with
+    --mtp K the artifact adds `verify` (1 + K tokens per sequence) and the MTP block's graph."""
+    kinds = [("prefill", "prefill", 0), ("decode", "decode", 0)]
+    if mtp_k > 0:
+        if not cfg.num_nextn_predict_layers:
+            raise ValueError(f"--mtp {mtp_k}: this checkpoint has no MTP block (num_nextn_predict_layers = 0)")
+        kinds += [("verify", "decode", mtp_k), ("mtp", "mtp", mtp_k)]
     return kinds
 
 
@@ -67,7 +71,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     cfg = model.config
     _prepare(out, force)
     graphs, weight_specs, recipes = {}, {}, {}
-    for kind, k in graph_kinds(cfg, mtp_k):
+    for name, kind, k in graph_kinds(cfg, mtp_k):
         spec = GraphSpec(kind, k=k, n_slots=max_batch, max_len=max_tokens)
         eg = export_graph(model, spec)
         gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind), skip=skip)
@@ -75,14 +79,14 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
-        path = out / "graphs" / f"{kind}.pt2"
+        path = out / "graphs" / f"{name}.pt2"
         torch.export.save(program, str(path))
         weight_specs.update({n: (tuple(t.shape), t.dtype) for n, t in weights.items()})
-        graphs[kind] = {"file": f"graphs/{kind}.pt2", "k": k, "tokens_per_seq": spec.tokens,
+        graphs[name] = {"file": f"graphs/{name}.pt2", "kind": kind, "k": k, "tokens_per_seq": spec.tokens,
                         "export_seconds": round(eg.seconds, 2), "weights": sorted(weights),
                         "passes": [_record(r) for r in records]}
         if progress:
-            print(f"{kind}: exported in {eg.seconds:.1f}s, passes {[r.name for r in records if r.changed]}")
+            print(f"{name}: exported in {eg.seconds:.1f}s, passes {[r.name for r in records if r.changed]}")
     weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress)
     for name in TOKENIZER_FILES:
         if (ckpt / name).is_file():
@@ -119,6 +123,8 @@ def _prepare(out: Path, force: bool) -> None:
     if out.exists() and any(out.iterdir()):
         if not force:
             raise FileExistsError(f"{out}: folder is not empty (pass --force to replace it)")
+        if not (out / MANIFEST).is_file():
+            raise FileExistsError(f"{out}: --force replaces only a dsv4c artifact, and this folder has no {MANIFEST}")
         shutil.rmtree(out)
     (out / "graphs").mkdir(parents=True)
     (out / "weights").mkdir()

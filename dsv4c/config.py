@@ -511,6 +511,7 @@ def _to_v3_hf(c: ModelConfig) -> dict:
               "moe_layer_freq n_group topk_group").split():
         d[k] = getattr(c, k)
     d["num_key_value_heads"] = c.num_attention_heads if c.num_key_value_heads == 1 else c.num_key_value_heads
+    d["mtp_zero_embed_at_pos0"] = c.mtp_zero_embed_at_pos0  # a dsv4c option, kept so that configs round-trip
     if c.rope_scaling is not None:
         d["rope_scaling"] = c.rope_scaling.to_dict()
     if c.model_type != V32:

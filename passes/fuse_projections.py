@@ -38,27 +38,36 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dsv4c.passes import (PassContext, PassResult, delete_param, erase_unused, fake_linear, fake_value,
-                          get_param, resolve, set_param)
+                          get_param, set_param)
 
 aten = torch.ops.aten
 
 
+def _source(n: Node) -> Node:
+    """Look through every dtype cast (`aten.to.dtype`) to the value being cast."""
+    while n.op == "call_function" and n.target is aten.to.dtype:
+        n = n.args[0]
+    return n
+
+
 def _linear_weight(n: Node) -> str | None:
-    """The parameter name of a bias-free linear's weight, or None."""
-    if n.op != "call_function" or n.target is not torch.ops.aten.linear.default:
+    """The parameter name of a bias-free linear's weight (through a cast such as the compressor's
+    `w.float()`), or None."""
+    if n.op != "call_function" or n.target is not aten.linear.default:
         return None
     if len(n.args) > 2 and n.args[2] is not None:
         return None
-    w = resolve(n.args[1])
+    w = _source(n.args[1])
     return w.target if w.op == "get_attr" else None
 
 
 def _groups(gm: GraphModule) -> list[list[Node]]:
+    """Linears on the same value computed in the same dtype (casts of one value count as one input)."""
     by_input: dict[tuple, list[Node]] = defaultdict(list)
     for n in gm.graph.nodes:
         if _linear_weight(n) is not None:
             x = n.args[0]
-            by_input[(resolve(x), x.meta["val"].dtype)].append(n)
+            by_input[(_source(x), x.meta["val"].dtype)].append(n)
     return [g for g in by_input.values() if len(g) > 1]
 
 

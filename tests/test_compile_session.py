@@ -149,6 +149,19 @@ def test_target_mismatch_needs_emulate(tmp_path):
     assert len(sess.generate([[1, 2, 3]], max_new_tokens=2)[0].tokens) == 2
     with pytest.raises(FileExistsError):
         compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu")
+    with pytest.raises(FileExistsError, match="only a dsv4c artifact"):  # --force never wipes other folders
+        compile_checkpoint(tmp_path / "ckpt", tmp_path / "ckpt", target="cpu", force=True)
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+
+
+def test_mtp_artifact_keeps_a_one_token_decode_graph(tmp_path):
+    write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
+    m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
+    assert {n: (g["kind"], g["tokens_per_seq"]) for n, g in m["graphs"].items()} == {
+        "prefill": ("prefill", None), "decode": ("decode", 1), "verify": ("decode", 3), "mtp": ("mtp", 3)}
+    model = load_model(tmp_path / "ckpt")
+    out = Session.load(tmp_path / "art").generate([[1, 2, 3]], max_new_tokens=4)[0].tokens
+    assert out == greedy(model, torch.tensor([[1, 2, 3]]), 4)[0].tolist()
 
 
 def test_cli_inspect_and_run(compiled, capsys):

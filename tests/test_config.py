@@ -322,3 +322,9 @@ def test_parameter_counts_match_published_sizes(preset, total, active):
         assert 13e9 <= counts["active"] < 14e9
     if preset == "v4-pro":
         assert 1.55e12 < counts["total"] < 1.65e12 and 49e9 <= counts["active"] < 50e9
+
+
+def test_dsv4c_options_round_trip():
+    cfg = ModelConfig.preset("v3-tiny").replace(mtp_zero_embed_at_pos0=False)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert ModelConfig.from_dict(ModelConfig.preset("v3-tiny").to_dict()).mtp_zero_embed_at_pos0  # V3 default on

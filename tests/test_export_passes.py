@@ -137,6 +137,22 @@ def test_fuse_projections_op_counts():
 
 
 @torch.no_grad()
+def test_fuse_projections_in_bf16_keeps_the_fp32_compressor_group():
+    """bf16 models compute the compressor/indexer projections in fp32 (an fp32 island): they fuse
+    into their own fp32 GEMM beside the bf16 wq_a ‖ wkv, bit-exactly."""
+    cfg = ModelConfig.preset("v4-tiny-a")
+    m = build_model(cfg, dtype=torch.bfloat16)
+    gm = export_graph(m, GraphSpec("decode", n_slots=2, max_len=64)).module()
+    res = fuse_projections(gm, PassContext(cfg))
+    gm.recompile()
+    groups = {(len(g["members"]), g["dtype"]) for g in res.stats["groups"]}
+    assert groups == {(2, "bfloat16"), (2, "float32"), (5, "float32")}  # SWA/HCA/CSA layers
+    assert res.stats["linears_after"] == res.stats["linears_before"] - 15
+    ids, cache = _inputs(m, 1)
+    assert torch.equal(_run_graph(gm, ids, cache)[0], m(ids, copy.deepcopy(cache)))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("preset", ["v3-tiny", "v32-tiny"])
 def test_absorbed_decode_graph_never_expands_the_cache(preset):
     cfg = ModelConfig.preset(preset)

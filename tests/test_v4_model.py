@@ -110,7 +110,7 @@ def test_decode_state_matches_prefill_state(pair):
 def test_sinkhorn_is_doubly_stochastic_and_not_symmetric():
     c = sinkhorn(torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)), iters=20, eps=1e-6)
     torch.testing.assert_close(c.sum(-2), torch.ones(3, 4), atol=1e-5, rtol=0)  # columns last
-    torch.testing.assert_close(c.sum(-1), torch.ones(3, 4), atol=2e-2, rtol=0)
+    torch.testing.assert_close(c.sum(-1), torch.ones(3, 4), atol=1e-5, rtol=0)  # converged rows
     assert not torch.allclose(c, c.transpose(-1, -2))
 
 
