@@ -30,3 +30,14 @@ def test_subset_of_slots_equals_sequences_alone(preset):
     for b in (0, 2):
         got = torch.cat([first[b : b + 1]] + steps[b], 1)
         torch.testing.assert_close(got, alone[b], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["v4-tiny-a", "v3-tiny"])
+def test_bad_slots_are_rejected_before_any_state_changes(preset):
+    model = build_model(ModelConfig.preset(preset))
+    cache = model.new_cache(3, max_len=16)
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    for slots in ([1, 1], [0, 3], [-1, 0]):
+        with pytest.raises(ValueError, match="distinct cache rows"):
+            model(ids, cache, slots=torch.tensor(slots))
+    assert cache.pos.tolist() == [0, 0, 0]

@@ -7,6 +7,7 @@ Dimension legend used in shape comments across dsv4c/model:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -105,6 +106,13 @@ def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
 
 
+def selection_mask(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """selected [..., k] key indices (-1 = unused) -> bool [..., num_keys], True at the selected keys."""
+    slot = torch.where(selected < 0, num_keys, selected)  # -1 goes to an extra column, then dropped
+    mask = torch.zeros(*selected.shape[:-1], num_keys + 1, dtype=torch.bool, device=selected.device)
+    return mask.scatter(-1, slot, True)[..., :num_keys]
+
+
 def topk_visible(score: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """Indexer selection shared by V4's CSA and V3.2's DSA: the top-min(topk, visible) visible keys of
     `score [B, T, L]` by score, as key indices [B, T, topk] with -1 in unused slots."""
@@ -128,6 +136,24 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return (torch.nn.functional.silu(g) * u) @ w2.t()
 
 
+@dataclass
+class StaticCache:
+    """The caches of one model (or its MTP block): per-layer static buffers `[n_slots, ...]`, the next
+    position of each slot, and the positions the buffers hold."""
+
+    layers: list
+    pos: torch.Tensor  # [n_slots] int64
+    max_len: int
+
+    @property
+    def length(self) -> int:
+        """The common position of all sequences (raises if they differ)."""
+        lo, hi = int(self.pos.min()), int(self.pos.max())
+        if lo != hi:
+            raise ValueError(f"sequences sit at different positions ({lo}..{hi}); use cache.pos")
+        return lo
+
+
 def batch_meta(cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.Tensor | None):
     """(slots, pos0, n_real) for a chunk of a [B, T] batch, checked eagerly before any state changes.
     `cache` is a V4Cache or V3Cache (anything with `pos [n_slots]` and `max_len`)."""
@@ -140,6 +166,9 @@ def batch_meta(cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.
         n_real = torch.full((B,), T, dtype=torch.int64, device=dev)
     if slots.shape != (B,) or n_real.shape != (B,):
         raise ValueError(f"slots and n_real need shape [{B}], got {list(slots.shape)} and {list(n_real.shape)}")
+    n_slots = cache.pos.shape[0]
+    if B and (int(slots.min()) < 0 or int(slots.max()) >= n_slots or slots.unique().numel() != B):
+        raise ValueError(f"slots {slots.tolist()} must be distinct cache rows in [0, {n_slots})")
     if B and int(n_real.max()) > T:
         raise ValueError(f"n_real {n_real.tolist()} exceeds the chunk length {T}")
     pos0 = cache.pos[slots]

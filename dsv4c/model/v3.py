@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig, YarnScaling
-from dsv4c.model.common import (RMSNorm, batch_meta, RotaryTable, rope_half_split, rope_interleaved, rope_inv_freq, swiglu,
-                                yarn_mscale)
+from dsv4c.model.common import (RMSNorm, RotaryTable, StaticCache, batch_meta, rope_half_split, rope_interleaved,
+                                selection_mask, swiglu, yarn_mscale)
 from dsv4c.model import v3_ops  # noqa: F401  (registers torch.ops.dsv4c.mla_cache_update, dsa_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -65,19 +65,7 @@ class LayerCache:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
-@dataclass
-class V3Cache:
-    layers: list[LayerCache]  # main model: one per layer; MTP: a single one
-    pos: torch.Tensor  # [B] int64: the position of each sequence's next token
-    max_len: int  # positions the buffers can hold (L)
-
-    @property
-    def length(self) -> int:
-        """The common position of all sequences (raises if they differ)."""
-        lo, hi = int(self.pos.min()), int(self.pos.max())
-        if lo != hi:
-            raise ValueError(f"sequences sit at different positions ({lo}..{hi}); use cache.pos")
-        return lo
+V3Cache = StaticCache  # layers: [LayerCache]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,14 +131,6 @@ class Indexer(nn.Module):
         torch.ops.dsv4c.dsa_cache_update(k, slots, pos0, n_real, index_keys)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5  # [B,T,HI]
         return torch.ops.dsv4c.dsa_topk(q, w, index_keys[slots], pos0, self.topk)
-
-
-def selection_mask(selected: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """selected [B,T,k] key positions (-1 = unused) -> bool [B,T,L], True at the selected keys."""
-    B, T, _ = selected.shape
-    slot = torch.where(selected < 0, num_keys, selected)                      # -1 -> a dropped extra column
-    mask = torch.zeros(B, T, num_keys + 1, dtype=torch.bool, device=selected.device)
-    return mask.scatter(-1, slot, True)[..., :num_keys]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,9 +236,12 @@ class Gate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def _apply(self, fn, recurse: bool = True):
-        # The bias stays fp32 whatever the model dtype (HF: `_keep_in_fp32_modules_strict`).
+        # The bias stays fp32 whatever the model dtype (HF: `_keep_in_fp32_modules_strict`): keep the
+        # fp32 values and only follow the device, so a `.to(bfloat16)` does not round them.
+        keep = self.e_score_correction_bias
         super()._apply(fn, recurse)
-        self.e_score_correction_bias = self.e_score_correction_bias.float()
+        new = self.e_score_correction_bias
+        self.e_score_correction_bias = (new if keep.is_meta else keep.to(new.device)).to(torch.float32)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,15 +364,6 @@ class DeepseekV3Model(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryTable(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)
         self.rope_factor = rope_attention_factor(config.rope_scaling)
-
-    def _apply(self, fn, recurse: bool = True):
-        # The rotary table is derived, not a checkpoint tensor: keep it exact fp32 whatever the model dtype
-        # (a `.to(bfloat16)` would otherwise round the frequencies).
-        super()._apply(fn, recurse)
-        c = self.config
-        self.rotary.inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling).to(
-            self.rotary.inv_freq.device)
-        return self
 
     # ---- helpers ---------------------------------------------------------------------------------
     @property

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig
-from dsv4c.model.common import RMSNorm, RotaryTable, batch_meta, rms, rope_interleaved, swiglu
+from dsv4c.model.common import RMSNorm, RotaryTable, StaticCache, batch_meta, rms, rope_interleaved, swiglu
 from dsv4c.model import v4_ops  # noqa: F401  (registers torch.ops.dsv4c.v4_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -53,19 +53,7 @@ class LayerCache:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
-@dataclass
-class V4Cache:
-    layers: list[LayerCache]
-    pos: torch.Tensor  # [B] int64: the position of each sequence's next token
-    max_len: int  # positions the entry buffers can hold
-
-    @property
-    def length(self) -> int:
-        """The common position of all sequences (raises if they differ)."""
-        lo, hi = int(self.pos.min()), int(self.pos.max())
-        if lo != hi:
-            raise ValueError(f"sequences sit at different positions ({lo}..{hi}); use cache.pos")
-        return lo
+V4Cache = StaticCache  # layers: [LayerCache]
 
 
 def _open_group_state(batch: int, m: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:

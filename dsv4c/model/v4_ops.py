@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from dsv4c.model.common import rms, rope_interleaved, topk_visible
+from dsv4c.model.common import rms, rope_interleaved, selection_mask, topk_visible
 
 
 def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,10 +134,7 @@ def v4_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: t
             if selected is None:
                 vis = torch.arange(E, device=q.device) < visible_count(pos, m)[:, None]
             else:
-                sel = selected[b]
-                vis = torch.zeros(q.shape[1], E + 1, dtype=torch.bool, device=q.device)
-                vis.scatter_(1, torch.where(sel < 0, E, sel), True)
-                vis = vis[:, :E]
+                vis = selection_mask(selected[b], E)
             keys = torch.cat([keys, entries[s]])
             mask = torch.cat([mask, vis], 1)
         out[b] = _sink_attention(q[b].float(), keys.float(), mask, sinks)

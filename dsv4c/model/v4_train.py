@@ -60,7 +60,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dsv4c.model.common import RotaryTable, rms, rope_interleaved, swiglu
+from dsv4c.model.common import RotaryTable, rms, rope_interleaved, selection_mask, swiglu
 from dsv4c.model.v4 import Attention, Block, Compressor, DeepseekV4Model, Experts, MoE, _linear_f32
 from dsv4c.model.v4_ops import visible_count
 
@@ -199,8 +199,7 @@ def indexer_select(attn: Attention, x: torch.Tensor, qr: torch.Tensor, cos: torc
     meta = (torch.arange(B, device=x.device), torch.zeros(B, dtype=torch.int64, device=x.device),
             torch.full((B,), T, dtype=torch.int64, device=x.device))
     chosen = idx(x, qr, cos, sin, meta, keys)  # [B, T, k] entry ids, -1 = none (a pure op)
-    mask = torch.zeros(B, T, n_e + 1, dtype=torch.bool, device=x.device)
-    return mask.scatter_(-1, torch.where(chosen < 0, n_e, chosen), True)[..., :n_e]
+    return selection_mask(chosen, n_e)
 
 
 # ------------------------------------------------------------------------------------------------
