@@ -170,9 +170,14 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from dsv4c.compile import describe_artifact
+    from dsv4c.compile import describe_artifact, read_manifest, write_plan
 
     print(describe_artifact(a.artifact))
+    if a.plan:
+        for name, p in (read_manifest(a.artifact, verify=False).get("segment_plan") or {}).items():
+            print(f"\n{name}:\n{p['table']}")
+        for f in write_plan(a.artifact, a.plan_dir or Path(a.artifact) / "plan"):
+            print(f"wrote {f}")
     return 0
 
 
@@ -239,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")
     s.add_argument("artifact", type=Path)
+    s.add_argument("--plan", action="store_true", help="print the router-split plan; write DOT (+PNG) files")
+    s.add_argument("--plan-dir", type=Path, default=None, help="where --plan writes (default ART/plan)")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("run", help="load an artifact in a Session and generate")

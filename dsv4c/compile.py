@@ -70,7 +70,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     model = load_model(ckpt, device="meta", dtype=dtype)  # checks names and shapes, allocates nothing
     cfg = model.config
     _prepare(out, force)
-    graphs, weight_specs, recipes = {}, {}, {}
+    graphs, weight_specs, recipes, plans = {}, {}, {}, {}
     for name, kind, k in graph_kinds(cfg, mtp_k):
         spec = GraphSpec(kind, k=k, n_slots=max_batch, max_len=max_tokens)
         eg = export_graph(model, spec)
@@ -79,6 +79,8 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
+        if kind == "decode" and name == "decode":
+            plans[name] = _plan_summary(program.module(), cfg, target, kind)
         path = out / "graphs" / f"{name}.pt2"
         torch.export.save(program, str(path))
         weight_specs.update({n: (tuple(t.shape), t.dtype) for n, t in weights.items()})
@@ -101,7 +103,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         "buckets": list(buckets if buckets is not None else tgt.buckets),
         "mtp_k": mtp_k,
         "graphs": graphs,
-        "segment_plan": None,  # issue 5: the router split
+        "segment_plan": plans,  # the router split of the decode graph (not yet executed by Session)
         "quant_map": {},  # issue 6: expert formats per target
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),
@@ -117,6 +119,17 @@ def manifest_checksum(m: dict) -> str:
     """sha256 of the manifest's canonical JSON without its own `checksum` field."""
     body = json.dumps({k: v for k, v in m.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _plan_summary(gm, cfg: ModelConfig, target: str, kind: str) -> dict:
+    """The router-split plan of a graph, for the manifest and `dsv4c inspect --plan`."""
+    from dsv4c.passes.split_at_routers import plan_segments
+
+    plan = plan_segments(gm, PassContext(cfg, target, kind))
+    segs = [{"index": s.index, "kind": s.kind, "ops": s.n_ops, "capturable": s.capturable, "reason": s.reason}
+            for s in plan.segments]
+    return {"segments": segs, "boundaries": len(plan.boundaries), "capturable": plan.n_capturable,
+            "table": str(plan), "dot": plan.to_dot()}
 
 
 def _prepare(out: Path, force: bool) -> None:
@@ -250,5 +263,49 @@ def describe_artifact(art: str | Path) -> str:
                      f"{len(g['weights'])} weights, passes applied: {', '.join(changed) or 'none'}")
     size = sum(f["size"] for f in m["files"].values())
     lines.append(f"files      {len(m['files'])} files, {size / 1e6:.1f} MB; {len(m['weights'])} weight tensors")
-    lines.append(f"segments   {m['segment_plan'] or 'not split yet (issue 5)'}; quant map: {m['quant_map'] or 'none'}")
+    for name, p in (m.get("segment_plan") or {}).items():
+        lines.append(f"segments   {name}: {len(p['segments'])} segments, {p['boundaries']} router boundaries, "
+                     f"{p['capturable']} capturable (planned; the Session runs the graph whole)")
+    lines.append(f"quant map  {m['quant_map'] or 'none yet (issue 6)'}")
     return "\n".join(lines)
+
+
+def write_plan(art: str | Path, out_dir: str | Path) -> list[Path]:
+    """`dsv4c inspect --plan`: the plan table and DOT per graph, plus a PNG drawn with matplotlib."""
+    m = read_manifest(art, verify=False)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, p in (m.get("segment_plan") or {}).items():
+        (out_dir / f"{name}.plan.txt").write_text(p["table"] + "\n")
+        (out_dir / f"{name}.plan.dot").write_text(p["dot"])
+        written += [out_dir / f"{name}.plan.txt", out_dir / f"{name}.plan.dot"]
+        png = _draw_plan(p, out_dir / f"{name}.plan.png")
+        if png:
+            written.append(png)
+    return written
+
+
+def _draw_plan(p: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    segs = p["segments"]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(segs)), 1.8))
+    for i, s in enumerate(segs):
+        color = "#9ecae1" if s["capturable"] else ("#fdae6b" if s["kind"] == "dynamic" else "#d9d9d9")
+        ax.add_patch(plt.Rectangle((i, 0), 0.8, 1, color=color))
+        ax.text(i + 0.4, 0.5, f"{s['index']}\n{s['kind'][:3]}\n{s['ops']} ops", ha="center", va="center", fontsize=7)
+        if i:
+            ax.annotate("", (i, 0.5), (i - 0.2, 0.5), arrowprops={"arrowstyle": "->"})
+    ax.set_xlim(-0.2, len(segs))
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    ax.set_title("segments: blue capturable, orange router/experts (dynamic), grey static not capturable", fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

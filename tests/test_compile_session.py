@@ -164,11 +164,18 @@ def test_mtp_artifact_keeps_a_one_token_decode_graph(tmp_path):
     assert out == greedy(model, torch.tensor([[1, 2, 3]]), 4)[0].tolist()
 
 
-def test_cli_inspect_and_run(compiled, capsys):
-    d, _, model = compiled
+def test_cli_inspect_and_run(compiled, capsys, tmp_path):
+    d, m, model = compiled
     assert cli_main(["inspect", str(d / "art")]) == 0
     out = capsys.readouterr().out
     assert "target     cpu" in out and "graphs/decode.pt2" in out
+    cfg = model.config
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    plan = m["segment_plan"]["decode"]
+    assert plan["boundaries"] == n_moe and len(plan["segments"]) == 2 * n_moe + 1
+    assert cli_main(["inspect", str(d / "art"), "--plan", "--plan-dir", str(tmp_path)]) == 0
+    assert "SegmentPlan: decode graph" in capsys.readouterr().out
+    assert (tmp_path / "decode.plan.dot").read_text().startswith("digraph")
     assert cli_main(["run", str(d / "art"), "--prompt", "x"]) == 2  # no tokenizer in a random checkpoint
     assert "tokenizer" in capsys.readouterr().err
 
