@@ -137,7 +137,7 @@ def v4_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: t
                 vis = selection_mask(selected[b], E)
             keys = torch.cat([keys, entries[s]])
             mask = torch.cat([mask, vis], 1)
-        out[b] = _sink_attention(q[b].float(), keys.float(), mask, sinks)
+        out[b] = sink_attention(q[b, None].float(), keys[None].float(), mask[None], sinks)[0]
     return out
 
 
@@ -153,15 +153,15 @@ def _window_keys(kv, p0, n, ring, window):
     return keys, pos
 
 
-def _sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """q [T, H, d], keys [S, d] (K = V), mask [T, S] -> [T, H, d]: softmax with exp(sink_h) added
-    to the denominator only."""
-    T, H, d = q.shape
-    logits = torch.einsum("thd,sd->hts", q, keys) / math.sqrt(d)
-    logits = logits.masked_fill(~mask[None], float("-inf"))
-    sink = sinks.float().view(H, 1, 1).expand(H, T, 1)
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, d], keys [B, S, d] (K = V), mask [B|1, T, S] bool -> [B, T, H, d]: softmax over the
+    allowed keys with exp(sink_h) added to the denominator only (the sink has no value)."""
+    B, T, H, d = q.shape
+    logits = torch.einsum("bthd,bsd->bths", q, keys) / math.sqrt(d)  # [B, T, H, S]
+    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+    sink = sinks.float().view(1, 1, H, 1).expand(B, T, H, 1)
     p = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
-    return torch.einsum("hts,sd->thd", p, keys)
+    return torch.einsum("bths,bsd->bthd", p, keys)
 
 
 @v4_attention.register_fake

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from dsv4c.model.common import RotaryTable, rms, rope_interleaved, selection_mask, swiglu
 from dsv4c.model.v4 import Attention, Block, Compressor, DeepseekV4Model, Experts, MoE, _linear_f32
-from dsv4c.model.v4_ops import visible_count
+from dsv4c.model.v4_ops import sink_attention, visible_count
 
 __all__ = ["train_forward", "train_mtp_forward", "lm_losses", "NO_GRAD_REASONS", "params_without_grad"]
 
@@ -148,17 +148,6 @@ def entry_visibility(T: int, n_e: int, m: int, device) -> torch.Tensor:
     """[T, n_e] bool: entry w is visible to query t iff (w+1)·m <= t+1."""
     n_vis = visible_count(torch.arange(T, device=device), m)  # [T]
     return torch.arange(n_e, device=device)[None, :] < n_vis[:, None]
-
-
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, d], keys [B, S, d] (K = V), mask [B|1, T, S] bool -> [B, T, H, d]: softmax over the
-    allowed keys with exp(sink_h) added to the denominator only (the sink has no value)."""
-    B, T, H, d = q.shape
-    logits = torch.einsum("bthd,bsd->bths", q, keys) / math.sqrt(d)  # [B, T, H, S]
-    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
-    sink = sinks.float().view(1, 1, H, 1).expand(B, T, H, 1)
-    p = torch.cat([logits, sink], -1).softmax(-1)[..., :-1]
-    return torch.einsum("bths,bsd->bthd", p, keys)
 
 
 # ------------------------------------------------------------------------------------------------
