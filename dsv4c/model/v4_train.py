@@ -55,7 +55,6 @@ E routed experts, I expert width.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
