@@ -169,7 +169,7 @@ class MLAttention(nn.Module):
         Writes the chunk's real rows into lc."""
         B, T, _ = x.shape
         slots, pos0, n_real = meta
-        H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
+        H, dn, dr = self.n_heads, self.dn, self.dr
 
         # §4.1-2: queries
         c_q = self.q_a_layernorm(self.q_a_proj(x))                           # [B,T,Q]
