@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
+from dsv4c.passes import get_param
 from dsv4c.passes.split_at_routers import SegmentPlan
 from dsv4c.targets import DEFAULT_BUCKETS
 
@@ -204,7 +205,7 @@ class SegmentExecutor:
         self._ids = names.index("input_ids") if "input_ids" in names else 0
         self._padded_idx = [i for i, n in enumerate(names) if roles[n].role in ("padded", "meta")]
         self._cache_idx = [i for i, n in enumerate(names) if roles[n].role in ("cache", "weight")]
-        self._weights = {n: _get_attr(self.gm, n.target) for n in g.nodes if n.op == "get_attr"}
+        self._weights = {n: get_param(self.gm, n.target) for n in g.nodes if n.op == "get_attr"}
         out = g.find_nodes(op="output")[0]
         self._out_nodes = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if isinstance(a, Node)]
         calls = [n for n in g.nodes if n.op == "call_module" and n.target.startswith("submod_")]
@@ -254,7 +255,7 @@ class SegmentExecutor:
         for i, n in enumerate(self._placeholders):
             env[n] = st.flat_views[i] if i in st.flat_views else flat[i]
         if self.debug:  # weights may have been re-bound since capture
-            env.update({n: _get_attr(self.gm, n.target) for n in self._weights})
+            env.update({n: get_param(self.gm, n.target) for n in self._weights})
         else:
             env.update(self._weights)
         return env
@@ -415,10 +416,3 @@ class SegmentExecutor:
 def _as_tuple(out) -> tuple:
     """A submodule returns its single output bare, several as a tuple (and none as ())."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _get_attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -118,28 +118,26 @@ class Session:
         self.pos[s] += n
         return out
 
-    def _prefill(self, req: _Request) -> torch.Tensor:
-        """Prefill one prompt in chunks; returns the last position's logits [V]."""
-        ids = req.ids
+    def _prefill_chunks(self, ids: list[int], slot: int) -> list[torch.Tensor]:
+        """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each."""
         step = self.max_num_batched_tokens
-        logits = None
-        for i in range(0, len(ids), step):
-            chunk = torch.tensor([ids[i : i + step]])
-            logits = self._run("prefill", chunk, [req.slot], [chunk.shape[1]])
-            req.chunks += 1
-        return logits[0, -1]
+        return [self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])])[0]
+                for i in range(0, len(ids), step)]
+
+    def _prefill(self, req: _Request) -> torch.Tensor:
+        """Prefill one prompt; returns the last position's logits [V]."""
+        chunks = self._prefill_chunks(req.ids, req.slot)
+        req.chunks += len(chunks)
+        return chunks[-1][-1]
 
     @torch.no_grad()
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Prefill logits [T, V] (fp32) for one token-id sequence, in chunks of max_num_batched_tokens."""
         ids = self._check_prompt(list(ids), 0)
         self._reset_slot(0)
-        out = []
-        for i in range(0, len(ids), self.max_num_batched_tokens):
-            chunk = torch.tensor([ids[i : i + self.max_num_batched_tokens]])
-            out.append(self._run("prefill", chunk, [0], [chunk.shape[1]])[0].float().cpu())
+        out = torch.cat(self._prefill_chunks(ids, 0), 0).float().cpu()
         self._reset_slot(0)
-        return torch.cat(out, 0)
+        return out
 
     # ---- generation -----------------------------------------------------------------------------
     def _check_prompt(self, ids: list[int], max_new: int) -> list[int]:
