@@ -8,7 +8,12 @@ Reference implementations in plain PyTorch, vectorised, for CPU and CUDA:
 * dynamic activation quantisation and GEMM semantics (§3): `quant_act_fp8`, `dequant_act`,
   `fp8_block_gemm_ref`, `mxfp4_fp8_gemm_ref`, and the V4 `official_sim` helpers
   `sim_fp8_blocks`, `sim_fp4_blocks`;
-* MXFP4 weights (§4): `pack_fp4`, `unpack_fp4`, `quant_mxfp4`, `dequant_mxfp4`.
+* MXFP4 weights (§4): `pack_fp4`, `unpack_fp4`, `quant_mxfp4`, `dequant_mxfp4`;
+* NVFP4 (§5): `quant_nvfp4`, `dequant_nvfp4` (weights, one global scale per leading index),
+  `quant_act_nvfp4`, `dequant_act_nvfp4` (activations with a given global input scale);
+* conversions (§6), each taking the tensor's `name` for its errors: `mxfp4_to_nvfp4`,
+  `mxfp4_to_nvfp4_w13` (w1 and w3 sharing one global scale), `mxfp4_to_fp8_block`,
+  `bf16_to_fp8_block`, `bf16_to_nvfp4`.
 
 ue8m0 scales are computed from the fp32 bits, never with a dtype cast: torch's cast to
 float8_e8m0fnu rounds (3.0 becomes 4, 2.1 becomes 2), the formats need the ceiling.
@@ -36,12 +41,15 @@ __all__ = [
     "e2m1_encode", "e2m1_decode", "pack_fp4", "unpack_fp4", "dequant_mxfp4", "quant_mxfp4",
     "dequant_fp8_block", "quant_fp8_block", "quant_act_fp8", "dequant_act",
     "fp8_block_gemm_ref", "mxfp4_fp8_gemm_ref", "sim_fp8_blocks", "sim_fp4_blocks",
+    "NVFP4_BLOCK", "quant_nvfp4", "dequant_nvfp4", "quant_act_nvfp4", "dequant_act_nvfp4",
+    "mxfp4_to_nvfp4", "mxfp4_to_nvfp4_w13", "mxfp4_to_fp8_block", "bf16_to_fp8_block", "bf16_to_nvfp4",
 ]
 
 E4M3_MAX = 448.0          # largest finite e4m3fn, byte 0x7E
 E2M1_MAX = 6.0            # largest e2m1 magnitude, code 7
 FP8_BLOCK = 128           # FP8 weight tile side and activation block (§2, §3)
 MXFP4_BLOCK = 32          # input columns per MXFP4 scale (§4)
+NVFP4_BLOCK = 16          # input columns per NVFP4 block scale (§5)
 ACT_AMAX_FLOOR = 1e-4     # activation amax floor (§3)
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -496,3 +504,228 @@ def sim_fp4_blocks(x: Tensor, block: int = 32) -> Tensor:
     xb = x.to(torch.float32).unflatten(-1, (-1, block))                              # [..., Kb, B]
     s = ceil_pow2(xb.abs().amax(dim=-1, keepdim=True).clamp_min(E2M1_MAX * _FP32_TINY) / E2M1_MAX)  # [..., Kb, 1]
     return (_e2m1_values(e2m1_encode(xb / s)) * s).flatten(-2).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (§5)
+
+_NVFP4_GLOBAL_DIV = E2M1_MAX * E4M3_MAX          # g = amax / (6 * 448)
+_E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8           # exactly representable powers of two in e4m3
+
+
+def _nvfp4_blocks(xb: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """ModelOpt per-block step: fp32 blocks xb [..., Kb, 16] and global g broadcastable to
+    [..., 1, 1] -> (codes uint8 [..., Kb*16], scale e4m3 [..., Kb]). s_b = e4m3(amax_b/(6g)),
+    codes = e2m1(x/(s_b*g)); a block whose scale rounds to 0 gets zero codes (sign kept)."""
+    s = to_e4m3(xb.abs().amax(dim=-1) / (E2M1_MAX * g.squeeze(-1)))            # [..., Kb]
+    denom = s.to(torch.float32) * g.squeeze(-1)
+    denom = torch.where(denom == 0, torch.inf, denom)
+    return e2m1_encode(xb / denom.unsqueeze(-1)).flatten(-2), s
+
+
+def _global_scale(name: str, w32: Tensor, global_scale: Tensor | None, dims: int) -> Tensor:
+    """fp32 global scale [...] (leading dims of w32 [..., <dims trailing>]): amax/(6*448) over the
+    trailing dims (1 for an all-zero slice), or the given one broadcast to that shape."""
+    lead = w32.shape[: w32.dim() - dims]
+    if global_scale is None:
+        amax = w32.abs().flatten(-dims).amax(dim=-1) if dims else w32.abs()
+        return torch.where(amax == 0, 1.0, amax / _NVFP4_GLOBAL_DIV)
+    _require_dtype(name, global_scale, (torch.float32,))
+    g = global_scale.expand(lead) if global_scale.dim() <= len(lead) else global_scale
+    _require_shape(name, g, lead, "one global scale per leading index")
+    if not bool((g > 0).all()) or not bool(torch.isfinite(g).all()):
+        raise ValueError(f"{name}: global scale must be finite and > 0 (shape {_shape(g)})")
+    return g.to(torch.float32)
+
+
+def quant_nvfp4(w: Tensor, global_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Quantise weights w [..., O, I] (I % 16 == 0) to NVFP4 with the ModelOpt recipe (§5).
+
+    g = amax(w[...])/(6*448) per leading index (over O and I; 1 for an all-zero matrix) unless
+    `global_scale` (fp32, broadcastable to [...]) is given, e.g. a shared w1/w3 scale.
+    Returns (weight uint8 [..., O, I/2] packed like MXFP4, weight_scale float8_e4m3fn
+    [..., O, I/16], weight_scale_2 fp32 [...]).
+    """
+    _require_dtype("w", w, _FLOAT_INPUTS)
+    _require_ndim("w", w, 2)
+    _require_multiple("w", w, NVFP4_BLOCK, "in dim")
+    _require_finite("w", w)
+    w32 = w.to(torch.float32)
+    g = _global_scale("global_scale", w32, global_scale, 2)                  # [...]
+    codes, s = _nvfp4_blocks(w32.unflatten(-1, (-1, NVFP4_BLOCK)), g[..., None, None, None])
+    return _pack(codes), s, g
+
+
+def dequant_nvfp4(weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """W[n,k] = fp4(code) * e4m3(weight_scale[n, k/16]) * weight_scale_2 (§5).
+
+    weight uint8/int8 [..., O, I/2]; weight_scale float8_e4m3fn (or its uint8 bytes) [..., O, I/16];
+    weight_scale_2 fp32 broadcastable to [...] -> dtype [..., O, I], computed in fp32.
+    """
+    _require_dtype("weight", weight, _PACKED_DTYPES)
+    _require_ndim("weight", weight, 2)
+    _require_multiple("weight", weight, NVFP4_BLOCK // 2, "packed in dim (I/2)")
+    expected = (*weight.shape[:-1], weight.shape[-1] * 2 // NVFP4_BLOCK)
+    _require_shape("weight_scale", weight_scale, expected, f"one scale per {NVFP4_BLOCK} inputs of weight {_shape(weight)}")
+    _require_dtype("weight_scale", weight_scale, (torch.float8_e4m3fn, torch.uint8))
+    _require_dtype("weight_scale_2", weight_scale_2, (torch.float32,))
+    s = weight_scale.view(torch.float8_e4m3fn).to(torch.float32)                # [..., O, I/16]
+    g = weight_scale_2.reshape(*weight_scale_2.shape, 1, 1) if weight_scale_2.dim() else weight_scale_2
+    vals = _e2m1_values(_unpack(weight)).unflatten(-1, (-1, NVFP4_BLOCK))       # [..., O, I/16, 16]
+    return ((vals * s.unsqueeze(-1)).flatten(-2) * g).to(dtype)
+
+
+def quant_act_nvfp4(x: Tensor, input_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """NVFP4 activation quantisation (§5) of x [..., K] (K % 16 == 0) with the global
+    `input_scale` g (fp32 scalar tensor): per 16 channels s_b = e4m3(amax_b/(6g)),
+    codes = e2m1(x/(s_b*g)). Returns (packed uint8 [..., K/2], scale float8_e4m3fn [..., K/16])."""
+    _require_dtype("x", x, _FLOAT_INPUTS)
+    _require_ndim("x", x, 1)
+    if x.shape[-1] % NVFP4_BLOCK != 0:
+        raise ValueError(f"x: K = {x.shape[-1]} (shape {_shape(x)}) must be a multiple of {NVFP4_BLOCK}; "
+                         f"zero-pad K in both the activation and the weight (quant_formats.md §7)")
+    _require_dtype("input_scale", input_scale, (torch.float32,))
+    if input_scale.numel() != 1:
+        raise ValueError(f"input_scale: expected one value, got shape {_shape(input_scale)}")
+    codes, s = _nvfp4_blocks(x.to(torch.float32).unflatten(-1, (-1, NVFP4_BLOCK)), input_scale.reshape(1, 1))
+    return _pack(codes), s
+
+
+def dequant_act_nvfp4(packed: Tensor, scale: Tensor, input_scale: Tensor,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+    """x = fp4(code) * e4m3(scale) * input_scale. packed uint8 [..., K/2]; scale e4m3 (or uint8
+    bytes) [..., K/16]; input_scale fp32 scalar -> dtype [..., K]."""
+    _require_dtype("input_scale", input_scale, (torch.float32,))
+    return dequant_nvfp4(packed.unsqueeze(-2), scale.unsqueeze(-2), input_scale.reshape(()), dtype).squeeze(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# conversions (§6); every function takes the tensor's name and puts it in its errors
+
+
+class _Named:
+    """Context manager: re-raise a ValueError as '<name>: <message>'."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if kind is ValueError:
+            raise ValueError(f"{self.name}: {err}") from err
+        return False
+
+
+def _mx_operands(weight: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked MXFP4 operands -> (codes uint8 [..., O, I], exponents int32 [..., O, I/32],
+    zero-block mask bool [..., O, I/32] of blocks whose 32 codes are all +-0)."""
+    _require_dtype("weight", weight, _PACKED_DTYPES)
+    _require_ndim("weight", weight, 2)
+    _require_multiple("weight", weight, MXFP4_BLOCK // 2, "packed in dim (I/2)")
+    expected = (*weight.shape[:-1], weight.shape[-1] * 2 // MXFP4_BLOCK)
+    _require_shape("scale", scale, expected, f"one scale per {MXFP4_BLOCK} inputs of weight {_shape(weight)}")
+    b = _e8m0_bytes("scale", scale)
+    if bool((b == E8M0_NAN).any()):
+        raise ValueError(f"scale: holds the ue8m0 NaN byte 255 (shape {_shape(scale)})")
+    codes = _unpack(weight)
+    zero = ((codes & 7) == 0).unflatten(-1, (-1, MXFP4_BLOCK)).all(dim=-1)
+    return codes, b.to(torch.int32) - E8M0_BIAS, zero
+
+
+def _changed_blocks(new: Tensor, old: Tensor, block: int) -> int:
+    """Number of `block`-wide blocks along the last dim where new and old differ (bit-wise,
+    so -0 vs 0 counts)."""
+    diff = new.view(torch.int32) != old.view(torch.int32)
+    return int(diff.unflatten(-1, (-1, block)).any(dim=-1).sum())
+
+
+def mxfp4_to_nvfp4(weight: Tensor, scale: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, Tensor, int]:
+    """Lossless MXFP4 -> NVFP4 (§6.1), one global scale per leading index (over O and I).
+
+    weight int8/uint8 [..., O, I/2]; scale e8m0 [..., O, I/32]. E = max block exponent over the
+    non-zero blocks, g = 2^(E-8), each 32-block becomes two 16-blocks with scale e4m3(2^(e-E+8));
+    code bytes are copied. Exact iff E - e <= 17 for every non-zero block; other blocks are
+    re-quantised with the smallest scale 2^-9 (lossy). All-zero blocks get 2^-9.
+    Returns (weight uint8 [..., O, I/2], weight_scale float8_e4m3fn [..., O, I/16],
+    weight_scale_2 fp32 [...], lossy: the number of 16-blocks whose dequantised values changed).
+    To share g between tensors (w1, w3), concatenate them along O first (`mxfp4_to_nvfp4_w13`).
+    """
+    with _Named(name):
+        codes, e, zero = _mx_operands(weight, scale)
+        masked = torch.where(zero, torch.iinfo(torch.int32).min, e)
+        top = masked.flatten(-2).amax(dim=-1)                                    # [...]
+        top = torch.where(top == torch.iinfo(torch.int32).min, 0, top)           # all-zero tensor
+        d = top[..., None, None] - e                                             # [..., O, I/32]
+        exact = zero | (d <= _E4M3_POW2_MAX - _E4M3_POW2_MIN)
+        k = torch.where(exact & ~zero, _E4M3_POW2_MAX - d, _E4M3_POW2_MIN)      # scale exponents
+        g = _exp2i(top - _E4M3_POW2_MAX)
+        # out-of-range blocks: value / (2^-9 g) = fp4 * 2^(e - top + 17), re-encoded
+        blocks = _e2m1_values(codes).unflatten(-1, (-1, MXFP4_BLOCK))             # [..., O, I/32, 32]
+        shifted = blocks * _exp2i(torch.where(exact, 0, _E4M3_POW2_MAX - _E4M3_POW2_MIN - d)).unsqueeze(-1)
+        requant = e2m1_encode(shifted).flatten(-2)
+        new_codes = torch.where(exact.repeat_interleave(MXFP4_BLOCK, dim=-1), codes, requant)
+        w_scale = to_e4m3(_exp2i(k).repeat_interleave(MXFP4_BLOCK // NVFP4_BLOCK, dim=-1))
+        out = _pack(new_codes)
+        lossy = 0
+        if not bool(exact.all()):
+            lossy = _changed_blocks(dequant_nvfp4(out, w_scale, g), dequant_mxfp4(weight, scale), NVFP4_BLOCK)
+        return out, w_scale, g, lossy
+
+
+def mxfp4_to_nvfp4_w13(w1: Tensor, s1: Tensor, w3: Tensor, s3: Tensor,
+                       names: tuple[str, str] = ("w1", "w3")) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+    """`mxfp4_to_nvfp4` of w1 and w3 ([..., I, D/2] + [..., I, D/32] each) with ONE global scale
+    per leading index (per expert), as fused gate/up kernels need (§5 "Fused gate/up").
+    Returns (w1 uint8, w1 scale e4m3, w3 uint8, w3 scale e4m3, g fp32 [...], lossy blocks)."""
+    if w1.shape != w3.shape or s1.shape != s3.shape:
+        raise ValueError(f"{names[0]}/{names[1]}: shapes differ: {_shape(w1)}/{_shape(s1)} vs {_shape(w3)}/{_shape(s3)}")
+    rows = w1.shape[-2]
+    w, s, g, lossy = mxfp4_to_nvfp4(torch.cat((w1.view(torch.uint8), w3.view(torch.uint8)), dim=-2),
+                                    torch.cat((_e8m0_bytes(f"{names[0]} scale", s1), _e8m0_bytes(f"{names[1]} scale", s3)), dim=-2),
+                                    name=f"{names[0]}+{names[1]}")
+    return w[..., :rows, :], s[..., :rows, :], w[..., rows:, :], s[..., rows:, :], g, lossy
+
+
+def mxfp4_to_fp8_block(weight: Tensor, scale: Tensor, name: str = "weight") -> tuple[Tensor, Tensor, int]:
+    """MXFP4 -> FP8 128x128 block (§6.2): per tile, E_t = max group exponent over the tile's
+    non-zero 32-groups (an all-zero tile gets scale 1), tile scale 2^(E_t-6) (ue8m0), elements
+    e4m3(fp4 * 2^(e_g - E_t + 6)). Exact iff E_t - e_g <= 14 for every non-zero group. Any O and
+    I % 32 == 0: partial tiles are padded with zero codes and cropped afterwards (§7).
+    Zero groups are left out of the maximum (Official's convert.py takes all groups); this only
+    widens the exact cases.
+    Returns (q float8_e4m3fn [..., O, I], scale float8_e8m0fnu [..., ceil(O/128), ceil(I/128)],
+    lossy: the number of 32-groups whose dequantised values changed).
+    """
+    with _Named(name):
+        codes, e, zero = _mx_operands(weight, scale)
+        rows, cols = codes.shape[-2:]
+        t_rows, t_cols = _tile_counts(rows, cols, FP8_BLOCK)
+        pad_r, pad_c = t_rows * FP8_BLOCK - rows, t_cols * FP8_BLOCK - cols
+        gpt = FP8_BLOCK // MXFP4_BLOCK                                           # 4 groups per tile row
+        masked = F.pad(torch.where(zero, -(1 << 20), e), (0, pad_c // MXFP4_BLOCK, 0, pad_r), value=-(1 << 20))
+        tiles = masked.unflatten(-1, (t_cols, gpt)).unflatten(-3, (t_rows, FP8_BLOCK))  # [..., To, B, Ti, 4]
+        top = tiles.amax(dim=(-3, -1))                                           # [..., To, Ti]
+        t_exp = torch.where(top == -(1 << 20), 0, top - 6).clamp(-E8M0_BIAS, E8M0_BIAS)
+        t_elem = _expand_tiles(t_exp, rows, cols, FP8_BLOCK)                     # [..., O, I]
+        e_elem = e.repeat_interleave(MXFP4_BLOCK, dim=-1)                        # [..., O, I]
+        q = to_e4m3(_e2m1_values(codes) * _exp2i(e_elem - t_elem))
+        t_scale = _e8m0_from_exponent(t_exp)
+        lossy = _changed_blocks(dequant_fp8_block(q, t_scale), dequant_mxfp4(weight, scale), MXFP4_BLOCK)
+        return q, t_scale, lossy
+
+
+def bf16_to_fp8_block(w: Tensor, name: str = "weight", scale_fmt: str = "ue8m0") -> tuple[Tensor, Tensor]:
+    """bf16 (or any float) weight [..., O, I] -> FP8 block (§2), as `quant_fp8_block`, with the
+    tensor's name in errors. Returns (q float8_e4m3fn [..., O, I], scale [..., To, Ti])."""
+    with _Named(name):
+        return quant_fp8_block(w, scale_fmt=scale_fmt)
+
+
+def bf16_to_nvfp4(w: Tensor, name: str = "weight", global_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """bf16 (or any float) weight [..., O, I] -> NVFP4 (§5 ModelOpt recipe, lossy), as
+    `quant_nvfp4`, with the tensor's name in errors."""
+    with _Named(name):
+        return quant_nvfp4(w, global_scale=global_scale)
