@@ -1,0 +1,102 @@
+"""Shared Triton device helpers: element-format encode/decode by bit arithmetic and a matmul
+step that is correct under the Triton interpreter.
+
+Encoders are written with integer ops (not `.to(tl.float8e4nv)`) so that the CPU interpreter and
+the GPU round identically: round to nearest, ties to even, after an explicit clamp
+(quant_formats.md §1). The interpreter's own fp8 cast rounds ties away and wraps on overflow,
+and its `tl.dot` multiplies bf16 operands as raw uint16 bits, hence `mma` with INTERPRET.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpret_flag(t: torch.Tensor) -> bool:
+    """True when kernels on `t` run under the Triton interpreter (CPU tensors)."""
+    return t.device.type == "cpu"
+
+
+@triton.jit
+def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
+    """acc + a [M, K] @ b_nk[N, K]^T in fp32 (tensor cores on GPU)."""
+    if INTERPRET:
+        return acc + tl.dot(a.to(tl.float32), tl.trans(b_nk.to(tl.float32)))
+    else:
+        return tl.dot(a, tl.trans(b_nk), acc)
+
+
+@triton.jit
+def exp2i(k):
+    """fp32 2^k for int32 k in [-126, 127], from the bits."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ceil_pow2(s):
+    """2^ceil(log2 s) for normal fp32 s > 0 (ue8m0 scale rule, §1)."""
+    bits = s.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 255) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return exp2i(k)
+
+
+@triton.jit
+def e4m3_bits(x):
+    """e4m3fn byte (int32 0..255) of fp32 x: clamp to +-448, round to nearest even."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(x)
+    # subnormal range (|x| < 2^-6): step 2^-9, rounded with the 2^23 magic number
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    ab = a.to(tl.int32, bitcast=True)
+    nrm = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - (120 << 3)
+    return tl.where(a < 0.015625, sub, nrm) | sign
+
+
+@triton.jit
+def e4m3_value(b):
+    """fp32 value of a non-negative e4m3 byte b (int32), as for NVFP4 block scales."""
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def e8m0_value(b):
+    """fp32 2^(b-127) of a ue8m0 byte b (int32; 0 gives 2^-127)."""
+    return tl.where(b == 0, 0x400000, b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_value(c):
+    """fp32 value of e2m1 codes c (int32 0..15)."""
+    e = (c >> 1) & 3
+    m = c & 1
+    mag = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_code(x):
+    """e2m1 code (int32 0..15) of fp32 x: clamp to +-6, §1 threshold table (ties to even)."""
+    a = tl.minimum(tl.abs(x), 6.0)
+    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+         + (a > 5.0).to(tl.int32))
+    return c | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def unpack_fp4(p, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Packed bytes p [ROWS, COLS/2] (int32) -> codes [ROWS, COLS]; element 2j is the low nibble."""
+    return tl.reshape(tl.join(p & 15, (p >> 4) & 15), (ROWS, COLS))
+
+
+@triton.jit
+def scale_blocks(v, s, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constexpr):
+    """v [ROWS, COLS] * s [ROWS, COLS/GROUP] broadcast over groups of GROUP columns."""
+    v3 = tl.reshape(v, (ROWS, COLS // GROUP, GROUP))
+    return tl.reshape(v3 * s[:, :, None], (ROWS, COLS))
