@@ -1,0 +1,119 @@
+"""Dense block-scaled FP8 GEMMs (quant_formats.md §2-3), Triton kernels + refs.
+
+* `fp8_gemm_w8a8(a_q, a_s, w_q, w_s)`: e4m3 activations with 1x128 scales [M, K/128] times e4m3
+  weights with 128x128 scales [ceil(N/128), K/128] (as in the released checkpoints); fp32
+  accumulation per 128-wide K block, bf16 output. Ref: `fp8_gemm_w8a8_ref`.
+* `fp8_gemm_w8a16(a, w_q, w_s)`: bf16 activations times the same FP8 weights; the weight
+  scale is applied to each K block's fp32 partial product. Ref: `fp8_gemm_w8a16_ref`.
+
+Weight scales may be float8_e8m0fnu (V4, decoded in the kernel) or fp32 (V3 weight_scale_inv).
+Shapes: M tokens, N output features, K reduction; Kb = K/128 blocks. K is a constexpr (one
+compile per layer width; the Triton interpreter cannot loop to a runtime bound under numpy 2).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from dsv4c.kernels import _tl as U
+
+from dsv4c import quant as Q
+
+__all__ = ["fp8_gemm_w8a8", "fp8_gemm_w8a8_ref", "fp8_gemm_w8a16", "fp8_gemm_w8a16_ref"]
+
+_B = Q.FP8_BLOCK
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K: tl.constexpr,
+                     stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
+                     A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        kb = k0 // BLOCK_K
+        ws = tl.load(ws_ptr + (cols // BLOCK_K) * stride_wsn + kb, mask=col_ok, other=0)
+        if WS_E8M0:
+            ws = U.e8m0_value(ws.to(tl.int32))
+        if A_FP8:
+            part = U.mma(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRET)
+            a_s = tl.load(as_ptr + rows * stride_asm + kb, mask=row_ok, other=0.0)
+            acc += part * a_s[:, None] * ws[None, :]
+        else:
+            part = U.mma(a, w.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRET)
+            acc += part * ws[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_weight(w_q: torch.Tensor, w_s: torch.Tensor, k: int) -> torch.Tensor:
+    """Validate w_q e4m3 [N, K] and w_s [ceil(N/128), ceil(K/128)]; return the scale as passed
+    to the kernel (uint8 bytes for e8m0, fp32 otherwise)."""
+    if w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2 or w_q.shape[1] != k or w_q.stride(1) != 1:
+        raise ValueError(f"w_q: expected float8_e4m3fn [N, {k}] with unit stride along K, got {w_q.dtype} "
+                         f"shape {tuple(w_q.shape)} strides {w_q.stride()}")
+    want = (triton.cdiv(w_q.shape[0], _B), triton.cdiv(k, _B))
+    if tuple(w_s.shape) != want or w_s.dtype not in (torch.float8_e8m0fnu, torch.float32) or w_s.stride(1) != 1:
+        raise ValueError(f"w_s: expected float8_e8m0fnu or fp32 {want} (128x128 tiles of w_q {tuple(w_q.shape)}), "
+                         f"got {w_s.dtype} shape {tuple(w_s.shape)}")
+    return w_s.view(torch.uint8) if w_s.dtype == torch.float8_e8m0fnu else w_s
+
+
+def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    m, k = a.shape
+    n = w_q.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return y
+    block_m = 64 if m >= 64 else 16
+    block_n = 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](a, a_s, w_q, ws, y, m, n, k, a.stride(0), a_s.stride(0), w_q.stride(0), ws.stride(0),
+                           y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
+                           INTERPRET=U.interpret_flag(a), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_B,
+                           num_warps=4, num_stages=3)
+    return y
+
+
+def fp8_gemm_w8a8(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y [M, N] = block-scaled a_q [M, K] @ w_q [N, K]^T (§3); a_q float8_e4m3fn (K % 128 == 0),
+    a_s fp32 [M, K/128]; w_q float8_e4m3fn [N, K], w_s e8m0/fp32 [ceil(N/128), K/128]."""
+    if a_q.dtype != torch.float8_e4m3fn or a_q.dim() != 2 or a_q.shape[1] % _B or a_q.stride(1) != 1:
+        raise ValueError(f"a_q: expected float8_e4m3fn [M, K] with K % 128 == 0 and unit stride, "
+                         f"got {a_q.dtype} shape {tuple(a_q.shape)}")
+    m, k = a_q.shape
+    if a_s.dtype != torch.float32 or tuple(a_s.shape) != (m, k // _B):
+        raise ValueError(f"a_s: expected fp32 {(m, k // _B)}, got {a_s.dtype} shape {tuple(a_s.shape)}")
+    ws = _check_weight(w_q, w_s, k)
+    return _launch(a_q, a_s, w_q, ws, True, out_dtype)
+
+
+def fp8_gemm_w8a8_ref(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """fp32 reference of `fp8_gemm_w8a8` (`dsv4c.quant.fp8_block_gemm_ref`)."""
+    return Q.fp8_block_gemm_ref(a_q, a_s, w_q, w_s)
+
+
+def fp8_gemm_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y [M, N] = a [M, K] (bf16/fp16, any K) @ dequant(w_q, w_s)^T, the weight scale applied per
+    128x128 tile to fp32 partial products; w_q float8_e4m3fn [N, K], w_s e8m0/fp32 tiles."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError(f"a: expected bf16/fp16 [M, K] with unit stride, got {a.dtype} shape {tuple(a.shape)}")
+    ws = _check_weight(w_q, w_s, a.shape[1])
+    return _launch(a, a, w_q, ws, False, out_dtype)
+
+
+def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """fp32 reference of `fp8_gemm_w8a16`: a @ dequant_fp8_block(w_q, w_s)^T."""
+    return a.float() @ Q.dequant_fp8_block(w_q, w_s).T
