@@ -1,0 +1,682 @@
+"""Grouped routed-expert MoE (the function of torch.ops.dsv4c.moe_experts) in bf16, FP8 block,
+MXFP4 / NVFP4 weight-only and NVFP4 W4A4, as Triton kernels.
+
+Public API::
+
+    moe_grouped(x, idx, weight, experts, swiglu_limit, config=None) -> Tensor   # [T, D], x.dtype
+    moe_grouped_ref(x, idx, weight, experts, swiglu_limit) -> Tensor            # [T, D], fp32
+    Bf16Experts(w13, w2)
+    Fp8BlockExperts(w13, w13_scale, w2, w2_scale)
+    Mxfp4Experts(w13, w13_scale, w2, w2_scale)
+    Nvfp4Experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global)
+    Nvfp4W4A4Experts(w13, w13_scale, w13_global, w2, w2_scale, w2_global,
+                     input_scale_13=None, input_scale_2=None)
+
+Custom op (for the FX pass that rewrites ``dsv4c::moe_experts`` nodes; fake impl = empty_like(x))::
+
+    dsv4c::moe_experts_q(Tensor x, Tensor idx, Tensor weight, str fmt, Tensor w13,
+                         Tensor? w13_scale, Tensor? w13_global, Tensor w2, Tensor? w2_scale,
+                         Tensor? w2_global, Tensor? input_scale_13, Tensor? input_scale_2,
+                         float swiglu_limit) -> Tensor
+
+  fmt is a container's `format` ("bf16", "fp8_block", "mxfp4", "nvfp4", "nvfp4_w4a4"); the tensors
+  are that container's fields (None where the format has none); `experts_from_tensors` rebuilds it.
+
+Semantics (deepseek_v4.md §4.2 "Experts", §7 Official): for each token t and slot j,
+y += w[t,j] * W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), e = idx[t,j]; the routing weight
+multiplies silu(g)*v in fp32 BEFORE W2; a repeated id adds. L <= 0 disables the clamp.
+FP8 block runs W8A8 like Official: x and h are quantised per token per 128 channels (e4m3,
+ue8m0 scales); h is quantised in the first GEMM's epilogue. Weight-only formats run bf16
+tensor-core math on weights dequantised in registers (exact in bf16; NVFP4's fp32 global scale
+is applied to the accumulator). W4A4 quantises x and h to NVFP4 (per 16, e4m3 scales, a global
+input scale: the container's, or amax/(6*448) computed on device) and multiplies with
+tl.dot_scaled (sm_100+); elsewhere the wrapper refuses, naming capability 10.0, except under the
+CPU interpreter where an emulation (both operands dequantised to bf16) runs the same kernel.
+
+Pipeline, all on device, no host sync, fixed grids from shapes only (CUDA-graph capture safe):
+  1. routing prep (torch ops): assignments sorted by expert (stable), each expert's rows padded to
+     BLOCK_M; `ids` [R] = assignment id per padded row (N_A marks padding); `block_expert`
+     [NB] = expert of each M-block (-1: unused block, the program exits);
+     NB = ceil(N_A/BLOCK_M) + min(E, N_A) is the worst case, R = NB*BLOCK_M;
+  2. GEMM 1 over w13 (w1 rows then w3 rows) on rows gathered from x, SwiGLU (+clamp) and the
+     routing weight in the epilogue -> h [R, I];
+  3. GEMM 2 over w2 on h's contiguous rows -> y [R, D] bf16;
+  4. combine: out[t] = sum_j y[row of (t, j)] (gather + sum in fp32).
+
+Shapes: T tokens, D hidden, E experts, K experts per token (top-k), I expert width,
+N_A = T*K assignments, R padded rows, NB M-blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+from dsv4c.kernels import _tl as U
+from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
+
+from dsv4c import quant as Q
+
+__all__ = [
+    "Bf16Experts", "Fp8BlockExperts", "MoeKernelConfig", "Mxfp4Experts", "Nvfp4Experts", "Nvfp4W4A4Experts",
+    "experts_from_tensors", "moe_grouped", "moe_grouped_ref", "route_prep",
+]
+
+_FMT_ID = {"bf16": 0, "fp8_block": 1, "mxfp4": 2, "nvfp4": 3, "nvfp4_w4a4": 4}
+_NVFP4_GLOBAL_DIV = Q.E2M1_MAX * Q.E4M3_MAX
+
+
+# ---------------------------------------------------------------------------------------------
+# weight containers
+
+
+def _req(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_field(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    _req(isinstance(t, torch.Tensor), f"{fmt}.{name}: expected a tensor, got {type(t).__name__}")
+    _req(t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous(),
+         f"{fmt}.{name}: expected contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}"
+         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+@dataclass(frozen=True)
+class Bf16Experts:
+    """bf16 experts. w13 [E, 2I, D] (w1 rows 0..I-1, then w3), w2 [E, D, I]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    format: ClassVar[str] = "bf16"
+
+    def __post_init__(self) -> None:
+        e, i2, d = self.w13.shape
+        _req(i2 % 2 == 0, f"{self.format}.w13: 2I = {i2} must be even")
+        _check_field(self.format, "w13", self.w13, torch.bfloat16, (e, i2, d))
+        _check_field(self.format, "w2", self.w2, torch.bfloat16, (e, d, i2 // 2))
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(E, I, D)."""
+        e, i2, d = self.w13.shape
+        return e, i2 // 2, d
+
+    @classmethod
+    def from_float(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> Bf16Experts:
+        return cls(torch.cat((w1, w3), 1).to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous())
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 (w1 [E, I, D], w3 [E, I, D], w2 [E, D, I])."""
+        i = self.dims[1]
+        return self.w13[:, :i].float(), self.w13[:, i:].float(), self.w2.float()
+
+
+@dataclass(frozen=True)
+class Fp8BlockExperts:
+    """FP8 128x128 block experts (W8A8). w13 e4m3 [E, 2I, D], w13_scale fp32 [E, 2I/128, D/128],
+    w2 e4m3 [E, D, I], w2_scale fp32 [E, D/128, I/128]; D and I multiples of 128 (so no tile
+    straddles w1 and w3). e8m0 checkpoint scales convert to fp32 exactly."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    format: ClassVar[str] = "fp8_block"
+
+    def __post_init__(self) -> None:
+        e, i2, d = self.w13.shape
+        i = i2 // 2
+        _req(i % 128 == 0 and d % 128 == 0, f"{self.format}.w13: I = {i} and D = {d} must be multiples of 128 "
+             "(zero-pad, quant_formats.md §7)")
+        _check_field(self.format, "w13", self.w13, torch.float8_e4m3fn, (e, i2, d))
+        _check_field(self.format, "w13_scale", self.w13_scale, torch.float32, (e, i2 // 128, d // 128))
+        _check_field(self.format, "w2", self.w2, torch.float8_e4m3fn, (e, d, i))
+        _check_field(self.format, "w2_scale", self.w2_scale, torch.float32, (e, d // 128, i // 128))
+
+    dims = Bf16Experts.dims
+
+    @classmethod
+    def from_float(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> Fp8BlockExperts:
+        q13, s13 = Q.bf16_to_fp8_block(torch.cat((w1, w3), 1), name="w13")
+        q2, s2 = Q.bf16_to_fp8_block(w2, name="w2")
+        return cls(q13, Q.e8m0_to_float(s13), q2, Q.e8m0_to_float(s2))
+
+    @classmethod
+    def from_mxfp4(cls, mx: Mxfp4Experts) -> Fp8BlockExperts:
+        """Convert MXFP4 experts (quant_formats.md §6.2); raises if a value would change."""
+        q13, s13, l13 = Q.mxfp4_to_fp8_block(mx.w13, mx.w13_scale, name="w13")
+        q2, s2, l2 = Q.mxfp4_to_fp8_block(mx.w2, mx.w2_scale, name="w2")
+        _req(l13 == 0 and l2 == 0, f"mxfp4 -> fp8_block is lossy here: {l13} w13 and {l2} w2 groups change")
+        return cls(q13, Q.e8m0_to_float(s13), q2, Q.e8m0_to_float(s2))
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i = self.dims[1]
+        w13 = Q.dequant_fp8_block(self.w13, self.w13_scale)
+        return w13[:, :i], w13[:, i:], Q.dequant_fp8_block(self.w2, self.w2_scale)
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """MXFP4 weight-only experts (V4 release). w13 uint8 [E, 2I, D/2] (e2m1 pairs, element 2j
+    in the low nibble), w13_scale float8_e8m0fnu [E, 2I, D/32], w2 uint8 [E, D, I/2],
+    w2_scale float8_e8m0fnu [E, D, I/32]; D and I multiples of 32."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    format: ClassVar[str] = "mxfp4"
+    group: ClassVar[int] = Q.MXFP4_BLOCK
+    scale_dtype: ClassVar[torch.dtype] = torch.float8_e8m0fnu
+
+    def __post_init__(self) -> None:
+        e, i2, d2 = self.w13.shape
+        i, d, g = i2 // 2, d2 * 2, self.group
+        _req(i % g == 0 and d % g == 0, f"{self.format}.w13: I = {i} and D = {d} must be multiples of {g}")
+        _check_field(self.format, "w13", self.w13, torch.uint8, (e, i2, d // 2))
+        _check_field(self.format, "w13_scale", self.w13_scale, self.scale_dtype, (e, i2, d // g))
+        _check_field(self.format, "w2", self.w2, torch.uint8, (e, d, i // 2))
+        _check_field(self.format, "w2_scale", self.w2_scale, self.scale_dtype, (e, d, i // g))
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        e, i2, d2 = self.w13.shape
+        return e, i2 // 2, d2 * 2
+
+    @classmethod
+    def from_float(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> Mxfp4Experts:
+        q13, s13 = Q.quant_mxfp4(torch.cat((w1, w3), 1))
+        q2, s2 = Q.quant_mxfp4(w2)
+        return cls(q13.view(torch.uint8), s13, q2.view(torch.uint8), s2)
+
+    @classmethod
+    def from_checkpoint(cls, w1, s1, w3, s3, w2, s2) -> Mxfp4Experts:
+        """From stacked checkpoint tensors: wX int8/uint8 [E, out, in/2], sX e8m0 [E, out, in/32]."""
+        cat = torch.cat((w1.view(torch.uint8), w3.view(torch.uint8)), 1).contiguous()
+        return cls(cat, torch.cat((s1, s3), 1).contiguous(), w2.view(torch.uint8).contiguous(), s2.contiguous())
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i = self.dims[1]
+        w13 = Q.dequant_mxfp4(self.w13, self.w13_scale)
+        return w13[:, :i], w13[:, i:], Q.dequant_mxfp4(self.w2, self.w2_scale)
+
+
+@dataclass(frozen=True)
+class Nvfp4Experts:
+    """NVFP4 weight-only experts (W4A16). w13 uint8 [E, 2I, D/2], w13_scale float8_e4m3fn
+    [E, 2I, D/16], w13_global fp32 [E] (ONE global scale per expert for w1 and w3 together),
+    w2 uint8 [E, D, I/2], w2_scale float8_e4m3fn [E, D, I/16], w2_global fp32 [E]."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_global: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_global: torch.Tensor
+    format: ClassVar[str] = "nvfp4"
+    group: ClassVar[int] = Q.NVFP4_BLOCK
+    scale_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+
+    def __post_init__(self) -> None:
+        Mxfp4Experts.__post_init__(self)
+        e = self.w13.shape[0]
+        _check_field(self.format, "w13_global", self.w13_global, torch.float32, (e,))
+        _check_field(self.format, "w2_global", self.w2_global, torch.float32, (e,))
+
+    dims = Mxfp4Experts.dims
+
+    @classmethod
+    def from_float(cls, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, **kw) -> Nvfp4Experts:
+        """ModelOpt recipe (lossy); w1 and w3 share amax(w1, w3)/(6*448) per expert."""
+        q13, s13, g13 = Q.bf16_to_nvfp4(torch.cat((w1, w3), 1), name="w13")
+        q2, s2, g2 = Q.bf16_to_nvfp4(w2, name="w2")
+        return cls(q13, s13, g13, q2, s2, g2, **kw)
+
+    @classmethod
+    def from_mxfp4(cls, mx: Mxfp4Experts, **kw) -> Nvfp4Experts:
+        """Lossless conversion (quant_formats.md §6.1), w1/w3 sharing one global scale per expert;
+        raises if any block would change."""
+        q13, s13, g13, l13 = Q.mxfp4_to_nvfp4(mx.w13, mx.w13_scale, name="w13")
+        q2, s2, g2, l2 = Q.mxfp4_to_nvfp4(mx.w2, mx.w2_scale, name="w2")
+        _req(l13 == 0 and l2 == 0, f"mxfp4 -> nvfp4 is lossy here: {l13} w13 and {l2} w2 blocks change")
+        return cls(q13, s13, g13, q2, s2, g2, **kw)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i = self.dims[1]
+        w13 = Q.dequant_nvfp4(self.w13, self.w13_scale, self.w13_global)
+        return w13[:, :i], w13[:, i:], Q.dequant_nvfp4(self.w2, self.w2_scale, self.w2_global)
+
+
+@dataclass(frozen=True)
+class Nvfp4W4A4Experts(Nvfp4Experts):
+    """NVFP4 W4A4 (Blackwell): the NVFP4 weights plus optional calibrated activation global
+    scales (fp32 [1]) for x (input_scale_13) and h (input_scale_2); None = amax/(6*448) of the
+    current batch, computed on device."""
+
+    input_scale_13: torch.Tensor | None = None
+    input_scale_2: torch.Tensor | None = None
+    format: ClassVar[str] = "nvfp4_w4a4"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("input_scale_13", "input_scale_2"):
+            t = getattr(self, name)
+            if t is not None:
+                _check_field(self.format, name, t, torch.float32, (1,))
+
+
+Experts = Bf16Experts | Fp8BlockExperts | Mxfp4Experts | Nvfp4Experts | Nvfp4W4A4Experts
+_CONTAINERS = {c.format: c for c in (Bf16Experts, Fp8BlockExperts, Mxfp4Experts, Nvfp4Experts, Nvfp4W4A4Experts)}
+
+
+def experts_from_tensors(fmt: str, **fields: torch.Tensor | None) -> Experts:
+    """Build the container of format `fmt` from its fields (extra None fields are ignored)."""
+    _req(fmt in _CONTAINERS, f"fmt: expected one of {sorted(_CONTAINERS)}, got {fmt!r}")
+    cls = _CONTAINERS[fmt]
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = [k for k, v in fields.items() if k not in names and v is not None]
+    _req(not extra, f"{fmt}: unexpected fields {extra}")
+    return cls(**{k: v for k, v in fields.items() if k in names})
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+
+
+@triton.jit
+def _load_a(FMT: tl.constexpr, a_ptr, as_ptr, arow, valid, k0, K: tl.constexpr, stride_am, stride_asm,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The A tile of K block k0 and its scales (unused for bf16 activations)."""
+    if FMT == 4:
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        a = tl.load(a_ptr + arow[:, None] * stride_am + kp[None, :], mask=valid[:, None] & (kp[None, :] < K // 2), other=0)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        a_s = tl.load(as_ptr + arow[:, None] * stride_asm + ks[None, :], mask=valid[:, None] & (ks[None, :] < K // 16), other=0)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        if FMT == 1:
+            a_s = tl.load(as_ptr + arow * stride_asm + k0 // 128, mask=valid, other=0.0)
+        else:
+            a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return a, a_s
+
+
+@triton.jit
+def _fp4_tile(w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, stride_wsn, GROUP: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed e2m1 tile -> fp32 [BLOCK_N, BLOCK_K] = fp4 * block scale (ue8m0 per 32 or e4m3 per 16)."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    p = tl.load(w_base + cols[:, None] * stride_wn + kp[None, :], mask=col_ok[:, None] & (kp[None, :] < K // 2), other=0)
+    vals = U.e2m1_value(U.unpack_fp4(p.to(tl.int32), BLOCK_N, BLOCK_K))
+    ks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K // GROUP), other=0)
+    sb = sb.to(tl.int32)
+    s = U.e8m0_value(sb) if GROUP == 32 else U.e4m3_value(sb)
+    return U.scale_blocks(vals, s, BLOCK_N, BLOCK_K, GROUP)
+
+
+@triton.jit
+def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, stride_wsn, acc,
+          USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """acc + A_tile @ W_tile^T for K block k0, W rows `cols` of one expert, in format FMT."""
+    if FMT == 0 or FMT == 1:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_base + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk[None, :] < K), other=0.0)
+        if FMT == 0:
+            acc = U.mma(a, w, acc, INTERPRET)
+        else:
+            ws = tl.load(ws_base + (cols // 128) * stride_wsn + k0 // 128, mask=col_ok, other=0.0)
+            part = U.mma(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRET)
+            acc += part * a_s[:, None] * ws[None, :]
+    elif FMT == 2:
+        w = _fp4_tile(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 32, BLOCK_N, BLOCK_K)
+        acc = U.mma(a, w.to(tl.bfloat16), acc, INTERPRET)
+    elif FMT == 3:
+        w = _fp4_tile(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 16, BLOCK_N, BLOCK_K)
+        acc = U.mma(a, w.to(tl.bfloat16), acc, INTERPRET)
+    else:
+        if USE_DOT_SCALED:
+            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            p = tl.load(w_base + cols[:, None] * stride_wn + kp[None, :], mask=col_ok[:, None] & (kp[None, :] < K // 2), other=0)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K // 16), other=0)
+            acc = tl.dot_scaled(a, a_s.to(tl.float8e4nv, bitcast=True), "e2m1",
+                                tl.trans(p), sb.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+        else:   # emulation: both operands dequantised (exact in bf16), bf16 MMA
+            av = U.scale_blocks(U.e2m1_value(U.unpack_fp4(a.to(tl.int32), BLOCK_M, BLOCK_K)),
+                                U.e4m3_value(a_s.to(tl.int32)), BLOCK_M, BLOCK_K, 16)
+            w = _fp4_tile(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 16, BLOCK_N, BLOCK_K)
+            acc = U.mma(av.to(tl.bfloat16), w.to(tl.bfloat16), acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _moe_gemm_kernel(
+        a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, ag_ptr, ids_ptr, bexp_ptr, rw_ptr, out_ptr, outs_ptr,
+        N, K: tl.constexpr, TOPK, N_ASSIGN, limit,
+        stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+        FMT: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr,
+        HAS_LIMIT: tl.constexpr, USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of one expert's M-block. GATHER: A rows are
+    x[ids // TOPK] (GEMM 1), else the block's own rows (GEMM 2). SWIGLU: two accumulators over
+    W rows n and N + n, SwiGLU, clamp and routing weight in the epilogue (QUANT_OUT: e4m3 + ue8m0
+    per 128, BLOCK_N == 128)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    if e >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(ids_ptr + rows)
+        valid = ids < N_ASSIGN
+        if GATHER:
+            arow = tl.where(valid, ids // TOPK, 0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a, a_s = _load_a(FMT, a_ptr, as_ptr, arow, valid, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
+            acc1 = _step(FMT, a, a_s, w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, acc1,
+                         USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+            if SWIGLU:
+                acc2 = _step(FMT, a, a_s, w_base, ws_base, cols + N, col_ok, k0, K, stride_wn, stride_wsn, acc2,
+                             USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+        if FMT >= 3:
+            g = tl.load(wg_ptr + e)
+            if FMT == 4:
+                g = g * tl.load(ag_ptr)
+            acc1 = acc1 * g
+            acc2 = acc2 * g
+        orow = rows.to(tl.int64)
+        if SWIGLU:
+            if HAS_LIMIT:
+                acc1 = tl.minimum(acc1, limit)
+                acc2 = tl.minimum(tl.maximum(acc2, -limit), limit)
+            rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
+            h = acc1 * tl.sigmoid(acc1) * acc2 * rw[:, None]
+            if QUANT_OUT:
+                s = U.ceil_pow2(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0)
+                q = U.e4m3_bits(h / s[:, None])
+                tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], q.to(tl.uint8), mask=col_ok[None, :])
+                tl.store(outs_ptr + orow * stride_osm + pid_n, s)
+            else:
+                tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], h.to(out_ptr.dtype.element_ty),
+                         mask=col_ok[None, :])
+        else:
+            tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc1.to(out_ptr.dtype.element_ty),
+                     mask=col_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """Tile sizes and launch parameters (BLOCK_M also sets the routing alignment)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
+    """Heuristic tiles from static shapes: small BLOCK_M at decode, large at prefill; large
+    blocks under the CPU interpreter (fewer programs)."""
+    if device.type == "cpu":
+        return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
+    per_expert = n_assign / max(n_experts, 1)
+    fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
+    if per_expert <= 16:
+        return MoeKernelConfig(16, 64, 256 if fp4 else 128, 4, 4)
+    if per_expert <= 64:
+        return MoeKernelConfig(64, 128, 128, 4, 4)
+    return MoeKernelConfig(128, 128, 128 if fmt != "bf16" else 64, 8, 3)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Device routing prep. ids int32 [R]; block_expert int32 [NB]; inv int64 [N_A] (padded row
+    of each assignment, row-major over [T, K]); n_assign, block_m static ints."""
+
+    ids: torch.Tensor
+    block_expert: torch.Tensor
+    inv: torch.Tensor
+    n_assign: int
+    block_m: int
+
+
+def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
+    """Sort assignments by expert (stable) and pad each expert's rows to block_m, with torch
+    device ops only (no host sync; every size comes from idx.shape). idx [T, K] ints in [0, E)
+    (not checked on device)."""
+    n = idx.numel()
+    dev = idx.device
+    flat = idx.reshape(-1).to(torch.int64)                                          # [N_A]
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m                            # [E]
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    sorted_e, order = torch.sort(flat, stable=True)                                 # [N_A]
+    dest = pad_start[sorted_e] + torch.arange(n, device=dev) - start[sorted_e]      # padded row
+    n_blocks = math.ceil(n / block_m) + min(n_experts, n)
+    ids = torch.full((n_blocks * block_m,), n, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
+    inv = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, dest)
+    block_rows = torch.arange(n_blocks, device=dev) * block_m
+    bexp = torch.searchsorted(pad_end, block_rows, right=True)
+    bexp = torch.where(bexp < n_experts, bexp, -1).to(torch.int32)
+    return Routing(ids, bexp, inv, n, block_m)
+
+
+def _check_inputs(x, idx, weight, experts, swiglu_limit) -> None:
+    _req(isinstance(experts, tuple(_CONTAINERS.values())), f"experts: expected one of {sorted(_CONTAINERS)} "
+         f"containers, got {type(experts).__name__}")
+    e, i, d = experts.dims
+    _req(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == d and x.stride(1) == 1,
+         f"x: expected bf16 [T, {d}] with unit stride along D, got {x.dtype} {tuple(x.shape)}")
+    t = x.shape[0]
+    _req(idx.dim() == 2 and idx.shape[0] == t and idx.dtype in (torch.int32, torch.int64),
+         f"idx: expected int32/int64 [{t}, K], got {idx.dtype} {tuple(idx.shape)}")
+    _req(weight.dtype == torch.float32 and tuple(weight.shape) == tuple(idx.shape),
+         f"weight: expected fp32 {tuple(idx.shape)}, got {weight.dtype} {tuple(weight.shape)}")
+    _req(x.device == idx.device == weight.device == experts.w13.device,
+         f"x/idx/weight/experts: all on one device, got {x.device}, {idx.device}, {weight.device}, {experts.w13.device}")
+    _req(isinstance(swiglu_limit, (int, float)) and math.isfinite(swiglu_limit),
+         f"swiglu_limit: expected a finite float, got {swiglu_limit!r}")
+    if x.device.type == "cpu" and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        _req(lo >= 0 and hi < e, f"idx: expert ids must be in [0, {e}), got {lo}..{hi}")
+
+
+def _w_args(experts: Experts, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, scale, global) of w13 or w2 as kernel operands (scale bytes as uint8)."""
+    w = getattr(experts, which)
+    s = getattr(experts, f"{which}_scale", None)
+    g = getattr(experts, f"{which}_global", None)
+    if s is not None and s.dtype != torch.float32:
+        s = s.view(torch.uint8)
+    return w, (w if s is None else s), (w if g is None else g)
+
+
+def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_flat, out, out_s, n: int, k: int,
+          topk: int, limit: float, gather: bool, swiglu: bool, quant_out: bool, cfg: MoeKernelConfig,
+          use_dot_scaled: bool) -> None:
+    w, ws, wg = _w_args(experts, which)
+    n_blocks = routing.block_expert.numel()
+    grid = (n_blocks, triton.cdiv(n, cfg.block_n))
+    _moe_gemm_kernel[grid](
+        a, a_s, w, ws, wg, a_g, routing.ids, routing.block_expert, weight_flat, out, out_s,
+        n, k, topk, routing.n_assign, float(limit),
+        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+        out.stride(0), out_s.stride(0),
+        FMT=_FMT_ID[fmt], GATHER=gather, SWIGLU=swiglu, QUANT_OUT=quant_out, HAS_LIMIT=limit > 0,
+        USE_DOT_SCALED=use_dot_scaled, INTERPRET=U.interpret_flag(a),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _dynamic_scale(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 activation global scale fp32 [1]: the given one, or amax(t)/(6*448) on device."""
+    if given is not None:
+        return given
+    return (t.abs().amax().float() / _NVFP4_GLOBAL_DIV).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+
+
+def _check_cfg(fmt: str, cfg: MoeKernelConfig, d: int, i: int) -> None:
+    _req(cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, f"config.block_m: power of two >= 16, got {cfg.block_m}")
+    _req(cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0, f"config.block_n: power of two >= 16, got {cfg.block_n}")
+    _req(cfg.block_k >= 32 and cfg.block_k & (cfg.block_k - 1) == 0, f"config.block_k: power of two >= 32, got {cfg.block_k}")
+    if fmt == "fp8_block":
+        _req(cfg.block_k == 128, f"config.block_k: fp8_block needs 128 (one activation scale per K step), got {cfg.block_k}")
+
+
+def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfig, use_dot_scaled: bool):
+    fmt = experts.format
+    e, i, d = experts.dims
+    t, topk = idx.shape
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    routing = route_prep(idx, e, cfg.block_m)
+    rows = routing.ids.numel()
+    dev = x.device
+    wflat = weight.reshape(-1).contiguous()
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    cfg2 = cfg
+    if fmt == "fp8_block":
+        xq, xs = act_quant_fp8(x)
+        h = torch.empty(rows, i, dtype=torch.uint8, device=dev)
+        hs = torch.empty(rows, i // 128, dtype=torch.float32, device=dev)
+        cfg1 = dataclasses.replace(cfg, block_n=128)
+        _gemm(fmt, xq, xs, dummy, experts, "w13", routing, wflat, h, hs, i, d, topk, swiglu_limit, True, True, True,
+              cfg1, use_dot_scaled)
+        a2, a2_s, a2_g = h.view(torch.float8_e4m3fn), hs, dummy
+    elif fmt == "nvfp4_w4a4":
+        x_g = _dynamic_scale(x, experts.input_scale_13)
+        xq, xs = act_quant_nvfp4(x, x_g)
+        h = torch.zeros(rows, i, dtype=torch.bfloat16, device=dev)
+        _gemm(fmt, xq, xs.view(torch.uint8), x_g, experts, "w13", routing, wflat, h, h, i, d, topk, swiglu_limit,
+              True, True, False, cfg, use_dot_scaled)
+        a2_g = _dynamic_scale(h, experts.input_scale_2)
+        a2, a2_s = act_quant_nvfp4(h, a2_g)
+        a2_s = a2_s.view(torch.uint8)
+    else:
+        h = torch.empty(rows, i, dtype=torch.bfloat16, device=dev)
+        _gemm(fmt, x, x, dummy, experts, "w13", routing, wflat, h, h, i, d, topk, swiglu_limit, True, True, False,
+              cfg, use_dot_scaled)
+        a2, a2_s, a2_g = h, h, dummy
+    y = torch.empty(rows, d, dtype=torch.bfloat16, device=dev)
+    _gemm(fmt, a2, a2_s, a2_g, experts, "w2", routing, wflat, y, y, d, i, topk, 0.0, False, False, False, cfg2,
+          use_dot_scaled)
+    out.copy_(y[routing.inv].view(t, topk, d).float().sum(1))
+    return out
+
+
+def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: Experts,
+                swiglu_limit: float, config: MoeKernelConfig | None = None) -> torch.Tensor:
+    """Routed experts on Triton kernels: same function as torch.ops.dsv4c.moe_experts, with the
+    routing weight applied before w2 (Official) and the weights in `experts`' format.
+
+    x bf16 [T, D]; idx int32/int64 [T, K] in [0, E); weight fp32 [T, K]; experts one of the
+    containers; swiglu_limit L (<= 0: no clamp) -> bf16 [T, D].
+
+    CUDA-graph capture safe: routing prep is torch device ops (sort, scatter, cumsum,
+    searchsorted) with no host sync, the grids depend on shapes only (a worst-case number of
+    M-blocks; unused blocks exit), and the activation global scales of W4A4 are device tensors.
+    Kernels must be compiled once (one eager call) before capture. On CPU tensors the kernels
+    run under the Triton interpreter (set TRITON_INTERPRET=1 before they first launch).
+    nvfp4_w4a4 needs tl.dot_scaled on CUDA capability >= 10.0 (sm_100, Blackwell); the wrapper
+    refuses on older GPUs.
+    """
+    _check_inputs(x, idx, weight, experts, swiglu_limit)
+    fmt = experts.format
+    e, i, d = experts.dims
+    cfg = config or default_config(fmt, idx.numel(), e, x.device)
+    _check_cfg(fmt, cfg, d, i)
+    use_dot_scaled = False
+    if fmt == "nvfp4_w4a4" and x.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(x.device)
+        _req(cap >= (10, 0), f"nvfp4_w4a4: tl.dot_scaled with NVFP4 needs CUDA capability >= 10.0 (sm_100), "
+             f"this GPU is {cap[0]}.{cap[1]}; use nvfp4 (weight-only) or fp8_block")
+        use_dot_scaled = True
+    return _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg, use_dot_scaled)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def _sim_act_fp8(v: torch.Tensor) -> torch.Tensor:
+    return Q.dequant_act(*Q.quant_act_fp8(v))
+
+
+def _sim_act_nvfp4(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return Q.dequant_act_nvfp4(*Q.quant_act_nvfp4(v, g.reshape(())), g.reshape(()))
+
+
+def moe_grouped_ref(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: Experts,
+                    swiglu_limit: float) -> torch.Tensor:
+    """fp32 reference of `moe_grouped` [T, D]: dequantised weights, fp32 math, routing weight
+    before w2, and the format's activation quantisation emulated (FP8: x and h per 128 with
+    ue8m0 scales; W4A4: x and h to NVFP4 with the container's or the batch amax global scale)."""
+    _check_inputs(x, idx, weight, experts, swiglu_limit)
+    fmt = experts.format
+    w1, w3, w2 = experts.dequantize()
+    t, topk = idx.shape
+    xa = x.float()
+    if fmt == "fp8_block":
+        xa = _sim_act_fp8(xa)
+    elif fmt == "nvfp4_w4a4":
+        xa = _sim_act_nvfp4(xa, _dynamic_scale(x, experts.input_scale_13))
+    rows = torch.arange(t, device=x.device).repeat_interleave(topk)                  # [N_A]
+    flat = idx.reshape(-1).long()
+    g = torch.einsum("nd,nid->ni", xa[rows], w1[flat])                               # [N_A, I]
+    u = torch.einsum("nd,nid->ni", xa[rows], w3[flat])
+    if swiglu_limit > 0:
+        g = g.clamp(max=swiglu_limit)
+        u = u.clamp(-swiglu_limit, swiglu_limit)
+    h = torch.nn.functional.silu(g) * u * weight.reshape(-1, 1)
+    if fmt == "fp8_block":
+        h = _sim_act_fp8(h)
+    elif fmt == "nvfp4_w4a4":
+        h = _sim_act_nvfp4(h, _dynamic_scale(h, experts.input_scale_2))
+    y = torch.einsum("ni,ndi->nd", h, w2[flat])                                      # [N_A, D]
+    return y.view(t, topk, -1).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom op for the FX rewrite of dsv4c::moe_experts
+
+
+@torch.library.custom_op("dsv4c::moe_experts_q", mutates_args=())
+def moe_experts_q(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, fmt: str, w13: torch.Tensor,
+                  w13_scale: torch.Tensor | None, w13_global: torch.Tensor | None, w2: torch.Tensor,
+                  w2_scale: torch.Tensor | None, w2_global: torch.Tensor | None,
+                  input_scale_13: torch.Tensor | None, input_scale_2: torch.Tensor | None,
+                  swiglu_limit: float) -> torch.Tensor:
+    """`moe_grouped` with the container passed as its fields (see the module docstring)."""
+    experts = experts_from_tensors(fmt, w13=w13, w13_scale=w13_scale, w13_global=w13_global, w2=w2,
+                                   w2_scale=w2_scale, w2_global=w2_global, input_scale_13=input_scale_13,
+                                   input_scale_2=input_scale_2)
+    return moe_grouped(x, idx, weight, experts, swiglu_limit)
+
+
+@moe_experts_q.register_fake
+def _moe_experts_q_fake(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
+                        input_scale_13, input_scale_2, swiglu_limit):
+    return torch.empty_like(x)

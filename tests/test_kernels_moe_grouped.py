@@ -1,0 +1,230 @@
+"""Grouped MoE kernels (dsv4c.kernels.moe_grouped) vs their reference, per weight format.
+
+CPU: Triton interpreter, small shapes, large blocks. GPU tests: -m gpu on the device machine.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton kernels launch; GPU tests run on CUDA tensors
+
+import pytest
+import torch
+from dsv4c.kernels import moe_grouped as M
+from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
+
+import dsv4c.model.moe  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
+from dsv4c.model.moe import moe_experts_loop
+
+FORMATS = {c.format: c for c in (M.Bf16Experts, M.Fp8BlockExperts, M.Mxfp4Experts, M.Nvfp4Experts,
+                                 M.Nvfp4W4A4Experts)}
+LIMIT = 0.6
+
+
+def float_weights(e, i, d, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(e, i, d, generator=g) * d ** -0.5
+    w3 = torch.randn(e, i, d, generator=g) * d ** -0.5
+    w2 = torch.randn(e, d, i, generator=g) * i ** -0.5
+    return w1.to(device), w3.to(device), w2.to(device)
+
+
+def routing(case, t, k, e, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if case == "random":
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    elif case == "empty_experts":       # only experts 1 and e-2 used
+        idx = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=g)]
+    elif case == "one_expert_all":      # every slot of every token on expert 2
+        idx = torch.full((t, k), 2)
+    elif case == "repeated_ids":        # rows like [e, e]: contributions add
+        idx = torch.randint(0, e, (t, 1), generator=g).repeat(1, k)
+        idx[::3, -1] = (idx[::3, 0] + 1) % e
+    weight = torch.rand(t, k, generator=g) + 0.5
+    return idx, weight
+
+
+def inputs(t, d, seed=2, device="cpu"):
+    return (torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * 2).bfloat16().to(device)
+
+
+# (T, K, E, D, I): T not a multiple of BLOCK_M=16, D not of BLOCK_K=128, I not of BLOCK_N=128,
+# except for fp8_block whose format needs D, I % 128 == 0.
+SHAPES = {"bf16": (9, 2, 6, 160, 96), "mxfp4": (9, 2, 6, 160, 96), "nvfp4": (9, 2, 6, 160, 96),
+          "nvfp4_w4a4": (9, 2, 6, 160, 96), "fp8_block": (9, 2, 6, 256, 128)}
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_moe_grouped_matches_ref(fmt, case):
+    t, k, e, d, i = SHAPES[fmt]
+    if case == "one_expert_all":
+        t = 37                            # several M-blocks of one expert
+    experts = FORMATS[fmt].from_float(*float_weights(e, i, d))
+    x = inputs(t, d)
+    idx, weight = routing(case, t, k, e)
+    y = M.moe_grouped(x, idx, weight, experts, LIMIT)
+    ref = M.moe_grouped_ref(x, idx, weight, experts, LIMIT)
+    assert y.dtype == torch.bfloat16 and y.shape == (t, d)
+    assert rel_err(y, ref) < KERNEL_REL_ERR[fmt]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_format_vs_unquantised_fp32(fmt):
+    t, k, e, d, i = SHAPES[fmt]
+    w1, w3, w2 = float_weights(e, i, d, seed=3)
+    x = inputs(t, d, seed=4)
+    idx, weight = routing("random", t, k, e, seed=5)
+    y = M.moe_grouped(x, idx, weight, FORMATS[fmt].from_float(w1, w3, w2), LIMIT)
+    exact = M.moe_grouped_ref(x, idx, weight, M.Bf16Experts(torch.cat((w1, w3), 1).bfloat16(), w2.bfloat16()), LIMIT)
+    err = rel_err(y, exact)
+    assert err < FORMAT_VS_FP32_REL_ERR[fmt]
+    if fmt != "bf16":
+        assert err > 1e-3               # the quantisation really happened
+
+
+def test_ref_matches_the_model_loop_in_fp32():
+    """The reference (weight before w2) equals moe_experts_loop (weight after w2) in fp32."""
+    e, i, d, t, k = 5, 24, 32, 7, 3
+    w1, w3, w2 = float_weights(e, i, d, seed=6)
+    x = inputs(t, d, seed=7)
+    idx, weight = routing("repeated_ids", t, k, e, seed=8)
+    ex = M.Bf16Experts(torch.cat((w1, w3), 1).bfloat16(), w2.bfloat16())
+    a, b, c = ex.dequantize()
+    loop = moe_experts_loop(x.float(), idx, weight, a, b, c, LIMIT)
+    assert rel_err(M.moe_grouped_ref(x, idx, weight, ex, LIMIT), loop) < 1e-6
+
+
+def test_bf16_kernel_matches_model_op():
+    t, k, e, d, i = SHAPES["bf16"]
+    w1, w3, w2 = float_weights(e, i, d, seed=9)
+    ex = M.Bf16Experts.from_float(w1, w3, w2)
+    a, b, c = ex.dequantize()
+    x = inputs(t, d, seed=10)
+    idx, weight = routing("random", t, k, e, seed=11)
+    op = torch.ops.dsv4c.moe_experts(x, idx, weight, a.bfloat16(), b.bfloat16(), c.bfloat16(), LIMIT)
+    assert rel_err(M.moe_grouped(x, idx, weight, ex, LIMIT), op) < KERNEL_REL_ERR["bf16_vs_model_op"]
+
+
+def test_mxfp4_converted_to_nvfp4_is_the_same_moe():
+    t, k, e, d, i = SHAPES["mxfp4"]
+    w1, w3, w2 = float_weights(e, i, d, seed=12)
+    w3 = w3 * 8                                                      # w1 and w3 ranges differ
+    mx = M.Mxfp4Experts.from_float(w1, w3, w2)
+    nv = M.Nvfp4Experts.from_mxfp4(mx)
+    assert nv.w13_global.shape == (e,)                               # one global scale per expert for w1+w3
+    x = inputs(t, d, seed=13)
+    idx, weight = routing("random", t, k, e, seed=14)
+    assert torch.equal(M.moe_grouped_ref(x, idx, weight, mx, LIMIT), M.moe_grouped_ref(x, idx, weight, nv, LIMIT))
+    y_mx = M.moe_grouped(x, idx, weight, mx, LIMIT)
+    y_nv = M.moe_grouped(x, idx, weight, nv, LIMIT)
+    assert rel_err(y_nv, y_mx) < KERNEL_REL_ERR["nvfp4"]
+
+
+def test_route_prep_invariants():
+    e, bm = 7, 16
+    idx, _ = routing("empty_experts", 45, 3, e, seed=15)
+    r = M.route_prep(idx, e, bm)
+    n = idx.numel()
+    ids, bexp = r.ids.long(), r.block_expert.long()
+    assert ids.numel() == r.block_expert.numel() * bm
+    valid = ids < n
+    assert sorted(ids[valid].tolist()) == list(range(n))             # each assignment once
+    row_expert = bexp.repeat_interleave(bm)
+    assert torch.equal(row_expert[valid], idx.reshape(-1)[ids[valid]])
+    assert torch.equal(r.inv[ids[valid]], valid.nonzero().squeeze(1))
+    assert set(bexp.tolist()) == {-1, 1, e - 2}                      # empty experts own no block
+
+
+def test_custom_op_and_fake():
+    t, k, e, d, i = SHAPES["nvfp4"]
+    ex = M.Nvfp4Experts.from_float(*float_weights(e, i, d, seed=16))
+    x = inputs(t, d, seed=17)
+    idx, weight = routing("random", t, k, e, seed=18)
+    args = (x, idx, weight, ex.format, ex.w13, ex.w13_scale, ex.w13_global, ex.w2, ex.w2_scale, ex.w2_global,
+            None, None, LIMIT)
+    y = torch.ops.dsv4c.moe_experts_q(*args)
+    assert torch.equal(y, M.moe_grouped(x, idx, weight, ex, LIMIT))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.dsv4c.moe_experts_q(*args)
+    assert fake.shape == (t, d) and fake.dtype == torch.bfloat16
+
+
+def test_errors_name_the_input():
+    t, k, e, d, i = SHAPES["bf16"]
+    ex = M.Bf16Experts.from_float(*float_weights(e, i, d))
+    x = inputs(t, d)
+    idx, weight = routing("random", t, k, e)
+    with pytest.raises(ValueError, match="idx: expert ids must be in"):
+        M.moe_grouped(x, idx + e, weight, ex, LIMIT)
+    with pytest.raises(ValueError, match="weight: expected fp32"):
+        M.moe_grouped(x, idx, weight.double(), ex, LIMIT)
+    with pytest.raises(ValueError, match="x: expected bf16"):
+        M.moe_grouped(x.float(), idx, weight, ex, LIMIT)
+    with pytest.raises(ValueError, match="fp8_block.w13: I = 96"):
+        M.Fp8BlockExperts.from_float(*float_weights(e, i, d))
+    with pytest.raises(ValueError, match="nvfp4.w13_global"):
+        nv = M.Nvfp4Experts.from_float(*float_weights(e, i, d))
+        M.Nvfp4Experts(nv.w13, nv.w13_scale, torch.ones(1), nv.w2, nv.w2_scale, nv.w2_global)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+GPU_SHAPE = (200, 6, 32, 512, 384)   # T, K, E, D, I
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("t", [3, 200])
+def test_gpu_moe_grouped_matches_ref(fmt, t):
+    _, k, e, d, i = GPU_SHAPE
+    ex = FORMATS[fmt].from_float(*float_weights(e, i, d, device="cuda"))
+    x = inputs(t, d, device="cuda")
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+    y = M.moe_grouped(x, idx, weight, ex, LIMIT)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_dot_scaled", [False, True])
+def test_gpu_w4a4_paths(use_dot_scaled):
+    """W4A4 on a pre-Blackwell GPU: the public wrapper refuses; the kernel's emulation path, and
+    tl.dot_scaled itself (Triton emulates it below sm_100), are checked against the reference."""
+    t, k, e, d, i = GPU_SHAPE
+    ex = M.Nvfp4W4A4Experts.from_float(*float_weights(e, i, d, device="cuda"))
+    x = inputs(t, d, device="cuda")
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+    if torch.cuda.get_device_capability() < (10, 0):
+        with pytest.raises(ValueError, match="capability >= 10.0"):
+            M.moe_grouped(x, idx, weight, ex, LIMIT)
+    cfg = M.default_config(ex.format, idx.numel(), e, x.device)
+    y = M._moe_grouped_impl(x, idx, weight, ex, LIMIT, cfg, use_dot_scaled)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < KERNEL_REL_ERR["nvfp4_w4a4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4"])
+def test_gpu_cuda_graph_capture(fmt):
+    t, k, e, d, i = 8, 6, 32, 512, 384
+    ex = FORMATS[fmt].from_float(*float_weights(e, i, d, device="cuda"))
+    x = inputs(t, d, device="cuda")
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+    M.moe_grouped(x, idx, weight, ex, LIMIT)                        # compile before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        M.moe_grouped(x, idx, weight, ex, LIMIT)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = M.moe_grouped(x, idx, weight, ex, LIMIT)
+    idx2, w2 = (v.cuda() for v in routing("one_expert_all", t, k, e, seed=9))
+    x.copy_(inputs(t, d, seed=5, device="cuda"))
+    idx.copy_(idx2)
+    weight.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, M.moe_grouped(x, idx, weight, ex, LIMIT)) < 1e-6
