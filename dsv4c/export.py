@@ -32,6 +32,7 @@ class GraphSpec:
     k: int = 0  # speculative tokens: decode/mtp graphs take 1 + k tokens per sequence
     n_slots: int = 2  # cached sequences (the caches' leading dim)
     max_len: int = 256  # positions per sequence the caches hold
+    extra_ring_slots: int = 0  # V4: window-ring rows beyond W, so speculative rows evict nothing live (k_max)
 
     def __post_init__(self):
         if self.kind not in GRAPH_KINDS:
@@ -40,6 +41,8 @@ class GraphSpec:
             raise ValueError(f"k: speculative tokens must be in [0, 8], got {self.k}")
         if self.n_slots < 2:
             raise ValueError("n_slots: at least 2 (a dynamic batch dim needs an example of 2)")
+        if self.extra_ring_slots < 0:
+            raise ValueError(f"extra_ring_slots: must be >= 0, got {self.extra_ring_slots}")
 
     @property
     def tokens(self) -> int | None:
@@ -83,7 +86,9 @@ def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     cfg: ModelConfig = model.config
     B = 2
     T = spec.tokens or 3
-    cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len)
+    extra = {"extra_ring_slots": spec.extra_ring_slots} if spec.extra_ring_slots else {}
+    cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len,
+                                                                             **extra)
     caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}
     ids = torch.zeros(B, T, dtype=torch.int64, device=device)
     slots = torch.arange(B, device=device)
