@@ -486,7 +486,7 @@ def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
 def _check_inputs(x, idx, weight, experts, swiglu_limit) -> None:
     _req(isinstance(experts, tuple(_CONTAINERS.values())), f"experts: expected one of {sorted(_CONTAINERS)} "
          f"containers, got {type(experts).__name__}")
-    e, i, d = experts.dims
+    e, _, d = experts.dims
     _req(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == d and x.stride(1) == 1,
          f"x: expected bf16 [T, {d}] with unit stride along D, got {x.dtype} {tuple(x.shape)}")
     t = x.shape[0]
