@@ -1,0 +1,438 @@
+"""MTP speculative decoding for `Session` (../shared/spec/speculative_decoding.md).
+
+One round for the active sequences, each with committed tokens x_0..x_n (x_n sampled, not yet fed; the
+main caches hold positions < n, the MTP cache positions < n and its draft for x_{n+1} is pending):
+
+  1. draft   d_1 is the pending MTP output; d_2..d_k come from k-1 one-position calls of the `mtp` graph,
+             each fed the previous MTP output streams (recursive drafting, spec §2).
+  2. verify  one call of the `verify` graph (1 + K tokens per sequence, n_real = 1 + k) over
+             [x_n, d_1..d_k] at positions n..n+k: target logits p_0..p_k and streams h_n..h_{n+k}.
+  3. accept  greedy: while d_j == argmax p_{j-1}; sampling: exact rejection sampling on the processed
+             distributions (`accept_drafts`). -> a accepted drafts and one extra token y.
+  4. rollback positions go to n+a+1. The state the verify wrote for positions > n+a is harmless except
+             the V4 compressors' open-group state (see below); it is restored and the accepted prefix is
+             replayed when a compressor group closed in (n+a, n+k].
+  5. refresh one `mtp` call over positions n..n+a with the true inputs (h_j, x_{j+1}); its output at n+a is
+             the next round's d_1.
+
+Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_ops.py):
+  * window ring: the caches carry W + K rows (`extra_ring_slots`), so the verify's rows evict only
+    positions <= n-W, which no later query reads; rows of rejected positions are rewritten before any
+    query can read them (a chunk writes its rows before it attends, and reads only older positions).
+  * compressed entries / indexer entries: entry i is visible only from its closing position on, and the
+    chunk that reaches that position rewrites it first.
+  * V3/V3.2 latent, k_pe and indexer keys: row p is read only by queries at positions >= p, after the
+    chunk holding p wrote it again.
+  * MTP ring (V4, sliding window only) and V3 MTP cache: same argument, and the refresh rewrites positions
+    n..n+a with true inputs.
+  * the compressor open-group state (`comp_kv/comp_score`, `idx_kv/idx_score`) is not position-indexed:
+    when a group closes inside the verify chunk after n+a, rows of the accepted positions are pooled
+    into a (wrong) entry and dropped from the state. Those sequences get their state rows restored from
+    a snapshot taken before the verify, and positions n..n+a are replayed through the verify graph with
+    n_real = a+1 (exactly the ops' semantics; costs one extra forward for those rows, counted in stats).
+
+Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
+
+Legend: B batch (active sequences), K the artifact's verify width - 1, k the drafts of this round (<= K),
+V vocab, N hc streams, D hidden.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from dsv4c.runtime.sampling import SamplingParams, processed_probs
+
+# drafting source override for tests: (request index, round, drafts) -> drafts (greedy-drafted q = one-hot)
+DraftFilter = Callable[[int, int, list[int]], list[int]]
+OPEN_GROUP_STATE = ("comp_kv", "comp_score", "idx_kv", "idx_score")
+
+
+# ------------------------------------------------------------------------------------------------
+# acceptance (spec §3)
+# ------------------------------------------------------------------------------------------------
+def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: list[int], greedy: bool,
+                  gen: torch.Generator | None) -> tuple[int, int]:
+    """Exact acceptance of `drafts` (k tokens) against the target.
+
+    p [k+1, V]: processed target distributions p̃_0..p̃_k (fp32); q [k, V]: the distributions the drafts
+    were actually drawn from (one-hot for greedy drafts). -> (a accepted drafts, the extra token y).
+    Greedy target: accept while d_j is the argmax, y = argmax. Otherwise: accept d_j with probability
+    min(1, p̃(d_j)/q̃(d_j)); on rejection y ~ norm(max(0, p̃ - q̃)) (p̃ if that mass is 0); after k
+    acceptances y ~ p̃_k. Uniforms are drawn only where the outcome is uncertain, in draft order."""
+    for j, d in enumerate(drafts):
+        if greedy:
+            ok = int(p[j].argmax()) == d
+        else:
+            pj, qj = float(p[j, d]), float(q[j, d])
+            ratio = math.inf if qj <= 0 else pj / qj
+            ok = ratio >= 1 or (ratio > 0 and float(torch.rand((), generator=gen)) < ratio)
+        if not ok:
+            if greedy:
+                return j, int(p[j].argmax())
+            res = (p[j] - q[j]).clamp_min(0)
+            return j, _draw(res if float(res.sum()) > 0 else p[j], gen)
+    k = len(drafts)
+    return k, int(p[k].argmax()) if greedy else _draw(p[k], gen)
+
+
+def _draw(dist: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(dist / dist.sum(), 1, generator=gen))
+
+
+# ------------------------------------------------------------------------------------------------
+# statistics
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    """Per-request speculation counters. α_j = accepted[j] / proposed[j] (draft j was checked only when
+    drafts 1..j-1 were accepted); τ = tokens per round (accepted drafts + 1)."""
+
+    k: int
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts 0..k
+    rounds: int = 0
+    replays: int = 0  # rounds whose rollback replayed the accepted prefix (compressor group closed)
+    policy: dict | None = None
+
+    def __post_init__(self):
+        self.proposed = self.proposed or [0] * self.k
+        self.accepted = self.accepted or [0] * self.k
+        self.histogram = self.histogram or [0] * (self.k + 1)
+
+    def record(self, a: int, k_round: int) -> None:
+        self.rounds += 1
+        self.histogram[a] += 1
+        for j in range(min(a + 1, k_round)):
+            self.proposed[j] += 1
+            self.accepted[j] += j < a
+
+    def as_dict(self) -> dict:
+        acc = [a / p if p else None for a, p in zip(self.accepted, self.proposed)]
+        n_acc = sum(self.accepted)
+        out = {"mtp_k": self.k, "mode": "exact", "rounds": self.rounds,
+               "acceptance_per_position": acc, "accepted_per_position": list(self.accepted),
+               "proposed_per_position": list(self.proposed), "accept_histogram": list(self.histogram),
+               "mean_accepted_length": (n_acc + self.rounds) / self.rounds if self.rounds else None,
+               "accepted_draft_tokens": n_acc, "rollback_replays": self.replays}
+        if self.policy is not None:
+            out["mtp_policy"] = self.policy
+        return out
+
+
+@dataclass
+class _Seq:
+    req: object  # session._Request
+    stats: SpecStats
+    draft_logits: torch.Tensor | None = None  # [V] MTP logits for d_1 of the next round
+    draft_z: torch.Tensor | None = None  # MTP output streams at the last committed position
+
+
+# ------------------------------------------------------------------------------------------------
+# the speculator
+# ------------------------------------------------------------------------------------------------
+class Speculator:
+    """MTP drafting, verification and rollback for one `Session` (its caches, graphs and `_run`).
+
+    The MTP cache and its positions are allocated once per session (graph executors bind cache
+    addresses). `k` (1..K) may change between `serve` calls."""
+
+    def __init__(self, sess):
+        m = sess.manifest
+        self.K = int(m.get("mtp_k", 0))
+        if self.K < 1 or "verify" not in sess.graphs or "mtp" not in sess.graphs:
+            raise ValueError(f"{sess.art}: speculative decoding needs an artifact compiled with --mtp K "
+                             f"(this one has mtp_k={self.K})")
+        self.sess, self.cfg = sess, sess.config
+        self.is_v4 = self.cfg.is_v4
+        self.mtp_caches = _allocate(sess, mtp=True)
+        self.mtp_pos = torch.zeros_like(sess.pos)
+        self.seqs: dict[int, _Seq] = {}  # by slot
+        self.k = self.K
+        self.draft_filter: DraftFilter | None = None
+        self.snapshot_keys = [n for n in sess.caches if n.rsplit(".", 1)[-1] in OPEN_GROUP_STATE]
+        ratios = self.cfg.compress_ratios[: self.cfg.num_hidden_layers] if self.is_v4 else []
+        self.group_sizes = sorted({m for m in ratios if m})  # the CSA indexer's compressor also has m = 4
+        self._prompt_hidden: dict[int, torch.Tensor] = {}
+        self.calibration: dict = {}
+
+    # ---- admission ------------------------------------------------------------------------------
+    def prefill(self, r) -> torch.Tensor:
+        """Prefill r's prompt into its slot (as Session._prefill), keeping the streams the MTP needs;
+        returns the last position's logits [V]."""
+        chunks = self.sess._prefill_chunks(r.ids, r.slot, outputs=True)
+        r.chunks += len(chunks)
+        hidden = torch.cat([c[1][0] for c in chunks])  # [T_prompt, (N,) D]
+        keep = self.cfg.sliding_window if self.is_v4 else hidden.shape[0]  # V4's MTP block is SWA
+        self._prompt_hidden[r.slot] = hidden[-keep:]
+        return chunks[-1][0][0, -1]
+
+    def admit(self, r, stats: SpecStats) -> None:
+        """Fill the MTP cache of r's slot over the prompt with true inputs (h_j, x_{j+1}) and keep the
+        MTP output at the last prompt position: the draft of the first round. Call after the first
+        token was sampled (it is x_{j+1} of the last prompt position)."""
+        s, n = r.slot, len(r.ids)
+        for name, t in self.mtp_caches.items():
+            t[s].fill_(_fill(name))
+        hidden = self._prompt_hidden.pop(s)
+        start = n - hidden.shape[0]
+        nxt = torch.tensor(r.ids[start + 1:] + [r.out[-1]])
+        self.mtp_pos[s] = start
+        T = 1 + self.K
+        for i in range(0, hidden.shape[0], T):
+            h, ids = hidden[i:i + T], nxt[i:i + T]
+            logits, z = self._mtp(h[None], ids[None], [s], [h.shape[0]])
+            last = h.shape[0] - 1
+        self.seqs[s] = _Seq(r, stats, logits[0, last], z[0, last])
+
+    def release(self, slot: int) -> None:
+        self.seqs.pop(slot, None)
+        self._prompt_hidden.pop(slot, None)
+
+    # ---- one round --------------------------------------------------------------------------------
+    def round(self, active: dict) -> Iterator[tuple[int, int]]:
+        """One draft-verify-accept round for every active sequence (slot -> request); yields emitted
+        (request index, token) pairs through `Session._push`."""
+        sess, K = self.sess, self.K
+        slots = sorted(active)
+        seqs = [self.seqs[s] for s in slots]
+        B = len(slots)
+        n0 = sess.pos[torch.tensor(slots, device=sess.device)].tolist()  # x_n is fed at position n
+        ks = [max(0, min(self.k, q.req.max_new - len(q.req.out) - 1, sess.max_tokens - 1 - n))
+              for q, n in zip(seqs, n0)]
+        drafts, qs = self._draft(slots, seqs, ks)
+        ids = torch.zeros(B, 1 + K, dtype=torch.int64)
+        for i, q in enumerate(seqs):
+            ids[i, : 1 + ks[i]] = torch.tensor([q.req.out[-1]] + drafts[i])
+        snap = self._snapshot(slots)
+        logits, hidden = sess._run("verify", ids, slots, [1 + k for k in ks], outputs=True)
+        logits = logits.float().cpu()
+        accepted, replay = [], []
+        for i, q in enumerate(seqs):
+            r = q.req
+            p = processed_probs(logits[i, : 1 + ks[i]], r.params)
+            a, y = accept_drafts(p, qs[i], drafts[i], r.params.temperature == 0, r.gen)
+            accepted.append((a, y))
+            q.stats.record(a, ks[i])
+            sess.pos[slots[i]] = n0[i] + a + 1
+            if a < ks[i] and self._closes_group(n0[i] + a + 1, n0[i] + ks[i]):
+                replay.append(i)
+        if replay:
+            self._replay(slots, ids, n0, accepted, replay, snap)
+        for i, q in enumerate(seqs):
+            a, y = accepted[i]
+            for tok in drafts[i][:a] + [y]:
+                if q.req.finish is None:
+                    yield from sess._push(q.req, tok)
+        self._refresh(slots, seqs, hidden, drafts, accepted, n0)
+
+    def _draft(self, slots: list[int], seqs: list[_Seq], ks: list[int]):
+        """k drafts per sequence and the distributions they were drawn from ([k, V] each)."""
+        B, K = len(slots), self.K
+        drafts: list[list[int]] = [[] for _ in slots]
+        qs: list[list[torch.Tensor]] = [[] for _ in slots]
+        logits = torch.stack([q.draft_logits for q in seqs]).float().cpu()  # [B, V]
+        z = torch.stack([q.draft_z for q in seqs])  # [B, (N,) D]
+        for j in range(max(ks, default=0)):
+            if j:
+                h = torch.zeros((B, 1 + K) + tuple(z.shape[1:]), dtype=z.dtype, device=z.device)
+                h[:, 0] = z
+                ids = torch.zeros(B, 1 + K, dtype=torch.int64)
+                ids[:, 0] = torch.tensor([d[-1] if d else 0 for d in drafts])
+                lg, zz = self._mtp(h, ids, slots, [int(ks[i] > j) for i in range(B)])
+                logits, z = lg[:, 0].float().cpu(), zz[:, 0]
+            for i, q in enumerate(seqs):
+                if ks[i] > j:
+                    dist = processed_probs(logits[i], q.req.params)
+                    greedy = q.req.params.temperature == 0
+                    d = int(dist.argmax()) if greedy else int(torch.multinomial(dist, 1, generator=q.req.gen))
+                    drafts[i].append(d)
+                    qs[i].append(dist)
+        for i, q in enumerate(seqs):
+            if self.draft_filter is not None and drafts[i]:
+                new = list(self.draft_filter(q.req.index, q.stats.rounds, list(drafts[i])))
+                qs[i] = [dist if nd == d else torch.nn.functional.one_hot(torch.tensor(nd), dist.shape[0]).float()
+                         for dist, d, nd in zip(qs[i], drafts[i], new)]
+                drafts[i] = new
+        V = self.cfg.vocab_size
+        return drafts, [torch.stack(q) if q else torch.zeros(0, V) for q in qs]
+
+    def _refresh(self, slots, seqs, hidden, drafts, accepted, n0) -> None:
+        """MTP over positions n..n+a with true inputs (h_j, x_{j+1}); its last output drafts d_1."""
+        live = [i for i, q in enumerate(seqs) if q.req.finish is None]
+        if not live:
+            return
+        K = self.K
+        ids = torch.zeros(len(live), 1 + K, dtype=torch.int64)
+        n_real = []
+        for row, i in enumerate(live):
+            a, y = accepted[i]
+            ids[row, : a + 1] = torch.tensor(drafts[i][:a] + [y])
+            n_real.append(a + 1)
+            self.mtp_pos[slots[i]] = n0[i]
+        lg, z = self._mtp(hidden[live], ids, [slots[i] for i in live], n_real)
+        for row, i in enumerate(live):
+            last = n_real[row] - 1
+            seqs[i].draft_logits, seqs[i].draft_z = lg[row, last], z[row, last]
+
+    # ---- rollback -----------------------------------------------------------------------------------
+    def _closes_group(self, lo: int, hi: int) -> bool:
+        """Does a compressor group close at a position in [lo, hi]? (a group of m closes at p with
+        (p+1) % m == 0)"""
+        return any((p + 1) % m == 0 for m in self.group_sizes for p in range(lo, hi + 1))
+
+    def _snapshot(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        if not self.snapshot_keys:
+            return {}
+        s = torch.tensor(slots, device=self.sess.device)
+        return {n: self.sess.caches[n][s] for n in self.snapshot_keys}  # advanced indexing copies
+
+    def _replay(self, slots, ids, n0, accepted, rows: list[int], snap) -> None:
+        """Restore the open-group state of `rows` and re-feed their accepted tokens x_n..x_{n+a}."""
+        sess = self.sess
+        for i in rows:
+            for n, t in snap.items():
+                sess.caches[n][slots[i]] = t[i]
+            sess.pos[slots[i]] = n0[i]
+            self.seqs[slots[i]].stats.replays += 1
+        sess._run("verify", ids[rows], [slots[i] for i in rows], [accepted[i][0] + 1 for i in rows])
+
+    # ---- graphs ---------------------------------------------------------------------------------------
+    def _mtp(self, hidden, ids, slots, n_real):
+        return self.sess._run("mtp", ids, slots, n_real, hidden=hidden, pos=self.mtp_pos, caches=self.mtp_caches,
+                              outputs=True)
+
+
+def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | None, Callable[[], SpecStats]]:
+    """Resolve `mtp` (k = 1..K, or "auto") for one generate/stream call -> (the Speculator, or None for
+    plain decoding, and a factory of per-request stats that carry the decision)."""
+    K = int(sess.manifest.get("mtp_k", 0))
+    if mtp == "auto":
+        if K < 1:
+            return None, lambda: SpecStats(0, policy={"k": 0, "reason": "the artifact has no MTP graphs"})
+        spec = speculator(sess)
+        k, info = choose_k(sess, spec, reqs[0].params, len(reqs), reqs[0].ids)
+        spec.k = max(k, 1)
+        return (spec if k else None), (lambda: SpecStats(k, policy=info))
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= K:
+        raise ValueError(f"mtp: expected 0..{K} (the artifact's --mtp K) or 'auto', got {mtp!r}")
+    spec = speculator(sess)
+    spec.k = mtp
+    return spec, lambda: SpecStats(mtp)
+
+
+# ------------------------------------------------------------------------------------------------
+# the auto policy (spec §6)
+# ------------------------------------------------------------------------------------------------
+PRIOR_ALPHA = 0.8  # first-draft acceptance before any measurement (public V3/R1 figures: 0.8-0.9)
+
+
+def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_ids: list[int]) -> tuple[int, dict]:
+    """k for `mtp="auto"`: maximise the predicted decode speedup
+        S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B) + P_replay·t_verify(B)),
+        τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
+    with step times measured at batch B (calls with n_real = 0 write nothing) and α measured by a short
+    calibration generation on the first prompt at this temperature (cached per session, B and T bucket).
+    k = 0 (plain decoding) when no k predicts a gain of at least 5 %."""
+    B = max(1, min(batch, sess.max_batch))
+    cal = spec.calibration
+    tkey = ("times", B)
+    if tkey not in cal:
+        cal[tkey] = _step_times(sess, spec, B)
+    akey = ("alpha", _temperature_bucket(params.temperature))
+    if akey not in cal:
+        cal[akey] = _measure_alpha(sess, spec, params, calib_ids)
+    t = cal[tkey]
+    alpha, p_replay = cal[akey]
+    best, pred = 0, {0: 1.0}
+    for k in range(1, spec.K + 1):
+        tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
+        cost = t["verify"] * (1 + p_replay) + k * t["mtp"]
+        pred[k] = tau * t["decode"] / cost
+        if pred[k] > pred[best] * (1.05 if best == 0 else 1.0):
+            best = k
+    reason = (f"predicted speedup {pred[best]:.2f}x at k={best}" if best else
+              f"no k predicts >= 1.05x (best {max(pred.values()):.2f}x)")
+    info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
+            "alpha": [round(a, 3) for a in alpha], "p_replay": round(p_replay, 3),
+            "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
+            "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
+            "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
+    return best, info
+
+
+def _temperature_bucket(temp: float) -> float:
+    return 0.0 if temp == 0 else min(round(temp * 4) / 4, 2.0)
+
+
+def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, float]:
+    """Seconds per call of decode / verify / mtp at batch B, with n_real = 0 (no cache writes)."""
+    slots = list(range(B))
+    zero = [0] * B
+    K = spec.K
+    hshape = (B, 1 + K, spec.cfg.hc_mult, spec.cfg.hidden_size) if spec.is_v4 else (B, 1 + K, spec.cfg.hidden_size)
+    hidden = torch.zeros(hshape, dtype=getattr(torch, sess.manifest["dtype"]), device=sess.device)
+    pos, mpos = sess.pos.clone(), spec.mtp_pos.clone()
+    calls = {"decode": lambda: sess._run("decode", torch.zeros(B, 1, dtype=torch.int64), slots, zero),
+             "verify": lambda: sess._run("verify", torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero),
+             "mtp": lambda: spec._mtp(hidden, torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero)}
+    out = {}
+    for name, fn in calls.items():
+        fn()  # warm-up (and capture, under an executor)
+        _sync(sess.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(sess.device)
+        out[name] = (time.perf_counter() - t0) / reps
+    sess.pos.copy_(pos)
+    spec.mtp_pos.copy_(mpos)
+    return out
+
+
+def _measure_alpha(sess, spec: Speculator, params: SamplingParams, ids: list[int], n_new: int = 24):
+    """Per-position acceptance and replay rate of a short K-draft generation of `ids` (one sequence)."""
+    ids = ids[-max(1, sess.max_tokens - n_new - 1):]
+    res = sess.generate([ids], max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
+                        top_k=params.top_k, seed=12345, mtp=spec.K)[0].stats
+    acc = [a if a is not None else 0.0 for a in res["acceptance_per_position"]]
+    if not res["rounds"]:
+        acc = [PRIOR_ALPHA] * spec.K
+    return acc, res["rollback_replays"] / max(res["rounds"], 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def _fill(cache_name: str) -> float:
+    return float("-inf") if cache_name.endswith("_score") else 0.0
+
+
+def _allocate(sess, mtp: bool) -> dict[str, torch.Tensor]:
+    """Static caches of the main model or its MTP block, as the artifact's graphs expect them."""
+    from dsv4c.export import flat_caches
+    from dsv4c.model import build_model
+
+    model = build_model(sess.config, device="meta", dtype=getattr(torch, sess.manifest["dtype"]))
+    extra = {"extra_ring_slots": int(sess.manifest.get("mtp_k", 0))} if sess.config.is_v4 else {}
+    new = model.new_mtp_cache if mtp else model.new_cache
+    meta = flat_caches(new(sess.pos.shape[0], max_len=sess.max_tokens, **extra).layers)
+    return {k: torch.full(t.shape, _fill(k), dtype=t.dtype, device=sess.device) for k, t in meta.items()}
+
+
+def speculator(sess) -> Speculator:
+    """The session's Speculator, made on first use (its MTP cache lives as long as the session)."""
+    spec = sess.__dict__.get("_speculator")
+    if spec is None:
+        spec = sess.__dict__["_speculator"] = Speculator(sess)
+    return spec
