@@ -47,8 +47,8 @@ import torch
 
 from dsv4c.runtime.sampling import SamplingParams, processed_probs
 
-# drafting source override for tests: (request index, round, drafts) -> drafts (greedy-drafted q = one-hot)
-DraftFilter = Callable[[int, int, list[int]], list[int]]
+# draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
+DraftFilter = Callable[[object, int, list[int]], list[int]]
 OPEN_GROUP_STATE = ("comp_kv", "comp_score", "idx_kv", "idx_score")
 
 
@@ -255,7 +255,7 @@ class Speculator:
                     qs[i].append(dist)
         for i, q in enumerate(seqs):
             if self.draft_filter is not None and drafts[i]:
-                new = list(self.draft_filter(q.req.index, q.stats.rounds, list(drafts[i])))
+                new = list(self.draft_filter(q.req, q.stats.rounds, list(drafts[i])))
                 qs[i] = [dist if nd == d else torch.nn.functional.one_hot(torch.tensor(nd), dist.shape[0]).float()
                          for dist, d, nd in zip(qs[i], drafts[i], new)]
                 drafts[i] = new
