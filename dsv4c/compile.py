@@ -13,6 +13,7 @@ graph weight is read from the checkpoint one tensor at a time, transformed by th
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -28,7 +29,7 @@ from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted,
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.targets import get_target
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -59,11 +60,22 @@ def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, str, int]]:
 def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", skip: tuple[str, ...] = (),
                        max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
-                       progress: bool = False) -> dict:
+                       progress: bool = False, kernels: dict[str, str] | None = None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
+    if kernels:  # --kernel OP=IMPL overrides, checked before any work
+        from dsv4c.model import register_ops
+        from dsv4c.passes.select_kernels import implementation_op
+
+        register_ops()
+        for op, impl in kernels.items():
+            if op not in tgt.kernels:
+                raise ValueError(f"--kernel {op}={impl}: unknown op {op!r} (known: {sorted(tgt.kernels)})")
+            implementation_op(op, impl)
+        tgt = dataclasses.replace(tgt, kernels={**tgt.kernels, **kernels})
+    overrides = tuple(sorted((kernels or {}).items()))
     dtype = dtype if dtype is not None else getattr(torch, tgt.dtype)
     if max_batch < 2:
         raise ValueError("--max-batch: at least 2")
@@ -72,14 +84,16 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     _prepare(out, force)
     graphs, weight_specs, recipes, plans = {}, {}, {}, {}
     for name, kind, k in graph_kinds(cfg, mtp_k):
-        spec = GraphSpec(kind, k=k, n_slots=max_batch, max_len=max_tokens)
+        # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
+        spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
+                         extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
-        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind), skip=skip)
+        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides), skip=skip)
         recipes.update(_recipes(records))
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
-        if kind == "decode" and name == "decode":
+        if kind != "prefill":
             plans[name] = _plan_summary(program.module(), cfg, target, kind)
         path = out / "graphs" / f"{name}.pt2"
         torch.export.save(program, str(path))
@@ -99,11 +113,11 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         "target": tgt.to_dict(),
         "model_config": cfg.to_dict(),
         "dtype": str(dtype).replace("torch.", ""),
-        "limits": {"max_tokens": max_tokens, "max_batch": max_batch},
+        "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
         "buckets": list(buckets if buckets is not None else tgt.buckets),
         "mtp_k": mtp_k,
         "graphs": graphs,
-        "segment_plan": plans,  # the router split of the decode graph (not yet executed by Session)
+        "segment_plan": plans,  # the router split of every fixed-T graph (Session re-plans and checks it)
         "quant_map": {},  # issue 6: expert formats per target
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),

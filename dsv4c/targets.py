@@ -40,11 +40,16 @@ class Target:
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
                                           "head_rms_rope", "mla_cache_update", "dsa_cache_update", "dsa_topk")}
+# CUDA targets: capture-safe cache ops (dsv4c/model/static_ops.py) so decode steps become CUDA graphs;
+# the routed experts stay the reference op (run eagerly between graph segments) until issue 6's
+# kernels give them a capture-safe fast form.
+_CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
+         "dsa_cache_update": "static"}
 
 TARGETS: dict[str, Target] = {
-    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_REFERENCE),
-    "h200": Target("h200", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
-    "h100": Target("h100", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_REFERENCE),
+    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_CUDA),
+    "h200": Target("h200", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_CUDA),
+    "h100": Target("h100", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_CUDA),
     "cpu": Target("cpu", "cpu", None, expert_format="reference", dense_format="reference", kernels=_REFERENCE,
                   buckets=(), dtype="float32"),  # bf16 matmuls are slow on CPUs
 }

@@ -25,6 +25,7 @@ class PassContext:
     config: ModelConfig
     target: str = "cpu"
     graph_kind: str = "decode"  # prefill | decode | mtp
+    kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
 
 
 @dataclass
@@ -49,13 +50,16 @@ class PassRecord:
 
 
 def default_pipeline() -> list[tuple[str, Pass]]:
-    """The lowering passes, in order. Later issues append: split_at_routers, quantize_experts."""
+    """The lowering passes, in order. (The router split is not a rewrite of this graph: the runtime
+    applies the plan `split_at_routers` makes of the final graph.)"""
     from dsv4c.passes.absorb_mla import absorb_mla
     from dsv4c.passes.fuse_projections import fuse_projections
+    from dsv4c.passes.select_kernels import select_kernels
 
     return [
         ("fuse_projections", fuse_projections),
         ("absorb_mla", absorb_mla),
+        ("select_kernels", select_kernels),
     ]
 
 

@@ -14,11 +14,11 @@ the batch bucket. A static segment is what the runtime captures as a CUDA graph 
 mutates the caller's cache tensors in place: the cache tensors are passed down into the submodules
 unchanged and the mutating custom ops stay inside them.
 
-Capturability is decided per op. Today every dsv4c cache op runs its reference implementation,
-which loops over sequences in Python and reads positions with `int()` (a host sync), so the segments
-that hold attention are recorded as not capturable, with the op named in the reason. The kernel of
-each op comes from the target (`dsv4c.targets`, `Target.kernels`): once a target maps an op to a
-(capture-safe) kernel instead of "reference", the same plan code marks those segments capturable.
+Capturability is decided per op (`OP_CAPTURE`). The reference ops loop over sequences in Python
+and read positions with `int()` (a host sync), so segments that hold them are recorded as not
+capturable, with the op named in the reason. `dsv4c.passes.select_kernels` runs before this and
+swaps in the implementations the target names (`Target.kernels`): the `*_static` cache ops and a
+capture-safe expert op. The same plan code then marks those segments capturable.
 
 Value roles (what a runtime has to do with each segment input/output when it pads a batch to a
 bucket of B_pad rows; `SegmentValue.role`):
@@ -49,41 +49,40 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4c.passes import PassContext, PassResult
 
 MOE_OP = "dsv4c.moe_experts"
+# every implementation of the routed experts: a router boundary whichever one the target chose
+MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered"})
 META_INPUTS = ("slots", "pos0", "n_real")
 CACHE_PREFIX = "caches_"
 
 # ---- capture safety, per op -------------------------------------------------------------------
-# Capture safety of each dsv4c custom op as it runs today (its reference implementation). None means
-# capture-safe (static shapes, no host sync); a string says why it is not. The entries were measured
-# with `host_sync_ops` (tests/test_split.py checks the table against the implementations).
-REFERENCE_OP_CAPTURE: dict[str, str | None] = {
+# Capture safety of each dsv4c custom op. None means capture-safe (static shapes, no host sync); a
+# string says why it is not. The entries were measured with `host_sync_ops` (tests/test_split.py
+# checks the table against the implementations).
+OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.v4_attention": "reference op dsv4c.v4_attention syncs the host (int() of slots/pos0/n_real per row)",
     "dsv4c.v4_compress": "reference op dsv4c.v4_compress syncs the host (int() of slots/pos0/n_real per row)",
     "dsv4c.mla_cache_update": "reference op dsv4c.mla_cache_update syncs the host (boolean-mask indexing)",
     "dsv4c.dsa_cache_update": "reference op dsv4c.dsa_cache_update syncs the host (boolean-mask indexing)",
-    "dsv4c.moe_experts": "reference op dsv4c.moe_experts syncs the host (nonzero per expert: data-dependent "
-                         "tokens per expert)",
+    "dsv4c.moe_experts": "reference op dsv4c.moe_experts syncs the host (per-expert token counts: "
+                         "data-dependent tokens per expert)",
     # measured capture-safe: gathers, einsum, masked top-k of fixed size, no int()/nonzero
     "dsv4c.v4_indexer_topk": None,
     "dsv4c.dsa_topk": None,
     "dsv4c.head_rms_rope": None,
+    # dsv4c/model/static_ops.py, selected by passes/select_kernels.py
+    "dsv4c.v4_attention_static": None,
+    "dsv4c.v4_compress_static": None,
+    "dsv4c.mla_cache_update_static": None,
+    "dsv4c.dsa_cache_update_static": None,
+    "dsv4c.moe_experts_gathered": None,
 }
 
 
-def op_capture_blocker(op: str, target: str) -> str | None:
-    """Why the dsv4c op `op` ("dsv4c.v4_attention") cannot be captured on `target`, or None. The kernel
-    comes from the target (`dsv4c.targets`, data): a kernel other than "reference" is capture-safe by
-    the kernels/ contract; a reference op is as REFERENCE_OP_CAPTURE says. Unknown targets use the
-    reference ops."""
-    from dsv4c.targets import TARGETS
-
-    tgt = TARGETS.get(target)
-    kernel = tgt.kernels.get(op.split(".", 1)[-1], "reference") if tgt is not None else "reference"
-    if kernel != "reference":
-        return None
-    if op not in REFERENCE_OP_CAPTURE:
-        return f"{op} has no capture-safety entry (REFERENCE_OP_CAPTURE)"
-    return REFERENCE_OP_CAPTURE[op]
+def op_capture_blocker(op: str) -> str | None:
+    """Why the dsv4c op `op` ("dsv4c.v4_attention") cannot be captured in a CUDA graph, or None."""
+    if op not in OP_CAPTURE:
+        return f"{op} has no capture-safety entry (OP_CAPTURE)"
+    return OP_CAPTURE[op]
 
 
 # ATen ops that read device data on the host (or have data-dependent output shapes).
@@ -150,14 +149,14 @@ def reference_impl(name: str) -> Callable:
     return OPDEFS[name.replace(".", "::", 1)]._init_fn
 
 
-def capture_blockers(node: Node, target: str, capture_safe: frozenset[str] | None = None) -> list[str]:
-    """Why `node` cannot run inside a CUDA graph on `target` (empty: it can)."""
+def capture_blockers(node: Node, capture_safe: frozenset[str] | None = None) -> list[str]:
+    """Why `node` cannot run inside a CUDA graph (empty: it can)."""
     if node.op != "call_function":
         return []
     name = op_name(node.target)
     out = []
     if name.startswith("dsv4c."):
-        why = None if capture_safe is not None and name in capture_safe else op_capture_blocker(name, target)
+        why = None if capture_safe is not None and name in capture_safe else op_capture_blocker(name)
         if why is not None:
             out.append(why)
     elif isinstance(node.target, torch._ops.HigherOrderOperator):
@@ -323,7 +322,7 @@ def _edge(g, a: int, b: int, key: str, name: str) -> None:
 
 
 def _is_moe(n: Node) -> bool:
-    return n.op == "call_function" and op_name(n.target) == MOE_OP
+    return n.op == "call_function" and op_name(n.target) in MOE_OPS
 
 
 def _expr(x):
@@ -342,8 +341,8 @@ def _mutated(n: Node) -> list[Node]:
 
 def plan_segments(gm: GraphModule, ctx: PassContext, *, capture_safe: Iterable[str] | None = None) -> SegmentPlan:
     """Segments of `gm` in graph order: a static segment between routers, one dynamic segment per
-    `dsv4c.moe_experts` node. `capture_safe` names dsv4c ops to treat as capture-safe whatever the
-    target's kernels (tests, and planning for kernels not written yet)."""
+    routed-experts node (`MOE_OPS`). `capture_safe` names dsv4c ops to treat as capture-safe whatever
+    `OP_CAPTURE` says (tests, and planning for kernels not written yet)."""
     safe = None if capture_safe is None else frozenset(capture_safe)
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -429,7 +428,7 @@ def plan_segments(gm: GraphModule, ctx: PassContext, *, capture_safe: Iterable[s
         dynamic = kind == "dynamic"
         blockers: list[str] = []
         for n in ns:
-            for why in capture_blockers(n, ctx.target, safe):
+            for why in capture_blockers(n, safe):
                 if why not in blockers:
                     blockers.append(why)
         mutates = tuple(dict.fromkeys(a.name for n in ns for a in _mutated(n)))

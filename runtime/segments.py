@@ -13,6 +13,14 @@ Modes (`mode=`):
   emulate  the `graphs` data flow without CUDA graphs, on any device: the same static buffers,
            padding and slicing; a "capture" runs the segment once and keeps its outputs as the
            static outputs, a "replay" runs it again and copies into them. CPU tests use it.
+  full     (CUDA) the whole step, routed experts included, as one CUDA graph per bucket. Needs every
+           segment capturable, i.e. a capture-safe expert op (`dsv4c.passes.select_kernels`). The
+           experts then see the padding rows too: they are computed and dropped like every other
+           padded row, and no tokens-per-expert count exists outside the op.
+  full-emulate  the `full` data flow without CUDA graphs (CPU tests).
+
+In `graphs`/`emulate` the dynamic segments always run eagerly between the captured ones, even when
+their op is capture-safe: that is the piecewise mode the `full` mode is compared against.
 
 Padding (decode/mtp graphs: T = 1 + k tokens per row is fixed; the bucket is over the batch B, so a
 bucket b holds b·T tokens). A batch of B rows runs in the smallest bucket b >= B. Rows B..b-1 are
@@ -45,7 +53,7 @@ from dsv4c.passes import get_param
 from dsv4c.passes.split_at_routers import SegmentPlan
 from dsv4c.targets import DEFAULT_BUCKETS
 
-MODES = ("eager", "graphs", "emulate")
+MODES = ("eager", "graphs", "emulate", "full", "full-emulate")
 
 
 @dataclass
@@ -71,6 +79,8 @@ class _Captured:
 class _Bucket:
     size: int
     captured: dict[int, _Captured] = field(default_factory=dict)
+    full: object = None  # full mode: the CUDA graph of the whole step (or True when emulating)
+    full_env: dict = field(default_factory=dict)  # full mode: the static env (inputs and every value)
     flat_views: dict[int, torch.Tensor] = field(default_factory=dict)  # flat input index -> buffer[:size]
     pad_bufs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (seg, out) -> [size*T, ...]
     owned: list[torch.Tensor] = field(default_factory=list)  # copy-binding buffers
@@ -101,8 +111,15 @@ class SegmentExecutor:
         self.mode = mode or ("graphs" if self.device.type == "cuda" else "eager")
         if self.mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {self.mode!r}")
-        if self.mode == "graphs" and self.device.type != "cuda":
-            raise ValueError("mode 'graphs' needs a CUDA device; use 'emulate' to test the bucketed path elsewhere")
+        if self.mode in ("graphs", "full") and self.device.type != "cuda":
+            raise ValueError(f"mode {self.mode!r} needs a CUDA device; use 'emulate' / 'full-emulate' to test the "
+                             f"bucketed path elsewhere")
+        self.full = self.mode.startswith("full")
+        self.cuda_graphs = self.mode in ("graphs", "full")
+        if self.full and plan.n_capturable != len(plan.segments):
+            bad = next(s for s in plan.segments if not s.capturable)
+            raise ValueError(f"mode {self.mode!r} captures the whole step, but segment {bad.index} ({bad.kind}) is "
+                             f"not capturable: {bad.reason}")
         self.debug, self.warmup, self.seed, self.pad_slot = debug, warmup, seed, pad_slot
         self.T = plan.tokens_per_row
         self.stats: dict = {"mode": self.mode, "runs": 0, "replays": 0, "eager_segment_runs": 0,
@@ -150,12 +167,15 @@ class SegmentExecutor:
         self._check_externals(flat)
         st = self._bucket_state[b]
         self._fill_inputs(st, flat, B)
-        env = self._base_env(st, flat)
-        for step in self._steps:
-            if step.captured:
-                self._replay(st, step, env)
-            else:
-                self._run_eager(st, step, env, B * self.T)
+        if self.full:
+            env = self._replay_full(st)
+        else:
+            env = self._base_env(st, flat)
+            for step in self._steps:
+                if step.captured:
+                    self._replay(st, step, env)
+                else:
+                    self._run_eager(st, step, env, B * self.T)
         outs = []
         for v, n in zip(self.plan.graph_outputs, self._out_nodes):
             t = env[n]
@@ -180,7 +200,7 @@ class SegmentExecutor:
             buf = torch.zeros((Bmax, *x.shape[1:]), dtype=x.dtype, device=x.device)
             self._flat_bufs[i] = buf
             self.stats["static_buffer_bytes"] += buf.numel() * buf.element_size()
-        if self.mode == "graphs":
+        if self.cuda_graphs:
             self.pool = torch.cuda.graph_pool_handle()
         t_all = time.perf_counter()
         for b in sorted(self.buckets, reverse=True):
@@ -217,7 +237,8 @@ class SegmentExecutor:
             outs = [call] if n_out == 1 and not getitems else [getitems.get(i) for i in range(n_out)]
             real_in = frozenset(i for i, v in enumerate(seg.inputs) if v.role == "real" and v.rows == "tokens")
             real_out = frozenset(i for i, v in enumerate(seg.outputs) if v.role == "real" and v.rows == "tokens")
-            self._steps.append(_Step(seg.index, call, mod, tuple(call.args), outs, real_in, real_out, seg.capturable))
+            captured = seg.capturable and (self.full or seg.kind == "static")
+            self._steps.append(_Step(seg.index, call, mod, tuple(call.args), outs, real_in, real_out, captured))
         if len(self._steps) != len(self.plan.segments):
             raise ValueError("split module and plan disagree on the segments")
 
@@ -289,6 +310,8 @@ class SegmentExecutor:
             st.flat_views[i] = buf[:b]
         self._representative(st, flat)
         env = self._base_env(st, flat)
+        if self.full:
+            return self._capture_full(st, env)
         static_ids = {id(v) for v in env.values() if isinstance(v, torch.Tensor)}
         t0 = time.perf_counter()
         mem0, res0 = self._mem()
@@ -315,7 +338,7 @@ class SegmentExecutor:
                 args.append(v)
             args = tuple(args)
             cap = _Captured(step.seg, bindings, (), args=args)
-            if self.mode == "graphs":
+            if self.cuda_graphs:
                 cap.graph, outs = self._cuda_capture(step.module, args)
             else:
                 outs = _as_tuple(step.module(*args))
@@ -331,13 +354,64 @@ class SegmentExecutor:
         mem1, res1 = self._mem()
         dt = time.perf_counter() - t0
         static = sum(t.numel() * t.element_size() for t in [*st.pad_bufs.values(), *st.owned])
-        graph = max(mem1 - mem0 - static, 0) if self.mode == "graphs" else 0
+        graph = max(mem1 - mem0 - static, 0) if self.cuda_graphs else 0
         self.stats["buckets"][b] = {"captured_segments": n_captured, "eager_segments": len(self._steps) - n_captured,
                                     "capture_s": dt, "graph_bytes": graph, "graph_reserved_bytes": res1 - res0,
                                     "static_buffer_bytes": static}
         self.stats["graph_bytes"] += graph
         self.stats["graph_reserved_bytes"] += res1 - res0
         self.stats["static_buffer_bytes"] += static
+
+    def _run_steps(self, env: dict) -> None:
+        """Every segment in order on `env` (full mode: no padding logic, the experts see every row)."""
+        for step in self._steps:
+            outs = _as_tuple(step.module(*[env[a] for a in step.args]))
+            for node, o in zip(step.outs, outs):
+                if node is not None:
+                    env[node] = o
+
+    def _capture_full(self, st: _Bucket, env: dict) -> None:
+        t0 = time.perf_counter()
+        mem0, res0 = self._mem()
+        if self.cuda_graphs:
+            s = torch.cuda.Stream(device=self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for _ in range(self.warmup):
+                    self._run_steps(dict(env))
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self._run_steps(env)
+            st.full = g
+        else:
+            self._run_steps(env)
+            st.full = True
+        keep = set(self._out_nodes)
+        st.full_env = {n: v for n, v in env.items() if n in keep or n.op == "placeholder"}
+        env.clear()
+        mem1, res1 = self._mem()
+        graph = max(mem1 - mem0, 0) if self.cuda_graphs else 0
+        self.stats["buckets"][st.size] = {"captured_segments": len(self._steps), "eager_segments": 0,
+                                          "capture_s": time.perf_counter() - t0, "graph_bytes": graph,
+                                          "graph_reserved_bytes": res1 - res0, "static_buffer_bytes": 0}
+        self.stats["graph_bytes"] += graph
+        self.stats["graph_reserved_bytes"] += res1 - res0
+
+    def _replay_full(self, st: _Bucket) -> dict:
+        if self.cuda_graphs:
+            st.full.replay()
+        else:  # emulate: recompute on the static inputs, copy into the captured outputs
+            env = {n: v for n, v in st.full_env.items() if n.op == "placeholder"}
+            env.update(self._weights)
+            self._run_steps(env)
+            for n in self._out_nodes:
+                o = st.full_env[n]
+                if isinstance(o, torch.Tensor):
+                    o.copy_(env[n])
+        self.stats["replays"] += 1
+        return st.full_env
 
     def _cuda_capture(self, module, args):
         """Warm up on a side stream, capture into the shared pool, replay once (so the static outputs
@@ -357,7 +431,7 @@ class SegmentExecutor:
         return g, outs
 
     def _mem(self) -> tuple[int, int]:
-        if self.mode != "graphs":
+        if not self.cuda_graphs:
             return 0, 0
         torch.cuda.synchronize(self.device)
         return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)

@@ -7,8 +7,13 @@ prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_
 then decode together, one token per sequence per step, through the one decode graph. A finished
 sequence frees its slot for the next prompt at once.
 
-CUDA-graph replay of the decode step arrives with the router split (issue 5), MTP speculation with
-issue 8; until then the graphs run op by op on the chosen device.
+The fixed-shape graphs (decode, verify, MTP) run through a `SegmentExecutor`
+(`dsv4c.runtime.segments`): split at the MoE routers by the plan `split_at_routers` makes, padded to
+the artifact's batch buckets and replayed as CUDA graphs (`graphs="piecewise"`, the default on a GPU),
+or captured whole (`graphs="full"`, when the expert op is capture-safe). `graphs="off"` runs them op
+by op (the default on a CPU); "emulate" / "full-emulate" run the bucketed data flow without CUDA graphs.
+The caches hold one slot more than `max_batch`: the last is the capture-safe ops' scratch slot
+(dsv4c/model/static_ops.py) and never holds a sequence.
 """
 from __future__ import annotations
 
@@ -52,24 +57,31 @@ class _Request:
     t_first: float | None = None
     chunks: int = 0
     finish: str | None = None
+    spec: object = None  # speculative.SpecStats when generated with mtp != 0
 
 
 class Session:
-    def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer):
+    def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer,
+                 graph_mode: str = "off"):
         self.art, self.manifest, self.device = art, manifest, device
         self.config = ModelConfig.from_dict(manifest["model_config"])
         self.graphs, self.weights, self.tokenizer = graphs, weights, tokenizer
         self.max_tokens = manifest["limits"]["max_tokens"]
         self.max_batch = manifest["limits"]["max_batch"]
+        self.cache_slots = manifest["limits"]["cache_slots"]  # max_batch + the scratch slot
         self.max_num_batched_tokens = self.max_tokens
         self.caches = self._allocate_caches()
-        self.pos = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(self.cache_slots, dtype=torch.int64, device=device)
+        self.executors = self._executors(graph_mode)
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
-    def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False) -> "Session":
+    def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
+             graphs: str | None = None) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
-        format, or a target this device cannot run (`emulate=True` runs it on the reference ops)."""
+        format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
+        `graphs`: off | piecewise | full | emulate | full-emulate (default: piecewise on a GPU, off on
+        a CPU); see the module docstring."""
         from safetensors.torch import load_file
 
         art = Path(art)
@@ -79,9 +91,13 @@ class Session:
                         t["expert_format"], t["dense_format"])
         device = torch.device(device)
         check_runnable(target, str(device), emulate)
+        if graphs is None:
+            graphs = "piecewise" if device.type == "cuda" and manifest["buckets"] else "off"
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs: expected one of {sorted(GRAPH_MODES)}, got {graphs!r}")
         register_ops()
-        graphs = {kind: retarget_device(torch.export.load(str(art / g["file"])).module(), device)
-                  for kind, g in manifest["graphs"].items()}
+        graph_modules = {kind: retarget_device(torch.export.load(str(art / g["file"])).module(), device)
+                         for kind, g in manifest["graphs"].items()}
         weights = {}
         for f in sorted({w["file"] for w in manifest["weights"].values()}):
             weights.update(load_file(str(art / f), device=str(device)))
@@ -93,12 +109,13 @@ class Session:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-        return cls(art, manifest, graphs, weights, device, tok)
+        return cls(art, manifest, graph_modules, weights, device, tok, graphs)
 
     def _allocate_caches(self) -> dict[str, torch.Tensor]:
         """Static caches shaped as the model defines them (built on meta, then allocated)."""
         model = build_model(self.config, device="meta", dtype=getattr(torch, self.manifest["dtype"]))
-        meta = flat_caches(model.new_cache(self.max_batch, max_len=self.max_tokens).layers)
+        extra = {"extra_ring_slots": self.manifest.get("mtp_k", 0)} if self.config.is_v4 else {}  # speculation
+        meta = flat_caches(model.new_cache(self.cache_slots, max_len=self.max_tokens, **extra).layers)
         return {k: torch.full(t.shape, _fill(k), dtype=t.dtype, device=self.device) for k, t in meta.items()}
 
     def _reset_slot(self, slot: int) -> None:
@@ -106,23 +123,54 @@ class Session:
             t[slot].fill_(_fill(k))
         self.pos[slot] = 0
 
+    def _executors(self, mode: str) -> dict:
+        """One SegmentExecutor per fixed-shape graph (none when `mode` is "off")."""
+        from dsv4c.passes import PassContext
+        from dsv4c.passes.split_at_routers import apply_plan, plan_segments
+        from dsv4c.runtime.segments import SegmentExecutor
+
+        if GRAPH_MODES[mode] == "eager":
+            return {}
+        out = {}
+        for kind, g in self.manifest["graphs"].items():
+            if g["tokens_per_seq"] is None:
+                continue  # prefill: dynamic T, runs op by op
+            gm = self.graphs[kind]
+            plan = plan_segments(gm, PassContext(self.config, self.manifest["target"]["name"], g["kind"]))
+            expected = self.manifest.get("segment_plan", {}).get(kind)
+            if expected is not None and len(expected["segments"]) != len(plan.segments):
+                raise ArtifactError(f"{self.art}: graph {kind} splits into {len(plan.segments)} segments, the "
+                                    f"manifest's segment_plan says {len(expected['segments'])}")
+            out[kind] = SegmentExecutor(apply_plan(gm, plan), plan, self.device, buckets=self.manifest["buckets"],
+                                        mode=GRAPH_MODES[mode], pad_slot=self.cache_slots - 1)
+        return out
+
     def _graph_weights(self, kind: str) -> dict[str, torch.Tensor]:
         return {n: self.weights[n] for n in self.manifest["graphs"][kind]["weights"]}
 
     # ---- running the graphs ---------------------------------------------------------------------
-    def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int]) -> torch.Tensor:
+    def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int], *,
+             hidden: torch.Tensor | None = None, pos: torch.Tensor | None = None,
+             caches: dict[str, torch.Tensor] | None = None, outputs: bool = False):
+        """Run graph `kind`; returns its logits, or every output with `outputs=True`. The mtp graph takes
+        `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real."""
+        pos = self.pos if pos is None else pos
+        caches = self.caches if caches is None else caches
         s = torch.tensor(slots, device=self.device)
         n = torch.tensor(n_real, device=self.device)
-        out = self.graphs[kind](ids.to(self.device), s, self.pos[s].clone(), n, self.caches,
-                                self._graph_weights(kind))[0]
-        self.pos[s] += n
-        return out
+        run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
+        lead = () if hidden is None else (hidden.to(self.device),)
+        out = run(*lead, ids.to(self.device), s, pos[s].clone(), n, caches, self._graph_weights(kind))
+        pos[s] += n
+        return out if outputs else out[0]
 
-    def _prefill_chunks(self, ids: list[int], slot: int) -> list[torch.Tensor]:
-        """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each."""
+    def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False) -> list:
+        """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each
+        (`outputs=True`: every graph output of each chunk, batch dim kept)."""
         step = self.max_num_batched_tokens
-        return [self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])])[0]
-                for i in range(0, len(ids), step)]
+        outs = [self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])],
+                          outputs=True) for i in range(0, len(ids), step)]
+        return outs if outputs else [o[0][0] for o in outs]
 
     def _prefill(self, req: _Request) -> torch.Tensor:
         """Prefill one prompt; returns the last position's logits [V]."""
@@ -175,20 +223,28 @@ class Session:
 
     @torch.no_grad()
     def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop=None) -> Iterator[tuple[int, int]]:
-        """Yield (request index, token) as tokens are produced, with continuous batching."""
+               top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> Iterator[tuple[int, int]]:
+        """Yield (request index, token) as tokens are produced, with continuous batching. `mtp`: see generate."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
-        yield from self._serve(reqs)
+        yield from self._serve(reqs, mtp)
 
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop=None) -> list[GenerationResult]:
-        """Generate for a batch of prompts (strings or token-id lists); one result per prompt."""
+                 top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> list[GenerationResult]:
+        """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
+        `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
+        output equals plain greedy, sampling keeps its distribution); "auto" picks k by calibration
+        (runtime/speculative.py). Needs an artifact compiled with --mtp K."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
-        for _ in self._serve(reqs):
+        for _ in self._serve(reqs, mtp):
             pass
         return [self._result(r) for r in reqs]
 
-    def _serve(self, reqs: list[_Request]) -> Iterator[tuple[int, int]]:
+    def _serve(self, reqs: list[_Request], mtp: int | str = 0) -> Iterator[tuple[int, int]]:
+        spec = None
+        if mtp:
+            from dsv4c.runtime.speculative import plan_speculation
+
+            spec, make_stats = plan_speculation(self, mtp, reqs)
         waiting, active = deque(reqs), {}
         free = list(range(self.max_batch))
         while waiting or active:
@@ -196,9 +252,20 @@ class Session:
                 r = waiting.popleft()
                 r.slot, r.t_start = free.pop(0), time.perf_counter()
                 self._reset_slot(r.slot)
-                yield from self._emit(r, self._prefill(r))
+                yield from self._emit(r, spec.prefill(r) if spec else self._prefill(r))
+                if mtp:
+                    r.spec = make_stats()
+                if spec is not None and r.finish is None:
+                    spec.admit(r, r.spec)
                 (active.__setitem__(r.slot, r) if r.finish is None else free.append(r.slot))
             if not active:
+                continue
+            if spec is not None:  # one draft-verify-accept round for every active sequence
+                yield from spec.round(active)
+                for s in [s for s, r in active.items() if r.finish is not None]:
+                    spec.release(s)
+                    del active[s]
+                    free.append(s)
                 continue
             slots = sorted(active)
             last = torch.tensor([[active[s].out[-1]] for s in slots])
@@ -211,7 +278,10 @@ class Session:
                     free.append(s)
 
     def _emit(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[int, int]]:
-        tok = sample(logits.float().cpu(), r.params, r.gen)
+        yield from self._push(r, sample(logits.float().cpu(), r.params, r.gen))
+
+    def _push(self, r: _Request, tok: int) -> Iterator[tuple[int, int]]:
+        """Append one token to r's output and check the stop conditions."""
         if r.t_first is None:
             r.t_first = time.perf_counter()
         r.out.append(tok)
@@ -228,7 +298,13 @@ class Session:
         decode_s = max(now - (r.t_first or now), 1e-9)
         stats = {"ttft_s": (r.t_first or now) - r.t_start, "tokens_per_s": max(len(r.out) - 1, 0) / decode_s,
                  "prefill_chunks": r.chunks, "accepted_draft_tokens": 0}
+        if r.spec is not None:  # MTP: acceptance per draft position, mean accepted length, histogram, policy
+            stats.update(r.spec.as_dict())
         return GenerationResult(r.ids, r.out, text, r.finish or "length", stats)
+
+
+GRAPH_MODES = {"off": "eager", "piecewise": "graphs", "full": "full", "emulate": "emulate",
+               "full-emulate": "full-emulate"}  # Session.load(graphs=) -> SegmentExecutor mode
 
 
 def _fill(cache_name: str) -> float:

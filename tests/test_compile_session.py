@@ -36,9 +36,10 @@ def test_manifest_lists_every_file_with_its_hash(compiled):
     d, m, _ = compiled
     files = {str(p.relative_to(d / "art")) for p in (d / "art").rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(m["files"]) == files and {"graphs/prefill.pt2", "graphs/decode.pt2"} <= files
-    assert m["format_version"] == 1 and m["target"]["name"] == "cpu"
+    assert m["format_version"] == 2 and m["target"]["name"] == "cpu"
+    assert m["limits"]["cache_slots"] == m["limits"]["max_batch"] + 1
     assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
-    assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == ["fuse_projections", "absorb_mla"]
+    assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == ["fuse_projections", "absorb_mla", "select_kernels"]
 
 
 def test_graphs_hold_no_weights_and_no_pickle(compiled):

@@ -31,19 +31,21 @@ def decode_graph(model):
     return export_graph(model, GraphSpec("decode", k=2, n_slots=2, max_len=64))
 
 
-def _inputs(model, T: int, prompt: int = 11, seed: int = 0):
-    """A cache after a ragged prompt, and a [2, T] step at different positions."""
+def _inputs(model, T: int, prompt: int = 11, seed: int = 0, n_slots: int = 2):
+    """A cache after a ragged prompt in slots 0 and 1, and a [2, T] step at different positions.
+    (n_slots = 3 leaves the last slot as the capture-safe ops' scratch slot.)"""
     g = torch.Generator().manual_seed(seed)
     V = model.config.vocab_size
-    cache = model.new_cache(2, max_len=64)
-    model(torch.randint(0, V, (2, prompt), generator=g), cache, n_real=torch.tensor([prompt, prompt - 4]))
+    cache = model.new_cache(n_slots, max_len=64)
+    model(torch.randint(0, V, (2, prompt), generator=g), cache, n_real=torch.tensor([prompt, prompt - 4]),
+          slots=torch.arange(2))
     ids = torch.randint(0, V, (2, T), generator=g)
     return ids, cache
 
 
 def _run_graph(gm, ids, cache):
     c = copy.deepcopy(cache)
-    out = gm(ids, torch.arange(2), c.pos.clone(), torch.full((2,), ids.shape[1]), flat_caches(c.layers))[0]
+    out = gm(ids, torch.arange(2), c.pos[:2].clone(), torch.full((2,), ids.shape[1]), flat_caches(c.layers))[0]
     return out, c
 
 
@@ -88,17 +90,20 @@ def test_decode_graph_with_k2_equals_three_single_steps(model, decode_graph):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["prefill", "decode"])
-def test_each_pass_preserves_outputs(model, kind):
+@pytest.mark.parametrize("kind,target", [("prefill", "cpu"), ("decode", "cpu"), ("decode", "h200")])
+def test_each_pass_preserves_outputs(model, kind, target):
+    """h200: select_kernels swaps in the capture-safe cache ops (dsv4c/model/static_ops.py)."""
     T = 9 if kind == "prefill" else 3
-    eg = export_graph(model, GraphSpec(kind, k=2, n_slots=2, max_len=64))
-    ids, cache = _inputs(model, T)
-    ref = model(ids, copy.deepcopy(cache))
+    eg = export_graph(model, GraphSpec(kind, k=2, n_slots=3, max_len=64))
+    ids, cache = _inputs(model, T, n_slots=3)
+    ref = model(ids, copy.deepcopy(cache), slots=torch.arange(2))
     errors = {}
-    run_pipeline(eg.module(), PassContext(model.config, graph_kind=kind),
-                 after_each=lambda name, gm: errors.__setitem__(name, _rel(_run_graph(gm, ids, cache)[0], ref)))
-    assert set(errors) == {"fuse_projections", "absorb_mla"}
+    _, recs = run_pipeline(eg.module(), PassContext(model.config, target, graph_kind=kind),
+                           after_each=lambda name, gm: errors.__setitem__(name, _rel(_run_graph(gm, ids, cache)[0], ref)))
+    assert set(errors) == {"fuse_projections", "absorb_mla", "select_kernels"}
     assert max(errors.values()) <= REL, errors
+    swapped = next(r for r in recs if r.name == "select_kernels")
+    assert swapped.changed == (target == "h200" and kind == "decode"), swapped.stats
 
 
 @torch.no_grad()
@@ -196,8 +201,10 @@ def test_run_pipeline_skips_dumps_and_rejects_unknown_names(tmp_path):
     gm = export_graph(build_model(cfg), GraphSpec("decode", n_slots=2, max_len=16)).module()
     ctx = PassContext(cfg)
     _, recs = run_pipeline(gm, ctx, skip=["fuse_projections"], dump_dir=tmp_path)
-    assert [(r.name, r.skipped) for r in recs] == [("fuse_projections", True), ("absorb_mla", False)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_absorb_mla.after.py", "01_absorb_mla.before.py"]
+    assert [(r.name, r.skipped) for r in recs] == [("fuse_projections", True), ("absorb_mla", False),
+                                                   ("select_kernels", False)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_absorb_mla.after.py", "01_absorb_mla.before.py",
+                                                          "02_select_kernels.after.py", "02_select_kernels.before.py"]
     with pytest.raises(ValueError, match="unknown pass"):
         run_pipeline(gm, ctx, skip=["no_such_pass"])
 
@@ -216,10 +223,10 @@ def test_compare_cli_json_on_a_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["compare", str(ck), "--graphs", "decode", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla"]
+    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla", "select_kernels"]
     for r in rows:
         assert set(r) >= {"name", "changed", "stats", "seconds", "snr_db", "max_abs_err", "cosine"}
-    absorbed = rows[-1]
+    absorbed = rows[2]
     assert absorbed["changed"] and 80 < absorbed["snr_db"] < 1000 and absorbed["cosine"] > 0.999999
 
 

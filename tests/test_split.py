@@ -16,7 +16,7 @@ from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph, flat_caches, lift_weights
 from dsv4c.model import build_model
 from dsv4c.passes import PassContext, default_pipeline, run_pipeline, verify
-from dsv4c.passes.split_at_routers import (REFERENCE_OP_CAPTURE, SegmentPlan, apply_plan, host_sync_ops, op_name,
+from dsv4c.passes.split_at_routers import (OP_CAPTURE, SegmentPlan, apply_plan, host_sync_ops, op_name,
                                            plan_segments, reference_impl, split_at_routers)
 from dsv4c.runtime.segments import SegmentExecutor
 
@@ -24,7 +24,7 @@ PRESETS = ["v4-tiny-a", "v3-tiny", "v32-tiny"]
 KINDS = ["decode", "prefill"]
 REL = 1e-5
 N_SLOTS, MAX_LEN, K = 4, 64, 2
-STATIC_REFERENCE_OPS = set(REFERENCE_OP_CAPTURE) - {"dsv4c.moe_experts"}
+STATIC_REFERENCE_OPS = {op for op in OP_CAPTURE if not op.endswith(("_static", "_gathered"))} - {"dsv4c.moe_experts"}
 
 _models: dict = {}
 _graphs: dict = {}
@@ -139,19 +139,26 @@ def test_plan_has_one_dynamic_segment_per_moe_layer(preset, kind):
 
 
 def test_capture_table_matches_the_reference_implementations():
-    """REFERENCE_OP_CAPTURE says which reference ops sync the host: check it by running them."""
+    """OP_CAPTURE says which ops sync the host: check it by running them (reference and capture-safe)."""
     calls = {}
     for preset in ("v4-tiny-a", "v32-tiny"):
         m = _model(preset)
         rec = _RecordOps()
-        with torch.no_grad(), rec:
-            m(torch.randint(0, m.config.vocab_size, (2, 9)), m.new_cache(2, max_len=32))
+        cache = m.new_cache(2, max_len=32)
+        with torch.no_grad():
+            m(torch.randint(0, m.config.vocab_size, (2, 9)), cache)
+            with rec:  # a decode-shaped chunk (the static ops need T <= the window ring)
+                m(torch.randint(0, m.config.vocab_size, (2, 3)), cache)
         calls.update(rec.calls)
     assert set(calls) >= {"dsv4c.v4_attention", "dsv4c.v4_compress", "dsv4c.v4_indexer_topk", "dsv4c.moe_experts",
                           "dsv4c.mla_cache_update", "dsv4c.dsa_cache_update", "dsv4c.dsa_topk"}
     for name, (args, kwargs) in calls.items():
         syncs = host_sync_ops(reference_impl(name), *args, **kwargs)
-        assert bool(syncs) == (REFERENCE_OP_CAPTURE[name] is not None), (name, syncs[:3])
+        assert bool(syncs) == (OP_CAPTURE[name] is not None), (name, syncs[:3])
+        for alt in (name + "_static", name + "_gathered"):  # the capture-safe implementations, same arguments
+            if alt in OP_CAPTURE:
+                syncs = host_sync_ops(reference_impl(alt), *args, **kwargs)
+                assert bool(syncs) == (OP_CAPTURE[alt] is not None), (alt, syncs[:3])
 
 
 def test_a_target_with_capture_safe_kernels_flips_the_segments():

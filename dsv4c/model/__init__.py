@@ -21,7 +21,7 @@ def keeps_fp32(name: str) -> bool:
 
 def register_ops() -> None:
     """Import every module that defines dsv4c custom ops (needed before torch.export.load)."""
-    from dsv4c.model import moe, v3_ops, v4_ops  # noqa: F401
+    from dsv4c.model import moe, static_ops, v3_ops, v4_ops  # noqa: F401
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -62,23 +62,26 @@ def tensor_seed(seed: int, name: str) -> int:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int,
-                  dtype: torch.dtype = torch.float32, expert_gain: float = 4.0) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, expert_gain: float = 4.0,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
     """Seeded random values with every parameter non-trivial (HF's init zeroes sinks, biases, ape and
     tid2eid, which hides bugs). Matrices get std gain/sqrt(fan_in); routed experts a larger gain so
-    that the SwiGLU clamp fires; `tid2eid` rows hold K distinct experts."""
-    g = torch.Generator().manual_seed(tensor_seed(seed, name))
+    that the SwiGLU clamp fires; `tid2eid` rows hold K distinct experts. The values depend on the
+    device's generator: CPU values are the reference (checkpoints); a GPU fills full-size models fast."""
+    g = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    kw = {"generator": g, "device": device}
     if name.endswith("tid2eid"):
         V, K = shape
-        return torch.rand(V, cfg.n_routed_experts, generator=g).topk(K, dim=-1).indices.to(torch.int64)
+        return torch.rand(V, cfg.n_routed_experts, **kw).topk(K, dim=-1).indices.to(torch.int64)
     if name.endswith(("norm.weight", "layernorm.weight")):
-        t = 1 + 0.2 * torch.randn(shape, generator=g)
+        t = 1 + 0.2 * torch.randn(shape, **kw)
     elif name.endswith("_scale"):  # mHC / hc_head scales
-        t = 0.5 + torch.rand(shape, generator=g)
+        t = 0.5 + torch.rand(shape, **kw)
     elif len(shape) >= 2:
         gain = expert_gain if _is_routed_expert(name) else 2.4
-        t = gain * torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        t = gain * torch.randn(shape, **kw) / shape[-1] ** 0.5
     else:  # sinks, biases, ape rows, hc bases, LayerNorm bias
-        t = 0.3 * torch.randn(shape, generator=g)
+        t = 0.3 * torch.randn(shape, **kw)
     return t.to(torch.float32 if keeps_fp32(name) else dtype)
 
 
@@ -87,18 +90,21 @@ def _is_routed_expert(name: str) -> bool:
 
 
 @torch.no_grad()
-def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter and persistent buffer of `model` with `random_tensor` values."""
+def randomize_(model: nn.Module, seed: int = 0, on_device: bool = False) -> nn.Module:
+    """Fill every parameter and persistent buffer of `model` with `random_tensor` values (drawn on the
+    CPU, or with `on_device=True` by the parameters' own device: other values, much faster on a GPU)."""
     cfg = model.config
     persistent = set(model.state_dict())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name not in persistent:
             continue
+        dev = t.device if on_device else "cpu"
         if is_stacked(name):  # per expert, under its checkpoint name, as `dsv4c init` writes it
-            vals = [random_tensor(expert_disk_name(name, e), tuple(t.shape[1:]), cfg, seed) for e in range(t.shape[0])]
-            t.copy_(torch.stack(vals))
+            for e in range(t.shape[0]):
+                t[e].copy_(random_tensor(expert_disk_name(name, e), tuple(t.shape[1:]), cfg, seed, t.dtype,
+                                         device=dev))
         else:
-            t.copy_(random_tensor(name, tuple(t.shape), cfg, seed, t.dtype))
+            t.copy_(random_tensor(name, tuple(t.shape), cfg, seed, t.dtype, device=dev))
     return model
 
 

@@ -30,18 +30,22 @@ def moe_experts_loop(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w
 @torch.library.custom_op("dsv4c::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
-    """Grouped form of `moe_experts_loop`: gather the rows routed to each expert, run it once."""
+    """Grouped form of `moe_experts_loop`: sort the (token, choice) pairs by expert, run each expert
+    that got tokens once. One host sync (the per-expert counts)."""
     out = torch.zeros_like(x)
     flat_idx = idx.reshape(-1)  # [T*K]
-    flat_w = weight.reshape(-1)
-    rows = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])
-    for e in range(w1.shape[0]):
-        sel = (flat_idx == e).nonzero().squeeze(-1)
-        if sel.numel() == 0:
+    order = flat_idx.argsort(stable=True)
+    rows = order // idx.shape[1]  # token of each sorted pair
+    flat_w = weight.reshape(-1)[order]
+    counts = torch.bincount(flat_idx, minlength=w1.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
             continue
-        t = rows[sel]
+        t, wt = rows[start : start + n], flat_w[start : start + n]
+        start += n
         y = swiglu(x[t], w1[e], w3[e], w2[e], swiglu_limit)
-        out.index_add_(0, t, (y.float() * flat_w[sel, None]).to(x.dtype))
+        out.index_add_(0, t, (y.float() * wt[:, None]).to(x.dtype))
     return out
 
 

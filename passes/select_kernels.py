@@ -1,0 +1,72 @@
+"""Swap each dsv4c op for the implementation the target names (`Target.kernels`).
+
+    before:  v4_attention(q, kv, slots, pos0, n_real, ring, ...)            # reference: loops, int() syncs
+    after:   v4_attention_static(q, kv, slots, pos0, n_real, ring, ...)     # fixed shapes, no host sync
+
+The two ops take the same arguments and compute the same function (tests/test_static_ops.py checks
+each pair on random state), so swapping the call target is the whole rewrite. The swap applies to
+graphs with a fixed number of tokens per row (decode, verify, MTP); a prefill graph keeps the
+reference ops, whose chunk can be longer than the window ring. The static cache ops write what they
+must not write to the cache's last slot (dsv4c/model/static_ops.py: the scratch slot), which the
+runtime reserves.
+
+Implementations per op (the names a target may use):
+    reference   the op as exported (dsv4c/model/*_ops.py, moe.py)
+    static      `<op>_static`: the capture-safe cache ops
+    gathered    `moe_experts_gathered`: capture-safe experts for decode-sized batches
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.fx import GraphModule
+
+from dsv4c.passes import PassContext, PassResult
+from dsv4c.passes.split_at_routers import op_name
+
+# (op, implementation) -> the dsv4c op that implements it
+IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("v4_attention", "static"): "v4_attention_static",
+    ("v4_compress", "static"): "v4_compress_static",
+    ("mla_cache_update", "static"): "mla_cache_update_static",
+    ("dsa_cache_update", "static"): "dsa_cache_update_static",
+    ("moe_experts", "gathered"): "moe_experts_gathered",
+}
+
+
+def implementation_op(op: str, impl: str):
+    """The OpOverload implementing `op` ("v4_attention") as `impl` ("static"); ValueError if unknown."""
+    if impl == "reference":
+        return getattr(torch.ops.dsv4c, op).default
+    name = IMPLEMENTATIONS.get((op, impl))
+    if name is None:
+        known = sorted(i for o, i in IMPLEMENTATIONS if o == op)
+        raise ValueError(f"target kernel for {op}: unknown implementation {impl!r} (known: reference, {known})")
+    return getattr(torch.ops.dsv4c, name).default
+
+
+def select_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
+    from dsv4c.model import register_ops
+    from dsv4c.targets import get_target
+
+    register_ops()
+    if ctx.graph_kind == "prefill":
+        return PassResult(gm, False, {"skipped": "prefill graph: chunks may exceed the window ring; reference ops"})
+    kernels = {**get_target(ctx.target).kernels, **dict(ctx.kernels)}
+    swapped: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = op_name(n.target)
+        if not name.startswith("dsv4c."):
+            continue
+        op = name.split(".", 1)[1]
+        impl = kernels.get(op, "reference")
+        if impl == "reference":
+            continue
+        n.target = implementation_op(op, impl)
+        swapped[f"{op} -> {impl}"] += 1
+    if swapped:
+        gm.recompile()
+    return PassResult(gm, bool(swapped), {"swapped": dict(swapped)})
