@@ -6,7 +6,9 @@
   global fp32 `input_scale` g (s_b = e4m3(amax_b/(6g))). Ref: `act_quant_nvfp4_ref`.
 
 Shapes: M rows (tokens), K channels; Kb = K/128 (FP8) or K/16 (NVFP4) blocks.
-One program quantises a [BLOCK_M, 128] (or [BLOCK_M, 16*G]) tile; no host sync.
+One program quantises a [BLOCK_M, 128] (or [BLOCK_M, 16*G]) tile; no host sync. Divisions use
+tl.math.div_rn: Triton's `/` on fp32 is an approximate division on CUDA, which flipped NVFP4
+roundings against the reference on the H200.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _act_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0                  # [BLOCK_M]
     if UE8M0:
         s = U.ceil_pow2(s)
-    q = U.e4m3_bits(x / s[:, None])
+    q = U.e4m3_bits(tl.math.div_rn(x, s[:, None]))
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(tl.uint8), mask=ok)
     tl.store(s_ptr + rows * stride_sm + kb, s, mask=rows < M)
 
@@ -51,10 +53,10 @@ def _act_nvfp4_kernel(x_ptr, g_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, st
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr)
     xb = tl.reshape(x, (BLOCK_M, GROUPS, 16))
-    sb = U.e4m3_bits(tl.max(tl.abs(xb), axis=2) / (6.0 * g))                 # [BLOCK_M, GROUPS]
+    sb = U.e4m3_bits(tl.math.div_rn(tl.max(tl.abs(xb), axis=2), 6.0 * g))                 # [BLOCK_M, GROUPS]
     denom = U.e4m3_value(sb) * g
     denom = tl.where(denom == 0.0, float("inf"), denom)
-    codes = tl.reshape(U.e2m1_code(xb / denom[:, :, None]), (BLOCK_M, BK // 2, 2))
+    codes = tl.reshape(U.e2m1_code(tl.math.div_rn(xb, denom[:, :, None])), (BLOCK_M, BK // 2, 2))
     lo, hi = tl.split(codes)
     packed = lo | (hi << 4)
     pcols = pid_k * (BK // 2) + tl.arange(0, BK // 2)

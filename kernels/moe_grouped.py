@@ -443,8 +443,8 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
     if per_expert <= 16:
         return MoeKernelConfig(16, 64, 256 if fp4 else 128, 4, 4)
-    if per_expert <= 64:
-        return MoeKernelConfig(64, 128, 128, 4, 4)
+    if per_expert <= 64:   # bf16 at BLOCK_K 128 x 4 stages needed 320 KB of shared memory
+        return MoeKernelConfig(64, 128, 64 if fmt == "bf16" else 128, 4, 3)
     return MoeKernelConfig(128, 128, 128 if fmt != "bf16" else 64, 8, 3)
 
 
