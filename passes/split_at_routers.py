@@ -146,6 +146,9 @@ def reference_impl(name: str) -> Callable:
     """The Python implementation behind a dsv4c custom op ("dsv4c.v4_attention")."""
     from torch._library.custom_ops import OPDEFS
 
+    from dsv4c.model import register_ops
+
+    register_ops()
     return OPDEFS[name.replace(".", "::", 1)]._init_fn
 
 

@@ -134,9 +134,8 @@ class SegmentExecutor:
         self._check_device()
         self.max_tokens = max_tokens if max_tokens is not None else max(buckets) * self.T
         bs = sorted(b for b in set(buckets) if b * self.T <= self.max_tokens)
-        if plan.n_slots is not None:  # no batch has more rows than cache slots
-            enough = [b for b in bs if b >= plan.n_slots]
-            bs = [b for b in bs if b < plan.n_slots] + enough[:1]
+        if plan.n_slots is not None:  # no batch has more rows than cache slots (the graphs' limit too)
+            bs = sorted({min(b, plan.n_slots) for b in bs})
         if not bs:
             raise ValueError(f"no bucket fits max_tokens={self.max_tokens} at {self.T} tokens per row")
         self.buckets = tuple(bs)

@@ -1,0 +1,304 @@
+"""Decode step of the V4-Flash-shaped slice: eager segments vs piecewise CUDA graphs vs one full graph.
+
+    python examples/bench_segments.py --out bench_segments.json          # H200: v4-flash-slice, bf16
+    python examples/bench_segments.py --quick --device cpu               # a smoke run (tiny model)
+
+What it does, in one run (benchmark.md's rules):
+  1. builds the slice (seeded random weights on the GPU, every parameter non-trivial), and a cache of
+     max(batch)+1 slots (the last is the scratch slot) prefilled with a 1024-token prompt per slot by
+     the eager model;
+  2. exports the decode graph (1 token per row) twice, through the h200 pipeline: with the reference
+     expert op (eager between graph segments) and with the capture-safe `moe_experts_gathered`;
+  3. for each graph and executor mode, restores the prefilled caches and runs the same greedy decode
+     steps at each batch size, timing each step with CUDA events (median after warm-up);
+  4. checks that every mode gives the same tokens and logits as the eager split module, that a batch
+     that is not a bucket size (padded) equals eager, and records capture time and graph memory;
+  5. measures copy bandwidth and derives the decode roofline (benchmark.md: bytes the step must read).
+
+Legend: B batch rows, T tokens per row (1), V vocab, D hidden.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, export_graph, flat_caches
+from dsv4c.model import model_class, randomize_, set_dtype_
+from dsv4c.passes import PassContext, run_pipeline
+from dsv4c.passes.split_at_routers import apply_plan, plan_segments
+from dsv4c.runtime.segments import SegmentExecutor
+from dsv4c.targets import DEFAULT_BUCKETS
+
+
+def build(preset: str, device, dtype):
+    cfg = ModelConfig.preset(preset)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    set_dtype_(model, dtype)  # cast on meta: the GPU never holds an fp32 copy
+    model = model.to_empty(device=device)
+    randomize_(model, seed=0, on_device=True)
+    return model.eval()
+
+
+def graph(model, n_slots: int, max_len: int, kernels: dict):
+    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())))
+    gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
+    gm, records = run_pipeline(gm, ctx)
+    plan = plan_segments(gm, ctx)
+    return plan, apply_plan(gm, plan), {r.name: r.stats for r in records}
+
+
+@torch.no_grad()
+def prefill(model, n_slots: int, prompt: int, max_len: int, chunk_rows: int, seed: int):
+    cache = model.new_cache(n_slots, max_len=max_len)
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    for s in range(0, n_slots - 1, chunk_rows):  # the last slot is scratch
+        rows = torch.arange(s, min(s + chunk_rows, n_slots - 1))
+        ids = torch.randint(0, V, (len(rows), prompt), generator=g)
+        model(ids.to(cache.pos.device), cache, slots=rows.to(cache.pos.device))
+    return cache
+
+
+class _ExpertCount(TorchDispatchMode):
+    """Unique routed experts per MoE call (for the roofline)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unique: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "moe_experts" in str(func):
+            self.unique.append(int(args[1].unique().numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def decode(ex, flat, pos0, B: int, steps: int, V: int, dev, seed: int = 1):
+    """Greedy steps from the prefilled state; -> (tokens [steps, B], first logits, step times ms)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, 1), generator=g).to(dev)
+    slots = torch.arange(B, device=dev)
+    pos = pos0[:B].clone()
+    one = torch.ones(B, dtype=torch.int64, device=dev)
+    toks, times, first = [], [], None
+    for _ in range(steps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        logits = ex.run(ids, slots, pos, one, flat)[0]  # [B, 1, V]
+        if dev.type == "cuda":
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        first = logits.float().clone() if first is None else first
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(ids[:, 0].cpu())
+        pos += 1
+    return torch.stack(toks), first, times
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return 2 * x.numel() / (statistics.median(ms) / 1e3)
+
+
+def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:
+    """benchmark.md's roofline bytes of one decode step, as stored (bf16 weights, bf16 caches)."""
+    cfg = model.config
+    el = 2
+    routed = head = embed = other = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        n = p.numel() * p.element_size()
+        if ".ffn.experts." in name:
+            routed += n // cfg.n_routed_experts  # one expert's bytes, summed over layers
+        elif name.startswith("embed."):
+            embed += B * cfg.hidden_size * el
+        elif name.startswith("head."):
+            head += n
+        else:
+            other += n
+    experts = sum(unique) * routed // cfg.num_hidden_layers  # unique experts per layer x one expert's bytes
+    kv = 0
+    d = cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        m = cfg.compress_ratios[i]
+        kv += B * min(ctx_len, cfg.sliding_window) * d * el
+        if m == 4:
+            kv += B * min(ctx_len // 4, cfg.index_topk) * d * el
+            kv += B * (ctx_len // 4) * cfg.index_head_dim * el  # indexer keys scanned
+        elif m:
+            kv += B * (ctx_len // m) * d * el
+    total = other + experts + embed + head + kv
+    return {"non_expert_weights": other, "routed_experts": experts, "embedding_rows": embed, "head": head,
+            "kv": kv, "total": total, "per_layer_no_head": (other + experts + kv) / cfg.num_hidden_layers}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=27, help="decode steps; the first 3 are warm-up")
+    ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.batches, a.prompt, a.steps = "v4-tiny-a", [1, 3], 40, 6
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    model = build(a.preset, dev, dtype)
+    cfg = model.config
+    n_slots = max(a.batches) + 1
+    max_len = a.prompt + a.steps + 8
+    res: dict = {"preset": a.preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "batches": a.batches, "prompt": a.prompt, "steps": a.steps,
+                 "commit": _commit(), "build_s": round(time.perf_counter() - t0, 1)}
+    print(f"built {a.preset} in {res['build_s']}s", flush=True)
+    t0 = time.perf_counter()
+    cache = prefill(model, n_slots, a.prompt, max_len, chunk_rows=8, seed=0)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    res["prefill_s"] = round(time.perf_counter() - t0, 1)
+    flat = flat_caches(cache.layers)
+    snapshot = {k: t.clone() for k, t in flat.items()}
+    pos0 = cache.pos.clone()
+    print(f"prefilled {n_slots - 1} x {a.prompt} tokens in {res['prefill_s']}s", flush=True)
+
+    graphs = {}
+    for name, kernels in (("ref-experts", {}), ("gathered-experts", {"moe_experts": "gathered"})):
+        t0 = time.perf_counter()
+        graphs[name] = graph(model, n_slots, max_len, kernels)
+        plan = graphs[name][0]
+        print(f"{name}: exported + lowered in {time.perf_counter() - t0:.1f}s; {len(plan.segments)} segments, "
+              f"{plan.n_capturable} capturable", flush=True)
+    buckets = tuple(b for b in DEFAULT_BUCKETS if b < n_slots) + tuple(b for b in DEFAULT_BUCKETS if b >= n_slots)[:1]
+    graph_mode = "graphs" if dev.type == "cuda" else "emulate"
+    full_mode = "full" if dev.type == "cuda" else "full-emulate"
+    configs = [("ref-experts", "eager"), ("ref-experts", graph_mode), ("gathered-experts", "eager"),
+               ("gathered-experts", graph_mode), ("gathered-experts", full_mode)]
+    rows = []
+    baseline = {}
+    for gname, mode in configs:
+        plan, split, _ = graphs[gname]
+        ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=mode, pad_slot=n_slots - 1)
+        for B in a.batches:
+            for k, t in flat.items():
+                t.copy_(snapshot[k])
+            toks, logits, ms = decode(ex, flat, pos0, B, a.steps, cfg.vocab_size, dev)
+            key = (gname, B)
+            if mode == "eager":
+                baseline[key] = (toks, logits)
+            ref_toks, ref_logits = baseline[key]
+            err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+            med = statistics.median(ms[3:])
+            spread = abs(statistics.median(ms[3::2]) - statistics.median(ms[4::2])) if len(ms) > 5 else 0.0
+            rows.append({"graph": gname, "mode": mode, "batch": B, "step_ms": med, "spread_ms": spread,
+                         "tokens_equal_eager": bool(torch.equal(toks, ref_toks)), "logits_rel_err_vs_eager": err})
+            print(f"{gname:17} {mode:12} B={B:3}: {med:8.3f} ms/step  tokens==eager {rows[-1]['tokens_equal_eager']}"
+                  f"  rel err {err:.2e}", flush=True)
+        st = ex.stats
+        rows.append({"graph": gname, "mode": mode, "capture_s": st["capture_s"], "graph_bytes": st["graph_bytes"],
+                     "graph_reserved_bytes": st["graph_reserved_bytes"], "static_buffer_bytes": st["static_buffer_bytes"],
+                     "buckets": list(ex.buckets)})
+        del ex
+    res["rows"] = rows
+
+    # padding: a batch that is not a bucket size equals eager
+    odd = next((b for b in range(2, max(a.batches)) if b not in buckets), None)
+    if odd:
+        plan, split, _ = graphs["gathered-experts"]
+        outs = {}
+        for mode in ("eager", graph_mode, full_mode):
+            ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=mode, pad_slot=n_slots - 1)
+            for k, t in flat.items():
+                t.copy_(snapshot[k])
+            outs[mode] = decode(ex, flat, pos0, odd, 4, cfg.vocab_size, dev)
+            del ex
+        e_t, e_l, _ = outs["eager"]
+        res["padding_check"] = {"batch": odd, **{m: {"tokens_equal": bool(torch.equal(o[0], e_t)),
+                                                     "logits_rel_err": ((o[1] - e_l).abs().max() / e_l.abs().max()).item()}
+                                                 for m, o in outs.items() if m != "eager"}}
+        print("padding check", res["padding_check"], flush=True)
+
+    # roofline
+    plan, split, _ = graphs["ref-experts"]
+    ex = SegmentExecutor(split, plan, dev, mode="eager")
+    roof = {}
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
+    res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
+    for B in a.batches:
+        for k, t in flat.items():
+            t.copy_(snapshot[k])
+        rec = _ExpertCount()
+        with rec:
+            ex.run(torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.arange(B, device=dev), pos0[:B].clone(),
+                   torch.ones(B, dtype=torch.int64, device=dev), flat)
+        by = step_bytes(model, B, a.prompt, rec.unique)
+        roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None}
+    res["roofline"] = roof
+    for r in rows:
+        if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
+            r["roofline_fraction"] = roof[r["batch"]]["roofline_ms"] / r["step_ms"]
+    print(table(res))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def table(res: dict) -> str:
+    lines = ["| graph | mode | batch | ms/step | vs eager same graph | roofline | tokens = eager | logits rel err |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
+    eager = {(r["graph"], r["batch"]): r["step_ms"] for r in res["rows"] if r.get("mode") == "eager" and "step_ms" in r}
+    for r in res["rows"]:
+        if "step_ms" not in r:
+            continue
+        rf = r.get("roofline_fraction")
+        lines.append(f"| {r['graph']} | {r['mode']} | {r['batch']} | {r['step_ms']:.2f} ± {r['spread_ms']:.2f} | "
+                     f"{eager[(r['graph'], r['batch'])] / r['step_ms']:.2f}x | {f'{rf:.1%}' if rf else '-'} | "
+                     f"{r['tokens_equal_eager']} | {r['logits_rel_err_vs_eager']:.1e} |")
+    lines += ["", "| graph | mode | buckets | capture s | graph MiB | reserved MiB |", "|---|---|---|---:|---:|---:|"]
+    for r in res["rows"]:
+        if "capture_s" in r:
+            lines.append(f"| {r['graph']} | {r['mode']} | {r['buckets']} | {r['capture_s']:.2f} | "
+                         f"{r['graph_bytes'] / 2**20:.0f} | {r['graph_reserved_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
