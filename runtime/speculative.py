@@ -184,10 +184,13 @@ class Speculator:
         nxt = torch.tensor(r.ids[start + 1:] + [r.out[-1]])
         self.mtp_pos[s] = start
         T = 1 + self.K
-        for i in range(0, hidden.shape[0], T):
-            h, ids = hidden[i:i + T], nxt[i:i + T]
-            logits, z = self._mtp(h[None], ids[None], [s], [h.shape[0]])
-            last = h.shape[0] - 1
+        for i in range(0, hidden.shape[0], T):  # the mtp graph takes T = 1 + K rows: pad the last chunk
+            real = min(T, hidden.shape[0] - i)
+            h = torch.zeros((1, T) + tuple(hidden.shape[1:]), dtype=hidden.dtype, device=hidden.device)
+            ids = torch.zeros(1, T, dtype=torch.int64)
+            h[0, :real], ids[0, :real] = hidden[i:i + real], nxt[i:i + real]
+            logits, z = self._mtp(h, ids, [s], [real])
+            last = real - 1
         self.seqs[s] = _Seq(r, stats, logits[0, last], z[0, last])
 
     def release(self, slot: int) -> None:

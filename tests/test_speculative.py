@@ -32,6 +32,13 @@ def eager_session(model, max_batch: int = 4, max_tokens: int = 104, mtp_k: int =
     def main(ids, slots, pos0, n_real, caches, weights):
         return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
 
+    def fixed(T: int, fn):  # like a compiled decode/verify/mtp graph: exactly T tokens per row
+        def run(*args):
+            ids = args[-6]
+            assert ids.shape[1] == T, f"graph takes {T} tokens per row, got {ids.shape[1]}"
+            return fn(*args)
+        return run
+
     def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
         (lc,) = unflat_caches(caches, cls, 1)
         return model.mtp_step(hidden, ids, slots, pos0, n_real, lc)
@@ -41,7 +48,8 @@ def eager_session(model, max_batch: int = 4, max_tokens: int = 104, mtp_k: int =
                 "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
                 "mtp_k": mtp_k, "buckets": [], "target": {"name": "cpu"},
                 "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
-    graphs = {"prefill": main, "decode": main, "verify": main, "mtp": mtp}
+    graphs = {"prefill": main, "decode": fixed(1, main), "verify": fixed(1 + mtp_k, main),
+              "mtp": fixed(1 + mtp_k, mtp)}
     return Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None)
 
 
