@@ -1,0 +1,168 @@
+"""MTP speculative decoding on the bundled trained model: acceptance per draft position and end-to-end
+decode speedup against k = 0, at batch 1 / 8 / 64 and temperature 0 / 0.7 / 1.0, plus the k that
+`mtp="auto"` picks in each cell (issue 8).
+
+The model is compiled with --mtp K (default 3) for the device's target unless --art names an artifact.
+Decode throughput counts generated tokens after each request's first one, over the time from the
+moment every request of the batch has its first token to the end (prefill and MTP fill excluded).
+
+    python examples/bench_mtp.py --out mtp.json                    # GPU (h200 target, bf16)
+    python examples/bench_mtp.py --device cpu --quick --out q.json # CPU check (fp32, small grid)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE = ROOT / "examples" / "models" / "v4-tiny-pystdlib"
+PROMPTS = ["import os\nimport sys\n", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+           "x = 1\ny = 2\n", "__all__ = [", "class Error(Exception):\n    pass\n\n\n",
+           "if __name__ == '__main__':\n", "for i in range(10):\n", "def _check(value):\n    if value is None:\n",
+           "import re\n\n_pattern = re.compile(", "    def __init__(self, name):\n        self.name = name\n"]
+
+
+def compile_bundle(device: str, k: int, max_batch: int, max_tokens: int, out: Path) -> Path:
+    from dsv4c.compile import compile_checkpoint
+
+    target = "h200" if device.startswith("cuda") else "cpu"
+    t0 = time.perf_counter()
+    compile_checkpoint(BUNDLE, out, target=target, max_tokens=max_tokens, max_batch=max_batch, mtp_k=k)
+    print(f"compiled {BUNDLE.name} for {target} with --mtp {k} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    return out
+
+
+def run_cell(sess, prompts: list[str], n_new: int, temperature: float, mtp) -> dict:
+    """One generate over `prompts`; decode tokens/s and merged speculation stats."""
+    firsts: set[int] = set()
+    t_first = None
+    t0 = time.perf_counter()
+    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, tok in sess.stream(prompts, max_new_tokens=n_new, temperature=temperature, seed=1, mtp=mtp, stop=[]):
+        outs[i].append(tok)
+        if i not in firsts:
+            firsts.add(i)
+            if len(firsts) == len(prompts):
+                _sync(sess.device)
+                t_first = time.perf_counter()
+    _sync(sess.device)
+    t_end = time.perf_counter()
+    n_tok = sum(len(o) - 1 for o in outs.values())
+    return {"decode_tokens": n_tok, "decode_s": t_end - (t_first or t0), "total_s": t_end - t0,
+            "tokens_per_s": n_tok / max(t_end - (t_first or t0), 1e-9), "outputs": outs}
+
+
+def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
+    """Acceptance per position, mean accepted length and histogram over all requests (generate stats)."""
+    res = sess.generate(prompts, max_new_tokens=n_new, temperature=temperature, seed=1, mtp=mtp, stop=[])
+    st = [r.stats for r in res]
+    if mtp == 0 or "accept_histogram" not in st[0]:
+        return {"policy": st[0].get("mtp_policy")}
+    K = len(st[0]["accept_histogram"]) - 1
+    prop = [sum(s["proposed_per_position"][j] for s in st) for j in range(K)]
+    acc = [sum(s["accepted_per_position"][j] for s in st) for j in range(K)]
+    hist = [sum(s["accept_histogram"][a] for s in st) for a in range(K + 1)]
+    rounds = sum(hist)
+    return {"alpha": [a / p if p else None for a, p in zip(acc, prop)], "histogram": hist,
+            "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None,
+            "replays_per_round": sum(s["rollback_replays"] for s in st) / max(rounds, 1),
+            "policy": st[0].get("mtp_policy")}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--art", help="artifact compiled with --mtp K (default: compile the bundled model)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--k", type=int, default=3, help="K to compile with (the largest k measured)")
+    ap.add_argument("--batches", default=None, help="comma list (default 1,8,64; --quick 1,2)")
+    ap.add_argument("--temperatures", default=None, help="comma list (default 0,0.7,1.0; --quick 0,1.0)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
+    ap.add_argument("--quick", action="store_true", help="small grid, for a CPU check")
+    ap.add_argument("--no-auto", action="store_true", help="skip the mtp='auto' decision per cell")
+    ap.add_argument("--out", help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    from dsv4c.runtime import Session
+
+    batches = [int(x) for x in (a.batches or ("1,2" if a.quick else "1,8,64")).split(",")]
+    temps = [float(x) for x in (a.temperatures or ("0,1.0" if a.quick else "0,0.7,1.0")).split(",")]
+    n_new = a.new_tokens or (12 if a.quick else 128)
+    tmp = None
+    if a.art:
+        art = Path(a.art)
+    else:
+        tmp = tempfile.TemporaryDirectory()
+        art = compile_bundle(a.device, a.k, max(max(batches), 2), 64 + n_new + a.k + 8, Path(tmp.name) / "art")
+    sess = Session.load(art, device=a.device)
+    K = int(sess.manifest["mtp_k"])
+    ks = list(range(K + 1))
+    rows = []
+    with torch.no_grad():
+        for B in batches:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(B)]
+            for k in ks:  # warm-up per batch and k (CUDA-graph capture happens here)
+                run_cell(sess, prompts, 4, 0.0, k)
+            for T in temps:
+                base = None
+                for k in ks:
+                    cell = run_cell(sess, prompts, n_new, T, k)
+                    base = cell["tokens_per_s"] if k == 0 else base
+                    row = {"batch": B, "temperature": T, "k": k, "tokens_per_s": round(cell["tokens_per_s"], 2),
+                           "speedup": round(cell["tokens_per_s"] / base, 3), "decode_s": round(cell["decode_s"], 3)}
+                    if k and T == 0:
+                        ref = ref_outputs
+                        row["greedy_equal_to_k0"] = all(cell["outputs"][i] == ref[i] for i in ref)
+                    if k == 0 and T == 0:
+                        ref_outputs = cell["outputs"]
+                    if k:
+                        st = spec_stats(sess, prompts, n_new, T, k)
+                        row.update({n: st[n] for n in ("alpha", "mean_accepted_length", "histogram",
+                                                       "replays_per_round")})
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+                if not a.no_auto:
+                    pol = spec_stats(sess, prompts, n_new, T, "auto")["policy"] or {}
+                    rows.append({"batch": B, "temperature": T, "k": "auto", "auto_k": pol.get("k"),
+                                 "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup")})
+    print(table(rows, sess, art))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
+                                           "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"],
+                                           "mtp_k": K, "new_tokens": n_new, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def _gpu_name() -> str | None:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def table(rows: list[dict], sess, art) -> str:
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    out = [f"MTP speculative decoding, {art} on {sess.device} ({sess.manifest['dtype']})", "",
+           "| batch | T | k | tok/s | speedup | α per position | τ (mean accepted length) | replays/round | greedy == k0 |",
+           "|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        if r["k"] == "auto":
+            out.append(f"| {r['batch']} | {r['temperature']} | auto → {r['auto_k']} | | | {r['reason']} | | | |")
+            continue
+        alpha = ", ".join(f(x) for x in r.get("alpha", [])) or "-"
+        out.append(f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                   f"{alpha} | {f(r.get('mean_accepted_length'))} | {f(r.get('replays_per_round'))} | "
+                   f"{r.get('greedy_equal_to_k0', '-')} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
