@@ -189,12 +189,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("run: give at least one --prompt")
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed)
+                            top_k=a.top_k, seed=a.seed, mtp=a.mtp if a.mtp == "auto" else int(a.mtp))
     for p, r in zip(prompts, results):
         print(p + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
         if a.stats:
             print(f"  [{r.finish_reason}; {len(r.tokens)} tokens; ttft {r.stats['ttft_s'] * 1e3:.0f} ms; "
                   f"{r.stats['tokens_per_s']:.1f} tok/s; prefill chunks {r.stats['prefill_chunks']}]")
+            if "accept_histogram" in r.stats or "mtp_policy" in r.stats:
+                st = r.stats
+                alpha = ", ".join("-" if x is None else f"{x:.2f}" for x in st.get("acceptance_per_position", []))
+                print(f"  [mtp k={st['mtp_k']} (exact); acceptance per position [{alpha}]; mean accepted length "
+                      f"{st.get('mean_accepted_length') or 0:.2f}; histogram {st.get('accept_histogram')}"
+                      + (f"; auto: {st['mtp_policy']['reason']}" if st.get("mtp_policy") else "") + "]")
     return 0
 
 
@@ -258,7 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default="cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
-    s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s")
+    s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s "
+                   "(and MTP acceptance with --mtp)")
+    s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
+                   "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
