@@ -259,7 +259,8 @@ def main(argv=None) -> int:
             t.copy_(snapshot[k])
         rec = _ExpertCount()
         with rec:
-            ex.run(torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.arange(B, device=dev), pos0[:B].clone(),
+            ids = torch.randint(0, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(B)).to(dev)
+            ex.run(ids, torch.arange(B, device=dev), pos0[:B].clone(),
                    torch.ones(B, dtype=torch.int64, device=dev), flat)
         by = step_bytes(model, B, a.prompt, rec.unique)
         roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None}
