@@ -163,7 +163,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
-                       progress=True)
+                       progress=True, kernels=dict(a.kernel) or None)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -184,7 +184,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     from dsv4c.runtime import Session
 
-    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate)
+    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
     prompts = a.prompt or []
     if not prompts:
         raise ValueError("run: give at least one --prompt")
@@ -202,6 +202,24 @@ def cmd_run(a: argparse.Namespace) -> int:
                       f"{st.get('mean_accepted_length') or 0:.2f}; histogram {st.get('accept_histogram')}"
                       + (f"; auto: {st['mtp_policy']['reason']}" if st.get("mtp_policy") else "") + "]")
     return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from dsv4c.bench import bench_artifact, format_table, write_json
+
+    res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
+                         emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed)
+    print(format_table(res))
+    if a.json:
+        write_json(res, a.json)
+    return 0
+
+
+def _kernel(s: str) -> tuple[str, str]:
+    op, sep, impl = s.partition("=")
+    if not sep or not op or not impl:
+        raise argparse.ArgumentTypeError(f"--kernel: expected OP=IMPL (e.g. moe_experts=gathered), got {s!r}")
+    return op, impl
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp", type=int, default=0, help="speculative tokens k of the decode graph (1 + k per step)")
     s.add_argument("--dtype", type=_dtype, default=None, help="activation dtype (default: the target's; cpu fp32)")
     s.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    s.add_argument("--kernel", type=_kernel, action="append", default=[], metavar="OP=IMPL",
+                   help="override the target's implementation of one op, e.g. moe_experts=gathered "
+                        "(capture-safe experts: lets --graphs full capture the whole decode step)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")
@@ -264,11 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default="cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
+    s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"),
+                   help="CUDA graphs for the decode steps (default: piecewise on a GPU, off on a CPU)")
     s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s "
                    "(and MTP acceptance with --mtp)")
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
+    s.add_argument("artifact", type=Path)
+    s.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (sequences)")
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--output-len", type=int, default=32)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
+    s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"))
+    s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
     s.add_argument("checkpoint", type=Path)

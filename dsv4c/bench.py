@@ -1,0 +1,105 @@
+"""`dsv4c bench ART`: throughput and latency of a compiled artifact in a `Session`.
+
+For each batch size B it generates from B seeded random prompts of `prompt_len` tokens, greedy,
+`output_len` new tokens each, and times every graph call the Session makes (prefill chunks, decode
+steps; verify/MTP rounds with --mtp). Decode step latency percentiles come from those timings;
+throughput is generated tokens per second of decode time. With CUDA each timed call is synchronised,
+so a step's time is its wall time on the device.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+class _Timer:
+    """Wraps Session._run: records (graph kind, rows, seconds) per call."""
+
+    def __init__(self, sess):
+        self.sess, self.calls = sess, []
+        self._run = sess._run
+
+    def __call__(self, kind, ids, slots, n_real, **kw):
+        sync = self.sess.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.sess.device)
+        t0 = time.perf_counter()
+        out = self._run(kind, ids, slots, n_real, **kw)
+        if sync:
+            torch.cuda.synchronize(self.sess.device)
+        self.calls.append((kind, len(slots), time.perf_counter() - t0))
+        return out
+
+
+def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_len: int, device: str = "cpu",
+                   graphs: str | None = None, emulate: bool = False, mtp=0, seed: int = 0,
+                   warmup: bool = True) -> dict:
+    from dsv4c.runtime import Session
+
+    t0 = time.perf_counter()
+    sess = Session.load(art, device=device, emulate=emulate, graphs=graphs)
+    load_s = time.perf_counter() - t0
+    V = sess.config.vocab_size
+    if prompt_len + output_len > sess.max_tokens:
+        raise ValueError(f"--prompt-len {prompt_len} + --output-len {output_len} exceeds the artifact's "
+                         f"max_tokens={sess.max_tokens}")
+    too_big = [b for b in batches if b > sess.max_batch]
+    if too_big:
+        raise ValueError(f"--batch {too_big}: the artifact serves at most max_batch={sess.max_batch} sequences")
+    timer = _Timer(sess)
+    sess._run = timer
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for B in batches:
+        prompts = [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(B)]
+        if warmup:  # captures the graphs of this bucket, fills allocator caches
+            sess.generate(prompts, max_new_tokens=2, mtp=mtp)
+        timer.calls.clear()
+        t1 = time.perf_counter()
+        res = sess.generate(prompts, max_new_tokens=output_len, mtp=mtp)
+        wall = time.perf_counter() - t1
+        steps = [s for k, _, s in timer.calls if k != "prefill"]
+        prefill = [s for k, _, s in timer.calls if k == "prefill"]
+        gen = sum(len(r.tokens) for r in res)
+        decode_s = sum(steps)
+        row = {"batch": B, "prompt_len": prompt_len, "output_len": output_len, "wall_s": wall,
+               "prefill_s": sum(prefill), "prefill_tokens_per_s": B * prompt_len / max(sum(prefill), 1e-12),
+               "decode_s": decode_s, "decode_steps": len(steps),
+               "decode_tokens_per_s": (gen - B) / max(decode_s, 1e-12),  # the first token comes from prefill
+               "step_ms_p50": _percentile(steps, 50) * 1e3, "step_ms_p90": _percentile(steps, 90) * 1e3,
+               "step_ms_p99": _percentile(steps, 99) * 1e3,
+               "ttft_ms_p50": statistics.median(r.stats["ttft_s"] for r in res) * 1e3,
+               "accepted_draft_tokens": sum(r.stats.get("accepted_draft_tokens", 0) for r in res)}
+        rows.append(row)
+    ex = {k: e.stats for k, e in getattr(sess, "executors", {}).items()}
+    return {"artifact": str(art), "device": device, "graphs": graphs or "default", "mtp": mtp, "load_s": load_s,
+            "target": sess.manifest["target"]["name"], "rows": rows,
+            "executors": {k: {n: v for n, v in s.items() if n != "buckets"} for k, s in ex.items()}}
+
+
+def format_table(res: dict) -> str:
+    lines = [f"artifact {res['artifact']} (target {res['target']}) on {res['device']}, graphs {res['graphs']}, "
+             f"mtp {res['mtp']}; load {res['load_s']:.1f}s",
+             "| batch | prefill tok/s | decode tok/s | step p50 ms | p90 | p99 | TTFT p50 ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['batch']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | "
+                     f"{r['step_ms_p50']:.2f} | {r['step_ms_p90']:.2f} | {r['step_ms_p99']:.2f} | "
+                     f"{r['ttft_ms_p50']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_json(res: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(res, indent=1, default=str) + "\n")
