@@ -27,9 +27,10 @@ import torch
 
 from dsv4c.compile import ArtifactError, read_manifest
 from dsv4c.config import ModelConfig
-from dsv4c.export import flat_caches, retarget_device
-from dsv4c.model import build_model, register_ops
+from dsv4c.export import retarget_device
+from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
+from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
 from dsv4c.runtime.sampling import SamplingParams, sample
 
 
@@ -70,6 +71,7 @@ class Session:
         self.max_batch = manifest["limits"]["max_batch"]
         self.cache_slots = manifest["limits"]["cache_slots"]  # max_batch + the scratch slot
         self.max_num_batched_tokens = self.max_tokens
+        self.cache_info: dict = {}
         self.caches = self._allocate_caches()
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64, device=device)
         self.executors = self._executors(graph_mode)
@@ -111,16 +113,20 @@ class Session:
             tok = Tokenizer.from_file(str(art / "tokenizer.json"))
         return cls(art, manifest, graph_modules, weights, device, tok, graphs)
 
-    def _allocate_caches(self) -> dict[str, torch.Tensor]:
-        """Static caches shaped as the model defines them (built on meta, then allocated)."""
-        model = build_model(self.config, device="meta", dtype=getattr(torch, self.manifest["dtype"]))
-        extra = {"extra_ring_slots": self.manifest.get("mtp_k", 0)} if self.config.is_v4 else {}  # speculation
-        meta = flat_caches(model.new_cache(self.cache_slots, max_len=self.max_tokens, **extra).layers)
-        return {k: torch.full(t.shape, _fill(k), dtype=t.dtype, device=self.device) for k, t in meta.items()}
+    def _allocate_caches(self, mtp: bool = False) -> dict[str, torch.Tensor]:
+        """Static caches shaped as the graphs expect (runtime/kv_cache.py); CacheError if they do not fit.
+        The V4 ring keeps W + k rows in a speculative (--mtp k) artifact."""
+        extra = int(self.manifest.get("mtp_k", 0)) if self.config.is_v4 else 0
+        layout = cache_layout(self.config, getattr(torch, self.manifest["dtype"]), self.cache_slots, self.max_tokens,
+                              extra_ring_slots=extra, mtp=mtp)
+        caches = allocate(layout, self.device, what="MTP caches" if mtp else "KV caches")
+        self.cache_info[("mtp" if mtp else "main")] = {"bytes": layout.total_bytes, "by_kind": layout.by_kind(),
+                                                       "describe": layout.describe()}
+        return caches
 
     def _reset_slot(self, slot: int) -> None:
         for k, t in self.caches.items():
-            t[slot].fill_(_fill(k))
+            t[slot].fill_(fill_value(k))
         self.pos[slot] = 0
 
     def _executors(self, mode: str) -> dict:
@@ -305,8 +311,3 @@ class Session:
 
 GRAPH_MODES = {"off": "eager", "piecewise": "graphs", "full": "full", "emulate": "emulate",
                "full-emulate": "full-emulate"}  # Session.load(graphs=) -> SegmentExecutor mode
-
-
-def _fill(cache_name: str) -> float:
-    """Initial value of a cache tensor: open-group scores start at -inf (an empty slot has weight 0)."""
-    return float("-inf") if cache_name.endswith("_score") else 0.0

@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from dsv4c.runtime.kv_cache import fill_value
 from dsv4c.runtime.sampling import SamplingParams, processed_probs
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
@@ -150,7 +151,7 @@ class Speculator:
                              f"(this one has mtp_k={self.K})")
         self.sess, self.cfg = sess, sess.config
         self.is_v4 = self.cfg.is_v4
-        self.mtp_caches = _allocate(sess, mtp=True)
+        self.mtp_caches = sess._allocate_caches(mtp=True)
         self.mtp_pos = torch.zeros_like(sess.pos)
         self.seqs: dict[int, _Seq] = {}  # by slot
         self.k = self.K
@@ -178,7 +179,7 @@ class Speculator:
         token was sampled (it is x_{j+1} of the last prompt position)."""
         s, n = r.slot, len(r.ids)
         for name, t in self.mtp_caches.items():
-            t[s].fill_(_fill(name))
+            t[s].fill_(fill_value(name))
         hidden = self._prompt_hidden.pop(s)
         start = n - hidden.shape[0]
         nxt = torch.tensor(r.ids[start + 1:] + [r.out[-1]])
@@ -417,22 +418,6 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _fill(cache_name: str) -> float:
-    return float("-inf") if cache_name.endswith("_score") else 0.0
-
-
-def _allocate(sess, mtp: bool) -> dict[str, torch.Tensor]:
-    """Static caches of the main model or its MTP block, as the artifact's graphs expect them."""
-    from dsv4c.export import flat_caches
-    from dsv4c.model import build_model
-
-    model = build_model(sess.config, device="meta", dtype=getattr(torch, sess.manifest["dtype"]))
-    extra = {"extra_ring_slots": int(sess.manifest.get("mtp_k", 0))} if sess.config.is_v4 else {}
-    new = model.new_mtp_cache if mtp else model.new_cache
-    meta = flat_caches(new(sess.pos.shape[0], max_len=sess.max_tokens, **extra).layers)
-    return {k: torch.full(t.shape, _fill(k), dtype=t.dtype, device=sess.device) for k, t in meta.items()}
-
-
 def speculator(sess) -> Speculator:
     """The session's Speculator, made on first use (its MTP cache lives as long as the session)."""
     spec = sess.__dict__.get("_speculator")
