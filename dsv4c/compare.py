@@ -4,7 +4,9 @@ with the eager model on the same inputs (`dsv4c compare`).
 For every graph kind, the first row ("export") is the traced graph before any pass; every later
 row is the graph after that pass. Each row carries the pass's stats and time and, unless the model
 lives on the meta device, the SNR (dB), max abs error and cosine similarity of the logits against
-the eager model. Later passes (split, quantize) are judged the same way.
+the eager model. Later passes (split, quantize) are judged the same way; `snr_prev_db` is the SNR of
+each step's logits against the previous step's (a lossy pass such as quantize_experts shows its own
+cost there, whatever came before).
 """
 from __future__ import annotations
 
@@ -92,42 +94,49 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
         eg = export_graph(model, spec)
         gm = eg.module()
 
-        def record(name, graph, stats=None, seconds=0.0, changed=False):
-            row = {"graph": kind, "name": name, "changed": changed, "stats": stats or {}, "seconds": seconds,
-                   "snr_db": None, "max_abs_err": None, "cosine": None}
-            if case is not None:
-                row.update(error_metrics(_run(graph, case), case.ref))
-            rows.append(row)
+        prev = [None]  # logits of the previous step
 
-        record("export", gm, {"nodes": len(gm.graph.nodes)}, eg.seconds)
+        def metrics(graph) -> dict:
+            if case is None:
+                return {}
+            out = _run(graph, case)
+            m = {**error_metrics(out, case.ref), "snr_prev_db": error_metrics(out, prev[0])["snr_db"]
+                 if prev[0] is not None else None}
+            prev[0] = out
+            return m
+
+        rows.append({"graph": kind, "name": "export", "changed": False, "stats": {"nodes": len(gm.graph.nodes)},
+                     "seconds": eg.seconds, "snr_db": None, "max_abs_err": None, "cosine": None,
+                     "snr_prev_db": None, **metrics(gm)})
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
-                                   after_each=lambda name, g: snapshots.__setitem__(name, _metrics_now(g, case)))
+                                   after_each=lambda name, g: snapshots.__setitem__(name, metrics(g)))
         for r in records:
             row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
-                   "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None}
+                   "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None, "snr_prev_db": None}
             row.update(snapshots.get(r.name, {}))
             rows.append(row)
     return rows
 
 
-def _metrics_now(gm, case: _Case | None) -> dict:
-    return {} if case is None else error_metrics(_run(gm, case), case.ref)
-
-
 def format_table(rows: list[dict]) -> str:
     """A plain-text table, one row per graph and step."""
-    head = f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'max abs':>10} {'cosine':>10} {'sec':>6}  stats"
+    head = (f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'vs prev':>8} {'max abs':>10} {'cosine':>10} "
+            f"{'sec':>6}  stats")
     lines = [head, "-" * len(head)]
     for r in rows:
-        snr = "-" if r["snr_db"] is None else ("inf" if r["snr_db"] == math.inf else f"{r['snr_db']:.1f}")
+        snr, prev = (_db(r["snr_db"]), _db(r.get("snr_prev_db")))
         mae = "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
         cos = "-" if r["cosine"] is None else f"{r['cosine']:.6f}"
         step = r["name"] + (" (skipped)" if r.get("skipped") else "")
-        lines.append(f"{r['graph']:8} {step:18} {str(r['changed']):7} {snr:>8} {mae:>10} {cos:>10} "
+        lines.append(f"{r['graph']:8} {step:18} {str(r['changed']):7} {snr:>8} {prev:>8} {mae:>10} {cos:>10} "
                      f"{r['seconds']:6.2f}  {_short_stats(r['stats'])}")
     return "\n".join(lines)
+
+
+def _db(v: float | None) -> str:
+    return "-" if v is None else ("inf" if v == math.inf else f"{v:.1f}")
 
 
 def _short_stats(stats: dict) -> str:

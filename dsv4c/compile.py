@@ -9,7 +9,7 @@
 
 The model is traced on the `meta` device (no weights in memory). Weights are then streamed: each
 graph weight is read from the checkpoint one tensor at a time, transformed by the passes' recipes
-(fused projections, absorbed kv_b_proj halves), cast, and written. Nothing in the artifact is a pickle.
+(fused projections, absorbed kv_b_proj halves, quantised routed experts), cast, and written. Nothing in the artifact is a pickle.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_pa
 from dsv4c.config import ModelConfig
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
 from dsv4c.passes import PassContext, get_param, run_pipeline
+from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
+from dsv4c.passes.quantize_experts import CheckpointExperts, check_format, describe_quant_map, merge_quant_map
 from dsv4c.targets import get_target
 
 FORMAT_VERSION = 2  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
@@ -65,6 +67,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
+    check_format(tgt)  # an expert format the target's GPU cannot run fails before any work
     if kernels:  # --kernel OP=IMPL overrides, checked before any work
         from dsv4c.model import register_ops
         from dsv4c.passes.select_kernels import implementation_op
@@ -82,7 +85,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     model = load_model(ckpt, device="meta", dtype=dtype)  # checks names and shapes, allocates nothing
     cfg = model.config
     _prepare(out, force)
-    graphs, weight_specs, recipes, plans = {}, {}, {}, {}
+    graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
     for name, kind, k in graph_kinds(cfg, mtp_k):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
@@ -90,6 +93,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         eg = export_graph(model, spec)
         gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides), skip=skip)
         recipes.update(_recipes(records))
+        merge_quant_map(quant_map, records, name)
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
@@ -118,7 +122,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         "mtp_k": mtp_k,
         "graphs": graphs,
         "segment_plan": plans,  # the router split of every fixed-T graph (Session re-plans and checks it)
-        "quant_map": {},  # issue 6: expert formats per target
+        "quant_map": quant_map,  # per quantised module: format, scales, layer, MTP (passes/quantize_experts.py)
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),
     }
@@ -180,6 +184,9 @@ def _recipes(records) -> dict[str, tuple]:
         for lay in r.stats.get("layers", []) if r.name == "absorb_mla" else []:
             out[lay["w_uk"]] = ("w_uk", lay["weight"])
             out[lay["w_uv"]] = ("w_uv", lay["weight"])
+        for lay in r.stats.get("layers", []) if r.name == "quantize_experts" else []:
+            for field, name in lay["tensors"].items():
+                out[name] = (EXPERTS_RECIPE, {**lay, "field": field})
     return out
 
 
@@ -187,11 +194,14 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
                    progress: bool) -> dict:
     """Stream every graph weight from the checkpoint into safetensors shards under weights/."""
     reader = CheckpointReader(ckpt, cfg)
+    experts = CheckpointExperts(reader)  # quantised routed experts, one layer at a time
     writer = _ShardWriter(out / "weights", 2 << 30)
 
     def value(name: str, shape, dtype) -> torch.Tensor:
         if name in recipes:
             kind, src = recipes[name]
+            if kind == EXPERTS_RECIPE:
+                return experts(src)
             if kind == "cat":
                 return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
             W = value(src, None, dtype)
@@ -280,7 +290,7 @@ def describe_artifact(art: str | Path) -> str:
     for name, p in (m.get("segment_plan") or {}).items():
         lines.append(f"segments   {name}: {len(p['segments'])} segments, {p['boundaries']} router boundaries, "
                      f"{p['capturable']} capturable (planned; the Session runs the graph whole)")
-    lines.append(f"quant map  {m['quant_map'] or 'none yet (issue 6)'}")
+    lines.append(f"quant map  {describe_quant_map(m['quant_map'])}")
     return "\n".join(lines)
 
 

@@ -4,9 +4,10 @@ A target says which GPU capability it needs, the weight format per module class,
 custom op, and the default CUDA-graph token buckets. Passes and the Session read the target; they
 never branch on GPU names.
 
-Until the quantisation pass and the Triton kernels exist (issue 6), every target uses the reference
-implementations and keeps weights unquantised; the formats below are what each target will lower to,
-and `status` says which of them are live.
+`expert_format` is live: passes/quantize_experts.py rewrites the routed experts into it (Triton
+grouped kernels, kernels/moe_grouped.py); `expert_format_reason` and `expert_format_tokens` record why
+(the measured figures) and for which tokens-per-step range. `dense_format` is still a plan: attention,
+shared experts and dense linears stay unquantised; `status` says so.
 """
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ class Target:
     kernels: dict = field(default_factory=dict)  # custom op -> implementation
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     dtype: str = "bfloat16"  # activation dtype the artifact is compiled in unless --dtype says otherwise
-    status: str = "reference kernels, unquantised weights (issue 6 lowers the formats)"
+    status: str = "routed experts in expert_format; dense linears unquantised (dense_format planned)"
+    expert_format_reason: str = ""  # why this expert format (measured figures), as data
+    expert_format_tokens: tuple[int, int] | None = None  # tokens per MoE call the choice is best for
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "capability": self.capability,
                 "expert_format": self.expert_format, "dense_format": self.dense_format,
                 "kernels": dict(self.kernels), "buckets": list(self.buckets), "dtype": self.dtype,
-                "status": self.status}
+                "status": self.status, "expert_format_reason": self.expert_format_reason,
+                "expert_format_tokens": list(self.expert_format_tokens) if self.expert_format_tokens else None}
 
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
@@ -46,12 +50,27 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 _CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
          "dsa_cache_update": "static"}
 
+# BENCHMARKS.md "Grouped MoE Triton kernels (issue 6), H200": Flash expert shapes, microseconds per call
+# at 1 / 8 / 64 / 4096 / 16384 tokens. FP8 block wins from 8 tokens up; MXFP4 only at 1 token.
+_HOPPER_REASON = ("H200 grouped-MoE figures (Flash shapes, us at 1/8/64/4096/16384 tokens): fp8_block "
+                  "1459/1360/2058/8894/25070, mxfp4_w4a16 802/1774/5602/10811/32447, nvfp4_w4a16 "
+                  "1080/1837/5740/10227/30468. fp8_block is fastest from 8 tokens per step up (decode buckets "
+                  ">= 8 and all prefill) and the most accurate; mxfp4 is faster only at 1 token (1.82x). One "
+                  "format per artifact (graphs share weights), so fp8_block; revisit when the FP4 kernels "
+                  "reach the issue-6 targets.")
+_HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,
+           "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (8, 16384)}
+
 TARGETS: dict[str, Target] = {
-    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_CUDA),
-    "h200": Target("h200", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_CUDA),
-    "h100": Target("h100", "cuda", (9, 0), expert_format="mxfp4_w4a16", dense_format="fp8_block", kernels=_CUDA),
+    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_CUDA,
+                   expert_format_reason="NVFP4 W4A4 via tl.dot_scaled (sm_100): 4-bit weights and activations; "
+                                        "not measured yet (no B200 on the team's device)"),
+    "h200": Target("h200", "cuda", (9, 0), **_HOPPER),
+    "h100": Target("h100", "cuda", (9, 0), **_HOPPER),  # same kernels as H200; figures are H200's
     "cpu": Target("cpu", "cpu", None, expert_format="reference", dense_format="reference", kernels=_REFERENCE,
-                  buckets=(), dtype="float32"),  # bf16 matmuls are slow on CPUs
+                  buckets=(), dtype="float32",  # bf16 matmuls are slow on CPUs
+                  status="reference kernels, unquantised weights",
+                  expert_format_reason="the eager reference: exact, no quantisation"),
 }
 
 

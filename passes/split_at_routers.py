@@ -50,7 +50,7 @@ from dsv4c.passes import PassContext, PassResult
 
 MOE_OP = "dsv4c.moe_experts"
 # every implementation of the routed experts: a router boundary whichever one the target chose
-MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered"})
+MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered", "dsv4c.moe_experts_q"})
 META_INPUTS = ("slots", "pos0", "n_real")
 CACHE_PREFIX = "caches_"
 
@@ -75,6 +75,10 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.mla_cache_update_static": None,
     "dsv4c.dsa_cache_update_static": None,
     "dsv4c.moe_experts_gathered": None,
+    # kernels/moe_grouped.py (passes/quantize_experts.py): on CUDA, device routing prep + Triton grids
+    # fixed by shapes (worst-case M-blocks), no host sync. Its CPU fallback (reference math, with an
+    # int() range check) is not what this entry claims; tests/test_quantize_experts.py checks the CUDA path.
+    "dsv4c.moe_experts_q": None,
 }
 
 
@@ -439,7 +443,8 @@ def plan_segments(gm: GraphModule, ctx: PassContext, *, capture_safe: Iterable[s
                                      if a.op == "placeholder" and a.name.startswith(CACHE_PREFIX)))
         layer = None
         if dynamic:  # from the expert weights' name; V4's MTP block counts after the main layers
-            m = re.search(r"(layers|mtp)[._](\d+)[._]", str(getattr(ns[0].args[3], "target", "")))
+            w = next((a for a in ns[0].args[3:] if isinstance(a, Node)), None)  # the first expert weight
+            m = re.search(r"(layers|mtp)[._](\d+)[._]", str(getattr(w, "target", "")))
             if m:
                 layer = int(m.group(2)) + (ctx.config.num_hidden_layers if m.group(1) == "mtp" else 0)
         ops = Counter(op_name(n.target) if n.op == "call_function" else n.op for n in ns)

@@ -99,6 +99,7 @@ def test_each_pass_preserves_outputs(model, kind, target):
     ref = model(ids, copy.deepcopy(cache), slots=torch.arange(2))
     errors = {}
     _, recs = run_pipeline(eg.module(), PassContext(model.config, target, graph_kind=kind),
+                           skip=("quantize_experts",),  # lossy: tests/test_quantize_experts.py bounds it
                            after_each=lambda name, gm: errors.__setitem__(name, _rel(_run_graph(gm, ids, cache)[0], ref)))
     assert set(errors) == {"fuse_projections", "absorb_mla", "select_kernels"}
     assert max(errors.values()) <= REL, errors
@@ -202,9 +203,10 @@ def test_run_pipeline_skips_dumps_and_rejects_unknown_names(tmp_path):
     ctx = PassContext(cfg)
     _, recs = run_pipeline(gm, ctx, skip=["fuse_projections"], dump_dir=tmp_path)
     assert [(r.name, r.skipped) for r in recs] == [("fuse_projections", True), ("absorb_mla", False),
-                                                   ("select_kernels", False)]
+                                                   ("quantize_experts", False), ("select_kernels", False)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["01_absorb_mla.after.py", "01_absorb_mla.before.py",
-                                                          "02_select_kernels.after.py", "02_select_kernels.before.py"]
+                                                          "02_quantize_experts.after.py", "02_quantize_experts.before.py",
+                                                          "03_select_kernels.after.py", "03_select_kernels.before.py"]
     with pytest.raises(ValueError, match="unknown pass"):
         run_pipeline(gm, ctx, skip=["no_such_pass"])
 
@@ -223,7 +225,7 @@ def test_compare_cli_json_on_a_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["compare", str(ck), "--graphs", "decode", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla", "select_kernels"]
+    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla", "quantize_experts", "select_kernels"]
     for r in rows:
         assert set(r) >= {"name", "changed", "stats", "seconds", "snr_db", "max_abs_err", "cosine"}
     absorbed = rows[2]

@@ -1,0 +1,377 @@
+"""Quantise the routed experts into the target's expert format (issue 6, quant_formats.md).
+
+Before (one node per MoE layer, MTP block included; `moe_experts_gathered` is the same function):
+    y = dsv4c.moe_experts(x, idx, weight, W1 [E, I, D], W3 [E, I, D], W2 [E, D, I], L)
+After (x in bf16, D and I zero-padded to the format's block when they are not multiples of it):
+    xb = to(x, bf16);  xb = constant_pad_nd(xb, [0, Dp - D])               # only if needed
+    yb = dsv4c.moe_experts_q(xb, idx, weight, fmt, w13, w13_scale, w13_global,
+                             w2, w2_scale, w2_global, None, None, L)
+    y  = to(slice(yb, 1, 0, D), x.dtype)
+with w13 = [W1 ‖ W3] (+ scales) in `fmt` (kernels/moe_grouped.py containers). The three expert
+weights leave the graph; the new ones are graph attributes `<experts>.<fmt>.<field>`.
+
+Why it is valid: `moe_experts_q` computes the function of `moe_experts` (Σ_j w_j · W2 SwiGLU_L(W1 x,
+W3 x) per token) on the weights the container holds, the routing weight multiplied before W2 as
+Official does (equal in exact arithmetic). The only change is the format's rounding of weights (and,
+for fp8_block and nvfp4_w4a4, of activations), which kernels/tolerances.py bounds per format.
+Zero padding is exact: padded input columns meet zero x, padded expert rows give SwiGLU(0) = 0 and
+meet zero W2 columns, padded output rows are sliced off; zeros change no block amax, so no scale.
+
+Formats per target (`Target.expert_format`, dsv4c/targets.py): reference (no rewrite), bf16,
+fp8_block, mxfp4_w4a16, nvfp4_w4a16, nvfp4_w4a4. A kernel override of `moe_experts` in the
+context (`--kernel moe_experts=...`) asks for that implementation of the unquantised op, so the
+pass then leaves the experts alone.
+
+Weights: with real weights in the graph the pass quantises them now (tests, `dsv4c compare`). On
+the meta device (`dsv4c compile`) it creates meta tensors of the right shape and dtype and records a
+*recipe* per new weight; compile streams the checkpoint through `expert_weights_from_checkpoint`,
+one layer's experts at a time and one expert at a time inside it. MXFP4 checkpoint experts convert
+without loss where quant_formats.md §6 says (to mxfp4: the same bytes; to nvfp4: §6.1; to fp8_block:
+§6.2); an expert whose conversion would change a value is quantised from its dequantised values.
+
+Stats: `layers` (one entry per rewritten node) and `quant_map` (per module: format, scale kind,
+layer, MTP or not, the new tensors), which compile merges into manifest["quant_map"].
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv4c.passes import PassContext, PassResult, delete_param, erase_unused, fake_value, get_param, set_param
+
+aten = torch.ops.aten
+
+# target expert format -> container format of kernels/moe_grouped.py (None: leave the op alone)
+KERNEL_FORMAT: dict[str, str | None] = {
+    "reference": None, "bf16": "bf16", "fp8_block": "fp8_block", "mxfp4_w4a16": "mxfp4",
+    "nvfp4_w4a16": "nvfp4", "nvfp4_w4a4": "nvfp4_w4a4",
+}
+# the minimum CUDA capability a format's kernels need on a GPU
+FORMAT_CAPABILITY: dict[str, tuple[int, int]] = {
+    "bf16": (8, 0), "fp8_block": (8, 9), "mxfp4_w4a16": (8, 0), "nvfp4_w4a16": (8, 0), "nvfp4_w4a4": (10, 0),
+}
+# D and I must be multiples of this (else zero-padded)
+ALIGN = {"bf16": 1, "fp8_block": 128, "mxfp4": 32, "nvfp4": 16, "nvfp4_w4a4": 16}
+SCALE_KIND = {
+    "bf16": "none",
+    "fp8_block": "e4m3 weights, fp32 (power-of-two) scale per 128x128 tile; W8A8: x and h e4m3 per 1x128, ue8m0",
+    "mxfp4": "e2m1 weights, ue8m0 scale per 32 input columns; weight-only (bf16 activations)",
+    "nvfp4": "e2m1 weights, e4m3 scale per 16 input columns + fp32 global per expert (w1/w3 share it); "
+             "weight-only (bf16 activations)",
+    "nvfp4_w4a4": "e2m1 weights, e4m3 scale per 16 + fp32 global per expert (w1/w3 share it); W4A4: x and h "
+                  "NVFP4 per 16 with a dynamic global scale amax/(6*448)",
+}
+FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+RECIPE = "experts_q"  # the recipe kind compile.py streams
+
+
+class QuantizeError(ValueError):
+    """An expert format the target cannot use; the message names the capability needed."""
+
+
+def check_format(target) -> None:
+    """Raise QuantizeError if `target.expert_format` is unknown or needs a newer GPU than the target's."""
+    fmt = target.expert_format
+    if fmt not in KERNEL_FORMAT:
+        raise QuantizeError(f"target {target.name}: unknown expert_format {fmt!r}; expected one of {sorted(KERNEL_FORMAT)}")
+    need = FORMAT_CAPABILITY.get(fmt)
+    if target.device == "cuda" and need is not None and tuple(target.capability or (0, 0)) < need:
+        have = target.capability or (0, 0)
+        raise QuantizeError(f"target {target.name}: expert_format {fmt} needs CUDA compute capability "
+                            f"{need[0]}.{need[1]}+ (sm_{need[0]}{need[1]}), the target declares {have[0]}.{have[1]}; "
+                            f"choose nvfp4_w4a16, mxfp4_w4a16 or fp8_block")
+
+
+def field_specs(kfmt: str, e: int, i: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each container field for E experts of width I on hidden D (padded dims)."""
+    if kfmt == "bf16":
+        return {"w13": ((e, 2 * i, d), torch.bfloat16), "w2": ((e, d, i), torch.bfloat16)}
+    if kfmt == "fp8_block":
+        f8 = torch.float8_e4m3fn
+        return {"w13": ((e, 2 * i, d), f8), "w13_scale": ((e, 2 * i // 128, d // 128), torch.float32),
+                "w2": ((e, d, i), f8), "w2_scale": ((e, d // 128, i // 128), torch.float32)}
+    if kfmt == "mxfp4":
+        s = torch.float8_e8m0fnu
+        return {"w13": ((e, 2 * i, d // 2), torch.uint8), "w13_scale": ((e, 2 * i, d // 32), s),
+                "w2": ((e, d, i // 2), torch.uint8), "w2_scale": ((e, d, i // 32), s)}
+    s = torch.float8_e4m3fn
+    return {"w13": ((e, 2 * i, d // 2), torch.uint8), "w13_scale": ((e, 2 * i, d // 16), s),
+            "w13_global": ((e,), torch.float32), "w2": ((e, d, i // 2), torch.uint8),
+            "w2_scale": ((e, d, i // 16), s), "w2_global": ((e,), torch.float32)}
+
+
+def _padded(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+# ---- building the quantised tensors -----------------------------------------------------------
+def _pad_float(w1, w3, w2, ip: int, dp: int):
+    """Zero-pad fp32 w1/w3 [E, I, D] -> [E, Ip, Dp] and w2 [E, D, I] -> [E, Dp, Ip]."""
+    pad = torch.nn.functional.pad
+    i, d = w1.shape[-2], w1.shape[-1]
+    return (pad(w1.float(), (0, dp - d, 0, ip - i)), pad(w3.float(), (0, dp - d, 0, ip - i)),
+            pad(w2.float(), (0, ip - i, 0, dp - d)))
+
+
+def quantize_float(kfmt: str, w1, w3, w2, ip: int, dp: int):
+    """Container of format `kfmt` from float weights (zero-padded to Ip, Dp first)."""
+    from dsv4c.kernels.moe_grouped import _CONTAINERS
+
+    return _CONTAINERS[kfmt].from_float(*_pad_float(w1, w3, w2, ip, dp))
+
+
+def convert_mxfp4(kfmt: str, mx):
+    """Lossless conversion of an Mxfp4Experts container (None if a value would change or the format
+    has no exact conversion)."""
+    from dsv4c.kernels.moe_grouped import Fp8BlockExperts, Nvfp4Experts, Nvfp4W4A4Experts
+
+    try:
+        if kfmt == "mxfp4":
+            return mx
+        if kfmt in ("nvfp4", "nvfp4_w4a4"):
+            nv = Nvfp4Experts.from_mxfp4(mx)
+            return nv if kfmt == "nvfp4" else Nvfp4W4A4Experts(*(getattr(nv, f) for f in FIELDS))
+        if kfmt == "fp8_block":
+            return Fp8BlockExperts.from_mxfp4(mx)
+    except ValueError:  # lossy here, or shapes the conversion does not take
+        return None
+    return None
+
+
+def _stack(containers: list) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in FIELDS:
+        vals = [getattr(c, f, None) for c in containers]
+        if vals[0] is not None:
+            out[f] = torch.cat(vals, 0).contiguous()
+    return out
+
+
+def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: int, dp: int) -> tuple[dict, int]:
+    """Build the stacked fields one expert at a time. `read(e)` gives ("float", w1, w3, w2) or
+    ("mxfp4", w1, s1, w3, s3, w2, s2) for expert e (2-d checkpoint tensors). Returns (fields, the
+    number of experts quantised from dequantised values although the source was MXFP4)."""
+    from dsv4c.kernels.moe_grouped import Mxfp4Experts
+
+    parts, requant = [], 0
+    for e in range(n_experts):
+        src = read(e)
+        c = None
+        if src[0] == "mxfp4":
+            w1, s1, w3, s3, w2, s2 = (t.unsqueeze(0) for t in src[1:])
+            mx = Mxfp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2)
+            _, i, d = mx.dims
+            c = convert_mxfp4(kfmt, mx) if (i, d) == (ip, dp) else None
+            if c is None:
+                requant += 1
+                c = quantize_float(kfmt, *mx.dequantize(), ip, dp)
+        else:
+            c = quantize_float(kfmt, *(t.unsqueeze(0) for t in src[1:]), ip, dp)
+        parts.append(c)
+    return _stack(parts), requant
+
+
+def checkpoint_reader_fn(reader, names: dict[str, str]) -> Callable[[int], tuple]:
+    """`read(e)` over a CheckpointReader for the stacked experts `names` {"w1", "w3", "w2":
+    graph name, "model.<canonical name>"}: the raw MXFP4 codes and scales when the checkpoint stores
+    them, else dequantised fp32."""
+    from dsv4c.checkpoint import _load_weight, _scale_name
+    from dsv4c.names import expert_disk_name
+
+    canon = {k: v[len("model."):] if v.startswith("model.") else v for k, v in names.items()}
+
+    def read(e: int) -> tuple:
+        disk = {k: expert_disk_name(v, e) for k, v in canon.items()}
+        raw = {k: reader.get(n) for k, n in disk.items()}
+        if all(t.dtype in (torch.int8, torch.uint8) for t in raw.values()):
+            sc = {k: reader.get(_scale_name(reader, n)) for k, n in disk.items()}
+            return ("mxfp4", raw["w1"], sc["w1"], raw["w3"], sc["w3"], raw["w2"], sc["w2"])
+        vals = []
+        for k in ("w1", "w3", "w2"):
+            t = raw[k]
+            shape = tuple(t.shape) if t.dtype not in (torch.int8, torch.uint8) else (t.shape[0], t.shape[1] * 2)
+            vals.append(_load_weight(reader, disk[k], shape, torch.float32, set()))
+        return ("float", *vals)
+
+    return read
+
+
+class CheckpointExperts:
+    """Compile-time weight source for the recipes: builds one layer's quantised experts when one of
+    its fields is asked for and keeps only that layer (the fields of a layer are adjacent in the
+    sorted weight list, so each layer is built once)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self._key = None
+        self._fields: dict[str, torch.Tensor] = {}
+        self.requantised: dict[str, int] = {}
+
+    def __call__(self, recipe: dict) -> torch.Tensor:
+        key = recipe["module"]
+        if key != self._key:
+            self._fields = {}
+            read = checkpoint_reader_fn(self.reader, recipe["sources"])
+            self._fields, n = expert_tensors(recipe["kernel_format"], recipe["experts"], read,
+                                             recipe["padded"]["I"], recipe["padded"]["D"])
+            self.requantised[key] = n
+            self._key = key
+        return self._fields[recipe["field"]]
+
+
+# ---- the pass ---------------------------------------------------------------------------------
+def _expert_nodes(gm: GraphModule) -> list[Node]:
+    ops = (torch.ops.dsv4c.moe_experts.default, torch.ops.dsv4c.moe_experts_gathered.default)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+
+
+def _layer_of(name: str, ctx: PassContext) -> tuple[int | None, bool]:
+    """(layer index, is MTP) from an expert weight's name; V4's MTP block counts after the main layers."""
+    m = re.search(r"(layers|mtp)\.(\d+)\.", name)
+    if m is None:
+        return None, False
+    n_main = ctx.config.num_hidden_layers
+    if m.group(1) == "mtp":
+        return n_main + int(m.group(2)), True
+    layer = int(m.group(2))
+    return layer, layer >= n_main
+
+
+def _call(gm: GraphModule, ref: Node, op, args: tuple) -> Node:
+    node = gm.graph.call_function(op, args)
+    vals = tuple(a.meta["val"] if isinstance(a, Node) else a for a in args)
+    node.meta["val"] = fake_value(ref, op, *vals)
+    return node
+
+
+def _attr(gm: GraphModule, ref: Node, name: str, value: torch.Tensor) -> Node:
+    set_param(gm, name, value)
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = fake_value(ref, lambda t: t, value)
+    return node
+
+
+def _new_weights(kfmt: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, ip: int, dp: int) -> dict:
+    e = w1.shape[0]
+    specs = field_specs(kfmt, e, ip, dp)
+    if w1.is_meta:
+        return {f: torch.empty(s, dtype=dt, device="meta") for f, (s, dt) in specs.items()}
+    c = quantize_float(kfmt, w1.detach(), w3.detach(), w2.detach(), ip, dp)
+    out = {f: getattr(c, f) for f in specs}
+    for f, (s, dt) in specs.items():  # the streamed (compile) path relies on these specs
+        assert tuple(out[f].shape) == s and out[f].dtype == dt, (f, out[f].shape, out[f].dtype, s, dt)
+    return out
+
+
+def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext) -> dict:
+    x, idx, weight, n1, n3, n2, limit = node.args
+    names = {"w1": n1.target, "w3": n3.target, "w2": n2.target}
+    w1, w3, w2 = (get_param(gm, names[k]) for k in ("w1", "w3", "w2"))
+    e, i, d = w1.shape
+    a = ALIGN[kfmt]
+    ip, dp = _padded(i, a), _padded(d, a)
+    module = names["w1"].rsplit(".", 1)[0]
+    values = _new_weights(kfmt, w1, w3, w2, ip, dp)
+    xdt = x.meta["val"].dtype
+    with gm.graph.inserting_before(node):
+        xb = x if xdt == torch.bfloat16 else _call(gm, x, aten.to.dtype, (x, torch.bfloat16))
+        if dp != d:
+            xb = _call(gm, x, aten.constant_pad_nd.default, (xb, [0, dp - d], 0.0))
+        attrs = {f: _attr(gm, x, f"{module}.{kfmt}.{f}", v) for f, v in values.items()}
+        args = (xb, idx, weight, kfmt, attrs["w13"], attrs.get("w13_scale"), attrs.get("w13_global"), attrs["w2"],
+                attrs.get("w2_scale"), attrs.get("w2_global"), None, None, float(limit))
+        y = _call(gm, x, torch.ops.dsv4c.moe_experts_q.default, args)
+        if dp != d:
+            y = _call(gm, x, aten.slice.Tensor, (y, 1, 0, d))
+        if xdt != torch.bfloat16:
+            y = _call(gm, x, aten.to.dtype, (y, xdt))
+    node.replace_all_uses_with(y)
+    erase_unused(gm, [node])
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for n in names.values():
+        if n not in used:
+            delete_param(gm, n)
+    layer, mtp = _layer_of(module, ctx)
+    tensors = {f: f"{module}.{kfmt}.{f}" for f in values}
+    return {"module": module, "node": node.name, "layer": layer, "mtp": mtp, "format": fmt, "kernel_format": kfmt,
+            "scale": SCALE_KIND[kfmt], "experts": e, "dims": {"I": i, "D": d}, "padded": {"I": ip, "D": dp},
+            "sources": names, "tensors": tensors}
+
+
+def quant_map_entry(rec: dict, graph_kind: str) -> dict:
+    """The manifest's view of one rewritten module."""
+    return {"format": rec["format"], "kernel_format": rec["kernel_format"], "scale": rec["scale"],
+            "layer": rec["layer"], "mtp": rec["mtp"], "experts": rec["experts"], "dims": rec["dims"],
+            "padded": rec["padded"], "tensors": sorted(rec["tensors"].values()), "graphs": [graph_kind]}
+
+
+def quantize_experts_as(fmt: str) -> Callable[[GraphModule, PassContext], PassResult]:
+    """The pass for an explicit expert format (tests, comparisons); `quantize_experts` reads the target's."""
+    if fmt not in KERNEL_FORMAT:
+        raise ValueError(f"expert format: expected one of {sorted(KERNEL_FORMAT)}, got {fmt!r}")
+
+    def run(gm: GraphModule, ctx: PassContext) -> PassResult:
+        return _quantize(gm, ctx, fmt)
+
+    return run
+
+
+def quantize_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
+    from dsv4c.targets import get_target
+
+    target = get_target(ctx.target)
+    check_format(target)
+    override = dict(ctx.kernels).get("moe_experts")
+    if override is not None:
+        return PassResult(gm, False, {"skipped": f"--kernel moe_experts={override}: unquantised experts requested",
+                                      "format": "reference", "layers": [], "quant_map": {}})
+    return _quantize(gm, ctx, target.expert_format)
+
+
+def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
+    from dsv4c.kernels import moe_grouped  # noqa: F401  (registers dsv4c::moe_experts_q)
+    from dsv4c.model import register_ops
+
+    register_ops()
+    kfmt = KERNEL_FORMAT[fmt]
+    if kfmt is None:
+        return PassResult(gm, False, {"format": fmt, "layers": [], "quant_map": {}})
+    layers = [_rewrite(gm, n, fmt, kfmt, ctx) for n in _expert_nodes(gm)]
+    if layers:
+        gm.recompile()
+    qmap = {r["module"]: quant_map_entry(r, ctx.graph_kind) for r in layers}
+    return PassResult(gm, bool(layers), {"format": fmt, "kernel_format": kfmt, "layers": layers, "quant_map": qmap})
+
+
+# ---- the artifact's quant map (dsv4c/compile.py) ----------------------------------------------
+def merge_quant_map(qmap: dict, records, graph: str) -> dict:
+    """Add one graph's quantize_experts record to the artifact quant map:
+    {"expert_format", "modules": {module: entry}, "layers": [...], "mtp_layers": [...]}."""
+    for r in records:
+        if r.name != "quantize_experts" or not r.stats.get("quant_map"):
+            continue
+        qmap.setdefault("expert_format", r.stats["format"])
+        mods = qmap.setdefault("modules", {})
+        for module, entry in r.stats["quant_map"].items():
+            if module in mods:
+                mods[module]["graphs"] = sorted(set(mods[module]["graphs"]) | {graph})
+            else:
+                mods[module] = {**entry, "graphs": [graph]}
+        qmap["layers"] = sorted({m["layer"] for m in mods.values() if not m["mtp"]})
+        qmap["mtp_layers"] = sorted({m["layer"] for m in mods.values() if m["mtp"]})
+    return qmap
+
+
+def describe_quant_map(qmap: dict) -> str:
+    """One line for `dsv4c inspect`."""
+    if not qmap or not qmap.get("modules"):
+        return "none (routed experts unquantised: reference op)"
+    mods = qmap["modules"].values()
+    kinds = sorted({(m["kernel_format"], m["scale"]) for m in mods})
+    padded = sum(m["padded"] != m["dims"] for m in mods)
+    return (f"routed experts {qmap['expert_format']} in {len(qmap['modules'])} modules: layers {qmap['layers']}, "
+            f"MTP layers {qmap['mtp_layers']}" + (f", {padded} zero-padded" if padded else "")
+            + "; " + "; ".join(f"{k}: {s}" for k, s in kinds))
