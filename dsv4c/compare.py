@@ -96,7 +96,7 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
 
         prev = [None]  # logits of the previous step
 
-        def metrics(graph) -> dict:
+        def metrics(graph, case=case, prev=prev) -> dict:
             if case is None:
                 return {}
             out = _run(graph, case)
@@ -111,7 +111,7 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
-                                   after_each=lambda name, g: snapshots.__setitem__(name, metrics(g)))
+                                   after_each=lambda name, g, snapshots=snapshots: snapshots.__setitem__(name, metrics(g)))
         for r in records:
             row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
                    "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None, "snr_prev_db": None}

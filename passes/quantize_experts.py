@@ -38,9 +38,16 @@ import re
 from collections.abc import Callable
 
 import torch
+from dsv4c.passes import (
+    PassContext,
+    PassResult,
+    delete_param,
+    erase_unused,
+    fake_value,
+    get_param,
+    set_param,
+)
 from torch.fx import GraphModule, Node
-
-from dsv4c.passes import PassContext, PassResult, delete_param, erase_unused, fake_value, get_param, set_param
 
 aten = torch.ops.aten
 
@@ -126,7 +133,11 @@ def quantize_float(kfmt: str, w1, w3, w2, ip: int, dp: int):
 def convert_mxfp4(kfmt: str, mx):
     """Lossless conversion of an Mxfp4Experts container (None if a value would change or the format
     has no exact conversion)."""
-    from dsv4c.kernels.moe_grouped import Fp8BlockExperts, Nvfp4Experts, Nvfp4W4A4Experts
+    from dsv4c.kernels.moe_grouped import (
+        Fp8BlockExperts,
+        Nvfp4Experts,
+        Nvfp4W4A4Experts,
+    )
 
     try:
         if kfmt == "mxfp4":
@@ -181,7 +192,7 @@ def checkpoint_reader_fn(reader, names: dict[str, str]) -> Callable[[int], tuple
     from dsv4c.checkpoint import _load_weight, _scale_name
     from dsv4c.names import expert_disk_name
 
-    canon = {k: v[len("model."):] if v.startswith("model.") else v for k, v in names.items()}
+    canon = {k: v.removeprefix("model.") for k, v in names.items()}
 
     def read(e: int) -> tuple:
         disk = {k: expert_disk_name(v, e) for k, v in canon.items()}
@@ -333,6 +344,7 @@ def quantize_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
     from dsv4c.kernels import moe_grouped  # noqa: F401  (registers dsv4c::moe_experts_q)
+
     from dsv4c.model import register_ops
 
     register_ops()

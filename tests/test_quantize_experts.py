@@ -12,6 +12,19 @@ import dataclasses
 
 import pytest
 import torch
+from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
+from dsv4c.passes import PassContext, get_param, run_pipeline
+from dsv4c.passes.quantize_experts import (
+    KERNEL_FORMAT,
+    QuantizeError,
+    check_format,
+    checkpoint_reader_fn,
+    expert_tensors,
+    quantize_experts,
+    quantize_experts_as,
+)
+from dsv4c.passes.split_at_routers import host_sync_ops, plan_segments
+from dsv4c.runtime import Session
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4c import ModelConfig, load_model, write_random_checkpoint
@@ -19,13 +32,7 @@ from dsv4c.checkpoint import CheckpointReader, read_param
 from dsv4c.compare import _cases, _run, compare_passes
 from dsv4c.compile import compile_checkpoint, describe_artifact
 from dsv4c.export import export_graph
-from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 from dsv4c.model import build_model, register_ops
-from dsv4c.passes import PassContext, get_param, run_pipeline
-from dsv4c.passes.quantize_experts import (KERNEL_FORMAT, QuantizeError, check_format, checkpoint_reader_fn,
-                                           expert_tensors, quantize_experts, quantize_experts_as)
-from dsv4c.passes.split_at_routers import host_sync_ops, plan_segments
-from dsv4c.runtime import Session
 from dsv4c.targets import TARGETS, TargetError
 
 FORMATS = [f for f, k in KERNEL_FORMAT.items() if k is not None]
@@ -116,7 +123,7 @@ def test_every_moe_node_is_rewritten_within_the_format_threshold(graphs, fmt):
 
 def test_target_format_kernel_override_and_reference(graphs):
     m, by_kind = graphs
-    case, gm0, _ = by_kind["mtp"]
+    _, gm0, _ = by_kind["mtp"]
     res = quantize_experts(copy.deepcopy(gm0), PassContext(m.config, "cpu", "mtp"))
     assert not res.changed and res.stats["format"] == "reference"
     res = quantize_experts(copy.deepcopy(gm0), PassContext(m.config, "h200", "mtp", (("moe_experts", "gathered"),)))
@@ -168,7 +175,7 @@ def artifacts(tmp_path_factory):
 
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_manifest_quant_map_lists_every_moe_layer(artifacts, target):
-    ck, art, man = artifacts[target]
+    _, art, man = artifacts[target]
     cfg = ModelConfig.from_dict(man["model_config"])
     fmt = TARGETS[target].expert_format
     qm = man["quant_map"]
@@ -181,7 +188,7 @@ def test_manifest_quant_map_lists_every_moe_layer(artifacts, target):
         assert set(q["graphs"]) == ({"mtp"} if q["mtp"] else set(man["graphs"]) - {"mtp"})
         for t in q["tensors"]:
             assert t in man["weights"] and t.startswith(mod)
-        assert not any(w.startswith(mod + ".w") or w.startswith(mod + ".gate_proj") for w in man["weights"])
+        assert not any(w.startswith((mod + ".w", mod + ".gate_proj")) for w in man["weights"])
     dtypes = {man["weights"][t]["dtype"] for q in qm["modules"].values() for t in q["tensors"]}
     assert dtypes == ({"float8_e4m3fn", "float32"} if fmt == "fp8_block" else {"uint8", "float8_e4m3fn", "float32"})
     assert f"routed experts {fmt} in {len(qm['modules'])} modules" in describe_artifact(art)
@@ -190,7 +197,7 @@ def test_manifest_quant_map_lists_every_moe_layer(artifacts, target):
 @torch.no_grad()
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_emulated_session_logits_within_the_format_threshold(artifacts, target):
-    ck, art, man = artifacts[target]
+    ck, art, _ = artifacts[target]
     if target == "b200":
         with pytest.raises(TargetError, match="capability 10.0"):
             Session.load(art)
