@@ -62,7 +62,8 @@ def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, str, int]]:
 def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", skip: tuple[str, ...] = (),
                        max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
-                       progress: bool = False, kernels: dict[str, str] | None = None) -> dict:
+                       progress: bool = False, kernels: dict[str, str] | None = None,
+                       verify_boundaries: bool | None = None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
@@ -126,11 +127,47 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),
     }
-    manifest["files"] = {str(p.relative_to(out)): {"sha256": sha256(p), "size": p.stat().st_size}
-                         for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    manifest["boundary_check"] = _boundary_check(out, manifest, verify_boundaries, progress)
+    manifest["files"] = _file_table(out)
     manifest["checksum"] = manifest_checksum(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+VERIFY_LIMIT_BYTES = 1 << 30  # boundary check by default only for artifacts whose weights fit comfortably
+
+
+def _boundary_check(out: Path, manifest: dict, verify: bool | None, progress: bool) -> dict:
+    """Run `runtime.segments.verify_artifact_boundaries` on the artifact just written (CPU, emulated
+    buckets). It needs the weights in memory, so by default it runs only below VERIFY_LIMIT_BYTES; the
+    GPU tests check the captured graphs the same way. A failed check fails the compile."""
+    if not manifest["buckets"]:
+        return {"ok": True, "skipped": "the target has no CUDA-graph buckets: nothing is padded"}
+    size = sum(f.stat().st_size for f in (out / "weights").glob("*.safetensors"))
+    if verify is None:
+        verify = size <= VERIFY_LIMIT_BYTES
+    if not verify:
+        return {"ok": None, "skipped": f"weights are {size / 2**30:.1f} GiB (> {VERIFY_LIMIT_BYTES / 2**30:.0f} GiB "
+                                       f"default limit, or disabled): run on the device"}
+    provisional = {**manifest, "files": _file_table(out)}  # the Session loads (and hash-checks) the artifact
+    provisional["checksum"] = manifest_checksum(provisional)
+    (out / MANIFEST).write_text(json.dumps(provisional, indent=1) + "\n")
+    from dsv4c.runtime.segments import verify_artifact_boundaries
+
+    t0 = time.perf_counter()
+    report = verify_artifact_boundaries(out)
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    if progress:
+        print(f"boundary check: {'ok' if report['ok'] else 'FAILED'} ({len(report.get('cases', []))} cases, "
+              f"{report['seconds']}s)")
+    if not report["ok"]:
+        raise ArtifactError(f"{out}: padding check failed at the segment boundaries: {report['cases']}")
+    return report
+
+
+def _file_table(out: Path) -> dict:
+    return {str(p.relative_to(out)): {"sha256": sha256(p), "size": p.stat().st_size}
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
 def manifest_checksum(m: dict) -> str:
@@ -289,7 +326,7 @@ def describe_artifact(art: str | Path) -> str:
     lines.append(f"files      {len(m['files'])} files, {size / 1e6:.1f} MB; {len(m['weights'])} weight tensors")
     for name, p in (m.get("segment_plan") or {}).items():
         lines.append(f"segments   {name}: {len(p['segments'])} segments, {p['boundaries']} router boundaries, "
-                     f"{p['capturable']} capturable (planned; the Session runs the graph whole)")
+                     f"{p['capturable']} capturable (the Session replays the capturable ones as CUDA graphs per bucket)")
     lines.append(f"quant map  {describe_quant_map(m['quant_map'])}")
     return "\n".join(lines)
 

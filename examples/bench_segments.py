@@ -48,10 +48,11 @@ def build(preset: str, device, dtype):
     return model.eval()
 
 
-def graph(model, n_slots: int, max_len: int, kernels: dict):
+def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False):
+    """The decode graph lowered for h200; `quantize=False` skips quantize_experts (bf16 experts)."""
     ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())))
     gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
-    gm, records = run_pipeline(gm, ctx)
+    gm, records = run_pipeline(gm, ctx, skip=() if quantize else ("quantize_experts",))
     plan = plan_segments(gm, ctx)
     return plan, apply_plan(gm, plan), {r.name: r.stats for r in records}
 
@@ -156,7 +157,9 @@ def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:
             kv += B * (ctx_len // m) * d * el
     total = other + experts + embed + head + kv
     return {"non_expert_weights": other, "routed_experts": experts, "embedding_rows": embed, "head": head,
-            "kv": kv, "total": total, "per_layer_no_head": (other + experts + kv) / cfg.num_hidden_layers}
+            "kv": kv, "total": total,
+            "total_fp8_experts": total - experts // 2,  # 1-byte experts (their scales are negligible)
+            "per_layer_no_head": (other + experts + kv) / cfg.num_hidden_layers}
 
 
 def main(argv=None) -> int:
@@ -168,6 +171,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=27, help="decode steps; the first 3 are warm-up")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--quantized", action="store_true", help="add the h200 lowering of the experts "
+                    "(quantize_experts: the target's format, Triton grouped kernels)")
+    ap.add_argument("--inductor", action="store_true",
+                    help="add full graphs with every segment compiled by TorchInductor (slow to compile)")
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.batches, a.prompt, a.steps = "v4-tiny-a", [1, 3], 40, 6
@@ -193,9 +200,17 @@ def main(argv=None) -> int:
     print(f"prefilled {n_slots - 1} x {a.prompt} tokens in {res['prefill_s']}s", flush=True)
 
     graphs = {}
-    for name, kernels in (("ref-experts", {}), ("gathered-experts", {"moe_experts": "gathered"})):
+    variants = [("ref-experts", {}, False), ("gathered-experts", {"moe_experts": "gathered"}, False)]
+    if a.quantized:
+        variants.append(("h200-experts", {}, True))
+    for name, kernels, quantize in variants:
         t0 = time.perf_counter()
-        graphs[name] = graph(model, n_slots, max_len, kernels)
+        try:
+            graphs[name] = graph(model, n_slots, max_len, kernels, quantize)
+        except Exception as e:  # report, keep measuring the others
+            print(f"{name}: lowering failed: {type(e).__name__}: {e}", flush=True)
+            res.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
+            continue
         plan = graphs[name][0]
         print(f"{name}: exported + lowered in {time.perf_counter() - t0:.1f}s; {len(plan.segments)} segments, "
               f"{plan.n_capturable} capturable", flush=True)
@@ -204,31 +219,55 @@ def main(argv=None) -> int:
     full_mode = "full" if dev.type == "cuda" else "full-emulate"
     configs = [("ref-experts", "eager"), ("ref-experts", graph_mode), ("gathered-experts", "eager"),
                ("gathered-experts", graph_mode), ("gathered-experts", full_mode)]
+    if "h200-experts" in graphs:  # the target's quantised Triton experts (capture-safe)
+        configs += [("h200-experts", "eager"), ("h200-experts", graph_mode), ("h200-experts", full_mode)]
+    if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
+        configs += [("ref-experts", "eager+torch.compile"), ("gathered-experts", full_mode + "+inductor")]
+        if "h200-experts" in graphs:
+            configs.append(("h200-experts", full_mode + "+inductor"))
     rows = []
     baseline = {}
     for gname, mode in configs:
-        plan, split, _ = graphs[gname]
-        ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=mode, pad_slot=n_slots - 1)
-        for B in a.batches:
-            for k, t in flat.items():
-                t.copy_(snapshot[k])
-            toks, logits, ms = decode(ex, flat, pos0, B, a.steps, cfg.vocab_size, dev)
-            key = (gname, B)
-            if mode == "eager":
-                baseline[key] = (toks, logits)
-            ref_toks, ref_logits = baseline[key]
-            err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
-            med = statistics.median(ms[3:])
-            spread = abs(statistics.median(ms[3::2]) - statistics.median(ms[4::2])) if len(ms) > 5 else 0.0
-            rows.append({"graph": gname, "mode": mode, "batch": B, "step_ms": med, "spread_ms": spread,
-                         "tokens_equal_eager": bool(torch.equal(toks, ref_toks)), "logits_rel_err_vs_eager": err})
-            print(f"{gname:17} {mode:12} B={B:3}: {med:8.3f} ms/step  tokens==eager {rows[-1]['tokens_equal_eager']}"
-                  f"  rel err {err:.2e}", flush=True)
-        st = ex.stats
-        rows.append({"graph": gname, "mode": mode, "capture_s": st["capture_s"], "graph_bytes": st["graph_bytes"],
-                     "graph_reserved_bytes": st["graph_reserved_bytes"], "static_buffer_bytes": st["static_buffer_bytes"],
-                     "buckets": list(ex.buckets)})
-        del ex
+        try:
+            plan, split, _ = graphs[gname]
+            inductor = mode.endswith("+inductor")
+            t0, setup = time.perf_counter(), None
+            base_mode = mode.removesuffix("+inductor").removesuffix("+torch.compile")
+            ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=base_mode, pad_slot=n_slots - 1,
+                                 inductor=inductor)
+            if mode.endswith("+torch.compile"):
+                ex.gm = torch.compile(split, dynamic=True)  # the whole eager step, reference ops opaque
+                inductor = True
+            if inductor:  # compile (+ capture every bucket) up front, timed
+                for k, t in flat.items():
+                    t.copy_(snapshot[k])
+                decode(ex, flat, pos0, 1, 1, cfg.vocab_size, dev)
+                setup = time.perf_counter() - t0
+                print(f"inductor compile + capture: {setup:.1f}s", flush=True)
+            for B in a.batches:
+                for k, t in flat.items():
+                    t.copy_(snapshot[k])
+                toks, logits, ms = decode(ex, flat, pos0, B, a.steps, cfg.vocab_size, dev)
+                key = (gname, B)
+                if mode == "eager":
+                    baseline[key] = (toks, logits)
+                ref_toks, ref_logits = baseline[key]
+                err = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+                med = statistics.median(ms[3:])
+                spread = abs(statistics.median(ms[3::2]) - statistics.median(ms[4::2])) if len(ms) > 5 else 0.0
+                rows.append({"graph": gname, "mode": mode, "batch": B, "step_ms": med, "spread_ms": spread,
+                             "tokens_equal_eager": bool(torch.equal(toks, ref_toks)), "logits_rel_err_vs_eager": err})
+                print(f"{gname:17} {mode:12} B={B:3}: {med:8.3f} ms/step  tokens==eager {rows[-1]['tokens_equal_eager']}"
+                      f"  rel err {err:.2e}", flush=True)
+            st = ex.stats
+            rows.append({"graph": gname, "mode": mode, "capture_s": st["capture_s"],
+                         "setup_s": setup, "graph_bytes": st["graph_bytes"],
+                         "graph_reserved_bytes": st["graph_reserved_bytes"], "static_buffer_bytes": st["static_buffer_bytes"],
+                         "buckets": list(ex.buckets)})
+            del ex
+        except Exception as e:  # a failed configuration is reported, the others still run
+            print(f"{gname} {mode}: failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"graph": gname, "mode": mode, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
     res["rows"] = rows
 
     # padding: a batch that is not a bucket size equals eager
@@ -263,11 +302,13 @@ def main(argv=None) -> int:
             ex.run(ids, torch.arange(B, device=dev), pos0[:B].clone(),
                    torch.ones(B, dtype=torch.int64, device=dev), flat)
         by = step_bytes(model, B, a.prompt, rec.unique)
-        roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None}
+        roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None,
+                   "roofline_fp8_experts_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
     res["roofline"] = roof
     for r in rows:
         if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
-            r["roofline_fraction"] = roof[r["batch"]]["roofline_ms"] / r["step_ms"]
+            key = "roofline_fp8_experts_ms" if r["graph"] == "h200-experts" else "roofline_ms"
+            r["roofline_fraction"] = roof[r["batch"]][key] / r["step_ms"]
     print(table(res))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1, default=str))

@@ -251,10 +251,12 @@ def _layer_of(name: str, ctx: PassContext) -> tuple[int | None, bool]:
     return layer, layer >= n_main
 
 
-def _call(gm: GraphModule, ref: Node, op, args: tuple) -> Node:
+def _call(gm: GraphModule, ref: Node, op, args: tuple, shape_fn: Callable | None = None) -> Node:
+    """A new call node with its meta['val']; `shape_fn(*vals)` computes the fake value from shapes only,
+    for ops whose fake kernel would specialise the symbolic batch size (constant_pad_nd calls size())."""
     node = gm.graph.call_function(op, args)
     vals = tuple(a.meta["val"] if isinstance(a, Node) else a for a in args)
-    node.meta["val"] = fake_value(ref, op, *vals)
+    node.meta["val"] = fake_value(ref, shape_fn or op, *vals)
     return node
 
 
@@ -290,7 +292,8 @@ def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext)
     with gm.graph.inserting_before(node):
         xb = x if xdt == torch.bfloat16 else _call(gm, x, aten.to.dtype, (x, torch.bfloat16))
         if dp != d:
-            xb = _call(gm, x, aten.constant_pad_nd.default, (xb, [0, dp - d], 0.0))
+            xb = _call(gm, x, aten.constant_pad_nd.default, (xb, [0, dp - d], 0.0),
+                       shape_fn=lambda t, pad, value: t.new_empty((*t.shape[:-1], t.shape[-1] + pad[1])))
         attrs = {f: _attr(gm, x, f"{module}.{kfmt}.{f}", v) for f, v in values.items()}
         args = (xb, idx, weight, kfmt, attrs["w13"], attrs.get("w13_scale"), attrs.get("w13_global"), attrs["w2"],
                 attrs.get("w2_scale"), attrs.get("w2_global"), None, None, float(limit))
