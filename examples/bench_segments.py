@@ -225,8 +225,28 @@ def main(argv=None) -> int:
         configs += [("ref-experts", "eager+torch.compile"), ("gathered-experts", full_mode + "+inductor")]
         if "h200-experts" in graphs:
             configs.append(("h200-experts", full_mode + "+inductor"))
+    # roofline
+    plan, split, _ = graphs["ref-experts"]
+    ex = SegmentExecutor(split, plan, dev, mode="eager")
+    roof = {}
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
+    res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
+    for B in a.batches:
+        for k, t in flat.items():
+            t.copy_(snapshot[k])
+        rec = _ExpertCount()
+        with rec:
+            ids = torch.randint(0, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(B)).to(dev)
+            ex.run(ids, torch.arange(B, device=dev), pos0[:B].clone(),
+                   torch.ones(B, dtype=torch.int64, device=dev), flat)
+        by = step_bytes(model, B, a.prompt, rec.unique)
+        roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None,
+                   "roofline_fp8_experts_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
+    res["roofline"] = roof
+
     rows = []
     baseline = {}
+    res["rows"] = rows  # written after every configuration: a timeout keeps what was measured
     for gname, mode in configs:
         try:
             plan, split, _ = graphs[gname]
@@ -268,6 +288,8 @@ def main(argv=None) -> int:
         except Exception as e:  # a failed configuration is reported, the others still run
             print(f"{gname} {mode}: failed: {type(e).__name__}: {e}", flush=True)
             rows.append({"graph": gname, "mode": mode, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1, default=str))
     res["rows"] = rows
 
     # padding: a batch that is not a bucket size equals eager
@@ -287,24 +309,6 @@ def main(argv=None) -> int:
                                                  for m, o in outs.items() if m != "eager"}}
         print("padding check", res["padding_check"], flush=True)
 
-    # roofline
-    plan, split, _ = graphs["ref-experts"]
-    ex = SegmentExecutor(split, plan, dev, mode="eager")
-    roof = {}
-    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
-    res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
-    for B in a.batches:
-        for k, t in flat.items():
-            t.copy_(snapshot[k])
-        rec = _ExpertCount()
-        with rec:
-            ids = torch.randint(0, cfg.vocab_size, (B, 1), generator=torch.Generator().manual_seed(B)).to(dev)
-            ex.run(ids, torch.arange(B, device=dev), pos0[:B].clone(),
-                   torch.ones(B, dtype=torch.int64, device=dev), flat)
-        by = step_bytes(model, B, a.prompt, rec.unique)
-        roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None,
-                   "roofline_fp8_experts_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
-    res["roofline"] = roof
     for r in rows:
         if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
             key = "roofline_fp8_experts_ms" if r["graph"] == "h200-experts" else "roofline_ms"
