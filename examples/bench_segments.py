@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quantized", action="store_true", help="add the h200 lowering of the experts "
                     "(quantize_experts: the target's format, Triton grouped kernels)")
+    ap.add_argument("--only", nargs="+", default=None, help="lowerings to time (ref-experts is always built: "
+                    "the roofline counts its routing), e.g. --only h200-experts")
     ap.add_argument("--inductor", action="store_true",
                     help="add full graphs with every segment compiled by TorchInductor (slow to compile)")
     a = ap.parse_args(argv)
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     variants = [("ref-experts", {}, False), ("gathered-experts", {"moe_experts": "gathered"}, False)]
     if a.quantized:
         variants.append(("h200-experts", {}, True))
+    if a.only:  # keep GPU memory for one lowering (each holds its own fused / quantised weights)
+        variants = [v for v in variants if v[0] in a.only or v[0] == "ref-experts"]
     for name, kernels, quantize in variants:
         t0 = time.perf_counter()
         try:
@@ -219,6 +223,7 @@ def main(argv=None) -> int:
     full_mode = "full" if dev.type == "cuda" else "full-emulate"
     configs = [("ref-experts", "eager"), ("ref-experts", graph_mode), ("gathered-experts", "eager"),
                ("gathered-experts", graph_mode), ("gathered-experts", full_mode)]
+    configs = [c for c in configs if c[0] in graphs and (not a.only or c[0] in a.only)]
     if "h200-experts" in graphs:  # the target's quantised Triton experts (capture-safe)
         configs += [("h200-experts", "eager"), ("h200-experts", graph_mode), ("h200-experts", full_mode)]
     if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
@@ -294,8 +299,9 @@ def main(argv=None) -> int:
 
     # padding: a batch that is not a bucket size equals eager
     odd = next((b for b in range(2, max(a.batches)) if b not in buckets), None)
-    if odd:
-        plan, split, _ = graphs["gathered-experts"]
+    padded_graph = next((g for g in ("gathered-experts", "h200-experts") if g in graphs), None)
+    if odd and padded_graph:
+        plan, split, _ = graphs[padded_graph]
         outs = {}
         for mode in ("eager", graph_mode, full_mode):
             ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=mode, pad_slot=n_slots - 1)
@@ -304,7 +310,7 @@ def main(argv=None) -> int:
             outs[mode] = decode(ex, flat, pos0, odd, 4, cfg.vocab_size, dev)
             del ex
         e_t, e_l, _ = outs["eager"]
-        res["padding_check"] = {"batch": odd, **{m: {"tokens_equal": bool(torch.equal(o[0], e_t)),
+        res["padding_check"] = {"batch": odd, "graph": padded_graph, **{m: {"tokens_equal": bool(torch.equal(o[0], e_t)),
                                                      "logits_rel_err": ((o[1] - e_l).abs().max() / e_l.abs().max()).item()}
                                                  for m, o in outs.items() if m != "eager"}}
         print("padding check", res["padding_check"], flush=True)

@@ -670,22 +670,16 @@ def moe_experts_q(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, fmt:
                   input_scale_13: torch.Tensor | None, input_scale_2: torch.Tensor | None,
                   swiglu_limit: float) -> torch.Tensor:
     """`moe_grouped` with the container passed as its fields (see the module docstring). On CPU
-    tensors without TRITON_INTERPRET=1 it computes `moe_grouped_ref` (cast to x.dtype) instead."""
+    tensors it computes `moe_grouped_ref` (cast to x.dtype): artifacts run there with emulate=True,
+    and the kernels' interpreter tests call `moe_grouped` directly."""
     experts = experts_from_tensors(fmt, w13=w13, w13_scale=w13_scale, w13_global=w13_global, w2=w2,
                                    w2_scale=w2_scale, w2_global=w2_global, input_scale_13=input_scale_13,
                                    input_scale_2=input_scale_2)
-    if x.device.type == "cpu" and not _interpreted():
+    if x.device.type == "cpu":
         # CPU without the Triton interpreter (artifacts run with emulate=True): the reference math.
         # Capture safety (split_at_routers.OP_CAPTURE) is a claim about the CUDA path only.
         return moe_grouped_ref(x, idx, weight, experts, swiglu_limit).to(x.dtype)
     return moe_grouped(x, idx, weight, experts, swiglu_limit)
-
-
-def _interpreted() -> bool:
-    """True when the kernels were jitted for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_moe_gemm_kernel, InterpretedFunction)
 
 
 @moe_experts_q.register_fake
