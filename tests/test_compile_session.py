@@ -38,6 +38,7 @@ def test_manifest_lists_every_file_with_its_hash(compiled):
     assert set(m["files"]) == files and {"graphs/prefill.pt2", "graphs/decode.pt2"} <= files
     assert m["format_version"] == 2 and m["target"]["name"] == "cpu"
     assert m["limits"]["cache_slots"] == m["limits"]["max_batch"] + 1
+    assert m["boundary_check"]["ok"] and "no CUDA-graph buckets" in m["boundary_check"]["skipped"]  # cpu target
     assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
     assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == ["fuse_projections", "absorb_mla", "quantize_experts",
                                                                 "select_kernels"]

@@ -147,7 +147,10 @@ def test_custom_op_and_fake():
     args = (x, idx, weight, ex.format, ex.w13, ex.w13_scale, ex.w13_global, ex.w2, ex.w2_scale, ex.w2_global,
             None, None, LIMIT)
     y = torch.ops.dsv4c.moe_experts_q(*args)
-    assert torch.equal(y, M.moe_grouped(x, idx, weight, ex, LIMIT))
+    if x.device.type == "cpu":  # CPU tensors (emulated artifacts): the op computes the reference math
+        assert torch.equal(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT).to(x.dtype))
+    else:
+        assert torch.equal(y, M.moe_grouped(x, idx, weight, ex, LIMIT))
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.dsv4c.moe_experts_q(*args)
