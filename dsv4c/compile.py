@@ -127,14 +127,19 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),
     }
-    manifest["boundary_check"] = _boundary_check(out, manifest, verify_boundaries, progress)
     manifest["files"] = _file_table(out)
-    manifest["checksum"] = manifest_checksum(manifest)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    _write_manifest(out, manifest)  # the boundary check loads (and hash-checks) the artifact
+    manifest["boundary_check"] = _boundary_check(out, manifest, verify_boundaries, progress)
+    _write_manifest(out, manifest)
     return manifest
 
 
 VERIFY_LIMIT_BYTES = 1 << 30  # boundary check by default only for artifacts whose weights fit comfortably
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    manifest["checksum"] = manifest_checksum(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _boundary_check(out: Path, manifest: dict, verify: bool | None, progress: bool) -> dict:
@@ -149,9 +154,6 @@ def _boundary_check(out: Path, manifest: dict, verify: bool | None, progress: bo
     if not verify:
         return {"ok": None, "skipped": f"weights are {size / 2**30:.1f} GiB (> {VERIFY_LIMIT_BYTES / 2**30:.0f} GiB "
                                        f"default limit, or disabled): run on the device"}
-    provisional = {**manifest, "files": _file_table(out)}  # the Session loads (and hash-checks) the artifact
-    provisional["checksum"] = manifest_checksum(provisional)
-    (out / MANIFEST).write_text(json.dumps(provisional, indent=1) + "\n")
     from dsv4c.runtime.segments import verify_artifact_boundaries
 
     t0 = time.perf_counter()

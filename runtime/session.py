@@ -72,6 +72,7 @@ class Session:
         self.cache_slots = manifest["limits"]["cache_slots"]  # max_batch + the scratch slot
         self.max_num_batched_tokens = self.max_tokens
         self.cache_info: dict = {}
+        self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.caches = self._allocate_caches()
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64, device=device)
         self.executors = self._executors(graph_mode)
@@ -152,7 +153,10 @@ class Session:
         return out
 
     def _graph_weights(self, kind: str) -> dict[str, torch.Tensor]:
-        return {n: self.weights[n] for n in self.manifest["graphs"][kind]["weights"]}
+        """The weights graph `kind` reads, by name (built once: every decode step passes it)."""
+        if kind not in self._weights_by_graph:
+            self._weights_by_graph[kind] = {n: self.weights[n] for n in self.manifest["graphs"][kind]["weights"]}
+        return self._weights_by_graph[kind]
 
     # ---- running the graphs ---------------------------------------------------------------------
     def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int], *,

@@ -1,15 +1,9 @@
 """Dense FP8 block GEMM kernels vs their references (CPU interpreter; GPU with -m gpu)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Must precede the first import of dsv4c.kernels (triton.jit picks interpreter or compiler then).
-# CPU-only machines interpret; with CUDA the kernels compile (the -m gpu tests).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 from dsv4c.kernels.fp8_gemm import (
     fp8_gemm_w8a8,
     fp8_gemm_w8a8_ref,

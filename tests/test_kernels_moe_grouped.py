@@ -4,15 +4,9 @@ CPU: Triton interpreter, small shapes, large blocks. GPU tests: -m gpu on the de
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Must precede the first import of dsv4c.kernels (triton.jit picks interpreter or compiler then).
-# CPU-only machines interpret; with CUDA the kernels compile (the -m gpu tests).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 
