@@ -1,0 +1,124 @@
+"""Where the time of one decode step goes: the v4-flash-slice decode graph lowered for h200, profiled
+with torch.profiler at one batch size.
+
+    python examples/profile_step.py --out $OUT/profile.json        # H200
+    python examples/profile_step.py --device cpu --quick           # CPU smoke run (tiny model)
+
+Prints, for the eager step (segments run op by op): device time and kernel count per operator
+(ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
+kernel count. The sum of kernel times against the replayed step time separates "kernels are slow"
+from "too many kernels" (each kernel inside a CUDA graph still costs a launch slot of ~1-2 us).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_segments as bs  # noqa: E402  (build, prefill, graph, decode)
+
+from dsv4c.export import flat_caches  # noqa: E402
+from dsv4c.runtime.segments import SegmentExecutor  # noqa: E402
+
+
+def _dev_time(evt) -> float:
+    """Self device time in us of a profiler aggregate (attribute names differ across torch versions)."""
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        v = getattr(evt, name, None)
+        if v is not None:
+            return float(v)
+    return 0.0
+
+
+def op_table(prof, top: int) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        t = _dev_time(e)
+        if t > 0:
+            rows.append({"name": e.key, "calls": e.count, "device_us": t})
+    rows.sort(key=lambda r: -r["device_us"])
+    return rows[:top]
+
+
+def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
+    """Kernel events only (device side), grouped by name -> (rows, kernel count, total us)."""
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name and not e.name.startswith("Memcpy"):
+            d = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            agg.setdefault(e.name, []).append(float(d))
+    rows = [{"name": k[:120], "count": len(v), "us": sum(v)} for k, v in agg.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top], sum(r["count"] for r in rows), sum(r["us"] for r in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--kernels", default="moe_experts=gathered", help="OP=IMPL overrides, comma separated ('' for none)")
+    ap.add_argument("--quantize", action="store_true", help="keep quantize_experts (the target's expert format)")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    preset = "v4-tiny-a" if a.quick else "v4-flash-slice"
+    prompt = 40 if a.quick else a.prompt
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = bs.build(preset, dev, dtype)
+    n_slots, max_len = a.batch + 1, prompt + 16
+    cache = bs.prefill(model, n_slots, prompt, max_len, chunk_rows=8, seed=0)
+    flat = flat_caches(cache.layers)
+    snap = {k: t.clone() for k, t in flat.items()}
+    pos0 = cache.pos.clone()
+    kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
+    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=a.quantize)
+    res: dict = {"preset": preset, "batch": a.batch, "kernels": kernels, "quantize": a.quantize,
+                 "segments": len(plan.segments), "capturable": plan.n_capturable}
+    V = model.config.vocab_size
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+
+    def restore():
+        for k, t in flat.items():
+            t.copy_(snap[k])
+
+    modes = ["eager"]
+    if dev.type == "cuda":
+        modes.append("full" if plan.n_capturable == len(plan.segments) else "graphs")
+    for mode in modes:
+        ex = SegmentExecutor(split, plan, dev, mode=mode, pad_slot=n_slots - 1)
+        restore()
+        _, _, ms = bs.decode(ex, flat, pos0, a.batch, 8, V, dev)  # warm-up + capture
+        step_ms = statistics.median(ms[3:])
+        restore()
+        with profile(activities=acts) as prof:
+            bs.decode(ex, flat, pos0, a.batch, 3, V, dev)
+        ops = op_table(prof, a.top)
+        kern, n_kern, kern_us = kernel_table(prof, a.top)
+        res[mode] = {"step_ms": step_ms, "kernels_per_step": n_kern / 3, "kernel_us_per_step": kern_us / 3,
+                     "ops": ops, "kernels": kern}
+        print(f"\n== {mode}: {step_ms:.3f} ms/step; {n_kern / 3:.0f} kernels/step, sum of kernel time "
+              f"{kern_us / 3 / 1e3:.3f} ms/step", flush=True)
+        print("| op (self) | calls/3 steps | device us/step |\n|---|---:|---:|")
+        for r in ops:
+            print(f"| {r['name'][:70]} | {r['calls']} | {r['device_us'] / 3:.0f} |")
+        print("| kernel | count/step | us/step |\n|---|---:|---:|")
+        for r in kern:
+            print(f"| {r['name'][:90]} | {r['count'] / 3:.0f} | {r['us'] / 3:.0f} |")
+        del ex
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
