@@ -13,16 +13,32 @@ reference op torch.ops.dsv4c.moe_experts (bf16).
     TRITON_INTERPRET=1 python examples/bench_moe_kernels.py --small      # CPU smoke run
 
 Prints a markdown table; --out writes JSON.
+
+--sweep: decode tile/variant sweep instead. For tokens 1, 8, 64 (and 4096 for fp8_block with
+--prefill) and each format, a short list of MoeKernelConfig candidates is timed eagerly and as a
+CUDA-graph replay (deployment runs under graphs), each call cycling over several routings so that
+the experts' weights are not L2-resident across calls. Every candidate's output is checked against
+the default config's (rel err < KERNEL_REL_ERR[fmt]); a candidate that fails to compile or run is
+recorded as an error and skipped. Reports us, % of the copy bandwidth measured in the same run,
+the best config per (format, tokens), and FP8/FP4 time ratios at 1 and 8 tokens; the JSON is
+rewritten after every cell, so a timeout keeps what was measured.
+
+    python examples/bench_moe_kernels.py --sweep --out sweep.json        # H200, ~3-4 min
+    TRITON_INTERPRET=1 python examples/bench_moe_kernels.py --small --sweep
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import statistics
+import sys
 import time
 
 import torch
 from dsv4c.kernels import moe_grouped as M
+from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 
 import dsv4c.model.moe  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -146,6 +162,180 @@ def peer_scaled_mm_loop(x, lists, q13, q2, i, limit):
     return run
 
 
+# ---------------------------------------------------------------------------------------------
+# --sweep
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.MoeKernelConfig | None]]:
+    """(name, config) to try, most promising first; None = default_config."""
+    C = M.MoeKernelConfig
+    if small:   # CPU interpreter: a few, to exercise every path
+        if fmt in ("mxfp4", "nvfp4"):
+            return [("default", None), ("split bn32 bk64", C(16, 32, 64, 4, 3, True)),
+                    ("split bn64 bk128 sk2", C(16, 64, 128, 4, 3, True, 2))]
+        return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2))]
+    if prefill:
+        return [("default", None), ("m128 n128 w4 s3", C(128, 128, 128, 4, 3)), ("m64 n128 w4 s4", C(64, 128, 128, 4, 4)),
+                ("m128 n256 w8 s3", C(128, 256, 128, 8, 3)), ("m128 n128 w8 s4", C(128, 128, 128, 8, 4))]
+    if fmt in ("mxfp4", "nvfp4"):
+        def sp(bn, bk, w, st, sk=1):
+            return (f"split bn{bn} bk{bk} w{w} s{st}" + (f" sk{sk}" if sk > 1 else ""), C(16, bn, bk, w, st, True, sk))
+        return [("default", None), sp(32, 256, 4, 4), sp(64, 256, 4, 4), sp(16, 512, 4, 3), sp(32, 512, 4, 3),
+                sp(32, 256, 4, 4, 2), sp(64, 128, 4, 4), sp(32, 256, 2, 4), sp(64, 256, 8, 3), sp(64, 512, 8, 3),
+                sp(16, 256, 2, 4, 2), ("dot bn32 bk256 w4 s4", C(16, 32, 256, 4, 4))]
+    if fmt == "fp8_block":   # GEMM 1 always runs BLOCK_N 128 (h quantised per 128 in its epilogue)
+        def f8(bn, w, st, sk=1):
+            return (f"bn{bn} w{w} s{st}" + (f" sk{sk}" if sk > 1 else ""), C(16, bn, 128, w, st, False, sk))
+        return [("default", None), f8(32, 4, 4), f8(64, 4, 4, 2), f8(32, 4, 4, 2), f8(64, 4, 4, 4), f8(128, 4, 4),
+                f8(64, 4, 3), f8(64, 4, 5), f8(64, 8, 4), f8(32, 2, 4)]
+    return [("default", None), ("bn32 bk128 w4 s4", C(16, 32, 128, 4, 4)), ("bn64 bk64 w4 s4", C(16, 64, 64, 4, 4)),
+            ("bn32 bk128 w4 s4 sk2", C(16, 32, 128, 4, 4, False, 2))]
+
+
+def time_eager(fn, iters: int) -> float:
+    return timeit(fn, iters, warmup=1)
+
+
+def time_graph(fn, replays: int) -> float:
+    """Median seconds of one replay of a graph holding one call of fn (CUDA only)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return timeit(graph.replay, replays, warmup=2)
+    finally:
+        del graph
+
+
+def run_sweep(args, dev) -> None:
+    t_start = time.time()
+    if args.small:
+        e, d, i, k, tokens, n_rot, iters = 4, 128, 128, 2, [1, 5], 1, 1
+    else:
+        e, d, i, k, tokens, n_rot, iters = 256, 4096, 2048, 6, [1, 8, 64], 8, 5
+    limit = 10.0
+    cuda = dev.type == "cuda"
+    bw = copy_bandwidth(dev)
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "shape": {"E": e, "D": d, "I": i, "K": k}, "copy_bw_Bps": bw, "routings_per_call": n_rot,
+           "timing": "per-call us = median over repeats of (time of n_rot calls, each on a different routing) / n_rot",
+           "rows": [], "best": {}, "budget_s": args.budget_s}
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s" if bw else "copy bandwidth: n/a (cpu)")
+
+    def dump() -> None:
+        res["elapsed_s"] = round(time.time() - t_start, 1)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    cells = [(f, t) for f in args.formats.split(",") for t in tokens]
+    if args.prefill and "fp8_block" in args.formats.split(",") and not args.small:
+        cells.append(("fp8_block", 4096))
+    by_fmt: dict[str, list[int]] = {}
+    for f, t in cells:
+        by_fmt.setdefault(f, []).append(t)
+    log("\n| format | tokens | candidate | eager us | graph us | % copy BW (graph) | rel err vs default | status |")
+    log("|---|---|---|---|---|---|---|---|")
+    for fmt, fmt_tokens in by_fmt.items():
+        ex = make_experts(fmt, e, i, d, dev)
+        per_expert = expert_bytes(ex)
+        cell_inputs = {}
+        for t in fmt_tokens:    # routings, inputs and the default config's output (the correctness baseline)
+            x = (torch.randn(t, d, device=dev) * 0.5).bfloat16()
+            rts = [make_routing(t, k, e, dev, seed=s) for s in range(n_rot if t <= 64 else 1)]
+            used = statistics.mean(int(torch.unique(r[0]).numel()) for r in rts)
+            try:
+                base = M.moe_grouped(x, rts[0][0], rts[0][1], ex, limit)
+            except Exception as exc:   # noqa: BLE001
+                log(f"| {fmt} | {t} | default | - | - | - | - | error: {type(exc).__name__}: {str(exc)[:200]} |")
+                base = None
+            cell_inputs[t] = (x, rts, used, base)
+        cands = {}
+        for t in fmt_tokens:
+            for name, cfg in sweep_candidates(fmt, t > 64, args.small):
+                cands.setdefault((t > 64, name), (name, cfg, []))[2].append(t)
+        for name, cfg, cand_tokens in cands.values():
+            for t in cand_tokens:
+                x, rts, used, base = cell_inputs[t]
+                c = cfg or M.default_config(fmt, t * k, e, dev)
+                row = {"format": fmt, "tokens": t, "candidate": name, "config": dataclasses.asdict(c),
+                       "experts_used": used, "weight_bytes": used * per_expert}
+                res["rows"].append(row)
+                if time.time() - t_start > args.budget_s:
+                    row["status"] = "skipped (budget)"
+                    log(f"| {fmt} | {t} | {name} | - | - | - | - | {row['status']} |")
+                    continue
+                try:
+                    y = M.moe_grouped(x, rts[0][0], rts[0][1], ex, limit, c)
+                    if base is not None:
+                        row["rel_err"] = rel_err(y, base)
+                        ok = row["rel_err"] < KERNEL_REL_ERR[fmt]
+                    else:
+                        ok = bool(torch.isfinite(y.float()).all())
+
+                    def call(c=c, x=x, rts=rts):
+                        for idx, w in rts:
+                            M.moe_grouped(x, idx, w, ex, limit, c)
+                    row["eager_us"] = time_eager(call, iters) / len(rts) * 1e6
+                    if cuda:
+                        row["graph_us"] = time_graph(call, iters + 3) / len(rts) * 1e6
+                    row["status"] = "ok" if ok else "WRONG"
+                except Exception as exc:   # noqa: BLE001  (compile or launch failure: record, go on)
+                    row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    if cuda:
+                        torch.cuda.synchronize()
+                us = row.get("graph_us") or row.get("eager_us")
+                if us and bw:
+                    row["bw_ratio"] = row["weight_bytes"] / (us / 1e6) / bw
+                bwp = f"{100 * row['bw_ratio']:.0f}%" if row.get("bw_ratio") else "-"
+                log(f"| {fmt} | {t} | {name} | {row.get('eager_us', float('nan')):.1f} | "
+                    f"{row.get('graph_us', float('nan')):.1f} | {bwp} | {row.get('rel_err', float('nan')):.2e} | "
+                    f"{row['status']} |")
+            dump()
+        del ex, cell_inputs
+        if cuda:
+            torch.cuda.empty_cache()
+    summarize(res, bw)
+    dump()
+
+
+def summarize(res: dict, bw: float | None) -> None:
+    """Best config per (format, tokens) by graph time (eager on CPU), FP8/FP4 ratios."""
+    best = {}
+    for r in res["rows"]:
+        us = r.get("graph_us") or r.get("eager_us")
+        if r.get("status") != "ok" or not us:
+            continue
+        key = f"{r['format']}@{r['tokens']}"
+        if key not in best or us < best[key]["us"]:
+            best[key] = {"us": us, "candidate": r["candidate"], "config": r["config"], "bw_ratio": r.get("bw_ratio"),
+                         "eager_us": r.get("eager_us")}
+    res["best"] = best
+    log("\n| format@tokens | best candidate | us (graph) | eager us | % copy BW | config |")
+    log("|---|---|---|---|---|---|")
+    for key, b in best.items():
+        bwp = f"{100 * b['bw_ratio']:.0f}%" if b["bw_ratio"] else "-"
+        log(f"| {key} | {b['candidate']} | {b['us']:.1f} | {b['eager_us']:.1f} | {bwp} | {b['config']} |")
+    ratios = {}
+    for f in ("mxfp4", "nvfp4"):
+        for t in (1, 8):
+            a, b = best.get(f"fp8_block@{t}"), best.get(f"{f}@{t}")
+            if a and b:
+                ratios[f"{f}@{t}"] = a["us"] / b["us"]
+    res["fp4_speedup_vs_fp8_best"] = ratios
+    log("\nFP4 weight-only speedup over fp8_block (best configs, time ratio; target >= 1.6):",
+        {k2: round(v, 2) for k2, v in ratios.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write JSON here")
@@ -153,8 +343,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--formats", default="bf16,fp8_block,mxfp4,nvfp4")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="decode tile/variant sweep (see the module docstring)")
+    ap.add_argument("--prefill", action="store_true", help="--sweep: add fp8_block at 4096 tokens")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="--sweep: stop starting candidates after this")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.sweep:
+        if args.formats == ap.get_default("formats"):
+            args.formats = "mxfp4,nvfp4,fp8_block,bf16"    # the targets first: a timeout cuts the control
+        run_sweep(args, dev)
+        return
     if args.small:
         e, d, i, k, decode, prefill = 8, 256, 128, 2, [1, 8], [64]
     else:

@@ -100,3 +100,17 @@ def scale_blocks(v, s, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constex
     """v [ROWS, COLS] * s [ROWS, COLS/GROUP] broadcast over groups of GROUP columns."""
     v3 = tl.reshape(v, (ROWS, COLS // GROUP, GROUP))
     return tl.reshape(v3 * s[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
+def e2m1_lo_f16(p):
+    """Low-nibble e2m1 codes of packed bytes p (int32) as fp16 equal to fp4 * 2^-14: the code's
+    EEM bits become fp16's lowest exponent bits and top mantissa bit, so code 1 (0.5) lands on
+    the fp16 subnormal 2^-15 exactly; the sign goes to bit 15. No select, no fp arithmetic."""
+    return (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_hi_f16(p):
+    """High-nibble codes of p as fp16 fp4 * 2^-14 (see e2m1_lo_f16)."""
+    return (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)

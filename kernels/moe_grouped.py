@@ -322,6 +322,39 @@ def _fp4_tile(w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, str
 
 
 @triton.jit
+def _fp4_tile_split(w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, stride_wsn, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed e2m1 tile -> (even, odd) bf16 [BLOCK_N, BLOCK_K/2]: the weights of K columns
+    k0 + 2j and k0 + 2j + 1 (low and high nibble of packed column j), block scale applied.
+    Loaded as [BLOCK_N, groups, GROUP/2] so the per-group scale broadcasts without a join;
+    the nibbles decode to fp16 by bit placement (fp4 * 2^-14), the scale carries the 2^14.
+    Exact for block scales below 2^114 (every e4m3; e8m0 bytes <= 240)."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    HG: tl.constexpr = GROUP // 2
+    g = tl.arange(0, NG)
+    kp = k0 // 2 + g[:, None] * HG + tl.arange(0, HG)[None, :]                          # [NG, HG]
+    p = tl.load(w_base + cols[:, None, None] * stride_wn + kp[None, :, :],
+                mask=col_ok[:, None, None] & (kp[None, :, :] < K // 2), other=0).to(tl.int32)
+    ks = k0 // GROUP + g
+    sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K // GROUP),
+                 other=0).to(tl.int32)
+    s = (U.e8m0_value(sb) if GROUP == 32 else U.e4m3_value(sb)) * 16384.0                # [BLOCK_N, NG]
+    lo = (U.e2m1_lo_f16(p).to(tl.float32) * s[:, :, None]).to(tl.bfloat16)
+    hi = (U.e2m1_hi_f16(p).to(tl.float32) * s[:, :, None]).to(tl.bfloat16)
+    return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def _step_split(FMT: tl.constexpr, a_even, a_odd, w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn,
+                stride_wsn, acc, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A_tile @ W_tile^T for FP4 weight-only (FMT 2, 3) as two half-K dots (even, odd K)."""
+    lo, hi = _fp4_tile_split(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 32 if FMT == 2 else 16,
+                             BLOCK_N, BLOCK_K)
+    acc = U.mma(a_even, lo, acc, INTERPRET)
+    return U.mma(a_odd, hi, acc, INTERPRET)
+
+
+@triton.jit
 def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, stride_wsn, acc,
           USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
@@ -357,20 +390,24 @@ def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.co
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TOPK", "N_ASSIGN"])
 def _moe_gemm_kernel(
         a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, ag_ptr, ids_ptr, bexp_ptr, rw_ptr, out_ptr, outs_ptr,
         N, K: tl.constexpr, TOPK, N_ASSIGN, limit,
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
         FMT: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr,
         HAS_LIMIT: tl.constexpr, USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr,
+        SPLIT_FP4: tl.constexpr, K_CHUNK: tl.constexpr, ATOMIC_OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of one expert's M-block. GATHER: A rows are
-    x[ids // TOPK] (GEMM 1), else the block's own rows (GEMM 2). SWIGLU: two accumulators over
-    W rows n and N + n, SwiGLU, clamp and routing weight in the epilogue (QUANT_OUT: e4m3 + ue8m0
-    per 128, BLOCK_N == 128)."""
+    """One [BLOCK_M, BLOCK_N] output tile of one expert's M-block over K columns
+    [pid_k*K_CHUNK, (pid_k+1)*K_CHUNK). GATHER: A rows are x[ids // TOPK] (GEMM 1), else the
+    block's own rows (GEMM 2). SWIGLU: two accumulators over W rows n and N + n, SwiGLU, clamp
+    and routing weight in the epilogue (QUANT_OUT: e4m3 + ue8m0 per 128, BLOCK_N == 128).
+    SPLIT_FP4 (FMT 2, 3): even/odd-K half dots on nibble-decoded weights (_fp4_tile_split).
+    ATOMIC_OUT (split-K): fp32 atomic add of the partial tile into a zeroed fp32 out."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(bexp_ptr + pid_m)
     if e >= 0:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -386,13 +423,27 @@ def _moe_gemm_kernel(
         ws_base = ws_ptr + e.to(tl.int64) * stride_wse
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a, a_s = _load_a(FMT, a_ptr, as_ptr, arow, valid, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
-            acc1 = _step(FMT, a, a_s, w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, acc1,
-                         USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
-            if SWIGLU:
-                acc2 = _step(FMT, a, a_s, w_base, ws_base, cols + N, col_ok, k0, K, stride_wn, stride_wsn, acc2,
+        k_lo = pid_k * K_CHUNK
+        for kc in range(0, K_CHUNK, BLOCK_K):
+            k0 = k_lo + kc
+            if SPLIT_FP4:
+                kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                a_ptrs = a_ptr + arow[:, None] * stride_am + kk[None, :]
+                a_mask = valid[:, None] & (kk[None, :] < K)
+                a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+                acc1 = _step_split(FMT, a_even, a_odd, w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn,
+                                   acc1, INTERPRET, BLOCK_N, BLOCK_K)
+                if SWIGLU:
+                    acc2 = _step_split(FMT, a_even, a_odd, w_base, ws_base, cols + N, col_ok, k0, K, stride_wn,
+                                       stride_wsn, acc2, INTERPRET, BLOCK_N, BLOCK_K)
+            else:
+                a, a_s = _load_a(FMT, a_ptr, as_ptr, arow, valid, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
+                acc1 = _step(FMT, a, a_s, w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, acc1,
                              USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+                if SWIGLU:
+                    acc2 = _step(FMT, a, a_s, w_base, ws_base, cols + N, col_ok, k0, K, stride_wn, stride_wsn, acc2,
+                                 USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
         if FMT >= 3:
             g = tl.load(wg_ptr + e)
             if FMT == 4:
@@ -414,6 +465,9 @@ def _moe_gemm_kernel(
             else:
                 tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], h.to(out_ptr.dtype.element_ty),
                          mask=col_ok[None, :])
+        elif ATOMIC_OUT:
+            tl.atomic_add(out_ptr + orow[:, None] * stride_om + cols[None, :], acc1,
+                          mask=valid[:, None] & col_ok[None, :], sem="relaxed")
         else:
             tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc1.to(out_ptr.dtype.element_ty),
                      mask=col_ok[None, :])
@@ -425,13 +479,20 @@ def _moe_gemm_kernel(
 
 @dataclass(frozen=True)
 class MoeKernelConfig:
-    """Tile sizes and launch parameters (BLOCK_M also sets the routing alignment)."""
+    """Tile sizes and launch parameters (BLOCK_M also sets the routing alignment).
+
+    fp4_split: MXFP4/NVFP4 weight-only decode the nibbles by bit placement and run two half-K
+    dots (even / odd K) instead of interleaving the nibbles (join + reshape); ignored elsewhere.
+    split_k: the w2 GEMM splits K into this many chunks, each added into an fp32 buffer with
+    atomics (more programs at decode; the summation order then varies run to run); 1 = off."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    fp4_split: bool = False
+    split_k: int = 1
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
@@ -518,7 +579,9 @@ def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_f
           use_dot_scaled: bool) -> None:
     w, ws, wg = _w_args(experts, which)
     n_blocks = routing.block_expert.numel()
-    grid = (n_blocks, triton.cdiv(n, cfg.block_n))
+    split_k = 1 if swiglu else cfg.split_k
+    k_chunk = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    grid = (n_blocks, triton.cdiv(n, cfg.block_n), triton.cdiv(k, k_chunk))
     _moe_gemm_kernel[grid](
         a, a_s, w, ws, wg, a_g, routing.ids, routing.block_expert, weight_flat, out, out_s,
         n, k, topk, routing.n_assign, float(limit),
@@ -526,6 +589,7 @@ def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_f
         out.stride(0), out_s.stride(0),
         FMT=_FMT_ID[fmt], GATHER=gather, SWIGLU=swiglu, QUANT_OUT=quant_out, HAS_LIMIT=limit > 0,
         USE_DOT_SCALED=use_dot_scaled, INTERPRET=U.interpret_flag(a),
+        SPLIT_FP4=cfg.fp4_split and fmt in ("mxfp4", "nvfp4"), K_CHUNK=k_chunk, ATOMIC_OUT=out.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -541,8 +605,15 @@ def _check_cfg(fmt: str, cfg: MoeKernelConfig, d: int, i: int) -> None:
     _req(cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, f"config.block_m: power of two >= 16, got {cfg.block_m}")
     _req(cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0, f"config.block_n: power of two >= 16, got {cfg.block_n}")
     _req(cfg.block_k >= 32 and cfg.block_k & (cfg.block_k - 1) == 0, f"config.block_k: power of two >= 32, got {cfg.block_k}")
+    _req(cfg.num_warps in (1, 2, 4, 8, 16), f"config.num_warps: 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+    _req(cfg.num_stages >= 1, f"config.num_stages: >= 1, got {cfg.num_stages}")
+    _req(cfg.split_k >= 1, f"config.split_k: >= 1, got {cfg.split_k}")
     if fmt == "fp8_block":
         _req(cfg.block_k == 128, f"config.block_k: fp8_block needs 128 (one activation scale per K step), got {cfg.block_k}")
+    if cfg.fp4_split and fmt in ("mxfp4", "nvfp4"):
+        g = 32 if fmt == "mxfp4" else 16
+        _req(cfg.block_k >= 2 * max(g, 16), f"config.block_k: fp4_split with {fmt} needs >= {2 * max(g, 16)} "
+             f"(half-K dots of >= 16 and whole scale groups), got {cfg.block_k}")
 
 
 def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfig, use_dot_scaled: bool):
@@ -580,7 +651,10 @@ def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfi
         _gemm(fmt, x, x, dummy, experts, "w13", routing, wflat, h, h, i, d, topk, swiglu_limit, True, True, False,
               cfg, use_dot_scaled)
         a2, a2_s, a2_g = h, h, dummy
-    y = torch.empty(rows, d, dtype=torch.bfloat16, device=dev)
+    if cfg2.split_k > 1:    # partial sums of the K chunks meet in fp32
+        y = torch.zeros(rows, d, dtype=torch.float32, device=dev)
+    else:
+        y = torch.empty(rows, d, dtype=torch.bfloat16, device=dev)
     _gemm(fmt, a2, a2_s, a2_g, experts, "w2", routing, wflat, y, y, d, i, topk, 0.0, False, False, False, cfg2,
           use_dot_scaled)
     out.copy_(y[routing.inv].view(t, topk, d).float().sum(1))

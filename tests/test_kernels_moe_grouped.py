@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from dsv4c.kernels import _tl as U
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 
@@ -167,6 +170,78 @@ def test_errors_name_the_input():
     with pytest.raises(ValueError, match="nvfp4.w13_global"):
         nv = M.Nvfp4Experts.from_float(*float_weights(e, i, d))
         M.Nvfp4Experts(nv.w13, nv.w13_scale, torch.ones(1), nv.w2, nv.w2_scale, nv.w2_global)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode variants: fp4_split (nibble decode by bit placement, even/odd half-K dots), split_k (w2)
+
+
+@triton.jit
+def _decode_e2m1_f16(p_ptr, lo_ptr, hi_ptr):
+    r = tl.arange(0, 256)
+    p = tl.load(p_ptr + r).to(tl.int32)
+    tl.store(lo_ptr + r, U.e2m1_lo_f16(p).to(tl.float32))
+    tl.store(hi_ptr + r, U.e2m1_hi_f16(p).to(tl.float32))
+
+
+def test_e2m1_f16_decode_every_byte():
+    """U.e2m1_lo_f16 / e2m1_hi_f16 give fp4(code) * 2^-14 exactly for all 256 packed bytes."""
+    p = torch.arange(256, dtype=torch.uint8)
+    lo, hi = torch.empty(256), torch.empty(256)
+    _decode_e2m1_f16[(1,)](p, lo, hi)
+    mags = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    codes = torch.arange(256)
+    want_lo = mags[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
+    want_hi = mags[(codes >> 4) & 7] * torch.where(codes & 128 > 0, -1.0, 1.0)
+    assert torch.equal(lo * 2.0 ** 14, want_lo) and torch.equal(hi * 2.0 ** 14, want_hi)
+    assert torch.signbit(lo[8]) and torch.signbit(hi[128])         # code 8 is -0
+
+
+DECODE_CFGS = {
+    "split": M.MoeKernelConfig(16, 32, 64, fp4_split=True),                 # D=160, I=96: K tails at 64
+    "split_sk2": M.MoeKernelConfig(16, 64, 64, fp4_split=True, split_k=2),  # w2 K=96 -> chunks 64 + 32
+    "split_k3": M.MoeKernelConfig(16, 64, 32, split_k=3),                   # legacy dot, 3 K chunks
+}
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all"])
+@pytest.mark.parametrize("variant", list(DECODE_CFGS))
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_decode_variants_match_ref(fmt, variant, case):
+    t, k, e, d, i = SHAPES[fmt]
+    if case == "one_expert_all":
+        t = 37
+    cfg = DECODE_CFGS[variant]
+    if fmt == "mxfp4" and cfg.fp4_split and cfg.block_k < 64:
+        pytest.skip("mxfp4 split needs block_k >= 64")
+    experts = FORMATS[fmt].from_float(*float_weights(e, i, d, seed=20))
+    x = inputs(t, d, seed=21)
+    idx, weight = routing(case, t, k, e, seed=22)
+    y = M.moe_grouped(x, idx, weight, experts, LIMIT, cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (t, d)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, experts, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
+def test_split_k_other_formats_match_ref(fmt):
+    t, k, e, d, i = SHAPES[fmt]
+    experts = FORMATS[fmt].from_float(*float_weights(e, i, d, seed=23))
+    x = inputs(t, d, seed=24)
+    idx, weight = routing("empty_experts", t, k, e, seed=25)
+    cfg = M.MoeKernelConfig(16, 64, 128 if fmt == "fp8_block" else 32, split_k=2)
+    y = M.moe_grouped(x, idx, weight, experts, LIMIT, cfg)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, experts, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+def test_fp4_split_config_checked():
+    t, k, e, d, i = SHAPES["mxfp4"]
+    ex = M.Mxfp4Experts.from_float(*float_weights(e, i, d))
+    x = inputs(t, d)
+    idx, weight = routing("random", t, k, e)
+    with pytest.raises(ValueError, match="config.block_k: fp4_split with mxfp4 needs >= 64"):
+        M.moe_grouped(x, idx, weight, ex, LIMIT, M.MoeKernelConfig(16, 32, 32, fp4_split=True))
+    with pytest.raises(ValueError, match="config.split_k"):
+        M.moe_grouped(x, idx, weight, ex, LIMIT, M.MoeKernelConfig(split_k=0))
 
 
 # ---------------------------------------------------------------------------------------------
