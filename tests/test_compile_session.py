@@ -12,6 +12,7 @@ from dsv4c import ModelConfig, load_model, write_random_checkpoint
 from dsv4c.cli import main as cli_main
 from dsv4c.compile import ArtifactError, compile_checkpoint
 from dsv4c.model.generate import greedy
+from dsv4c.passes import default_pipeline
 from dsv4c.runtime import Session
 from dsv4c.targets import TargetError
 
@@ -40,8 +41,7 @@ def test_manifest_lists_every_file_with_its_hash(compiled):
     assert m["limits"]["cache_slots"] == m["limits"]["max_batch"] + 1
     assert m["boundary_check"]["ok"] and "no CUDA-graph buckets" in m["boundary_check"]["skipped"]  # cpu target
     assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
-    assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == ["fuse_projections", "absorb_mla", "quantize_experts",
-                                                                "select_kernels"]
+    assert [p["name"] for p in m["graphs"]["decode"]["passes"]] == [n for n, _ in default_pipeline()]
 
 
 def test_graphs_hold_no_weights_and_no_pickle(compiled):

@@ -13,7 +13,7 @@ from dsv4c.cli import main as cli_main
 from dsv4c.compare import compare_passes, error_metrics
 from dsv4c.export import GraphSpec, export_graph, flat_caches, graph_ops
 from dsv4c.model import build_model
-from dsv4c.passes import PassContext, VerifyError, run_pipeline, verify
+from dsv4c.passes import PassContext, VerifyError, default_pipeline, run_pipeline, verify
 from dsv4c.passes.absorb_mla import absorb_mla, crossover_tokens
 from dsv4c.passes.fuse_projections import fuse_projections
 
@@ -101,7 +101,7 @@ def test_each_pass_preserves_outputs(model, kind, target):
     _, recs = run_pipeline(eg.module(), PassContext(model.config, target, graph_kind=kind),
                            skip=("quantize_experts",),  # lossy: tests/test_quantize_experts.py bounds it
                            after_each=lambda name, gm: errors.__setitem__(name, _rel(_run_graph(gm, ids, cache)[0], ref)))
-    assert set(errors) == {"fuse_projections", "absorb_mla", "select_kernels"}
+    assert set(errors) == {n for n, _ in default_pipeline()} - {"quantize_experts"}
     assert max(errors.values()) <= REL, errors
     swapped = next(r for r in recs if r.name == "select_kernels")
     assert swapped.changed == (target == "h200" and kind == "decode"), swapped.stats
@@ -202,11 +202,11 @@ def test_run_pipeline_skips_dumps_and_rejects_unknown_names(tmp_path):
     gm = export_graph(build_model(cfg), GraphSpec("decode", n_slots=2, max_len=16)).module()
     ctx = PassContext(cfg)
     _, recs = run_pipeline(gm, ctx, skip=["fuse_projections"], dump_dir=tmp_path)
-    assert [(r.name, r.skipped) for r in recs] == [("fuse_projections", True), ("absorb_mla", False),
-                                                   ("quantize_experts", False), ("select_kernels", False)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_absorb_mla.after.py", "01_absorb_mla.before.py",
-                                                          "02_quantize_experts.after.py", "02_quantize_experts.before.py",
-                                                          "03_select_kernels.after.py", "03_select_kernels.before.py"]
+    names = [n for n, _ in default_pipeline()]
+    assert names[0] == "fuse_projections" and names[-1] == "select_kernels"
+    assert [(r.name, r.skipped) for r in recs] == [(n, n == "fuse_projections") for n in names]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{i:02d}_{n}.{w}.py" for i, n in enumerate(names[1:], 1)
+                                                                for w in ("after", "before"))
     with pytest.raises(ValueError, match="unknown pass"):
         run_pipeline(gm, ctx, skip=["no_such_pass"])
 
@@ -225,7 +225,7 @@ def test_compare_cli_json_on_a_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["compare", str(ck), "--graphs", "decode", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in rows] == ["export", "fuse_projections", "absorb_mla", "quantize_experts", "select_kernels"]
+    assert [r["name"] for r in rows] == ["export"] + [n for n, _ in default_pipeline()]
     for r in rows:
         assert set(r) >= {"name", "changed", "stats", "seconds", "snr_db", "max_abs_err", "cosine"}
     absorbed = rows[2]

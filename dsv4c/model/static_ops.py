@@ -217,3 +217,27 @@ def moe_experts_gathered(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tenso
 @moe_experts_gathered.register_fake
 def _(x, idx, weight, w1, w3, w2, swiglu_limit):
     return torch.empty_like(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp32 linears of low-precision operands
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsv4c::linear_f32", mutates_args=())
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear(x.float(), w.float())` without the fp32 copy of w. x [..., D] and w [N, D] in one
+    low-precision dtype -> fp32 [..., N].
+
+    Products of two bf16 (or fp16) values are exact in fp32, so a GEMM that multiplies the stored
+    operands and accumulates in fp32 computes the same sums; only the summation order can differ.
+    On CUDA that is cuBLAS with an fp32 output (`torch.mm(..., out_dtype=torch.float32)`): it reads
+    w once in its own dtype, where the reference first writes and then reads an fp32 copy (for the
+    V4 head: 1 GB read, 2 GB written and 2 GB read again per step). On the CPU it is the reference."""
+    if x.device.type != "cuda":
+        return torch.nn.functional.linear(x.float(), w.float())
+    x2 = x.reshape(-1, x.shape[-1])                                               # [M, D]
+    return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+
+@linear_f32.register_fake
+def _(x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)

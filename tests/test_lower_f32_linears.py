@@ -1,0 +1,85 @@
+"""passes/lower_f32_linears.py: fp32 linears of bf16 operands become dsv4c.linear_f32."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, export_graph, flat_caches, graph_ops
+from dsv4c.model import build_model, set_dtype_
+from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes.lower_f32_linears import lower_f32_linears
+from dsv4c.model.static_ops import linear_f32
+
+
+def _model(dtype):
+    cfg = ModelConfig.preset("v4-tiny-a")
+    model = build_model(cfg)
+    set_dtype_(model, dtype)
+    return model.eval()
+
+
+def _step(gm, model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(3, max_len=32)
+    model(torch.randint(0, model.config.vocab_size, (2, 9), generator=g), cache, slots=torch.arange(2))
+    ids = torch.randint(0, model.config.vocab_size, (2, 1), generator=g)
+    c = copy.deepcopy(cache)
+    return gm(ids, torch.arange(2), c.pos[:2].clone(), torch.ones(2, dtype=torch.int64), flat_caches(c.layers))[0]
+
+
+@torch.no_grad()
+def test_bf16_head_and_gates_are_lowered_and_outputs_are_unchanged():
+    model = _model(torch.bfloat16)
+    cfg = model.config
+    ep = export_graph(model, GraphSpec("decode", n_slots=3, max_len=32))
+    gm0 = ep.module()
+    gm, recs = run_pipeline(copy.deepcopy(gm0), PassContext(cfg, "h200", "decode"))
+    rec = next(r for r in recs if r.name == "lower_f32_linears")
+    # the head and one router gate per layer: nothing else in V4 is an fp32 linear of bf16 weights
+    assert rec.changed and rec.stats["sites"] == 1 + cfg.num_hidden_layers, rec.stats
+    assert "model.head.weight" in rec.stats["weights"]
+    assert graph_ops(gm)["linear_f32.default"] == 1 + cfg.num_hidden_layers
+    verify(gm, PassContext(cfg, "h200", "decode"), after="lower_f32_linears")
+    # no fp32 copy of the head weight is left in the graph
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.to.dtype:
+            assert not (n.args[0].op == "get_attr" and n.args[0].target == "model.head.weight"), n
+    ref = _step(run_pipeline(copy.deepcopy(gm0), PassContext(cfg, "h200", "decode"), skip=["lower_f32_linears"])[0],
+                model)
+    out = _step(gm, model)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # CPU: the same fp32 math
+
+
+def test_fp32_model_has_nothing_to_lower():
+    model = _model(torch.float32)
+    gm = export_graph(model, GraphSpec("decode", n_slots=3, max_len=32)).module()
+    res = lower_f32_linears(gm, PassContext(model.config, "h200", "decode"))
+    assert not res.changed and res.stats["sites"] == 0
+
+
+def test_linear_f32_cpu_equals_fp32_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    out = linear_f32(x, w)
+    assert out.shape == (2, 3, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out, x.float() @ w.float().t(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_linear_f32_cuda_equals_fp32_reference_within_summation_order():
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 129280 // 64, 4096), (7, 1000, 320), (64, 256, 4096), (0, 16, 64)]:
+        x = torch.randn(m, k, generator=g).bfloat16().cuda()
+        w = torch.randn(n, k, generator=g).bfloat16().cuda()
+        ref = (x.double() @ w.double().t())
+        out = linear_f32(x, w)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        if m:
+            # fp32 accumulation of exact products: error ~ sqrt(k) * eps32 * |terms|, far below bf16's
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-6, (m, n, k, rel)
