@@ -1,0 +1,238 @@
+"""The mHC Sinkhorn kernel (kernels/mhc.py), its custom op and the fuse_sinkhorn pass."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
+from dsv4c.kernels.mhc import sinkhorn, sinkhorn_ref
+from dsv4c.model import build_model
+from dsv4c.model.v4 import sinkhorn as model_sinkhorn
+from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.presets import V4_TINY_A
+
+# Kernel vs the eager reference in fp32 and in fp64, relative norm ||k - r|| / ||r||. Kernel and
+# eager fp32 round differently only in exp and in the order of the N-term sums; measured <= 1.3e-7
+# vs either (eager fp32 vs fp64: ~1e-7). One Sinkhorn iteration more or less moves c by ~3e-4.
+KERNEL_REL = 1e-6
+# A graph's outputs and cache writes, fused vs unfused: on CPU the op is the reference itself
+# (bit-exact, asserted as 0); with the Triton kernel in its place (interpreter), max |err| / max |out|
+# measured <= 3.5e-7 on the decode graph (4.5e-7 prefill).
+GRAPH_REL = 2e-6
+ITERS, EPS = 20, 1e-6
+
+# v4-tiny-a cut to 2 layers (SWA + CSA with its indexer) so the three exports take seconds.
+V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
+N_SLOTS, MAX_LEN, K = 3, 64, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item() if b.numel() else 0.0
+
+
+# ---- the kernel (Triton interpreter on CPU) ---------------------------------------------------------
+@pytest.mark.parametrize("shape,block_m", [
+    ((0, 4, 4), None),         # zero rows: no launch
+    ((1, 4, 4), None),
+    ((2, 3, 4, 4), None),      # leading dims [B, T]
+    ((37, 4, 4), 8),           # 37 matrices over blocks of 8: a partial last block
+    ((5, 0, 4, 4), None),
+    ((6, 2, 2), 4),
+    ((9, 8, 8), 4),
+    ((3, 16, 16), None),
+    ((4, 1, 1), None),
+])
+def test_kernel_matches_reference(shape, block_m):
+    g = torch.Generator().manual_seed(sum(shape))
+    c0 = 3 * torch.randn(shape, generator=g)
+    got = sinkhorn(c0, ITERS, EPS, block_m=block_m)
+    want = sinkhorn_ref(c0, ITERS, EPS)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert _rel(got, want) <= KERNEL_REL
+    assert _rel(got.double(), sinkhorn_ref(c0.double(), ITERS, EPS)) <= KERNEL_REL  # as close as eager fp32
+    if want.numel():  # the reference did normalise: columns sum to ~1 (a kernel returning c0 fails here)
+        assert torch.allclose(got.sum(-2), torch.ones(()), atol=1e-4)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 7])
+def test_kernel_iteration_counts_and_strided_input(iters):
+    g = torch.Generator().manual_seed(iters)
+    c0 = 4 * torch.randn(4, 4, 5, 3, generator=g)
+    strided = c0.permute(2, 3, 0, 1)  # [5, 3, 4, 4], not contiguous
+    got = sinkhorn(strided, iters, 1e-3, block_m=4)
+    want = sinkhorn_ref(strided, iters, 1e-3)
+    assert _rel(got, want) <= KERNEL_REL
+    assert _rel(sinkhorn_ref(strided, iters + 1, 1e-3), want) > 10 * KERNEL_REL  # iterations matter here
+
+
+@pytest.mark.parametrize("bad,err", [
+    (torch.zeros(2, 4, 4, dtype=torch.float64), "float32"),
+    (torch.zeros(2, 4, 3), r"\[..., N, N\]"),
+    (torch.zeros(4), r"\[..., N, N\]"),
+    (torch.zeros(2, 3, 3), "power of two"),
+    (torch.zeros(2, 32, 32), "power of two <= 16"),
+])
+def test_wrapper_rejects_bad_input(bad, err):
+    with pytest.raises(ValueError, match=err):
+        sinkhorn(bad, ITERS, EPS)
+
+
+def test_wrapper_rejects_zero_iterations():
+    with pytest.raises(ValueError, match="iters"):
+        sinkhorn(torch.zeros(2, 4, 4), 0, EPS)
+
+
+# ---- the custom op --------------------------------------------------------------------------------
+def test_op_is_the_reference_on_cpu_fake_and_capture_safe():
+    from dsv4c.model import register_ops
+
+    register_ops()  # what makes the op available (as for the other dsv4c ops)
+    c0 = 3 * torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.ops.dsv4c.sinkhorn(c0, ITERS, EPS), model_sinkhorn(c0, ITERS, EPS))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.dsv4c.sinkhorn(mode.from_tensor(c0), ITERS, EPS)
+    assert fake.shape == c0.shape and fake.dtype == c0.dtype
+    assert OP_CAPTURE["dsv4c.sinkhorn"] is None
+    assert host_sync_ops(reference_impl("dsv4c.sinkhorn"), c0, ITERS, EPS) == []
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelConfig.from_dict(V4_TINY_2L))
+
+
+_graphs: dict = {}
+
+
+def _exported(model, kind):
+    """The unfused GraphModule of `kind`, exported once per module (callers get a deep copy)."""
+    if kind not in _graphs:
+        _graphs[kind] = export_graph(model, GraphSpec(kind, k=K, n_slots=N_SLOTS, max_len=MAX_LEN)).module()
+    return copy.deepcopy(_graphs[kind])
+
+
+def _inputs(model, kind):
+    """Random inputs; main graphs run on a cache filled by a ragged prompt in slots 0 and 1."""
+    g = torch.Generator().manual_seed(1)
+    args = list(example_inputs(model, GraphSpec(kind, k=K, n_slots=N_SLOTS, max_len=MAX_LEN), "cpu"))
+    if kind == "mtp":
+        args[0] = torch.randn(args[0].shape, generator=g)
+        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
+        return args
+    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
+              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
+    T = 9 if kind == "prefill" else 1 + K
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
+
+
+@torch.no_grad()
+def _run(gm, args):
+    args = copy.deepcopy(args)
+    out = gm(*args)
+    return out, args[-1]
+
+
+def _sites(model, kind) -> int:
+    cfg = model.config
+    return 2 if kind == "mtp" else 2 * cfg.num_hidden_layers
+
+
+def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    """max |x - y| / max |y| (0 for equal tensors, -inf entries included)."""
+    if torch.equal(x, y):
+        return 0.0
+    diff = torch.where(x == y, 0.0, x - y)  # equal infinities (open-group scores) differ by 0
+    return (diff.abs().max() / y[y.isfinite()].abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_same(a, b, rel: float = 0.0):
+    """Outputs and cache contents of two runs agree within `rel` (0: bit-exact)."""
+    (oa, ca), (ob, cb) = a, b
+    assert len(oa) == len(ob)
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
+    for k in cb:  # the cache writes too
+        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mtp"])
+def test_pass_fuses_every_site_and_preserves_outputs(model, kind):
+    ctx = PassContext(model.config, "cpu", graph_kind=kind)
+    ref_gm = _exported(model, kind)
+    gm = _exported(model, kind)
+    n_before = len(gm.graph.nodes)
+    res = fuse_sinkhorn(gm, ctx)
+    gm = res.graph
+    gm.recompile()
+    verify(gm, ctx, after="fuse_sinkhorn")
+    assert res.changed and res.stats["sites"] == _sites(model, kind)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.dsv4c.sinkhorn.default) == _sites(model, kind)
+    assert torch.ops.aten.softmax.int not in ops  # the attention softmax lives inside v4_attention
+    assert n_before - len(gm.graph.nodes) == _sites(model, kind) * (6 * ITERS - 2)  # 6·iters − 1 ops -> 1
+    args = _inputs(model, kind)
+    _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the op is the reference: exact
+
+    # a second run finds nothing left
+    again = fuse_sinkhorn(gm, ctx)
+    assert not again.changed and again.stats["sites"] == 0
+
+
+def test_fused_graph_with_the_triton_kernel_matches(model):
+    """The decode graph with each dsv4c.sinkhorn node running the Triton kernel (interpreter)."""
+    ctx = PassContext(model.config, "cpu", graph_kind="decode")
+    ref_gm = _exported(model, "decode")
+    gm = fuse_sinkhorn(_exported(model, "decode"), ctx).graph
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.dsv4c.sinkhorn.default:
+            n.target = sinkhorn  # the host wrapper, called with (c0, iters, eps)
+    gm.recompile()
+    args = _inputs(model, "decode")
+    got, want = _run(gm, args), _run(ref_gm, args)
+    _assert_same(got, want, rel=GRAPH_REL)
+
+
+def test_sites_that_differ_are_left_alone(model):
+    """A config whose hc_eps differs from the graph's literal: the pattern does not match."""
+    cfg = dataclasses.replace(model.config, hc_eps=1e-5)
+    gm = _exported(model, "decode")
+    before = gm.code
+    res = fuse_sinkhorn(gm, PassContext(cfg, "cpu", graph_kind="decode"))
+    assert not res.changed and res.stats["sites"] == 0 and res.graph.code == before
+    cfg = dataclasses.replace(model.config, hc_sinkhorn_iters=ITERS + 1)  # a longer chain than the graph's
+    res = fuse_sinkhorn(gm, PassContext(cfg, "cpu", graph_kind="decode"))
+    assert not res.changed and res.graph.code == before
+
+
+@pytest.mark.parametrize("kind,target,skip", [
+    ("prefill", "cpu", ()),
+    ("decode", "h200", ("quantize_experts",)),  # lossy (tests/test_quantize_experts.py); static ops swapped in
+])
+def test_composes_after_the_pipeline(model, kind, target, skip):
+    ctx = PassContext(model.config, target, graph_kind=kind)
+    args = _inputs(model, kind)
+    piped, _ = run_pipeline(_exported(model, kind), ctx, skip=skip)
+    want = _run(piped, args)
+    res = fuse_sinkhorn(piped, ctx)
+    gm = res.graph
+    gm.recompile()
+    verify(gm, ctx, after="fuse_sinkhorn")
+    assert res.stats["sites"] == _sites(model, kind)
+    _assert_same(_run(gm, args), want)
+    if target == "h200":  # the fused sites sit in capturable static segments
+        plan = plan_segments(gm, ctx)
+        names = {n.name for n in gm.graph.nodes if n.target is torch.ops.dsv4c.sinkhorn.default}
+        holding = [s for s in plan.segments if names & set(s.nodes)]
+        assert sum(len(names & set(s.nodes)) for s in holding) == len(names)
+        assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
