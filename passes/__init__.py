@@ -54,6 +54,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     applies the plan `split_at_routers` makes of the final graph.)"""
     from dsv4c.passes.absorb_mla import absorb_mla
     from dsv4c.passes.fuse_projections import fuse_projections
+    from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
@@ -61,6 +62,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     return [
         ("fuse_projections", fuse_projections),
         ("absorb_mla", absorb_mla),
+        ("fuse_sinkhorn", fuse_sinkhorn),
         ("lower_f32_linears", lower_f32_linears),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),
