@@ -12,6 +12,10 @@ Rungs, each on top of the previous one (examples/README.md explains them):
   fp8         + FP8 experts      } the quantize_experts pass; a rung whose format cannot be compiled
   fp4         + FP4 experts      } or run here gets a "not available: <reason>" row (detected by trying)
   mtp1..3     + MTP speculative decoding with k drafts, on the last available artifact
+Peer row (not a rung): `hf`, HF transformers' DeepseekV4ForCausalLM holding the same weights
+(examples/hf_peer.py), bf16 on CUDA / fp32 on CPU, greedy `generate`; "not available: <reason>" where
+the installed transformers has no DeepseekV4 or the weights do not load. Its held-out perplexity and
+logits SNR against our fp32 eager model on the same windows double as an oracle cross-check.
 
 Per rung: prefill and decode throughput / latency per batch, compile and load time, memory, logits SNR
 against the fp32 eager model on the same tokens, held-out perplexity and MTP acceptance on the bundled
@@ -25,7 +29,12 @@ segments vs piecewise vs full graphs, roofline), and times the eager reference m
 `torch.compile` of it on the slice at batch 1 and 8 (bounded by --compile-limit; --no-compile skips it).
 
 Output: a markdown table (stdout and OUT/results.md), OUT/results.json, OUT/throughput.png and
-OUT/speed_vs_accuracy.png (matplotlib; skipped with a note when it is not installed).
+OUT/speed_vs_accuracy.png (matplotlib; skipped with a note when it is not installed); on CUDA also
+OUT/bench_segments.json. results.md/.json are rewritten after every row, so a run killed by an outer
+time limit still leaves the rows measured so far (their `status` says where it stopped).
+--budget-s bounds the whole run (default 480 s on CUDA, none on a CPU): compiles still running at
+45% of it are stopped, rungs that would not fit are skipped with the reason, and the slice and
+torch.compile parts get only what is left.
 Legend: B batch rows, W window tokens, V vocab.
 """
 from __future__ import annotations
@@ -105,6 +114,19 @@ class Rung:
     graphs: str = "off"
     mtp: int = 0
     what: str = ""
+
+
+class Budget:
+    """Wall-clock budget of the whole run (`total` None: unlimited)."""
+
+    def __init__(self, total: float | None, t0: float | None = None):
+        self.total, self.t0 = total, time.perf_counter() if t0 is None else t0
+
+    def left(self) -> float:
+        return math.inf if self.total is None else self.total - (time.perf_counter() - self.t0)
+
+    def reason(self, what: str) -> str:
+        return f"skipped: time budget ({max(self.left(), 0):.0f} s of --budget-s {self.total or 0:.0f} left {what})"
 
 
 def settings_for(device: str, quick: bool, a) -> Settings:
@@ -241,25 +263,51 @@ def _formats(o) -> set[str]:
     return set()
 
 
-def compile_all(specs: dict[str, ArtSpec], work: Path, s: Settings) -> dict[str, dict]:
-    """Compile every artifact, `s.jobs` at a time in fresh processes (compiles are single-threaded)."""
+def compile_all(specs: dict[str, ArtSpec], work: Path, s: Settings, limit_s: float = math.inf) -> dict[str, dict]:
+    """Compile every artifact, `s.jobs` at a time in fresh *spawned* processes (compiles are single-threaded;
+    the parent may already hold a CUDA context, so no fork). Compiles not done within `limit_s` are stopped
+    (their workers terminated) and get a "skipped: time budget" record; none starts with less than
+    MIN_COMPILE_S of the limit. Only an unlimited jobs-1 run compiles in this process."""
     out = {}
-    if s.jobs <= 1:
+    t0 = time.perf_counter()
+    late = {"ok": False, "seconds": 0.0, "reason": f"skipped: time budget (compiles limited to {limit_s:.0f} s "
+                                                    f"of --budget-s)"}
+    if limit_s < MIN_COMPILE_S:
+        print(f"compiles skipped: {late['reason']}", flush=True)
+        return {name: dict(late) for name in specs}
+    if s.jobs <= 1 and math.isinf(limit_s):  # in-process (a limited compile runs in a worker: it can be stopped)
         for name, spec in specs.items():
             out[name] = compile_one(spec, str(work / name), s)
-            print(f"compiled {name}: {out[name]}", flush=True)
+            print(f"compiled {name}: ok={out[name]['ok']} {out[name]['seconds']:.0f}s "
+                  f"{out[name].get('reason', '')}", flush=True)
         return out
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=s.jobs, mp_context=ctx) as pool:
-        futs = {pool.submit(compile_one, spec, str(work / name), s): name for name, spec in specs.items()}
-        for f in cf.as_completed(futs):
+    pool = cf.ProcessPoolExecutor(max_workers=max(s.jobs, 1), mp_context=ctx)
+    futs = {pool.submit(compile_one, spec, str(work / name), s): name for name, spec in specs.items()}
+    try:
+        for f in cf.as_completed(futs, timeout=None if math.isinf(limit_s) else max(limit_s, 1.0)):
             name = futs[f]
             try:
                 out[name] = f.result()
             except Exception as e:  # noqa: BLE001 - a worker that died
-                out[name] = {"ok": False, "seconds": 0.0, "reason": f"compile worker failed: {_short(e)}"}
+                out[name] = {"ok": False, "seconds": time.perf_counter() - t0,
+                             "reason": f"compile worker failed: {_short(e)}"}
             print(f"compiled {name}: ok={out[name]['ok']} {out[name]['seconds']:.0f}s "
                   f"{out[name].get('reason', '')}", flush=True)
+    except cf.TimeoutError:
+        for f, name in futs.items():
+            if name not in out:
+                out[name] = dict(late, seconds=time.perf_counter() - t0)
+                print(f"compiled {name}: stopped, {out[name]['reason']}", flush=True)
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # the workers this run started
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        return out
+    pool.shutdown(wait=True)
     return out
 
 
@@ -354,14 +402,18 @@ def eager_speed(model, prompts: list[list[int]], n_new: int) -> dict:
     for i, p in enumerate(prompts):
         lg = model(torch.tensor([p], device=dev), cache, slots=torch.tensor([i], device=dev))
         last.append(lg[0, -1].argmax())
-    tok = torch.stack(last)[:, None]
+    tok = torch.stack(last)[:, None]  # [B, 1]
+    toks = [tok]
     _sync(dev)
     t1 = time.perf_counter()
     for _ in range(n_new - 1):
         tok = model(tok, cache)[:, -1].argmax(-1, keepdim=True)
+        toks.append(tok)
     _sync(dev)
     t2 = time.perf_counter()
-    return speed_row(B, L, t2 - t0, t2 - t1, B * (n_new - 1), n_new - 1)
+    row = speed_row(B, L, t2 - t0, t2 - t1, B * (n_new - 1), n_new - 1)
+    row["outputs"] = torch.cat(toks, 1).tolist()  # [B, n_new] greedy tokens
+    return row
 
 
 def session_speed(sess, prompts: list[list[int]], n_new: int, mtp: int, warmup: int) -> dict:
@@ -409,9 +461,13 @@ def memory(dev: str) -> dict:
 
 
 # ---- the ladder -----------------------------------------------------------------------------------
-def run_ladder(s: Settings, work: Path) -> dict:
+def run_ladder(s: Settings, work: Path, budget: Budget | None = None, on_row=None) -> dict:
+    """Compile, then measure the eager row, the HF peer row and every rung in turn. `on_row(results)` is
+    called after each row (compare_passes writes the partial tables there)."""
     from dsv4c import load_model
 
+    budget = budget or Budget(None)
+    on_row = on_row or (lambda _res: None)
     specs, rungs = ladder_specs(s.device, s.mtp_max, s.quick)
     _, stream, windows = held_out(s)
     cuda = s.device.startswith("cuda")
@@ -420,11 +476,12 @@ def run_ladder(s: Settings, work: Path) -> dict:
     specs = {n: dataclasses.replace(sp, mtp_k=s.mtp_max) if n in ("full", "fp8", "fp4") else sp
              for n, sp in specs.items()}
     t0 = time.perf_counter()
-    compiled = compile_all(specs, work, s)
+    compiled = compile_all(specs, work, s, limit_s=COMPILE_SHARE * budget.left())
     compile_wall = time.perf_counter() - t0
     results = {"rows": [], "compile": compiled, "compile_wall_s": compile_wall}
 
-    # eager reference: fp32 logits are the SNR reference everywhere; speed in the artifacts' dtype
+    # eager reference: fp32 logits are the SNR reference everywhere; speed in the artifacts' dtype.
+    # It always runs (every other row is judged against it), whatever the budget says.
     t0 = time.perf_counter()
     ref_model = load_model(BUNDLE, dtype=torch.float32).to(s.device).eval()
     load_s = time.perf_counter() - t0
@@ -432,20 +489,33 @@ def run_ladder(s: Settings, work: Path) -> dict:
     import train_tiny as tt
 
     # the test's own computation over the same windows (train_forward, one pass per window): a cross-check
+    # (on CUDA train_tiny.evaluate runs under bf16 autocast, so there it is not expected to equal `loss`)
     ev = tt.evaluate(ref_model, stream, s.window, torch.device(s.device), max_windows=windows.shape[0])
-    speed_model = ref_model if dtype == torch.float32 else load_model(BUNDLE, dtype=dtype).to(s.device).eval()
+    ref_model = ref_model.cpu()  # off the GPU: later rows' peak memory is their own
     row = {"rung": "eager", "label": rungs[0].label, "what": rungs[0].what, "available": True,
            "compile_s": 0.0, "load_s": load_s, **nll_and_snr(ref_logits, windows, ref_logits),
-           "evaluate_loss": ev["loss"], "speed": []}
+           "evaluate_loss": ev["loss"], "evaluate_autocast": "bf16" if cuda else None, "speed": []}
     reset_peak(s.device)
+    speed_model = ref_model if dtype == torch.float32 else load_model(BUNDLE, dtype=dtype).to(s.device).eval()
+    eager_tokens: dict[int, list] = {}
     for B in s.batches:
         if s.warmup:
             eager_speed(speed_model, prompts_for(stream, B, s.prompt_len), s.warmup)
-        row["speed"].append(eager_speed(speed_model, prompts_for(stream, B, s.prompt_len), s.new_tokens))
+        sp = eager_speed(speed_model, prompts_for(stream, B, s.prompt_len), s.new_tokens)
+        eager_tokens[B] = sp.pop("outputs")
+        row["speed"].append(sp)
     row["memory"] = memory(s.device)
     results["rows"].append(row)
     print(summary_line(row), flush=True)
     del speed_model
+    on_row(results)
+
+    timings: list[float] = []  # seconds per measured row: the estimate for the next one
+    t_row = time.perf_counter()
+    results["rows"].append(hf_row(s, ref_model, stream, windows, ref_logits, eager_tokens, budget))
+    timings.append(time.perf_counter() - t_row)
+    print(summary_line(results["rows"][-1]), flush=True)
+    on_row(results)
 
     sessions: dict[str, object] = {}
     last_art = "full"
@@ -456,33 +526,97 @@ def run_ladder(s: Settings, work: Path) -> dict:
                                                             "min on a 2-core CPU); run without --quick"}
         row = {"rung": rung.key, "label": rung.label, "what": rung.what, "artifact": art, "graphs": rung.graphs,
                "mtp": rung.mtp, "available": False}
+        need = max(timings[-1:] or [0.0]) + ROW_MARGIN_S
+        if info["ok"] and budget.left() < need:
+            info = {"ok": False, "reason": budget.reason(f"; the last row took {timings[-1]:.0f} s")}
         if not info["ok"]:
             row["reason"] = info["reason"] if info["reason"].startswith("skipped") else f"not available: {info['reason']}"
             results["rows"].append(row)
             print(f"{rung.key:10} {row['reason']}", flush=True)
+            on_row(results)
             continue
+        t_row = time.perf_counter()
         try:
             _measure_rung(rung, art, info, row, sessions, specs, s, stream, windows, ref_logits, base_tokens)
         except Exception as e:  # noqa: BLE001 - compiled, but cannot run here (e.g. a kernel needing another GPU)
             row = {k: v for k, v in row.items() if k in ("rung", "label", "what", "artifact", "graphs", "mtp")}
             row.update(available=False, reason=f"not available: {type(e).__name__}: {_short(e)}")
+        timings.append(time.perf_counter() - t_row)
+        row["row_s"] = timings[-1]
         if row["available"] and art in ("fp8", "fp4"):
             last_art = art
         results["rows"].append(row)
         print(summary_line(row), flush=True)
+        on_row(results)
     sessions.clear()
+    gc.collect()
     return results
+
+
+MIN_COMPILE_S = 5.0  # compiles are not started with less of their share left
+COMPILE_SHARE = 0.45  # compiles still running at this share of --budget-s are stopped
+ROW_MARGIN_S = 20.0  # a row starts only if (the last row's time + this) is left
+
+
+def hf_row(s: Settings, ref_model, stream, windows, ref_logits, eager_tokens: dict, budget: Budget) -> dict:
+    """The HF transformers peer: DeepseekV4ForCausalLM with the bundled weights, bf16 on CUDA (fp32 on a
+    CPU). Held-out windows in one full forward each (no decode-graph tail: HF has one path), greedy
+    `generate` at the rung batch sizes. Never raises: a failure is the row's "not available: reason"."""
+    import hf_peer
+
+    row = {"rung": "hf", "label": "peer: HF transformers DeepseekV4", "peer": True, "available": False}
+    why = hf_peer.unavailable_reason()
+    if why is None and budget.left() < 2 * ROW_MARGIN_S:
+        row["reason"] = budget.reason("before the HF row")
+        return row
+    if why is not None:
+        row["reason"] = f"not available: {why}"
+        return row
+    cuda = s.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    hf = None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # generate()'s per-call notes about flags would flood the log
+        reset_peak(s.device)
+        t0 = time.perf_counter()
+        hf, info = hf_peer.build(ref_model, s.device, dtype)
+        row.update(available=True, load_s=time.perf_counter() - t0, compile_s=None, hf=info,
+                   transformers=hf_peer.transformers_version(),
+                   what=f"transformers {hf_peer.transformers_version()}, eager attention, {info['cast']}; "
+                        f"greedy generate(); windows in one forward")
+        row.update(nll_and_snr(hf_peer.window_logits(hf, windows), windows, ref_logits))
+        row["speed"] = []
+        for B in s.batches:
+            prompts = prompts_for(stream, B, s.prompt_len)
+            if s.warmup:
+                hf_peer.generate_speed(hf, prompts, s.warmup)
+            sp = hf_peer.generate_speed(hf, prompts, s.new_tokens)
+            sp["greedy_equal_eager"] = sp.pop("outputs") == eager_tokens.get(B)
+            row["speed"].append(sp)
+        row["memory"] = memory(s.device)
+    except Exception as e:  # noqa: BLE001 - "where it loads": the reason is the result
+        row = {k: row[k] for k in ("rung", "label", "peer")}
+        row.update(available=False, reason=f"not available: {type(e).__name__}: {_short(e)}")
+    finally:
+        hf = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return row
 
 
 def _measure_rung(rung: Rung, art: str, info: dict, row: dict, sessions: dict, specs: dict, s: Settings,
                   stream, windows, ref_logits, base_tokens: dict) -> None:
     from dsv4c.runtime import Session
 
+    if art not in sessions:  # free the previous artifact before the peak is reset: the peak is this rung's
+        sessions.clear()
+        gc.collect()
     reset_peak(s.device)
     t0 = time.perf_counter()
     if art not in sessions:
-        sessions.clear()
-        gc.collect()
         try:
             sessions[art] = Session.load(Path(info["path"]), device=s.device, emulate=specs[art].emulate,
                                          graphs=rung.graphs)
@@ -533,35 +667,88 @@ def sess_mode(sess) -> str:
 
 
 # ---- the slice (GPU) ------------------------------------------------------------------------------
-def run_slice(a, out_dir: Path) -> dict:
-    """bench_segments on the v4-flash-slice (its own JSON), then eager module vs torch.compile."""
+SLICE_MIN_S = 150.0  # the slice starts only with this much of --budget-s left
+TAIL_S = 15.0  # kept back at the end of the budget for the last write
+
+
+def run_slice(a, out_dir: Path, budget: Budget | None = None) -> dict:
+    """bench_segments on the v4-flash-slice (its own JSON), then eager module vs torch.compile; each part
+    is stopped (SIGALRM) when the budget runs out, and what is left decides whether torch.compile runs."""
     import bench_segments
 
+    budget = budget or Budget(None)
     res: dict = {}
     path = out_dir / "bench_segments.json"
     t0 = time.perf_counter()
     try:
-        bench_segments.main(["--out", str(path), "--steps", str(a.steps), "--batches", *map(str, a.slice_batches),
-                             "--prompt", str(a.slice_prompt)])
+        with _alarm(budget.left() - TAIL_S):
+            bench_segments.main(["--out", str(path), "--steps", str(a.steps), "--batches",
+                                 *map(str, a.slice_batches), "--prompt", str(a.slice_prompt)])
         res["segments"] = json.loads(path.read_text())
+    except _Timeout:
+        res["segments_error"] = f"stopped by --budget-s {budget.total:.0f} after {time.perf_counter() - t0:.0f} s"
     except Exception as e:  # noqa: BLE001 - the ladder's results still count
         res["segments_error"] = f"{type(e).__name__}: {_short(e)}"
     res["segments_s"] = time.perf_counter() - t0
     gc.collect()
-    torch.cuda.empty_cache()
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as e:  # e.g. a capture left open by the budget's stop: the table is still written
+        res["segments_error"] = res.get("segments_error", "") + f"; then {_short(e, 120)}"
+    limit = min(a.compile_limit, budget.left() - TAIL_S - 30)  # 30 s: building the slice + its prefill
     if a.no_compile:
         res["torch_compile"] = {"skipped": "--no-compile"}
+    elif "segments_error" in res and res["segments_error"].startswith("stopped"):
+        res["torch_compile"] = {"skipped": "time budget (the segments part was stopped)"}
+    elif limit < 30:
+        res["torch_compile"] = {"skipped": f"time budget ({max(budget.left(), 0):.0f} s left after the segments)"}
     else:
-        res["torch_compile"] = slice_torch_compile(a)
+        try:
+            with _alarm(budget.left() - TAIL_S):  # building the slice and eager timing are bounded too
+                res["torch_compile"] = slice_torch_compile(a, limit)
+        except _Timeout:
+            res["torch_compile"] = {"failed": f"stopped by --budget-s {budget.total:.0f} (building the slice, "
+                                              f"its eager timing or torch.compile)"}
     return res
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """Raised by SIGALRM; a BaseException so that `except Exception` inside the timed code cannot eat it."""
 
 
-def slice_torch_compile(a) -> dict:
-    """Eager reference module vs torch.compile of it, decode step on the slice at batch 1 and 8."""
+class _alarm:
+    """`with _alarm(seconds):` raises _Timeout in the block after `seconds` (no limit when infinite).
+    Nests: an inner alarm never outlives the outer one, and the outer one is re-armed on exit."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self):
+        self.old = None
+        if math.isfinite(self.seconds):
+            self.outer = signal.getitimer(signal.ITIMER_REAL)[0]  # 0.0: none armed
+            self.start = time.perf_counter()
+            self.old = signal.signal(signal.SIGALRM, _raise_timeout)
+            t = max(self.seconds, 0.5)
+            signal.setitimer(signal.ITIMER_REAL, min(t, self.outer) if self.outer > 0 else t)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+            if self.outer > 0:
+                signal.setitimer(signal.ITIMER_REAL, max(self.outer - (time.perf_counter() - self.start), 0.01))
+        return False
+
+
+def _raise_timeout(*_):
+    raise _Timeout()
+
+
+def slice_torch_compile(a, limit: float) -> dict:
+    """Eager reference module vs torch.compile of it, decode step on the slice at batch 1 and 8; building
+    the slice and timing eager come first, then `limit` seconds for compile + its timed steps."""
     import bench_segments
 
     dev = torch.device("cuda")
@@ -593,21 +780,17 @@ def slice_torch_compile(a) -> dict:
         for B in out["batches"]:
             out[f"eager_ms_b{B}"] = timed(model, B)
         compiled = torch.compile(model)
-        old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(_Timeout()))
-        signal.alarm(int(a.compile_limit))
         t0 = time.perf_counter()
         try:
-            for B in out["batches"]:
-                out[f"compile_ms_b{B}"] = timed(compiled, B)
-                out[f"compile_speedup_b{B}"] = out[f"eager_ms_b{B}"] / out[f"compile_ms_b{B}"]
+            with _alarm(limit):
+                for B in out["batches"]:
+                    out[f"compile_ms_b{B}"] = timed(compiled, B)
+                    out[f"compile_speedup_b{B}"] = out[f"eager_ms_b{B}"] / out[f"compile_ms_b{B}"]
             out["compile_s"] = time.perf_counter() - t0
         except _Timeout:
-            out["failed"] = f"time limit {a.compile_limit}s reached (compile + {a.steps} steps per batch)"
+            out["failed"] = f"time limit {limit:.0f} s reached (compile + {a.steps} steps per batch)"
         except Exception as e:  # noqa: BLE001 - "failed: reason" is the result
             out["failed"] = f"{type(e).__name__}: {_short(e)}"
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, old)
     model = cache = snap = compiled = None  # free the slice before returning
     gc.collect()
     torch.cuda.empty_cache()
@@ -672,6 +855,9 @@ def table(res: dict) -> str:
             acc = "α " + "/".join(_f(x) for x in al.get("alpha") or []) + f", τ {_f(al.get('mean_accepted_length'))}"
             eq = [x.get("greedy_equal_k0") for x in r["speed"]]
             acc += f", greedy = k0: {all(eq) if None not in eq else '–'}"
+        elif r.get("peer"):
+            eq = [x.get("greedy_equal_eager") for x in r["speed"]]
+            acc = "(peer) greedy tokens = eager's: " + ", ".join(f"B{x['batch']} {e}" for x, e in zip(r["speed"], eq))
         ppl = "= k=0 (exact)" if r.get("mtp") else _f(r.get("ppl"), "{:.3f}")
         lines.append("| " + " | ".join([r["label"], cfg, *tps, *ms, f"{sp[batches[0]]['prefill_tokens_per_s']:.0f}",
                                         _f(r.get("compile_s"), "{:.0f}"), _f(r.get("load_s"), "{:.1f}"), mem_s,
@@ -788,8 +974,9 @@ def parse(argv=None):
     ap.add_argument("--no-slice", action="store_true", help="CUDA: skip the v4-flash-slice speed columns")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the eager reference")
     ap.add_argument("--compile-limit", type=float, default=90, help="seconds for torch.compile + its timed steps")
-    ap.add_argument("--budget-s", type=float, default=480,
-                    help="CUDA: wall-clock budget; the slice and torch.compile parts are skipped when it runs out")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget of the whole run (default: 480 on CUDA, none on a CPU): late compiles "
+                         "are stopped, rungs that would not fit and the slice / torch.compile parts are skipped")
     ap.add_argument("--steps", type=int, default=10, help="slice decode steps per batch (first 3 warm-up)")
     ap.add_argument("--slice-batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--slice-prompt", type=int, default=1024)
@@ -798,60 +985,102 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     a = parse(argv)
+    t0 = time.perf_counter()
     s = settings_for(a.device, a.quick, a)
     if s.windows > s.max_batch or s.tail >= s.window:
         raise SystemExit("--windows must be <= the largest batch and --tail < --window")
+    cuda = s.device.startswith("cuda")
+    budget = Budget(a.budget_s if a.budget_s is not None else (480.0 if cuda else None), t0)
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if s.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
-           "settings": dataclasses.asdict(s), "pipeline": pipeline_names(), "format_option": format_option(),
+           "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+           "settings": dataclasses.asdict(s), "budget_s": budget.total, "pipeline": pipeline_names(),
+           "format_option": format_option(), "status": "compiling",
            "command": "python examples/compare_passes.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     tmp = None
     work = a.work_dir
     if work is None:
         tmp = tempfile.TemporaryDirectory(prefix="dsv4c-ladder-")
         work = Path(tmp.name)
+
+    def partial(ladder: dict) -> None:
+        res["ladder"] = ladder
+        res["status"] = f"running: {len(ladder['rows'])} rows measured so far (the run was stopped here)"
+        write(res, a.out_dir, t0, quiet=True, with_plots=False)
+
     try:
-        res["ladder"] = run_ladder(s, work)
+        res["ladder"] = run_ladder(s, work, budget, partial)
     finally:
         if tmp is not None:
             tmp.cleanup()
-    write(res, a.out_dir, t0, quiet=s.device.startswith("cuda") and not a.no_slice)  # kept if the slice overruns
-    if s.device.startswith("cuda") and not a.no_slice:
-        left = a.budget_s - (time.perf_counter() - t0)
-        if left < 150:
-            res["slice"] = {"skipped": f"time budget: {left:.0f} s of --budget-s {a.budget_s:.0f} left"}
+    do_slice = cuda and not a.no_slice
+    res["status"] = "running: the v4-flash-slice part (the run was stopped here)" if do_slice else "complete"
+    write(res, a.out_dir, t0, quiet=do_slice)  # kept if the slice overruns
+    if do_slice:
+        left = budget.left()
+        if left < SLICE_MIN_S:
+            res["slice"] = {"skipped": f"time budget: {left:.0f} s of --budget-s {budget.total:.0f} left "
+                                       f"(the slice needs {SLICE_MIN_S:.0f} s)"}
         else:
-            reason = None
-            if not a.no_compile and left < 150 + a.compile_limit + 60:
-                a.no_compile, reason = True, f"time budget ({left:.0f} s left before the slice)"
-            res["slice"] = run_slice(a, a.out_dir)
-            if reason:
-                res["slice"]["torch_compile"] = {"skipped": reason}
+            res["slice"] = run_slice(a, a.out_dir, budget)
+        res["status"] = "complete"
         write(res, a.out_dir, t0)
     return res
 
 
-def write(res: dict, out_dir: Path, t0: float, quiet: bool = False) -> None:
-    """results.md / results.json / plots from what has been measured so far."""
+def write(res: dict, out_dir: Path, t0: float, quiet: bool = False, with_plots: bool = True) -> None:
+    """results.md / results.json (and the plots) from what has been measured so far."""
     res["seconds"] = time.perf_counter() - t0
-    res["plots"] = plots(res, out_dir)
+    if with_plots:
+        res["plots"] = plots(res, out_dir)
     md = render(res)
     if not quiet:
         print(md)
-    (out_dir / "results.md").write_text(md + "\n")
-    (out_dir / "results.json").write_text(json.dumps(_strip(res), indent=1, default=str) + "\n")
+    _write_atomic(out_dir / "results.md", md + "\n")
+    _write_atomic(out_dir / "results.json", json.dumps(_strip(res), indent=1, default=str) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write then rename: a kill mid-write leaves the previous complete file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def peer_notes(rows: list[dict]) -> list[str]:
+    """Decode tok/s of each measured ladder rung against the HF peer, and the peer's accuracy check."""
+    hf = next((r for r in rows if r["rung"] == "hf"), None)
+    if hf is None:
+        return []
+    if not hf.get("available"):
+        return [f"HF transformers peer: {hf['reason']}."]
+    ref = {x["batch"]: x["decode_tokens_per_s"] for x in hf["speed"]}
+    out = [(f"HF transformers {hf['transformers']} peer: held-out loss {hf['loss']:.6f} vs eager "
+           f"{rows[0]['loss']:.6f} (diff {hf['loss'] - rows[0]['loss']:+.2e} nats), logits SNR "
+           f"{_f(hf.get('snr_db'), '{:.1f}')} dB vs the fp32 eager model on the same windows; weights: "
+           f"{hf['hf']['tensors']} HF tensors mapped, {hf['hf']['dropped']} checkpoint tensors dropped "
+           f"({'; '.join(hf['hf']['dropped_why'])})."), "",
+           "Decode tokens/s against HF transformers' generate at the same batch (same run):", ""]
+    for r in rows:
+        if r["rung"] == "hf" or not r.get("available"):
+            continue
+        out.append(f"- {r['label']}: " + ", ".join(f"B={x['batch']} {x['decode_tokens_per_s'] / ref[x['batch']]:.2f}x"
+                                                  for x in r["speed"] if ref.get(x["batch"])))
+    return out
 
 
 def render(res: dict) -> str:
     s = res["settings"]
     head = [f"## Lowering ladder: {BUNDLE.name}, {res['device']}", "",
-            (f"{res['date']}, commit {res['commit']}, torch {res['torch']}; total {res['seconds']:.0f} s "
+            (f"{res['date']}, commit {res['commit']}, torch {res['torch']}; {res.get('status', 'complete')}; "
+             f"total {res['seconds']:.0f} s of --budget-s {_f(res.get('budget_s'), '{:.0f}')} "
              f"(compiles {res['ladder']['compile_wall_s']:.0f} s wall, {s['jobs']} in parallel)."),
             (f"Held-out: {s['windows']} windows x {s['window']} tokens (last {s['tail']} through the decode graph). "
-             f"Speed: prompts of {s['prompt_len']} held-out tokens, {s['new_tokens']} greedy tokens each."), ""]
+             f"Speed: prompts of {s['prompt_len']} held-out tokens, {s['new_tokens']} greedy tokens each."), "", ""]
     notes = ["", "Ratios in parentheses are against the eager reference at the same batch."]
+    notes += peer_notes(res["ladder"]["rows"])
+    if res.get("status", "complete") != "complete":
+        notes.append(f"**Partial results, status: {res['status']}.**")
     if res.get("plots_skipped"):
         notes.append(f"Plots: {res['plots_skipped']}.")
     return "\n".join(head) + table(res) + "\n" + "\n".join(notes) + slice_table(res.get("slice", {}))
