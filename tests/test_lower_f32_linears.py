@@ -72,14 +72,18 @@ def test_linear_f32_cpu_equals_fp32_reference():
 
 @pytest.mark.gpu
 def test_linear_f32_cuda_equals_fp32_reference_within_summation_order():
+    """cuBLAS with an fp32 output against fp64: as close as the reference's own fp32 GEMM (both only
+    round the fp32 sums), and far below bf16 rounding (~4e-3)."""
     g = torch.Generator().manual_seed(0)
     for m, n, k in [(1, 129280 // 64, 4096), (7, 1000, 320), (64, 256, 4096), (0, 16, 64)]:
         x = torch.randn(m, k, generator=g).bfloat16().cuda()
         w = torch.randn(n, k, generator=g).bfloat16().cuda()
-        ref = (x.double() @ w.double().t())
         out = linear_f32(x, w)
         assert out.dtype == torch.float32 and out.shape == (m, n)
-        if m:
-            # fp32 accumulation of exact products: error ~ sqrt(k) * eps32 * |terms|, far below bf16's
-            rel = ((out.double() - ref).norm() / ref.norm()).item()
-            assert rel < 1e-6, (m, n, k, rel)
+        if not m:
+            continue
+        exact = x.double() @ w.double().t()
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        err_out = ((out.double() - exact).norm() / exact.norm()).item()
+        err_ref = ((ref.double() - exact).norm() / exact.norm()).item()
+        assert err_out <= 4 * err_ref + 1e-7 and err_out < 1e-5, (m, n, k, err_out, err_ref)

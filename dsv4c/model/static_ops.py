@@ -235,6 +235,8 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cuda":
         return torch.nn.functional.linear(x.float(), w.float())
     x2 = x.reshape(-1, x.shape[-1])                                               # [M, D]
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32)
     return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
 
 
