@@ -503,6 +503,12 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     per_expert = n_assign / max(n_experts, 1)
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
     if per_expert <= 16:
+        # H200 sweep (BENCHMARKS.md, 2026-11-29, graph replay at Flash shapes): the fp4_split path
+        # beats the dot path for weight-only FP4 at 8 and 64 tokens by 1.3-1.8x; one token prefers
+        # narrower, deeper tiles. split_k stays off: its atomics make the summation order vary.
+        if fmt in ("mxfp4", "nvfp4"):
+            return (MoeKernelConfig(16, 32, 256, 4, 4, fp4_split=True) if n_assign <= 8
+                    else MoeKernelConfig(16, 64, 128, 4, 4, fp4_split=True))
         return MoeKernelConfig(16, 64, 256 if fp4 else 128, 4, 4)
     if per_expert <= 64:   # bf16 at BLOCK_K 128 x 4 stages needed 320 KB of shared memory
         return MoeKernelConfig(64, 128, 64 if fmt == "bf16" else 128, 4, 3)
