@@ -48,11 +48,15 @@ def build(preset: str, device, dtype):
     return model.eval()
 
 
-def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False):
-    """The decode graph lowered for h200; `quantize=False` skips quantize_experts (bf16 experts)."""
+ABLATED = ("fuse_sinkhorn", "lower_f32_linears")  # --ablate: the lowering without these passes
+
+
+def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = ()):
+    """The decode graph lowered for h200; `quantize=False` skips quantize_experts (bf16 experts);
+    `skip` leaves out further passes."""
     ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())))
     gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
-    gm, records = run_pipeline(gm, ctx, skip=() if quantize else ("quantize_experts",))
+    gm, records = run_pipeline(gm, ctx, skip=tuple(skip) + (() if quantize else ("quantize_experts",)))
     plan = plan_segments(gm, ctx)
     return plan, apply_plan(gm, plan), {r.name: r.stats for r in records}
 
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
                     "(quantize_experts: the target's format, Triton grouped kernels)")
     ap.add_argument("--only", nargs="+", default=None, help="lowerings to time (ref-experts is always built: "
                     "the roofline counts its routing), e.g. --only h200-experts")
+    ap.add_argument("--ablate", action="store_true",
+                    help=f"add the gathered lowering without {', '.join(ABLATED)} (their speedup in the same run)")
     ap.add_argument("--inductor", action="store_true",
                     help="add full graphs with every segment compiled by TorchInductor (slow to compile)")
     a = ap.parse_args(argv)
@@ -203,14 +209,17 @@ def main(argv=None) -> int:
 
     graphs = {}
     variants = [("ref-experts", {}, False), ("gathered-experts", {"moe_experts": "gathered"}, False)]
+    if a.ablate:  # the same lowering without the fusion passes, timed in the same run
+        variants.append(("gathered-unfused", {"moe_experts": "gathered"}, False))
     if a.quantized:
         variants.append(("h200-experts", {}, True))
     if a.only:  # keep GPU memory for one lowering (each holds its own fused / quantised weights)
         variants = [v for v in variants if v[0] in a.only or v[0] == "ref-experts"]
     for name, kernels, quantize in variants:
+        skip = ABLATED if name.endswith("-unfused") else ()
         t0 = time.perf_counter()
         try:
-            graphs[name] = graph(model, n_slots, max_len, kernels, quantize)
+            graphs[name] = graph(model, n_slots, max_len, kernels, quantize, skip)
         except Exception as e:  # report, keep measuring the others
             print(f"{name}: lowering failed: {type(e).__name__}: {e}", flush=True)
             res.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
@@ -224,6 +233,8 @@ def main(argv=None) -> int:
     configs = [("ref-experts", "eager"), ("ref-experts", graph_mode), ("gathered-experts", "eager"),
                ("gathered-experts", graph_mode), ("gathered-experts", full_mode)]
     configs = [c for c in configs if c[0] in graphs and (not a.only or c[0] in a.only)]
+    if "gathered-unfused" in graphs:
+        configs += [("gathered-unfused", "eager"), ("gathered-unfused", full_mode)]
     if "h200-experts" in graphs:  # the target's quantised Triton experts (capture-safe)
         configs += [("h200-experts", "eager"), ("h200-experts", graph_mode), ("h200-experts", full_mode)]
     if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
