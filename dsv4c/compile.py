@@ -108,7 +108,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                         "passes": [_record(r) for r in records]}
         if progress:
             print(f"{name}: exported in {eg.seconds:.1f}s, passes {[r.name for r in records if r.changed]}")
-    weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress)
+    weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress, quant_map)
     for name in TOKENIZER_FILES:
         if (ckpt / name).is_file():
             shutil.copyfile(ckpt / name, out / name)
@@ -230,8 +230,9 @@ def _recipes(records) -> dict[str, tuple]:
 
 
 def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: dict, out: Path,
-                   progress: bool) -> dict:
-    """Stream every graph weight from the checkpoint into safetensors shards under weights/."""
+                   progress: bool, quant_map: dict | None = None) -> dict:
+    """Stream every graph weight from the checkpoint into safetensors shards under weights/ (and record
+    the W4A4 activation scales the streaming chose in `quant_map`)."""
     reader = CheckpointReader(ckpt, cfg)
     experts = CheckpointExperts(reader)  # quantised routed experts, one layer at a time
     writer = _ShardWriter(out / "weights", 2 << 30)
@@ -266,6 +267,8 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
         writer.add(name, t.contiguous())
         table[name] = {"shape": list(shape), "dtype": str(dtype).replace("torch.", "")}
     files = writer.close()
+    if quant_map is not None:
+        experts.annotate(quant_map)
     weight_map = json.loads((out / "weights" / "model.safetensors.index.json").read_text())["weight_map"] \
         if len(files) > 1 else {n: files[0] for n in table}
     for n in table:

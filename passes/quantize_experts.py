@@ -5,10 +5,11 @@ Before (one node per MoE layer, MTP block included; `moe_experts_gathered` is th
 After (x in bf16, D and I zero-padded to the format's block when they are not multiples of it):
     xb = to(x, bf16);  xb = constant_pad_nd(xb, [0, Dp - D])               # only if needed
     yb = dsv4c.moe_experts_q(xb, idx, weight, fmt, w13, w13_scale, w13_global,
-                             w2, w2_scale, w2_global, None, None, L)
+                             w2, w2_scale, w2_global, input_scale_13, input_scale_2, L)
     y  = to(slice(yb, 1, 0, D), x.dtype)
 with w13 = [W1 ‖ W3] (+ scales) in `fmt` (kernels/moe_grouped.py containers). The three expert
-weights leave the graph; the new ones are graph attributes `<experts>.<fmt>.<field>`.
+weights leave the graph; the new ones are graph attributes `<experts>.<fmt>.<field>`. The input
+scales are None except for nvfp4_w4a4 (below).
 
 Why it is valid: `moe_experts_q` computes the function of `moe_experts` (Σ_j w_j · W2 SwiGLU_L(W1 x,
 W3 x) per token) on the weights the container holds, the routing weight multiplied before W2 as
@@ -28,6 +29,22 @@ the meta device (`dsv4c compile`) it creates meta tensors of the right shape and
 one layer's experts at a time and one expert at a time inside it. MXFP4 checkpoint experts convert
 without loss where quant_formats.md §6 says (to mxfp4: the same bytes; to nvfp4: §6.1; to fp8_block:
 §6.2); an expert whose conversion would change a value is quantised from its dequantised values.
+
+W4A4 activation global scales (nvfp4_w4a4 only): every layer gets STATIC fp32 [1] global scales
+g = amax/(6*448) for x (input_scale_13) and h (input_scale_2), so a row's W4A4 result never depends
+on the other rows of the batch (a dynamic batch amax made MTP verify, 1+k rows per sequence, quantise
+differently from decode, and speculative greedy differed from plain greedy). Sources, first found:
+  1. "checkpoint": the checkpoint's ModelOpt `input_scale` of every expert of the layer (x: the max
+     over the experts' w1 and w3, h: over w2; one global per layer is what the kernels take);
+  2. "calibration": an eager fp32 forward of the unquantised model (main layers and the MTP block) on
+     CALIBRATION's seeded random tokens records each layer's amax of x and of h (before quantisation);
+     the scale covers ACT_MARGIN x that amax, capped at the bound below. Only for checkpoints up to
+     CALIBRATION_LIMIT_BYTES (the eager model is loaded on the CPU); compile only, when weights stream;
+  3. "bound": `activation_bounds`, from the weights alone (the ffn norm weight, the SwiGLU clamp, the
+     routing scale): a true upper bound, so nothing clips; used for bigger checkpoints and when the pass
+     runs on in-memory weights (tests, `dsv4c compare`) unless `quantize_experts_as(..., act_amax=)`.
+A larger g than the batch amax costs little: block scales are e4m3 relative to g and stay normal for
+blocks down to margin/28672 of g's range. The quant map records the source and the values.
 
 Stats: `layers` (one entry per rewritten node) and `quant_map` (per module: format, scale kind,
 layer, MTP or not, the new tensors), which compile merges into manifest["quant_map"].
@@ -69,10 +86,17 @@ SCALE_KIND = {
     "nvfp4": "e2m1 weights, e4m3 scale per 16 input columns + fp32 global per expert (w1/w3 share it); "
              "weight-only (bf16 activations)",
     "nvfp4_w4a4": "e2m1 weights, e4m3 scale per 16 + fp32 global per expert (w1/w3 share it); W4A4: x and h "
-                  "NVFP4 per 16 with a dynamic global scale amax/(6*448)",
+                  "NVFP4 per 16 with a static per-layer global scale amax/(6*448) (checkpoint, calibration or "
+                  "bound)",
 }
 FIELDS = ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+ACT_FIELDS = ("input_scale_13", "input_scale_2")  # nvfp4_w4a4's static activation global scales
 RECIPE = "experts_q"  # the recipe kind compile.py streams
+ACT_MARGIN = 4.0  # calibrated amax x this (random calibration tokens gave up to 1.7x less h amax than text)
+CALIBRATION = {"seed": 0, "batch": 4, "tokens": 64}
+CALIBRATION_LIMIT_BYTES = 1 << 30  # calibrate only checkpoints whose files fit comfortably in CPU memory
+_SILU_MIN = 0.2785  # |min silu| = 0.27846..
+_BF16_ROUND = 1 + 2 ** -8  # the bf16 cast of x may round its amax up by this
 
 
 class QuantizeError(ValueError):
@@ -210,19 +234,159 @@ def checkpoint_reader_fn(reader, names: dict[str, str]) -> Callable[[int], tuple
     return read
 
 
+# ---- W4A4 static activation global scales -----------------------------------------------------
+def act_global(amax: float) -> torch.Tensor:
+    """NVFP4 activation global scale fp32 [1] = amax/(6*448) (the ModelOpt `input_scale`)."""
+    from dsv4c.quant import E2M1_MAX, E4M3_MAX
+
+    return torch.tensor([max(float(amax), 1e-30) / (E2M1_MAX * E4M3_MAX)], dtype=torch.float32)
+
+
+def norm_weight_name(module: str) -> str:
+    """The RMSNorm weight that makes the experts' input, from the experts' name (graph or canonical):
+    V4 `P.ffn.experts` -> `P.ffn_norm.weight`, V3 `P.mlp.experts` -> `P.post_attention_layernorm.weight`."""
+    for moe, norm in ((".ffn.experts", ".ffn_norm.weight"), (".mlp.experts", ".post_attention_layernorm.weight")):
+        if module.endswith(moe):
+            return module[: -len(moe)] + norm
+    raise QuantizeError(f"{module}: no known RMSNorm feeds these experts (expected a name ending in "
+                        f".ffn.experts or .mlp.experts)")
+
+
+def _row_l1_max(w: torch.Tensor) -> float:
+    return float(w.float().abs().sum(-1).max()) if w.numel() else 0.0
+
+
+def activation_bounds(cfg, norm_weight: torch.Tensor, limit: float,
+                      row_l1: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+    """Upper bounds of |x| and |h| of one MoE layer from weights alone.
+    x is an RMSNorm output: |x_i| = |w_i| |u_i| / sqrt(mean(u^2) + eps) <= sqrt(D) |w_i| (times the bf16
+    cast's rounding). h = silu(min(g, L)) * clamp(v, -L, L) * r, with routing weight r <= the routing scale
+    (normalised top-k, or sigmoid scores <= 1): |h| <= max(L, 0.2785) * L * scale for L > 0; without a
+    clamp |g| <= max row L1 norm of W1 * bound(x) (likewise v and W3) and |silu(g)| <= |g|; `row_l1()`
+    gives those two norms (read only then)."""
+    d = norm_weight.numel()
+    bx = d ** 0.5 * float(norm_weight.float().abs().max()) * _BF16_ROUND
+    r = float(cfg.routed_scaling_factor)
+    if limit > 0:
+        return bx, max(limit, _SILU_MIN) * limit * r
+    l1, l3 = row_l1()
+    return bx, (l1 * bx) * (l3 * bx) * r
+
+
+class _MoeAmax:
+    """Records amax(x) and amax(h) of every dsv4c.moe_experts call, by experts module (`names`: the
+    data_ptr of each stacked w1 -> its module name); h as the kernels form it, before quantisation."""
+
+    def __init__(self, names: dict[int, str]):
+        self.names = names
+        self.amax: dict[str, list[float]] = {}
+
+    def __call__(self, x, idx, w, w1, w3, w2, limit) -> None:
+        xf = x.float()
+        rows = torch.arange(x.shape[0]).repeat_interleave(idx.shape[1])          # [N_A]
+        flat = idx.reshape(-1).long()
+        g = torch.einsum("nd,nid->ni", xf[rows], w1[flat].float())               # [N_A, I]
+        v = torch.einsum("nd,nid->ni", xf[rows], w3[flat].float())
+        if limit > 0:
+            g, v = g.clamp(max=limit), v.clamp(-limit, limit)
+        h = torch.nn.functional.silu(g) * v * w.reshape(-1, 1).float()
+        a = self.amax.setdefault(self.names[w1.data_ptr()], [0.0, 0.0])
+        a[0] = max(a[0], float(xf.abs().max()) if xf.numel() else 0.0)
+        a[1] = max(a[1], float(h.abs().max()) if h.numel() else 0.0)
+
+
+@torch.no_grad()
+def calibrate_activations(model, seed: int = CALIBRATION["seed"], batch: int = CALIBRATION["batch"],
+                          tokens: int = CALIBRATION["tokens"]) -> dict[str, tuple[float, float]]:
+    """{graph module name ("model." + the eager experts module): (amax x, amax h)} from an eager forward
+    of `model` (unquantised) on `batch` x `tokens` seeded random tokens, then its MTP block on the
+    main model's output at t and the token at t+1 (as the drafts see it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsv4c.model import register_ops
+    from dsv4c.names import is_stacked
+
+    register_ops()
+    cfg = model.config
+    ops = (torch.ops.dsv4c.moe_experts.default, torch.ops.dsv4c.moe_experts_gathered.default)
+    names = {p.data_ptr(): "model." + n.rsplit(".", 1)[0] for n, p in model.named_parameters()
+             if is_stacked(n) and n.endswith((".w1", ".gate_proj"))}
+    rec = _MoeAmax(names)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in ops:
+                rec(*args)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(next(model.parameters()).device)
+    with Mode():
+        if cfg.is_v4:
+            _, hidden = model.forward_with_streams(ids)
+        else:
+            _, hidden = model.forward_with_hidden(ids)
+        if cfg.num_nextn_predict_layers and tokens > 1:
+            model.mtp_forward(hidden[:, :-1], ids[:, 1:], model.new_mtp_cache(batch, max_len=tokens))
+    return {k: (a[0], a[1]) for k, a in rec.amax.items()}
+
+
+def checkpoint_input_scales(reader, sources: dict[str, str], n_experts: int) -> tuple[float, float] | None:
+    """(x, h) activation global scales from the checkpoint's ModelOpt `input_scale` tensors
+    (`...experts.{e}.w1.input_scale`, one per expert and projection): the max over the experts' w1/w3
+    for x and over w2 for h. None unless every expert has all three."""
+    from dsv4c.names import expert_disk_name
+
+    canon = {k: v.removeprefix("model.") for k, v in sources.items()}
+    vals: dict[str, list[float]] = {"w1": [], "w3": [], "w2": []}
+    for e in range(n_experts):
+        for k, v in canon.items():
+            name = expert_disk_name(v, e).removesuffix(".weight") + ".input_scale"
+            if name not in reader:
+                return None
+            t = reader.get(name).float()
+            if t.numel() != 1 or not bool(torch.isfinite(t).all()) or float(t) <= 0:
+                raise QuantizeError(f"{name}: expected one finite positive fp32 activation scale, got "
+                                    f"{tuple(t.shape)} {t.flatten()[:4].tolist()}")
+            vals[k].append(float(t))
+    return max(vals["w1"] + vals["w3"]), max(vals["w2"])
+
+
+def activation_record(source: str, x: float, h: float, **extra) -> dict:
+    """One layer's static scales: the two global scales (g = covered amax / (6*448)) and how they came."""
+    gx, gh = act_global(x), act_global(h)
+    return {"source": source, "input_scale_13": float(gx), "input_scale_2": float(gh),
+            "covered_amax": {"x": x, "h": h}, **extra}
+
+
+def _combine(amax: tuple[float, float] | None, bound: tuple[float, float], source: str) -> dict:
+    """Calibrated amax x ACT_MARGIN capped at the bound, or the bound alone."""
+    if amax is None:
+        return activation_record("bound", *bound, bound={"x": bound[0], "h": bound[1]})
+    cover = tuple(min(ACT_MARGIN * a, b) for a, b in zip(amax, bound))
+    return activation_record(source, *cover, calibrated_amax={"x": amax[0], "h": amax[1]}, margin=ACT_MARGIN,
+                             bound={"x": bound[0], "h": bound[1]},
+                             **({"calibration": dict(CALIBRATION)} if source == "calibration" else {}))
+
+
 class CheckpointExperts:
     """Compile-time weight source for the recipes: builds one layer's quantised experts when one of
     its fields is asked for and keeps only that layer (the fields of a layer are adjacent in the
-    sorted weight list, so each layer is built once)."""
+    sorted weight list, so each layer is built once). W4A4 activation scales (ACT_FIELDS) come from
+    `activation(recipe)`; `activation_scales` keeps each layer's record for the manifest."""
 
     def __init__(self, reader):
         self.reader = reader
         self._key = None
         self._fields: dict[str, torch.Tensor] = {}
         self.requantised: dict[str, int] = {}
+        self.activation_scales: dict[str, dict] = {}
+        self._calibrated: dict[str, tuple[float, float]] | None = None
 
     def __call__(self, recipe: dict) -> torch.Tensor:
         key = recipe["module"]
+        if recipe["field"] in ACT_FIELDS:
+            return torch.tensor([self.activation(recipe)[recipe["field"]]], dtype=torch.float32)
         if key != self._key:
             self._fields = {}
             read = checkpoint_reader_fn(self.reader, recipe["sources"])
@@ -231,6 +395,65 @@ class CheckpointExperts:
             self.requantised[key] = n
             self._key = key
         return self._fields[recipe["field"]]
+
+    def activation(self, recipe: dict) -> dict:
+        """The layer's static W4A4 scales: checkpoint input_scale, else calibration (small checkpoints),
+        else the weight bound (module docstring)."""
+        key = recipe["module"]
+        if key in self.activation_scales:
+            return self.activation_scales[key]
+        found = checkpoint_input_scales(self.reader, recipe["sources"], recipe["experts"])
+        if found is not None:
+            from dsv4c.quant import E2M1_MAX, E4M3_MAX
+
+            rec = {"source": "checkpoint", "input_scale_13": found[0], "input_scale_2": found[1],
+                   "covered_amax": {"x": found[0] * E2M1_MAX * E4M3_MAX, "h": found[1] * E2M1_MAX * E4M3_MAX}}
+        else:
+            rec = _combine(self._calibration().get(key), self._bound(recipe), "calibration")
+        self.activation_scales[key] = rec
+        return rec
+
+    def _bound(self, recipe: dict) -> tuple[float, float]:
+        from dsv4c.checkpoint import read_param
+
+        cfg, d = self.reader.cfg, recipe["dims"]["D"]
+        norm = read_param(self.reader, norm_weight_name(recipe["module"]).removeprefix("model."), (d,), torch.float32)
+
+        def row_l1() -> tuple[float, float]:
+            read = checkpoint_reader_fn(self.reader, recipe["sources"])
+            l1 = l3 = 0.0
+            for e in range(recipe["experts"]):
+                src = read(e)
+                if src[0] == "mxfp4":
+                    from dsv4c.kernels.moe_grouped import Mxfp4Experts
+
+                    w1, w3, _ = Mxfp4Experts.from_checkpoint(*(t.unsqueeze(0) for t in src[1:])).dequantize()
+                else:
+                    w1, w3 = src[1], src[2]
+                l1, l3 = max(l1, _row_l1_max(w1)), max(l3, _row_l1_max(w3))
+            return l1, l3
+
+        return activation_bounds(cfg, norm, recipe["limit"], row_l1)
+
+    def _calibration(self) -> dict[str, tuple[float, float]]:
+        if self._calibrated is None:
+            files = {e.file for e in self.reader.entries.values()}
+            size = sum(f.stat().st_size for f in files)
+            self._calibrated = {}
+            if size <= CALIBRATION_LIMIT_BYTES:
+                from dsv4c.checkpoint import load_model
+
+                model = load_model(self.reader.path, device="cpu", dtype=torch.float32).eval()
+                self._calibrated = calibrate_activations(model)
+                del model
+        return self._calibrated
+
+    def annotate(self, qmap: dict) -> dict:
+        """Write each layer's activation-scale record into the artifact quant map's modules."""
+        for module, rec in self.activation_scales.items():
+            if module in qmap.get("modules", {}):
+                qmap["modules"][module]["activation_scales"] = rec
+        return qmap
 
 
 # ---- the pass ---------------------------------------------------------------------------------
@@ -280,7 +503,26 @@ def _new_weights(kfmt: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return out
 
 
-def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext) -> dict:
+def _activation_scales(gm: GraphModule, module: str, w1, w3, limit: float, ctx: PassContext,
+                       act_amax: dict | None) -> tuple[dict, dict | None]:
+    """W4A4's static global scales as graph weights ({field: tensor}) and their record (None on the meta
+    device: compile sets them when the weights stream, `CheckpointExperts.activation`)."""
+    if w1.is_meta:
+        return {f: torch.empty((1,), dtype=torch.float32, device="meta") for f in ACT_FIELDS}, None
+    norm_name = norm_weight_name(module)
+    try:
+        norm = get_param(gm, norm_name)
+    except AttributeError:
+        raise QuantizeError(f"{module}: nvfp4_w4a4 needs the norm weight {norm_name} for its activation "
+                            f"scale bound, and the graph has none") from None
+    bound = activation_bounds(ctx.config, norm.detach(), limit,
+                              lambda: (_row_l1_max(w1.detach()), _row_l1_max(w3.detach())))
+    amax = (act_amax or {}).get(module)
+    rec = _combine(amax, bound, "given")
+    return {f: torch.tensor([rec[f]], dtype=torch.float32, device=w1.device) for f in ACT_FIELDS}, rec
+
+
+def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext, act_amax: dict | None) -> dict:
     x, idx, weight, n1, n3, n2, limit = node.args
     names = {"w1": n1.target, "w3": n3.target, "w2": n2.target}
     w1, w3, w2 = (get_param(gm, names[k]) for k in ("w1", "w3", "w2"))
@@ -289,6 +531,10 @@ def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext)
     ip, dp = _padded(i, a), _padded(d, a)
     module = names["w1"].rsplit(".", 1)[0]
     values = _new_weights(kfmt, w1, w3, w2, ip, dp)
+    act = None
+    if kfmt == "nvfp4_w4a4":
+        scales, act = _activation_scales(gm, module, w1, w3, float(limit), ctx, act_amax)
+        values.update(scales)
     xdt = x.meta["val"].dtype
     with gm.graph.inserting_before(node):
         xb = x if xdt == torch.bfloat16 else _call(gm, x, aten.to.dtype, (x, torch.bfloat16))
@@ -297,7 +543,8 @@ def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext)
                        shape_fn=lambda t, pad, value: t.new_empty((*t.shape[:-1], t.shape[-1] + pad[1])))
         attrs = {f: _attr(gm, x, f"{module}.{kfmt}.{f}", v) for f, v in values.items()}
         args = (xb, idx, weight, kfmt, attrs["w13"], attrs.get("w13_scale"), attrs.get("w13_global"), attrs["w2"],
-                attrs.get("w2_scale"), attrs.get("w2_global"), None, None, float(limit))
+                attrs.get("w2_scale"), attrs.get("w2_global"), attrs.get("input_scale_13"),
+                attrs.get("input_scale_2"), float(limit))
         y = _call(gm, x, torch.ops.dsv4c.moe_experts_q.default, args)
         if dp != d:
             y = _call(gm, x, aten.slice.Tensor, (y, 1, 0, d))
@@ -313,23 +560,28 @@ def _rewrite(gm: GraphModule, node: Node, fmt: str, kfmt: str, ctx: PassContext)
     tensors = {f: f"{module}.{kfmt}.{f}" for f in values}
     return {"module": module, "node": node.name, "layer": layer, "mtp": mtp, "format": fmt, "kernel_format": kfmt,
             "scale": SCALE_KIND[kfmt], "experts": e, "dims": {"I": i, "D": d}, "padded": {"I": ip, "D": dp},
-            "sources": names, "tensors": tensors}
+            "sources": names, "tensors": tensors, "limit": float(limit),
+            **({"activation_scales": act} if act is not None else {})}
 
 
 def quant_map_entry(rec: dict, graph_kind: str) -> dict:
     """The manifest's view of one rewritten module."""
     return {"format": rec["format"], "kernel_format": rec["kernel_format"], "scale": rec["scale"],
             "layer": rec["layer"], "mtp": rec["mtp"], "experts": rec["experts"], "dims": rec["dims"],
-            "padded": rec["padded"], "tensors": sorted(rec["tensors"].values()), "graphs": [graph_kind]}
+            "padded": rec["padded"], "tensors": sorted(rec["tensors"].values()), "graphs": [graph_kind],
+            **({"activation_scales": rec["activation_scales"]} if "activation_scales" in rec else {})}
 
 
-def quantize_experts_as(fmt: str) -> Callable[[GraphModule, PassContext], PassResult]:
-    """The pass for an explicit expert format (tests, comparisons); `quantize_experts` reads the target's."""
+def quantize_experts_as(fmt: str, act_amax: dict[str, tuple[float, float]] | None = None
+                        ) -> Callable[[GraphModule, PassContext], PassResult]:
+    """The pass for an explicit expert format (tests, comparisons); `quantize_experts` reads the target's.
+    `act_amax` {experts module: (amax x, amax h)}, e.g. from `calibrate_activations`, sets W4A4's static
+    activation scales of in-memory weights (x ACT_MARGIN, capped at the bound) instead of the bound alone."""
     if fmt not in KERNEL_FORMAT:
         raise ValueError(f"expert format: expected one of {sorted(KERNEL_FORMAT)}, got {fmt!r}")
 
     def run(gm: GraphModule, ctx: PassContext) -> PassResult:
-        return _quantize(gm, ctx, fmt)
+        return _quantize(gm, ctx, fmt, act_amax)
 
     return run
 
@@ -346,7 +598,7 @@ def quantize_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
     return _quantize(gm, ctx, target.expert_format)
 
 
-def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
+def _quantize(gm: GraphModule, ctx: PassContext, fmt: str, act_amax: dict | None = None) -> PassResult:
     from dsv4c.kernels import moe_grouped  # noqa: F401  (registers dsv4c::moe_experts_q)
 
     from dsv4c.model import register_ops
@@ -355,7 +607,7 @@ def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
     kfmt = KERNEL_FORMAT[fmt]
     if kfmt is None:
         return PassResult(gm, False, {"format": fmt, "layers": [], "quant_map": {}})
-    layers = [_rewrite(gm, n, fmt, kfmt, ctx) for n in _expert_nodes(gm)]
+    layers = [_rewrite(gm, n, fmt, kfmt, ctx, act_amax) for n in _expert_nodes(gm)]
     if layers:
         gm.recompile()
     qmap = {r["module"]: quant_map_entry(r, ctx.graph_kind) for r in layers}

@@ -15,11 +15,17 @@ import torch
 from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import (
+    ACT_FIELDS,
+    ACT_MARGIN,
     KERNEL_FORMAT,
     QuantizeError,
+    act_global,
+    calibrate_activations,
     check_format,
+    checkpoint_input_scales,
     checkpoint_reader_fn,
     expert_tensors,
+    norm_weight_name,
     quantize_experts,
     quantize_experts_as,
 )
@@ -114,11 +120,68 @@ def test_every_moe_node_is_rewritten_within_the_format_threshold(graphs, fmt):
             d = r["padded"]["D"] - x.shape[1]
             xb = torch.nn.functional.pad(x.bfloat16(), (0, d))
             yq = torch.ops.dsv4c.moe_experts_q(xb, idx, w, kfmt, q["w13"], q.get("w13_scale"), q.get("w13_global"),
-                                               q["w2"], q.get("w2_scale"), q.get("w2_global"), None, None, lim)
+                                               q["w2"], q.get("w2_scale"), q.get("w2_global"), q.get("input_scale_13"),
+                                               q.get("input_scale_2"), lim)
+            assert (kfmt == "nvfp4_w4a4") == ("input_scale_13" in q and "input_scale_2" in q)  # W4A4: static
             err = rel_err(yq[:, : x.shape[1]], y)
             assert bound / TIGHT < err <= MODEL * bound, (kind, fmt, r["layer"], err)
         err = rel_err(_run(gm, case), ref)  # the whole graph's logits vs the unquantised graph's
         assert bound / TIGHT < err <= MODEL * bound, (kind, fmt, err)
+
+
+@torch.no_grad()
+def test_w4a4_activation_scales_are_static_bounds_and_calibration(graphs):
+    """nvfp4_w4a4 on in-memory weights: every layer's x / h global scale is static (a graph weight), the
+    weight bound it comes from covers the amax a real forward reaches (calibration), calibrated amax
+    given to the pass lowers the scale, and a row's output no longer depends on the other rows."""
+    m, by_kind = graphs
+    cfg = m.config
+    amax = calibrate_activations(m, batch=2, tokens=24)
+    _, gm0, _ = by_kind["decode"]
+    gm, recs = run_pipeline(copy.deepcopy(gm0), PassContext(cfg, "cpu", "decode"),
+                            passes=[("quantize_experts", quantize_experts_as("nvfp4_w4a4"))])
+    layers = recs[0].stats["layers"]
+    assert {r["module"] for r in layers} <= set(amax)
+    for r in layers:
+        rec = r["activation_scales"]
+        assert rec["source"] == "bound" and recs[0].stats["quant_map"][r["module"]]["activation_scales"] == rec
+        for f, which, a in zip(ACT_FIELDS, ("x", "h"), amax[r["module"]]):
+            assert 0 < a <= rec["bound"][which], (r["module"], which, a, rec["bound"])
+            assert get_param(gm, r["tensors"][f]).tolist() == [pytest.approx(rec[f])]
+    given = quantize_experts_as("nvfp4_w4a4", act_amax=amax)(copy.deepcopy(gm0), PassContext(cfg, "cpu", "decode"))
+    for r in given.stats["layers"]:
+        rec = r["activation_scales"]
+        assert rec["source"] == "given" and rec["margin"] == ACT_MARGIN
+        for which, a in zip(("x", "h"), amax[r["module"]]):
+            assert rec["covered_amax"][which] == pytest.approx(min(ACT_MARGIN * a, rec["bound"][which]))
+    # row independence: the op on a batch equals the op on each row alone (static scales)
+    _, ex, x, idx, wt = _small_case("nvfp4_w4a4")
+    g13, g2 = act_global(float(x.float().abs().max()) * 2), act_global(1.0)
+    args = (ex.format, ex.w13, ex.w13_scale, ex.w13_global, ex.w2, ex.w2_scale, ex.w2_global, g13, g2, 0.6)
+    full = torch.ops.dsv4c.moe_experts_q(x, idx, wt, *args)
+    for t in range(x.shape[0]):
+        assert torch.equal(torch.ops.dsv4c.moe_experts_q(x[t:t + 1], idx[t:t + 1], wt[t:t + 1], *args)[0], full[t])
+
+
+def test_checkpoint_input_scales_and_norm_names():
+    class Reader(dict):
+        def get(self, name):
+            return self[name]
+
+    src = {k: f"model.layers.1.ffn.experts.{k}" for k in ("w1", "w3", "w2")}
+    vals = {"w1": [0.5, 0.25], "w3": [0.75, 0.125], "w2": [2.0, 3.0]}
+    r = Reader({f"layers.1.ffn.experts.{e}.{k}.input_scale": torch.tensor(v[e]) for k, v in vals.items()
+                for e in range(2)})
+    assert checkpoint_input_scales(r, src, 2) == (0.75, 3.0)  # x: max over w1/w3 of all experts, h: over w2
+    del r["layers.1.ffn.experts.1.w2.input_scale"]
+    assert checkpoint_input_scales(r, src, 2) is None  # incomplete: not used
+    r["layers.1.ffn.experts.1.w2.input_scale"] = torch.tensor(-1.0)
+    with pytest.raises(QuantizeError, match="experts.1.w2.input_scale"):
+        checkpoint_input_scales(r, src, 2)
+    assert norm_weight_name("model.mtp.0.ffn.experts") == "model.mtp.0.ffn_norm.weight"
+    assert norm_weight_name("model.model.layers.3.mlp.experts") == "model.model.layers.3.post_attention_layernorm.weight"
+    with pytest.raises(QuantizeError, match="no known RMSNorm"):
+        norm_weight_name("model.layers.3.experts")
 
 
 def test_target_format_kernel_override_and_reference(graphs):
