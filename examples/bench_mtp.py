@@ -33,7 +33,7 @@ def compile_bundle(device: str, k: int, max_batch: int, max_tokens: int, out: Pa
 
     target = "h200" if device.startswith("cuda") else "cpu"
     t0 = time.perf_counter()
-    compile_checkpoint(BUNDLE, out, target=target, max_tokens=max_tokens, max_batch=max_batch, mtp_k=k)
+    compile_checkpoint(BUNDLE, out, target=target, max_tokens=max_tokens, max_batch=max_batch, mtp_k=k, progress=True)
     print(f"compiled {BUNDLE.name} for {target} with --mtp {k} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return out
 

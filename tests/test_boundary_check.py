@@ -6,7 +6,7 @@ import torch
 
 from dsv4c import ModelConfig, write_random_checkpoint
 from dsv4c.compile import compile_checkpoint
-from dsv4c.runtime.segments import SegmentExecutor, verify_artifact_boundaries
+from dsv4c.runtime.segments import SegmentExecutor, boundary_sizes, verify_artifact_boundaries
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,20 @@ def test_the_check_catches_padding_that_writes_to_a_real_slot(art, monkeypatch):
     rep = verify_artifact_boundaries(art[0])
     assert rep["ok"] is False
     assert all(c["cache_rel_err"] > 1e-3 for c in rep["cases"]), rep
+
+
+def test_boundary_sizes_cover_every_bucket_gap_at_its_most_padding():
+    default = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    # one size per gap (just above the lower bucket: the most padded rows) and the largest non-bucket
+    assert boundary_sizes(default, 64) == [3, 5, 9, 17, 25, 33, 49, 63]
+    for max_batch in (1, 2, 3, 6, 7, 8, 20, 64):
+        sizes = boundary_sizes(default, max_batch)
+        assert all(1 <= b <= max_batch for b in sizes), (max_batch, sizes)
+        non_buckets = [b for b in range(1, max_batch + 1) if b not in default]
+        if non_buckets:  # only padded sizes, and every gap below max_batch is represented
+            assert set(sizes) <= set(non_buckets) and max(non_buckets) in sizes
+            for lo, hi in zip(default, default[1:]):
+                if hi - lo > 1 and lo + 1 <= max_batch:
+                    assert any(lo < b < hi for b in sizes), (max_batch, lo, hi, sizes)
+        else:
+            assert sizes == [max_batch]
