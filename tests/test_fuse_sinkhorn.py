@@ -219,20 +219,23 @@ def test_sites_that_differ_are_left_alone(model):
     ("prefill", "cpu", ()),
     ("decode", "h200", ("quantize_experts",)),  # lossy (tests/test_quantize_experts.py); static ops swapped in
 ])
-def test_composes_after_the_pipeline(model, kind, target, skip):
+def test_in_the_pipeline(model, kind, target, skip):
+    """fuse_sinkhorn runs in default_pipeline: every site fused, the pipeline's outputs equal the same
+    pipeline without it, and a second application finds nothing."""
     ctx = PassContext(model.config, target, graph_kind=kind)
     args = _inputs(model, kind)
-    piped, _ = run_pipeline(_exported(model, kind), ctx, skip=skip)
-    want = _run(piped, args)
-    res = fuse_sinkhorn(piped, ctx)
-    gm = res.graph
-    gm.recompile()
-    verify(gm, ctx, after="fuse_sinkhorn")
-    assert res.stats["sites"] == _sites(model, kind)
+    unfused, _ = run_pipeline(_exported(model, kind), ctx, skip=skip + ("fuse_sinkhorn",))
+    want = _run(unfused, args)
+    gm, recs = run_pipeline(_exported(model, kind), ctx, skip=skip)
+    rec = next(r for r in recs if r.name == "fuse_sinkhorn")
+    assert rec.changed and rec.stats["sites"] == _sites(model, kind)
     _assert_same(_run(gm, args), want)
+    again = fuse_sinkhorn(gm, ctx)
+    assert not again.changed and again.stats["sites"] == 0
     if target == "h200":  # the fused sites sit in capturable static segments
         plan = plan_segments(gm, ctx)
         names = {n.name for n in gm.graph.nodes if n.target is torch.ops.dsv4c.sinkhorn.default}
+        assert len(names) == _sites(model, kind)
         holding = [s for s in plan.segments if names & set(s.nodes)]
         assert sum(len(names & set(s.nodes)) for s in holding) == len(names)
         assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
