@@ -163,7 +163,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
-                       progress=True, kernels=dict(a.kernel) or None)
+                       progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -267,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel", type=_kernel, action="append", default=[], metavar="OP=IMPL",
                    help="override the target's implementation of one op, e.g. moe_experts=gathered "
                         "(capture-safe experts: lets --graphs full capture the whole decode step)")
+    s.add_argument("--expert-format", default=None,
+                   choices=("reference", "bf16", "fp8_block", "mxfp4_w4a16", "nvfp4_w4a16", "nvfp4_w4a4"),
+                   help="routed-expert format instead of the target's (h200/h100: fp8_block; b200: nvfp4_w4a4); "
+                        "a format the target's GPU cannot run fails with the capability it needs")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")

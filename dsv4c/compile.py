@@ -63,11 +63,17 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                        progress: bool = False, kernels: dict[str, str] | None = None,
-                       verify_boundaries: bool | None = None) -> dict:
-    """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest."""
+                       verify_boundaries: bool | None = None, expert_format: str | None = None) -> dict:
+    """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
+    `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
+    records the format used and that it was chosen by hand."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
+    if expert_format is not None and expert_format != tgt.expert_format:
+        tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
+                                  expert_format_reason=f"--expert-format {expert_format} (the target's own choice is "
+                                                       f"{tgt.expert_format}: {tgt.expert_format_reason})")
     check_format(tgt)  # an expert format the target's GPU cannot run fails before any work
     if kernels:  # --kernel OP=IMPL overrides, checked before any work
         from dsv4c.model import register_ops
@@ -92,7 +98,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
-        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides), skip=skip)
+        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides, tgt.expert_format), skip=skip)
         recipes.update(_recipes(records))
         merge_quant_map(quant_map, records, name)
         weights = lift_weights(gm)

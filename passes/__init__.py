@@ -26,6 +26,7 @@ class PassContext:
     target: str = "cpu"
     graph_kind: str = "decode"  # prefill | decode | mtp
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
+    expert_format: str | None = None  # routed-expert format override (`compile --expert-format`)
 
 
 @dataclass

@@ -51,6 +51,8 @@ layer, MTP or not, the new tensors), which compile merges into manifest["quant_m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from collections.abc import Callable
 
@@ -590,6 +592,8 @@ def quantize_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
     from dsv4c.targets import get_target
 
     target = get_target(ctx.target)
+    if ctx.expert_format is not None:  # compile --expert-format: the same capability check
+        target = dataclasses.replace(target, expert_format=ctx.expert_format)
     check_format(target)
     override = dict(ctx.kernels).get("moe_experts")
     if override is not None:

@@ -220,6 +220,25 @@ def test_capability_is_checked_at_compile_time(monkeypatch, tmp_path):
     with pytest.raises(QuantizeError, match="capability 10.0"):
         compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2)
     assert not (tmp_path / "art" / "manifest.json").exists()
+    monkeypatch.undo()
+    # --expert-format: the same check, then the chosen format end to end (manifest target + quant map)
+    with pytest.raises(QuantizeError, match="capability 10.0"):
+        compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h100", max_tokens=32, max_batch=2,
+                           expert_format="nvfp4_w4a4")
+    man = compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2,
+                             expert_format="nvfp4_w4a16", verify_boundaries=False)
+    assert man["target"]["expert_format"] == "nvfp4_w4a16" and "--expert-format" in man["target"]["expert_format_reason"]
+    assert man["quant_map"]["expert_format"] == "nvfp4_w4a16"
+    assert {q["kernel_format"] for q in man["quant_map"]["modules"].values()} == {"nvfp4"}
+
+
+def test_pass_context_expert_format_overrides_the_target(graphs):
+    m, by_kind = graphs
+    _, gm0, _ = by_kind["mtp"]
+    res = quantize_experts(copy.deepcopy(gm0), PassContext(m.config, "h200", "mtp", (), "mxfp4_w4a16"))
+    assert res.changed and res.stats["format"] == "mxfp4_w4a16"
+    with pytest.raises(QuantizeError, match="needs CUDA compute capability 10.0"):
+        quantize_experts(copy.deepcopy(gm0), PassContext(m.config, "h100", "mtp", (), "nvfp4_w4a4"))
 
 
 # ---- compile -> Session ------------------------------------------------------------------------
