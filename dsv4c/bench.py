@@ -47,6 +47,7 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
                    graphs: str | None = None, emulate: bool = False, mtp=0, seed: int = 0,
                    warmup: bool = True) -> dict:
     from dsv4c.runtime import Session
+    from dsv4c.runtime.speculative import merge_spec_stats
 
     t0 = time.perf_counter()
     sess = Session.load(art, device=device, emulate=emulate, graphs=graphs)
@@ -82,6 +83,9 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
                "step_ms_p99": _percentile(steps, 99) * 1e3,
                "ttft_ms_p50": statistics.median(r.stats["ttft_s"] for r in res) * 1e3,
                "accepted_draft_tokens": sum(r.stats.get("accepted_draft_tokens", 0) for r in res)}
+        spec = merge_spec_stats([r.stats for r in res])
+        if spec is not None:  # MTP: acceptance per draft position, mean accepted length, histogram
+            row["speculation"] = spec
         rows.append(row)
     ex = {k: e.stats for k, e in getattr(sess, "executors", {}).items()}
     return {"artifact": str(art), "device": device, "graphs": graphs or "default", "mtp": mtp, "load_s": load_s,
@@ -98,6 +102,15 @@ def format_table(res: dict) -> str:
         lines.append(f"| {r['batch']} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | "
                      f"{r['step_ms_p50']:.2f} | {r['step_ms_p90']:.2f} | {r['step_ms_p99']:.2f} | "
                      f"{r['ttft_ms_p50']:.1f} |")
+    spec = [(r["batch"], r["speculation"]) for r in res["rows"] if "speculation" in r]
+    if spec:
+        lines += ["", "| batch | k | acceptance per draft position | mean accepted length | histogram (rounds by "
+                  "accepted drafts) |", "|---:|---:|---|---:|---|"]
+        for b, st in spec:
+            alpha = ", ".join("-" if a is None else f"{a:.2f}" for a in st["acceptance_per_position"])
+            tau = st["mean_accepted_length"]
+            lines.append(f"| {b} | {st['mtp_k']} | {alpha} | {'-' if tau is None else f'{tau:.2f}'} | "
+                         f"{st['accept_histogram']} |")
     return "\n".join(lines)
 
 

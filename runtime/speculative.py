@@ -126,6 +126,29 @@ class SpecStats:
         return out
 
 
+def merge_spec_stats(stats: list[dict]) -> dict | None:
+    """Speculation counters of several requests (`generate` result stats) added up: acceptance per
+    draft position, mean accepted length, histogram, and the policy of the first. None without MTP."""
+    spec = [s for s in stats if "accept_histogram" in s]
+    if not spec:
+        return None
+    k = max(len(s["accept_histogram"]) for s in spec) - 1
+    prop, acc, hist = [0] * k, [0] * k, [0] * (k + 1)
+    for s in spec:
+        for j, (p, a) in enumerate(zip(s["proposed_per_position"], s["accepted_per_position"])):
+            prop[j] += p
+            acc[j] += a
+        for j, h in enumerate(s["accept_histogram"]):
+            hist[j] += h
+    rounds = sum(hist)
+    out = {"mtp_k": k, "rounds": rounds, "acceptance_per_position": [a / p if p else None for a, p in zip(acc, prop)],
+           "proposed_per_position": prop, "accept_histogram": hist,
+           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None}
+    if "mtp_policy" in spec[0]:
+        out["mtp_policy"] = spec[0]["mtp_policy"]
+    return out
+
+
 @dataclass
 class _Seq:
     req: object  # session._Request

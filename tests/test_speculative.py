@@ -423,3 +423,27 @@ def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, bund
     (prompt,) = prompts(model.config.vocab_size, [61], seed=1)
     st = _run_rounds(model, sess, prompt, 3, 4, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3))
     assert st.replays > 0
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_bench_reports_speculation_statistics(compiled):
+    """`dsv4c bench --mtp k`: acceptance per draft position, mean accepted length and the histogram,
+    merged over the batch's requests, consistent with each other."""
+    from dsv4c.bench import bench_artifact, format_table
+
+    res = bench_artifact(compiled.art, [2], prompt_len=8, output_len=12, mtp=2, warmup=False)
+    (row,) = res["rows"]
+    st = row["speculation"]
+    hist = st["accept_histogram"]
+    assert st["mtp_k"] == 2 and len(hist) == 3 and st["rounds"] == sum(hist) > 0
+    accepted = sum(a * h for a, h in enumerate(hist))
+    assert row["accepted_draft_tokens"] == accepted
+    assert st["mean_accepted_length"] == pytest.approx((accepted + st["rounds"]) / st["rounds"])
+    # the first draft is checked in every round that drafted (rounds near max_new_tokens may draft fewer)
+    assert 0 < st["proposed_per_position"][0] <= st["rounds"]
+    assert st["proposed_per_position"][1] <= st["proposed_per_position"][0]
+    assert all(a is None or 0 <= a <= 1 for a in st["acceptance_per_position"])
+    assert "acceptance per draft position" in format_table(res)
+    plain = bench_artifact(compiled.art, [2], prompt_len=8, output_len=4, mtp=0, warmup=False)
+    assert "speculation" not in plain["rows"][0]
