@@ -16,6 +16,10 @@ from dsv4c.targets import TargetError
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _dtype(s: str) -> torch.dtype:
     if s not in _DTYPES:
         raise argparse.ArgumentTypeError(f"--dtype: expected one of {sorted(_DTYPES)}, got {s!r}")
@@ -287,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"),
                    help="CUDA graphs for the decode steps (default: piecewise on a GPU, off on a CPU)")
@@ -302,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (sequences)")
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--output-len", type=int, default=32)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"))
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
