@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dsv4c.runtime.speculative import merge_spec_stats
+
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "examples" / "models" / "v4-tiny-pystdlib"
 PROMPTS = ["import os\nimport sys\n", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
@@ -61,18 +63,13 @@ def run_cell(sess, prompts: list[str], n_new: int, temperature: float, mtp) -> d
 def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
     """Acceptance per position, mean accepted length and histogram over all requests (generate stats)."""
     res = sess.generate(prompts, max_new_tokens=n_new, temperature=temperature, seed=1, mtp=mtp, stop=[])
-    st = [r.stats for r in res]
-    if mtp == 0 or "accept_histogram" not in st[0]:
-        return {"policy": st[0].get("mtp_policy")}
-    K = len(st[0]["accept_histogram"]) - 1
-    prop = [sum(s["proposed_per_position"][j] for s in st) for j in range(K)]
-    acc = [sum(s["accepted_per_position"][j] for s in st) for j in range(K)]
-    hist = [sum(s["accept_histogram"][a] for s in st) for a in range(K + 1)]
-    rounds = sum(hist)
-    return {"alpha": [a / p if p else None for a, p in zip(acc, prop)], "histogram": hist,
-            "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None,
-            "replays_per_round": sum(s["rollback_replays"] for s in st) / max(rounds, 1),
-            "policy": st[0].get("mtp_policy")}
+    merged = merge_spec_stats([r.stats for r in res]) if mtp != 0 else None
+    if merged is None:
+        return {"policy": res[0].stats.get("mtp_policy")}
+    return {"alpha": merged["acceptance_per_position"], "histogram": merged["accept_histogram"],
+            "mean_accepted_length": merged["mean_accepted_length"],
+            "replays_per_round": merged["rollback_replays"] / max(merged["rounds"], 1),
+            "policy": merged.get("mtp_policy")}
 
 
 def _sync(device) -> None:

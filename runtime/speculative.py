@@ -134,6 +134,7 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
         return None
     k = max(len(s["accept_histogram"]) for s in spec) - 1
     prop, acc, hist = [0] * k, [0] * k, [0] * (k + 1)
+    replays = sum(s.get("rollback_replays", 0) for s in spec)
     for s in spec:
         for j, (p, a) in enumerate(zip(s["proposed_per_position"], s["accepted_per_position"])):
             prop[j] += p
@@ -143,7 +144,7 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
     rounds = sum(hist)
     out = {"mtp_k": k, "rounds": rounds, "acceptance_per_position": [a / p if p else None for a, p in zip(acc, prop)],
            "proposed_per_position": prop, "accept_histogram": hist,
-           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None}
+           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None, "rollback_replays": replays}
     if "mtp_policy" in spec[0]:
         out["mtp_policy"] = spec[0]["mtp_policy"]
     return out

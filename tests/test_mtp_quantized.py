@@ -25,6 +25,7 @@ import pytest
 import torch
 from dsv4c.passes.quantize_experts import ACT_FIELDS
 from dsv4c.runtime import Session
+from dsv4c.runtime.speculative import merge_spec_stats
 from test_speculative import eager_session, prompts
 
 from dsv4c import load_model
@@ -96,9 +97,8 @@ def test_w4a4_mtp_greedy_at_batch_4_equals_plain_greedy(sessions):
 
 def _acceptance(sess: Session, ids: list[list[int]], k: int) -> tuple[list[float], list[int]]:
     res = sess.generate(ids, max_new_tokens=NEW_TOKENS, mtp=k, stop=[])
-    prop = [sum(r.stats["proposed_per_position"][j] for r in res) for j in range(k)]
-    acc = [sum(r.stats["accepted_per_position"][j] for r in res) for j in range(k)]
-    return [a / p for a, p in zip(acc, prop)], prop
+    st = merge_spec_stats([r.stats for r in res])
+    return st["acceptance_per_position"], st["proposed_per_position"]
 
 
 @pytest.mark.slow
