@@ -29,21 +29,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_segments as bs  # noqa: E402  (build, copy_bandwidth)
+import bench_segments as bs  # noqa: E402  (build, graph)
 
-from dsv4c.export import GraphSpec, export_graph, flat_caches  # noqa: E402
-from dsv4c.passes import PassContext, run_pipeline  # noqa: E402
-from dsv4c.passes.split_at_routers import apply_plan, plan_segments  # noqa: E402
+from dsv4c.export import flat_caches  # noqa: E402
 from dsv4c.runtime.segments import SegmentExecutor  # noqa: E402
 from dsv4c.targets import DEFAULT_BUCKETS  # noqa: E402
-
-
-def lowered(model, kind: str, k: int, n_slots: int, max_len: int, kernels: dict, extra: int):
-    spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra)
-    ctx = PassContext(model.config, "h200", "decode" if kind == "decode" else kind, tuple(sorted(kernels.items())))
-    gm, _ = run_pipeline(export_graph(model, spec).module(), ctx, skip=("quantize_experts",))
-    plan = plan_segments(gm, ctx)
-    return plan, apply_plan(gm, plan)
 
 
 def time_steps(ex, args_fn, steps: int, dev) -> float:
@@ -117,8 +107,8 @@ def main(argv=None) -> int:
     res: dict = {"preset": preset, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                  "torch": torch.__version__, "kernels": kernels, "alpha": alpha, "prompt": a.prompt, "rows": []}
     mode = "full" if dev.type == "cuda" else "full-emulate"
-    graphs = {("decode", k): lowered(model, "decode", k, n_slots, max_len, kernels, a.kmax) for k in range(a.kmax + 1)}
-    graphs[("mtp", 0)] = lowered(model, "mtp", 0, n_slots, max_len, kernels, a.kmax)
+    graphs = {(kind, k): bs.graph(model, n_slots, max_len, kernels, kind=kind, k=k, extra_ring_slots=a.kmax)[:2]
+              for kind, k in [("decode", k) for k in range(a.kmax + 1)] + [("mtp", 0)]}
     times: dict = {}
     for (kind, k), (plan, split) in graphs.items():
         ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode=mode, pad_slot=n_slots - 1)

@@ -51,11 +51,13 @@ def build(preset: str, device, dtype):
 ABLATED = ("fuse_sinkhorn", "lower_f32_linears")  # --ablate: the lowering without these passes
 
 
-def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = ()):
-    """The decode graph lowered for h200; `quantize=False` skips quantize_experts (bf16 experts);
-    `skip` leaves out further passes."""
-    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())))
-    gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
+def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = (),
+          kind: str = "decode", k: int = 0, extra_ring_slots: int = 0):
+    """A graph (default: decode, 1 token per row) lowered for h200; `quantize=False` skips
+    quantize_experts (bf16 experts); `skip` leaves out further passes."""
+    ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())))
+    spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
+    gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=tuple(skip) + (() if quantize else ("quantize_experts",)))
     plan = plan_segments(gm, ctx)
     return plan, apply_plan(gm, plan), {r.name: r.stats for r in records}
