@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 # ---- V4: official leaf -> HF module leaf (deepseek_v4.md §2.2) ------------------------------------
 _V4_TOP = {
     "embed.weight": "model.embed_tokens.weight",
@@ -136,3 +138,31 @@ def expert_disk_name(stacked: str, e: int) -> str:
     """`P.experts.w1` -> `P.experts.{e}.w1.weight`."""
     prefix, leaf = stacked.rsplit(".", 1)
     return f"{prefix}.{e}.{leaf}.weight"
+
+
+_V4_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w1|w2|w3)$")
+
+
+def v4_to_hf_state_dict(sd: dict, drop_prefixes: tuple[str, ...] = ("mtp.",)) -> tuple[dict, list[str]]:
+    """dsv4c V4 tensors (official names, stacked experts) -> (HF in-memory tensors, dropped names).
+    Experts: gate_up_proj [E, 2I, D] = w1 rows then w3 rows; down_proj [E, D, I] = w2. Names under
+    `drop_prefixes` (the MTP block: HF has none) are dropped; any other name HF lacks raises KeyError."""
+    out: dict = {}
+    dropped = []
+    for name, t in sd.items():
+        if name.startswith(drop_prefixes):
+            dropped.append(name)
+            continue
+        m = _V4_EXPERT.match(name)
+        if m:
+            pre = f"model.layers.{m.group(1)}.mlp.experts."
+            if m.group(2) == "w1":
+                out[pre + "gate_up_proj"] = torch.cat((t, sd[name[:-2] + "w3"]), dim=1)
+            elif m.group(2) == "w2":
+                out[pre + "down_proj"] = t
+            continue  # w3 is folded into gate_up_proj
+        hf = v4_official_to_hf(name)
+        if hf is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no HF name (dsv4c.names.v4_official_to_hf)")
+        out[hf] = t
+    return out, dropped

@@ -20,7 +20,6 @@ import torch
 
 # checkpoint tensors HF's model has no place for, with the reason (everything else must map)
 DOCUMENTED_DROPS = {"mtp.": "the MTP block: HF's DeepseekV4ForCausalLM has no multi-token-prediction module"}
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(w1|w2|w3)$")
 
 
 class PeerError(RuntimeError):
@@ -47,29 +46,13 @@ def transformers_version() -> str:
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """dsv4c V4 tensors (official names, stacked experts) -> (HF in-memory tensors, dropped names).
-    Experts: gate_up_proj [E, 2I, D] = w1 rows then w3 rows; down_proj [E, D, I] = w2."""
-    from dsv4c.names import v4_official_to_hf
+    """`dsv4c.names.v4_to_hf_state_dict` dropping DOCUMENTED_DROPS; a name HF lacks raises PeerError."""
+    from dsv4c.names import v4_to_hf_state_dict
 
-    out: dict[str, torch.Tensor] = {}
-    dropped = []
-    for name, t in sd.items():
-        if any(name.startswith(p) for p in DOCUMENTED_DROPS):
-            dropped.append(name)
-            continue
-        m = _EXPERT_RE.match(name)
-        if m:
-            pre = f"model.layers.{m.group(1)}.mlp.experts."
-            if m.group(2) == "w1":
-                out[pre + "gate_up_proj"] = torch.cat((t, sd[name[:-2] + "w3"]), dim=1)
-            elif m.group(2) == "w2":
-                out[pre + "down_proj"] = t
-            continue  # w3 is folded into gate_up_proj
-        hf = v4_official_to_hf(name)
-        if hf is None:
-            raise PeerError(f"checkpoint tensor {name!r} has no HF name (dsv4c.names.v4_official_to_hf)")
-        out[hf] = t
-    return out, dropped
+    try:
+        return v4_to_hf_state_dict(sd, tuple(DOCUMENTED_DROPS))
+    except KeyError as e:
+        raise PeerError(e.args[0]) from None
 
 
 def hf_config(cfg):

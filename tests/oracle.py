@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4c.names import v4_official_to_hf
+from dsv4c.names import v4_to_hf_state_dict
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -25,26 +25,11 @@ def hf_v4_model(model) -> torch.nn.Module:
     hc._attn_implementation = "eager"
     hf = DeepseekV4ForCausalLM(hc).float().eval()
     target = hf.state_dict()
-    assigned = set()
-    for name, t in model.state_dict().items():
-        if name.startswith("mtp."):
-            continue
-        if name.endswith(("experts.w1", "experts.w3", "experts.w2")):
-            layer = name.split(".")[1]
-            pre = f"model.layers.{layer}.mlp.experts."
-            I = t.shape[1]
-            if name.endswith("w1"):
-                target[pre + "gate_up_proj"][:, :I] = t
-            elif name.endswith("w3"):
-                target[pre + "gate_up_proj"][:, I:] = t
-            else:
-                target[pre + "down_proj"].copy_(t)
-            assigned.add(pre + ("down_proj" if name.endswith("w2") else "gate_up_proj"))
-            continue
-        hf_name = v4_official_to_hf(name)
-        assert target[hf_name].shape == t.shape, (name, hf_name)
+    mapped, _ = v4_to_hf_state_dict(model.state_dict())
+    for hf_name, t in mapped.items():
+        assert target[hf_name].shape == t.shape, hf_name
         target[hf_name].copy_(t)
-        assigned.add(hf_name)
+    assigned = set(mapped)
     missing = set(target) - assigned
     assert not missing, f"HF parameters left at their init: {sorted(missing)}"
     hf.load_state_dict(target)
