@@ -25,6 +25,8 @@ count differ from the config's, does not match and stays as it is.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
@@ -46,8 +48,10 @@ class _SinkhornPattern(nn.Module):
         return sinkhorn(c0, self.iters, self.eps)
 
 
+@functools.lru_cache(maxsize=8)
 def sinkhorn_pattern(iters: int, eps: float, n: int) -> Graph:
-    """The ATen graph torch.export makes of the model's `sinkhorn(c0 [2, n, n], iters, eps)`."""
+    """The ATen graph torch.export makes of the model's `sinkhorn(c0 [2, n, n], iters, eps)`; exported
+    once per (iters, eps, n) and only read by the matcher, so every graph of a compile shares it."""
     example = torch.zeros(2, n, n)
     ep = torch.export.export(_SinkhornPattern(iters, eps), (example,), strict=False)
     return ep.graph
