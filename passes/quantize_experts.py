@@ -126,8 +126,8 @@ def field_specs(kfmt: str, e: int, i: int, d: int) -> dict[str, tuple[tuple[int,
         f8 = torch.float8_e4m3fn
         return {"w13": ((e, 2 * i, d), f8), "w13_scale": ((e, 2 * i // 128, d // 128), torch.float32),
                 "w2": ((e, d, i), f8), "w2_scale": ((e, d // 128, i // 128), torch.float32)}
-    if kfmt == "mxfp4":
-        s = torch.float8_e8m0fnu
+    if kfmt == "mxfp4":  # ue8m0 scales travel as their bytes: torch 2.11's export serialiser has no e8m0 dtype
+        s = torch.uint8
         return {"w13": ((e, 2 * i, d // 2), torch.uint8), "w13_scale": ((e, 2 * i, d // 32), s),
                 "w2": ((e, d, i // 2), torch.uint8), "w2_scale": ((e, d, i // 32), s)}
     s = torch.float8_e4m3fn
@@ -183,7 +183,8 @@ def _stack(containers: list) -> dict[str, torch.Tensor]:
     for f in FIELDS:
         vals = [getattr(c, f, None) for c in containers]
         if vals[0] is not None:
-            out[f] = torch.cat(vals, 0).contiguous()
+            t = torch.cat(vals, 0).contiguous()
+            out[f] = t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t  # see field_specs
     return out
 
 
