@@ -48,14 +48,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def graph_kinds(cfg: ModelConfig, mtp_k: int) -> list[tuple[str, str, int]]:
+def graph_kinds(cfg: ModelConfig, mtp_k: int, fused_mtp: bool = True) -> list[tuple[str, str, int]]:
     """(artifact graph name, export kind, k): decode always takes one token per sequence; with
-    --mtp K the artifact adds `verify` (1 + K tokens per sequence) and the MTP block's graph."""
+    --mtp K the artifact adds `verify` (1 + K tokens per sequence), the MTP block's graph and (unless
+    `fused_mtp` is off) `verify_mtp`, verify and the MTP refresh in one graph (export.VerifyMTPStepModule).
+    The fused graph writes MTP rows past the accepted prefix; that is harmless only when the MTP block
+    keeps no position-free state (V4: compress ratio 0, the SWA ring), so a V4 MTP block with a
+    compressor gets no fused graph."""
     kinds = [("prefill", "prefill", 0), ("decode", "decode", 0)]
     if mtp_k > 0:
         if not cfg.num_nextn_predict_layers:
             raise ValueError(f"--mtp {mtp_k}: this checkpoint has no MTP block (num_nextn_predict_layers = 0)")
         kinds += [("verify", "decode", mtp_k), ("mtp", "mtp", mtp_k)]
+        if fused_mtp and not (cfg.is_v4 and cfg.layer_ratio(cfg.num_hidden_layers)):
+            kinds.append(("verify_mtp", "verify_mtp", mtp_k))
     return kinds
 
 
@@ -63,10 +69,12 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        max_tokens: int = 4096, max_batch: int = 8, buckets: tuple[int, ...] | None = None,
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                        progress: bool = False, kernels: dict[str, str] | None = None,
-                       verify_boundaries: bool | None = None, expert_format: str | None = None) -> dict:
+                       verify_boundaries: bool | None = None, expert_format: str | None = None,
+                       fused_mtp: bool = True) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
-    records the format used and that it was chosen by hand."""
+    records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
+    `verify_mtp` graph (speculation then refreshes the MTP with separate `mtp` calls)."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -93,7 +101,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     cfg = model.config
     _prepare(out, force)
     graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
-    for name, kind, k in graph_kinds(cfg, mtp_k):
+    for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
@@ -331,7 +339,7 @@ def describe_artifact(art: str | Path) -> str:
              f"buckets {m['buckets']}; mtp k={m['mtp_k']}"]
     for kind, g in m["graphs"].items():
         changed = [p["name"] for p in g["passes"] if p["changed"]]
-        lines.append(f"graph      {kind:8} {g['file']:20} tokens/seq {g['tokens_per_seq'] or 'dynamic'}, "
+        lines.append(f"graph      {kind:10} {g['file']:24} tokens/seq {g['tokens_per_seq'] or 'dynamic'}, "
                      f"{len(g['weights'])} weights, passes applied: {', '.join(changed) or 'none'}")
     size = sum(f["size"] for f in m["files"].values())
     lines.append(f"files      {len(m['files'])} files, {size / 1e6:.1f} MB; {len(m['weights'])} weight tensors")

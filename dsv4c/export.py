@@ -1,9 +1,12 @@
 """torch.export of the eager models into the graphs dsv4c compiles.
 
-Three graph kinds, all traced from the models' traceable `step` bodies:
+Four graph kinds, all traced from the models' traceable `step` bodies:
   * `prefill`: a chunk of T tokens per sequence, T and the batch B dynamic;
   * `decode`:  1 + k tokens per sequence (k speculative tokens, k = 0 included), B dynamic;
-  * `mtp`:     the MTP block over 1 + k positions, B dynamic (V4 takes the main model's streams).
+  * `mtp`:     the MTP block over 1 + k positions, B dynamic (V4 takes the main model's streams);
+  * `verify_mtp`: `decode` over 1 + k tokens, then the MTP block over the same rows with the main
+    output and, as next tokens, the argmax of the main logits (the fused greedy refresh of MTP
+    speculation, runtime/speculative.py); its caches are the main ones plus the MTP's under `mtp.`.
 
 Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
 flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
@@ -21,15 +24,16 @@ from torch import nn
 
 from dsv4c.config import ModelConfig
 
-GRAPH_KINDS = ("prefill", "decode", "mtp")
+GRAPH_KINDS = ("prefill", "decode", "mtp", "verify_mtp")
+MTP_CACHE_PREFIX = "mtp."  # verify_mtp: the MTP block's caches in the one flat cache dict
 
 
 @dataclass(frozen=True)
 class GraphSpec:
     """What one exported graph computes."""
 
-    kind: str  # prefill | decode | mtp
-    k: int = 0  # speculative tokens: decode/mtp graphs take 1 + k tokens per sequence
+    kind: str  # prefill | decode | mtp | verify_mtp
+    k: int = 0  # speculative tokens: decode/mtp/verify_mtp graphs take 1 + k tokens per sequence
     n_slots: int = 2  # cached sequences (the caches' leading dim)
     max_len: int = 256  # positions per sequence the caches hold
     extra_ring_slots: int = 0  # V4: window-ring rows beyond W, so speculative rows evict nothing live (k_max)
@@ -81,6 +85,35 @@ class MTPStepModule(StepModule):
         return self.model.mtp_step(hidden, input_ids, slots, pos0, n_real, lc)
 
 
+class VerifyMTPStepModule(StepModule):
+    """`verify_mtp`: the main step over 1 + k tokens per row, then the MTP block over the same rows.
+
+    MTP row j gets the main output at row j (V4: streams, V3: post-norm hidden) and, as its next
+    token, x_{j+1} = argmax of the main logits at row j, computed here. For greedy speculation these
+    are the true inputs at every accepted row and at the row of the emitted token, so the MTP output
+    at row a is the next round's first draft without a separate `mtp` call. MTP row j sits at the
+    main position pos0 + j (the speculator keeps the MTP's positions equal to the main ones), so
+    both blocks take `pos0`, `slots` and `n_real`. `caches`: the main caches plus the MTP's under
+    `MTP_CACHE_PREFIX`. -> (logits [B, T, V], hidden, MTP logits [B, T, V], MTP output z, MTP input
+    ids [B, T]); the ids let the caller check, per row, that the MTP saw the tokens it committed."""
+
+    def forward(self, input_ids, slots, pos0, n_real, caches: dict[str, torch.Tensor]):
+        p = MTP_CACHE_PREFIX
+        main = {k: v for k, v in caches.items() if not k.startswith(p)}
+        mtp = {k[len(p):]: v for k, v in caches.items() if k.startswith(p)}
+        logits, hidden = self.model.step(input_ids, slots, pos0, n_real, unflat_caches(main, self.cache_cls,
+                                                                                        self.n_layers))
+        nxt = logits.argmax(-1)  # [B, T]
+        (lc,) = unflat_caches(mtp, self.cache_cls, 1)
+        mlogits, z = self.model.mtp_step(hidden, nxt, slots, pos0, n_real, lc)
+        return logits, hidden, mlogits, z, nxt
+
+
+def verify_mtp_caches(main: dict[str, torch.Tensor], mtp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The flat cache dict of a `verify_mtp` graph: main caches, then the MTP's under the prefix (this order)."""
+    return {**main, **{MTP_CACHE_PREFIX + k: v for k, v in mtp.items()}}
+
+
 def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     """Representative inputs: B = 2 sequences at different positions, real tokens everywhere."""
     cfg: ModelConfig = model.config
@@ -90,6 +123,9 @@ def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len,
                                                                              **extra)
     caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}
+    if spec.kind == "verify_mtp":
+        mcache = model.new_mtp_cache(spec.n_slots, max_len=spec.max_len, **extra)
+        caches = verify_mtp_caches(caches, {k: v.to(device) for k, v in flat_caches(mcache.layers).items()})
     ids = torch.zeros(B, T, dtype=torch.int64, device=device)
     slots = torch.arange(B, device=device)
     pos0 = torch.tensor([0, 5], device=device)
@@ -127,7 +163,8 @@ def export_graph(model: nn.Module, spec: GraphSpec) -> ExportedGraph:
     device = next(model.parameters()).device
     cache = model.new_mtp_cache(2, max_len=8) if spec.kind == "mtp" else model.new_cache(2, max_len=8)
     cache_cls, n_layers = type(cache.layers[0]), len(cache.layers)
-    wrapper = (MTPStepModule if spec.kind == "mtp" else StepModule)(model, cache_cls, n_layers)
+    wrapper = {"mtp": MTPStepModule, "verify_mtp": VerifyMTPStepModule}.get(spec.kind, StepModule)(
+        model, cache_cls, n_layers)
     args = example_inputs(model, spec, device)
     t0 = time.perf_counter()
     program = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(spec, args[-1]), strict=False)

@@ -161,7 +161,8 @@ def test_mtp_artifact_keeps_a_one_token_decode_graph(tmp_path):
     write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
     m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
     assert {n: (g["kind"], g["tokens_per_seq"]) for n, g in m["graphs"].items()} == {
-        "prefill": ("prefill", None), "decode": ("decode", 1), "verify": ("decode", 3), "mtp": ("mtp", 3)}
+        "prefill": ("prefill", None), "decode": ("decode", 1), "verify": ("decode", 3), "mtp": ("mtp", 3),
+        "verify_mtp": ("verify_mtp", 3)}
     model = load_model(tmp_path / "ckpt")
     out = Session.load(tmp_path / "art").generate([[1, 2, 3]], max_new_tokens=4)[0].tokens
     assert out == greedy(model, torch.tensor([[1, 2, 3]]), 4)[0].tolist()

@@ -268,7 +268,7 @@ def test_manifest_quant_map_lists_every_moe_layer(artifacts, target):
     assert len(qm["modules"]) == len(main) + len(qm["mtp_layers"])
     for mod, q in qm["modules"].items():
         assert q["kernel_format"] == KERNEL_FORMAT[fmt] and q["scale"]
-        assert set(q["graphs"]) == ({"mtp"} if q["mtp"] else set(man["graphs"]) - {"mtp"})
+        assert set(q["graphs"]) == ({"mtp", "verify_mtp"} if q["mtp"] else set(man["graphs"]) - {"mtp"})
         for t in q["tensors"]:
             assert t in man["weights"] and t.startswith(mod)
         assert not any(w.startswith((mod + ".w", mod + ".gate_proj")) for w in man["weights"])
