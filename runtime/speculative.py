@@ -15,6 +15,18 @@ main caches hold positions < n, the MTP cache positions < n and its draft for x_
   5. refresh one `mtp` call over positions n..n+a with the true inputs (h_j, x_{j+1}); its output at n+a is
              the next round's d_1.
 
+The fused round (artifacts with a `verify_mtp` graph, dsv4c/export.py `VerifyMTPStepModule`): steps 2 and
+5 are one graph call. After the verify forward the graph runs the MTP block over rows 0..k with
+(h_{n+j}, argmax p_j) and returns the MTP logits/output per row and the argmax ids it used. For a greedy
+row these are the true inputs at every row <= a (accepted d_{j+1} = argmax p_j, and y = argmax p_a), so
+the MTP output at row a is exactly what the refresh computes. A row keeps the fused result only if its
+committed tokens d_1..d_a, y equal the graph's ids (`_take_fused`); otherwise (sampling rows whose
+accepted or emitted token was not the argmax) it gets the separate refresh of step 5
+(`SpecStats.fused_rounds` / `fallback_refreshes` count both). MTP rows written for positions > n+a are
+stale like the verify's rows: the MTP ring also holds W + K rows, the MTP block has no compressor
+(ratio 0, checked), and the next round rewrites those positions before any query reads them. Drafts
+d_2..d_k still come from `mtp` calls, and rollback replays still use `verify`.
+
 Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_ops.py):
   * window ring: the caches carry W + K rows (`extra_ring_slots`), so the verify's rows evict only
     positions <= n-W, which no later query reads; rows of rejected positions are rewritten before any
@@ -23,8 +35,8 @@ Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_op
     chunk that reaches that position rewrites it first.
   * V3/V3.2 latent, k_pe and indexer keys: row p is read only by queries at positions >= p, after the
     chunk holding p wrote it again.
-  * MTP ring (V4, sliding window only) and V3 MTP cache: same argument, and the refresh rewrites positions
-    n..n+a with true inputs.
+  * MTP ring (V4, sliding window only) and V3 MTP cache: same argument, and the refresh (or the fused
+    graph) rewrites positions n..n+a with true inputs.
   * the compressor open-group state (`comp_kv/comp_score`, `idx_kv/idx_score`) is not position-indexed:
     when a group closes inside the verify chunk after n+a, rows of the accepted positions are pooled
     into a (wrong) entry and dropped from the state. Those sequences get their state rows restored from
@@ -45,12 +57,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
 from dsv4c.runtime.sampling import SamplingParams, processed_probs
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
 DraftFilter = Callable[[object, int, list[int]], list[int]]
 OPEN_GROUP_STATE = ("comp_kv", "comp_score", "idx_kv", "idx_score")
+FUSED = "verify_mtp"  # the artifact's fused verify + MTP refresh graph (dsv4c/compile.py graph_kinds)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,6 +113,8 @@ class SpecStats:
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts 0..k
     rounds: int = 0
     replays: int = 0  # rounds whose rollback replayed the accepted prefix (compressor group closed)
+    fused_rounds: int = 0  # rounds whose next first draft came from the verify_mtp graph
+    fallback_refreshes: int = 0  # verify_mtp rounds that still needed a separate mtp refresh (non-argmax tokens)
     policy: dict | None = None
 
     def __post_init__(self):
@@ -120,7 +136,8 @@ class SpecStats:
                "acceptance_per_position": acc, "accepted_per_position": list(self.accepted),
                "proposed_per_position": list(self.proposed), "accept_histogram": list(self.histogram),
                "mean_accepted_length": (n_acc + self.rounds) / self.rounds if self.rounds else None,
-               "accepted_draft_tokens": n_acc, "rollback_replays": self.replays}
+               "accepted_draft_tokens": n_acc, "rollback_replays": self.replays,
+               "fused_rounds": self.fused_rounds, "fallback_refreshes": self.fallback_refreshes}
         if self.policy is not None:
             out["mtp_policy"] = self.policy
         return out
@@ -135,6 +152,7 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
     k = max(len(s["accept_histogram"]) for s in spec) - 1
     prop, acc, hist = [0] * k, [0] * k, [0] * (k + 1)
     replays = sum(s.get("rollback_replays", 0) for s in spec)
+    fused = {key: sum(s.get(key, 0) for s in spec) for key in ("fused_rounds", "fallback_refreshes")}
     for s in spec:
         for j, (p, a) in enumerate(zip(s["proposed_per_position"], s["accepted_per_position"])):
             prop[j] += p
@@ -144,7 +162,8 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
     rounds = sum(hist)
     out = {"mtp_k": k, "rounds": rounds, "acceptance_per_position": [a / p if p else None for a, p in zip(acc, prop)],
            "proposed_per_position": prop, "accept_histogram": hist,
-           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None, "rollback_replays": replays}
+           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None, "rollback_replays": replays,
+           **fused}
     if "mtp_policy" in spec[0]:
         out["mtp_policy"] = spec[0]["mtp_policy"]
     return out
@@ -185,6 +204,10 @@ class Speculator:
         self.group_sizes = sorted({m for m in ratios if m})  # the CSA indexer's compressor also has m = 4
         self._prompt_hidden: dict[int, torch.Tensor] = {}
         self.calibration: dict = {}
+        # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
+        mtp_state = [n for n in self.mtp_caches if n.rsplit(".", 1)[-1] in OPEN_GROUP_STATE]
+        self.fused = FUSED in sess.graphs and not mtp_state  # stale MTP rows need a position-indexed cache
+        self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
 
     # ---- admission ------------------------------------------------------------------------------
     def prefill(self, r) -> torch.Tensor:
@@ -238,7 +261,12 @@ class Speculator:
         for i, q in enumerate(seqs):
             ids[i, : 1 + ks[i]] = torch.tensor([q.req.out[-1]] + drafts[i])
         snap = self._snapshot(slots)
-        logits, hidden = sess._run("verify", ids, slots, [1 + k for k in ks], outputs=True)
+        fused = None
+        if self.fused:  # verify and the MTP over the same rows with in-graph argmax inputs
+            logits, hidden, *fused = sess._run(FUSED, ids, slots, [1 + k for k in ks], caches=self.fused_caches,
+                                               outputs=True)
+        else:
+            logits, hidden = sess._run("verify", ids, slots, [1 + k for k in ks], outputs=True)
         logits = logits.float().cpu()
         accepted, replay = [], []
         for i, q in enumerate(seqs):
@@ -257,7 +285,10 @@ class Speculator:
             for tok in drafts[i][:a] + [y]:
                 if q.req.finish is None:
                     yield from sess._push(q.req, tok)
-        self._refresh(slots, seqs, hidden, drafts, accepted, n0)
+        live = [i for i, q in enumerate(seqs) if q.req.finish is None]
+        if fused is not None:
+            live = self._take_fused(slots, seqs, drafts, accepted, n0, live, *fused)
+        self._refresh(slots, seqs, hidden, drafts, accepted, n0, live)
 
     def _draft(self, slots: list[int], seqs: list[_Seq], ks: list[int]):
         """k drafts per sequence and the distributions they were drawn from ([k, V] each)."""
@@ -290,9 +321,29 @@ class Speculator:
         V = self.cfg.vocab_size
         return drafts, [torch.stack(q) if q else torch.zeros(0, V) for q in qs]
 
-    def _refresh(self, slots, seqs, hidden, drafts, accepted, n0) -> None:
-        """MTP over positions n..n+a with true inputs (h_j, x_{j+1}); its last output drafts d_1."""
-        live = [i for i, q in enumerate(seqs) if q.req.finish is None]
+    def _take_fused(self, slots, seqs, drafts, accepted, n0, live: list[int], mlogits, mz, mids) -> list[int]:
+        """Keep the verify_mtp graph's MTP output at row a as the next d_1 for the rows of `live` whose
+        committed tokens d_1..d_a, y are the graph's MTP input ids (always for greedy rows): there the
+        MTP saw the true inputs (h_j, x_{j+1}) at every row <= a. -> the rows that need `_refresh`."""
+        if not live:
+            return []
+        mids = mids.cpu()  # [B, T]
+        fallback = []
+        for i in live:
+            a, y = accepted[i]
+            q = seqs[i]
+            if mids[i, : a + 1].tolist() == drafts[i][:a] + [y]:  # fused path
+                q.draft_logits, q.draft_z = mlogits[i, a], mz[i, a]
+                self.mtp_pos[slots[i]] = n0[i] + a + 1
+                q.stats.fused_rounds += 1
+            else:  # a committed token was not the argmax (sampling): the MTP input at that row was wrong
+                fallback.append(i)
+                q.stats.fallback_refreshes += 1
+        return fallback
+
+    def _refresh(self, slots, seqs, hidden, drafts, accepted, n0, live: list[int]) -> None:
+        """MTP over positions n..n+a with true inputs (h_j, x_{j+1}) for the rows `live`; its last output
+        drafts d_1."""
         if not live:
             return
         K = self.K
@@ -364,6 +415,7 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
     """k for `mtp="auto"`: maximise the predicted decode speedup
         S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B) + P_replay·t_verify(B)),
         τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
+    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp,
     with step times measured at batch B (calls with n_real = 0 write nothing) and α measured by a short
     calibration generation on the first prompt at this temperature (cached per session, B and T bucket).
     k = 0 (plain decoding) when no k predicts a gain of at least 5 %."""
@@ -376,11 +428,13 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
     if akey not in cal:
         cal[akey] = _measure_alpha(sess, spec, params, calib_ids)
     t = cal[tkey]
-    alpha, p_replay = cal[akey]
+    alpha, p_replay, p_fallback = cal[akey]
+    # verify + the refresh of the next first draft: one fused call, or verify then mtp
+    refresh = t[FUSED] + p_fallback * t["mtp"] if FUSED in t else t["verify"] + t["mtp"]
     best, pred = 0, {0: 1.0}
     for k in range(1, spec.K + 1):
         tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
-        cost = t["verify"] * (1 + p_replay) + k * t["mtp"]
+        cost = refresh + p_replay * t["verify"] + (k - 1) * t["mtp"]
         pred[k] = tau * t["decode"] / cost
         if pred[k] > pred[best] * (1.05 if best == 0 else 1.0):
             best = k
@@ -388,6 +442,7 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
               f"no k predicts >= 1.05x (best {max(pred.values()):.2f}x)")
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
             "alpha": [round(a, 3) for a in alpha], "p_replay": round(p_replay, 3),
+            "p_fallback": round(p_fallback, 3),
             "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
@@ -399,7 +454,7 @@ def _temperature_bucket(temp: float) -> float:
 
 
 def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, float]:
-    """Seconds per call of decode / verify / mtp at batch B, with n_real = 0 (no cache writes)."""
+    """Seconds per call of decode / verify / mtp (and verify_mtp) at batch B, with n_real = 0 (no cache writes)."""
     slots = list(range(B))
     zero = [0] * B
     K = spec.K
@@ -409,6 +464,9 @@ def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, floa
     calls = {"decode": lambda: sess._run("decode", torch.zeros(B, 1, dtype=torch.int64), slots, zero),
              "verify": lambda: sess._run("verify", torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero),
              "mtp": lambda: spec._mtp(hidden, torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero)}
+    if spec.fused:
+        calls[FUSED] = lambda: sess._run(FUSED, torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero,
+                                         caches=spec.fused_caches)
     out = {}
     for name, fn in calls.items():
         fn()  # warm-up (and capture, under an executor)
@@ -424,14 +482,16 @@ def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, floa
 
 
 def _measure_alpha(sess, spec: Speculator, params: SamplingParams, ids: list[int], n_new: int = 24):
-    """Per-position acceptance and replay rate of a short K-draft generation of `ids` (one sequence)."""
+    """Per-position acceptance, replay rate and fused-refresh fallback rate of a short K-draft generation
+    of `ids` (one sequence)."""
     ids = ids[-max(1, sess.max_tokens - n_new - 1):]
     res = sess.generate([ids], max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
                         top_k=params.top_k, seed=12345, mtp=spec.K)[0].stats
     acc = [a if a is not None else 0.0 for a in res["acceptance_per_position"]]
     if not res["rounds"]:
         acc = [PRIOR_ALPHA] * spec.K
-    return acc, res["rollback_replays"] / max(res["rounds"], 1)
+    rounds = max(res["rounds"], 1)
+    return acc, res["rollback_replays"] / rounds, res["fallback_refreshes"] / rounds
 
 
 def _sync(device: torch.device) -> None:

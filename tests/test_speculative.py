@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv4c import ModelConfig, load_model
-from dsv4c.export import unflat_caches
+from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.sampling import SamplingParams, processed_probs
@@ -24,10 +24,13 @@ BUNDLE = Path(__file__).resolve().parents[1] / "examples" / "models" / "v4-tiny-
 PROMPT_LENS = [3, 11, 70, 6, 25]
 
 
-def eager_session(model, max_batch: int = 4, max_tokens: int = 104, mtp_k: int = 3) -> Session:
-    """A Session whose graphs are the eager model's step functions (graph_mode off)."""
+def eager_session(model, max_batch: int = 4, max_tokens: int = 104, mtp_k: int = 3, fused: bool = True) -> Session:
+    """A Session whose graphs are the eager model's step functions (graph_mode off). `fused`: with the
+    `verify_mtp` graph (the export wrapper `VerifyMTPStepModule`, run eagerly), else as an artifact
+    compiled before it."""
     cache = model.new_cache(1, max_len=1)
     cls, n_layers = type(cache.layers[0]), len(cache.layers)
+    verify_mtp = VerifyMTPStepModule(model, cls, n_layers)
 
     def main(ids, slots, pos0, n_real, caches, weights):
         return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
@@ -44,12 +47,16 @@ def eager_session(model, max_batch: int = 4, max_tokens: int = 104, mtp_k: int =
         return model.mtp_step(hidden, ids, slots, pos0, n_real, lc)
 
     kinds = {"prefill": None, "decode": 1, "verify": 1 + mtp_k, "mtp": 1 + mtp_k}
+    if fused:
+        kinds["verify_mtp"] = 1 + mtp_k
     manifest = {"model_config": model.config.to_dict(), "dtype": str(model.act_dtype).replace("torch.", ""),
                 "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
                 "mtp_k": mtp_k, "buckets": [], "target": {"name": "cpu"},
                 "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
     graphs = {"prefill": main, "decode": fixed(1, main), "verify": fixed(1 + mtp_k, main),
               "mtp": fixed(1 + mtp_k, mtp)}
+    if fused:
+        graphs["verify_mtp"] = fixed(1 + mtp_k, lambda *args: verify_mtp(*args[:-1]))
     return Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None)
 
 
@@ -80,6 +87,18 @@ def bundled():
 
 
 @pytest.fixture(scope="module")
+def unfused(bundled):
+    """The same model as an artifact without the verify_mtp graph (compiled before it existed)."""
+    return eager_session(bundled[0], fused=False)
+
+
+def _session(bundled, unfused, fused: bool) -> Session:
+    sess = bundled[1] if fused else unfused
+    assert speculator(sess).fused is fused
+    return sess
+
+
+@pytest.fixture(scope="module")
 def plain(bundled):
     model, sess = bundled
     ps = prompts(model.config.vocab_size)
@@ -87,7 +106,9 @@ def plain(bundled):
         return ps, [r.tokens for r in sess.generate(ps, max_new_tokens=20)]
 
 
-def _check_stats(st: dict, k: int, n_tokens: int) -> None:
+def _check_stats(st: dict, k: int, n_tokens: int, fused: bool) -> None:
+    # greedy: every round but the last (which ends the request) takes its next first draft from the fused graph
+    assert st["fused_rounds"] == (max(st["rounds"] - 1, 0) if fused else 0) and st["fallback_refreshes"] == 0
     assert st["mtp_k"] == k and sum(st["accept_histogram"]) == st["rounds"] and len(st["accept_histogram"]) == k + 1
     assert st["accepted_draft_tokens"] == sum(a * c for a, c in enumerate(st["accept_histogram"]))
     assert st["accepted_draft_tokens"] + st["rounds"] == n_tokens - 1  # the first token comes from prefill
@@ -100,21 +121,24 @@ def _check_stats(st: dict, k: int, n_tokens: int) -> None:
 # ------------------------------------------------------------------------------------------------
 # greedy equality (eager graphs, the trained bundled model)
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 @torch.no_grad()
-def test_greedy_mtp_equals_plain_greedy(bundled, plain, k):
-    _, sess = bundled
+def test_greedy_mtp_equals_plain_greedy(bundled, unfused, plain, k, fused):
+    sess = _session(bundled, unfused, fused)
     ps, ref = plain
     out = sess.generate(ps, max_new_tokens=20, mtp=k)  # 5 prompts through 4 slots
     assert [r.tokens for r in out] == ref
     for r in out:
-        _check_stats(r.stats, k, len(r.tokens))
+        _check_stats(r.stats, k, len(r.tokens), fused)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("k", [1, 3])
 @torch.no_grad()
-def test_greedy_with_forced_rejection_at_every_offset(bundled, plain, k):
-    model, sess = bundled
+def test_greedy_with_forced_rejection_at_every_offset(bundled, unfused, plain, k, fused):
+    model, _ = bundled
+    sess = _session(bundled, unfused, fused)
     ps, ref = plain
     spec = speculator(sess)
     spec.draft_filter = corrupt_every_offset(k, model.config.vocab_size, dict(enumerate(ref)))
@@ -126,6 +150,8 @@ def test_greedy_with_forced_rejection_at_every_offset(bundled, plain, k):
     hist = [sum(r.stats["accept_histogram"][a] for r in out) for a in range(k + 1)]
     assert all(h > 0 for h in hist), hist  # a rejection at every offset happened, and full acceptance
     assert sum(r.stats["rollback_replays"] for r in out) > 0  # and some needed the replay
+    assert (sum(r.stats["fused_rounds"] for r in out) > 0) is fused
+    assert sum(r.stats["fallback_refreshes"] for r in out) == 0  # greedy rows never fall back
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,15 +205,16 @@ def _assert_rolled_back(model, sess, spec: Speculator, r, K: int) -> None:
     assert ((got - draft).abs().max() / draft.abs().max()).item() < 1e-4  # the pending draft of the next round
 
 
-def _run_rounds(model, sess, prompt: list[int], k: int, rounds: int, check) -> SpecStats:
+def _run_rounds(model, sess, prompt: list[int], k: int, rounds: int, check, temperature: float = 0.0) -> SpecStats:
     """Drive one sequence round by round (as Session._serve does), rejecting at every offset in turn,
-    and call check after every round."""
+    and call check after every round. Greedy: the drafts are the true continuation but for the
+    corrupted one; sampling: the MTP's drafts with one corrupted."""
     spec = speculator(sess)
     n_new = rounds * (k + 1) + 2
-    truth = sess.generate([prompt], max_new_tokens=n_new)[0].tokens
+    truth = sess.generate([prompt], max_new_tokens=n_new)[0].tokens if temperature == 0 else None
     spec.k = k
-    spec.draft_filter = corrupt_every_offset(k, model.config.vocab_size, {0: truth})
-    (r,) = sess._requests([prompt], n_new, 0.0, 1.0, 0, 0, None)
+    spec.draft_filter = corrupt_every_offset(k, model.config.vocab_size, truth and {0: truth})
+    (r,) = sess._requests([prompt], n_new, temperature, 1.0, 0, 0, None)
     r.slot = 1
     sess._reset_slot(r.slot)
     try:
@@ -203,12 +230,83 @@ def _run_rounds(model, sess, prompt: list[int], k: int, rounds: int, check) -> S
     return r.spec
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @torch.no_grad()
-def test_rolled_back_caches_equal_fresh_prefill_v4(bundled):
-    model, sess = bundled
+def test_rolled_back_caches_equal_fresh_prefill_v4(bundled, unfused, fused):
+    model, _ = bundled
+    sess = _session(bundled, unfused, fused)
     (prompt,) = prompts(model.config.vocab_size, [61], seed=1)  # the verify chunks cross W and groups of 4/16
     st = _run_rounds(model, sess, prompt, 3, 8, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3))
     assert st.replays > 0 and min(st.histogram) > 0
+    assert st.fused_rounds == (8 if fused else 0) and st.fallback_refreshes == 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@torch.no_grad()
+def test_fused_refresh_equals_separate_refresh(bundled, unfused, k):
+    """After every round (accepted and rejected ones in turn) the fused path's MTP caches, MTP position
+    and next-round draft (logits, streams) equal what the separate `mtp` refresh gives: the caches
+    bitwise here, the draft within 1e-6 (the MTP block runs over 1 + k rows instead of a + 1)."""
+    model, _ = bundled
+    cfg = model.config
+    (prompt,) = prompts(cfg.vocab_size, [61], seed=1)
+
+    def trace(sess):
+        out = []
+
+        def record(spec, r):
+            n, q = len(r.ids) + len(r.out) - 1, spec.seqs[r.slot]
+            mtp = {name: _valid(name, t[r.slot], n, cfg, True).clone() for name, t in spec.mtp_caches.items()}
+            out.append((list(r.out), int(spec.mtp_pos[r.slot]), list(r.spec.histogram), mtp,
+                        q.draft_logits.clone(), q.draft_z.clone()))
+        st = _run_rounds(model, sess, prompt, k, 6, record)
+        return out, st
+
+    got, st_f = trace(bundled[1])
+    want, st_u = trace(unfused)
+    assert st_f.fused_rounds == 6 and st_u.fused_rounds == 0
+    outcomes = set()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g[:3] == w[:3], i  # tokens, MTP position, acceptance so far
+        outcomes.add(g[2].index(max(g[2])) if i == 0 else
+                     next(a for a, (x, y) in enumerate(zip(g[2], got[i - 1][2])) if x != y))
+        for name in w[3]:
+            assert torch.equal(g[3][name], w[3][name]), (i, name)
+        assert _rel(g[4], w[4]) < 1e-6 and _rel(g[5], w[5]) < 1e-6, i
+    assert outcomes == set(range(k + 1))  # rejected at every offset and fully accepted
+
+
+@torch.no_grad()
+def test_sampling_rows_fall_back_to_the_separate_refresh(bundled):
+    """Temperature > 0: a row keeps the fused result only when its committed tokens were the argmax;
+    the others refresh separately. Either way the caches and the pending draft equal a fresh prefill."""
+    model, sess = bundled
+    (prompt,) = prompts(model.config.vocab_size, [40], seed=3)
+    st = _run_rounds(model, sess, prompt, 2, 8, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3),
+                     temperature=0.7)
+    assert st.fused_rounds > 0 and st.fallback_refreshes > 0 and st.fused_rounds + st.fallback_refreshes == 8
+
+
+@torch.no_grad()
+def test_mixed_greedy_and_sampling_rows_in_one_round(bundled, plain):
+    """One batch, rows at temperature 0 and 0.8: the greedy rows take the fused path and equal plain
+    greedy; sampling rows whose tokens were not the argmax fall back, row by row."""
+    _, sess = bundled
+    ps, ref = plain
+    reqs = sess._requests(ps, 20, 0.0, 1.0, 0, 0, None)
+    for i in (1, 3):
+        reqs[i].params = SamplingParams(0.8)
+    list(sess._serve(reqs, 2))
+    st = [sess._result(r).stats for r in reqs]
+    for i in (0, 2, 4):
+        assert reqs[i].out == ref[i]
+        _check_stats(st[i], 2, len(reqs[i].out), True)
+    assert sum(st[i]["fallback_refreshes"] for i in (1, 3)) > 0
+    assert all(st[i]["fused_rounds"] + st[i]["fallback_refreshes"] == st[i]["rounds"] - 1 for i in (1, 3))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,7 +428,8 @@ def test_accept_rule_edge_cases():
 @torch.no_grad()
 def test_end_to_end_sampling_distribution_tiny_vocab():
     """A V4 model with an 8-token vocabulary: the (first, second) generated tokens of mtp=2 sampling
-    follow p(x1)·p(x2 | x1) computed from the model's own logits."""
+    follow p(x1)·p(x2 | x1) computed from the model's own logits. The rounds run the fused graph: rows whose
+    tokens were the argmax keep its MTP output, the others refresh separately (both happen here)."""
     cfg = dataclasses.replace(ModelConfig.preset("v4-tiny-a"), vocab_size=8, eos_token_id=None, bos_token_id=None)
     model = randomize_(build_model(cfg, dtype=torch.float32), seed=2).eval()  # a random MTP: mostly rejected
     sess = eager_session(model, max_batch=8, max_tokens=16, mtp_k=2)
@@ -338,13 +437,16 @@ def test_end_to_end_sampling_distribution_tiny_vocab():
     p1 = processed_probs(sess.logits(prompt)[-1], params)
     target = torch.stack([p1[a] * processed_probs(sess.logits(prompt + [a])[-1], params) for a in range(8)])
     counts = torch.zeros(8, 8, dtype=torch.int64)
-    rounds = [0, 0]
+    rounds = [0, 0, 0, 0]
     for seed in range(0, n, 96):  # 4 tokens: the first round drafts 2
         for r in sess.generate([prompt] * 96, max_new_tokens=4, temperature=1.0, top_p=0.9, seed=seed, mtp=2):
             counts[r.tokens[0], r.tokens[1]] += 1
             rounds[0] += r.stats["proposed_per_position"][0]
             rounds[1] += r.stats["accepted_per_position"][0]
+            rounds[2] += r.stats["fused_rounds"]
+            rounds[3] += r.stats["fallback_refreshes"]
     assert 0 < rounds[1] < rounds[0]  # first drafts both accepted and rejected
+    assert rounds[2] > 0 and rounds[3] > 0  # fused and fallback refreshes
     assert chi2_pvalue(counts, target) > 1e-3
 
 
@@ -358,11 +460,19 @@ def test_choose_k_follows_the_measurements(bundled):
     try:
         spec.calibration.clear()
         times = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
-        spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0),
+        spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0, 0.0),
                                  ("times", 64): {"decode": 1.0, "verify": 3.5, "mtp": 0.5},
-                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.5)})
+                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.5, 0.0)})
         k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
         assert k >= 2 and info["predicted_speedup"][k] > 1.5 and "k=" in info["reason"]
+        # k = 1 costs verify + mtp = 1.3: speedup 1.9 / 1.3; the fused graph (1.25, no fallback) costs less
+        assert info["predicted_speedup"][1] == pytest.approx(1.9 / 1.3, abs=1e-3)
+        times["verify_mtp"] = 1.25
+        _, fused = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        assert fused["predicted_speedup"][1] == pytest.approx(1.9 / 1.25, abs=1e-3)
+        spec.calibration[("alpha", 0.0)] = ([0.9, 0.8, 0.7], 0.0, 0.5)  # half the rounds refresh again
+        _, fb = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        assert fb["predicted_speedup"][1] == pytest.approx(1.9 / 1.3, abs=1e-3) and fb["p_fallback"] == 0.5
         k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [5])  # B clipped to max_batch = 4: measure
         assert ("times", 4) in spec.calibration
         spec.calibration[("times", 4)] = {"decode": 1.0, "verify": 3.5, "mtp": 0.5}
@@ -381,7 +491,7 @@ def test_auto_records_its_decision_and_stays_exact(bundled, plain):
     assert [r.tokens for r in out] == ref[:2]
     pol = out[0].stats["mtp_policy"]
     assert pol["k"] in range(4) and pol["reason"] and len(pol["alpha"]) == 3
-    assert set(pol["step_ms"]) == {"decode", "verify", "mtp"}
+    assert set(pol["step_ms"]) == {"decode", "verify", "mtp", "verify_mtp"}
 
 
 def test_bad_mtp_arguments_are_named(bundled):
@@ -411,6 +521,7 @@ def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, bund
     ps, ref = plain
     sess = compiled
     assert sess.caches["0.ring"].shape[1] == model.config.sliding_window + 3  # extra_ring_slots = K
+    assert speculator(sess).fused and speculator(sess).mtp_caches["0.ring"].shape[1] == model.config.sliding_window + 3
     assert [r.tokens for r in sess.generate(ps, max_new_tokens=20)] == ref
     spec = speculator(sess)
     for k in (1, 2, 3):
@@ -420,9 +531,69 @@ def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, bund
         finally:
             spec.draft_filter = None
         assert [r.tokens for r in out] == ref, k
+        assert sum(r.stats["fused_rounds"] for r in out) > 0 and sum(r.stats["fallback_refreshes"] for r in out) == 0
     (prompt,) = prompts(model.config.vocab_size, [61], seed=1)
     st = _run_rounds(model, sess, prompt, 3, 4, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3))
     assert st.replays > 0
+
+
+@pytest.mark.slow
+def test_compiled_fused_graph_in_the_manifest(compiled):
+    """verify_mtp is in the manifest, the plan and `dsv4c inspect`, and reads no weight that verify and mtp
+    do not (one weight table: nothing new is stored)."""
+    from dsv4c.compile import describe_artifact
+
+    m = compiled.manifest
+    g = m["graphs"]["verify_mtp"]
+    assert (g["kind"], g["k"], g["tokens_per_seq"]) == ("verify_mtp", 3, 4)
+    assert set(g["weights"]) == set(m["graphs"]["verify"]["weights"]) | set(m["graphs"]["mtp"]["weights"])
+    assert "verify_mtp" in m["segment_plan"] and "verify_mtp" in describe_artifact(compiled.art)
+    # one dynamic (router) segment per main MoE layer plus the MTP block's
+    assert len(m["segment_plan"]["verify_mtp"]["segments"]) == len(m["segment_plan"]["verify"]["segments"]) + 2
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_fused_graph_in_the_executor(compiled, plain):
+    """The fused graph through the SegmentExecutor (emulated buckets 1/2/4, as the cpu target has none):
+    a batch of 3 (one padded row with n_real = 0) gives plain greedy's tokens."""
+    ps, ref = plain
+    sess = Session(compiled.art, {**compiled.manifest, "buckets": [1, 2, 4]}, compiled.graphs, compiled.weights,
+                   compiled.device, None, graph_mode="emulate")  # the loaded graphs and weights, shared
+    ex = sess.executors["verify_mtp"]
+    out = sess.generate(ps[:3], max_new_tokens=12, mtp=2)
+    assert [r.tokens for r in out] == [t[:12] for t in ref[:3]]
+    assert ex.stats["runs"] > 0 and ex.stats["eager_fallbacks"] == 0 and ex.buckets == (1, 2, 4)
+    assert sum(r.stats["fused_rounds"] for r in out) > 0
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_artifact_without_the_fused_graph_still_speculates(compiled, plain):
+    """An artifact compiled before verify_mtp existed (this one's manifest and graphs without it: the
+    Session is built from them as `Session.load` does) speculates through verify + mtp, exactly."""
+    ps, ref = plain
+    m = {**compiled.manifest, "graphs": {k: g for k, g in compiled.manifest["graphs"].items() if k != "verify_mtp"}}
+    graphs = {k: g for k, g in compiled.graphs.items() if k != "verify_mtp"}
+    sess = Session(compiled.art, m, graphs, compiled.weights, compiled.device, None)
+    assert not speculator(sess).fused
+    out = sess.generate(ps[:3], max_new_tokens=20, mtp=2)
+    assert [r.tokens for r in out] == ref[:3]
+    assert sum(r.stats["fused_rounds"] for r in out) == 0 and sum(r.stats["accepted_draft_tokens"] for r in out) > 0
+
+
+def test_graph_kinds_add_the_fused_graph_with_mtp():
+    from dsv4c.compile import graph_kinds
+
+    cfg = ModelConfig.preset("v4-tiny-a")
+    assert [n for n, _, _ in graph_kinds(cfg, 0)] == ["prefill", "decode"]
+    assert graph_kinds(cfg, 2)[2:] == [("verify", "decode", 2), ("mtp", "mtp", 2), ("verify_mtp", "verify_mtp", 2)]
+    assert [n for n, _, _ in graph_kinds(cfg, 2, fused_mtp=False)] == ["prefill", "decode", "verify", "mtp"]
+    assert "verify_mtp" in [n for n, _, _ in graph_kinds(ModelConfig.preset("v3-tiny"), 1)]
+    # an MTP block with a compressor keeps open-group state that stale rows would corrupt: no fused graph
+    n = cfg.num_hidden_layers
+    hca = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:n] + (16,))
+    assert [n for n, _, _ in graph_kinds(hca, 2)] == ["prefill", "decode", "verify", "mtp"]
 
 
 @pytest.mark.slow
