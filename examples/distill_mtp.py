@@ -160,6 +160,33 @@ def greedy_continuations(model, prompts: torch.Tensor, n_new: int, device: torch
 
 
 @torch.no_grad()
+@torch.no_grad()
+def sampled_continuations(model, prompts: torch.Tensor, n_new: int, device: torch.device, temperature: float,
+                          gen: torch.Generator) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + n_new]: continuations sampled from the main model at `temperature`
+    (on-policy text for the MTP to imitate), each step a full no-cache forward."""
+    ids = prompts.to(device)
+    for _ in range(n_new):
+        with _autocast(device):
+            logits, _ = train_forward(model, ids)
+        p = torch.softmax(logits[:, -1].float() / temperature, -1).cpu()
+        ids = torch.cat([ids, torch.multinomial(p, 1, generator=gen).to(device)], 1)
+    return ids.cpu()
+
+
+def mixed_batches(corpus: Iterator[torch.Tensor], pool: torch.Tensor, every: int, seed: int) -> Iterator[torch.Tensor]:
+    """Corpus batches, with every `every`-th batch replaced by the rows of `pool` [N, T+1] in a seeded
+    random order (B rows each, B = the corpus batch size)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    step = 0
+    while True:
+        batch = next(corpus)
+        if pool.numel() and every and step % every == every - 1:
+            batch = pool[torch.randint(0, pool.shape[0], (batch.shape[0],), generator=g)]
+        step += 1
+        yield batch
+
+
 def greedy_agreement(model, seqs: torch.Tensor, n_prompt: int, device: torch.device) -> dict:
     """On-policy acceptance proxy: over the main model's own greedy sequences seqs [B, L] (prompt of
     n_prompt tokens), the fraction of rows where the MTP draft for t+2 (fed the generated token t+1)
@@ -349,6 +376,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gen-prompt-len", type=int, default=64, help="their prompt length (held-out tokens)")
     ap.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens per sequence (0: skip)")
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--self-text", type=int, default=0,
+                    help="rows of on-policy text sampled from the main model (--seq + 1 tokens each) to mix in")
+    ap.add_argument("--self-prompt", type=int, default=32, help="corpus tokens that start each on-policy row")
+    ap.add_argument("--self-temperature", type=float, default=1.0)
+    ap.add_argument("--self-every", type=int, default=2, help="every N-th training batch comes from the on-policy rows")
     a = ap.parse_args(argv)
     if a.out.resolve() == a.ckpt.resolve():
         ap.error("--out must differ from --ckpt: the input checkpoint is never modified in place")
@@ -411,9 +443,19 @@ def run(a: argparse.Namespace, train_stream: torch.Tensor, held_stream: torch.Te
     print(json.dumps({"held_out_before": before, "eval_seconds": round(t_eval, 2),
                       "greedy_generation_seconds": round(t_gen, 2)}), flush=True)
     # what follows training: one evaluation in memory, CPU copy + write, reload, one more evaluation
+    data = sample_batches(train_stream, a.batch, a.seq, a.seed)
+    t_self = 0.0
+    if a.self_text:  # on-policy text: the main model's own samples from training-corpus prompts
+        t0 = time.perf_counter()
+        prompts = next(sample_batches(train_stream, a.self_text, a.self_prompt - 1, a.seed + 7))
+        pool = sampled_continuations(model, prompts, a.seq + 1 - a.self_prompt, dev, a.self_temperature,
+                                     torch.Generator().manual_seed(a.seed + 11))
+        data = mixed_batches(data, pool, a.self_every, a.seed)
+        t_self = time.perf_counter() - t0
+        print(json.dumps({"self_text_rows": pool.shape[0], "self_text_seconds": round(t_self, 1)}), flush=True)
     reserve = 2.5 * t_eval + 2.5 * t_load + 5.0
     stop_at = deadline - reserve
-    log = train(model, params, sample_batches(train_stream, a.batch, a.seq, a.seed), dev,
+    log = train(model, params, data, dev,
                 Schedule(a.lr, a.warmup), a.ce_weight, a.steps, stop_at, a.log_every)
     steps, train_s = log[-1]["steps"], log[-1]["seconds"]
 

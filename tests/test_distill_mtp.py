@@ -199,3 +199,12 @@ def test_minutes_bound_stops_training(ckpt, tmp_path):
 def test_out_must_not_be_the_input(ckpt):
     with pytest.raises(SystemExit):
         dm.parse_args(["--ckpt", str(ckpt), "--out", str(ckpt)])
+
+
+def test_on_policy_rows_replace_every_nth_batch():
+    corpus = (torch.zeros(4, 9, dtype=torch.int64) + i for i in itertools.count())
+    pool = torch.full((3, 9), -1, dtype=torch.int64)
+    got = list(itertools.islice(dm.mixed_batches(corpus, pool, 2, seed=0), 6))
+    assert [int(b[0, 0]) for b in got] == [0, -1, 2, -1, 4, -1] and all(b.shape == (4, 9) for b in got)
+    plain = (torch.zeros(4, 9, dtype=torch.int64) + i for i in itertools.count())
+    assert [int(b[0, 0]) for b in itertools.islice(dm.mixed_batches(plain, pool[:0], 2, seed=0), 3)] == [0, 1, 2]
