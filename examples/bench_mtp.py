@@ -30,12 +30,13 @@ PROMPTS = ["import os\nimport sys\n", "def add(a, b):\n    return a + b\n\n\ndef
            "import re\n\n_pattern = re.compile(", "    def __init__(self, name):\n        self.name = name\n"]
 
 
-def compile_bundle(device: str, k: int, max_batch: int, max_tokens: int, out: Path) -> Path:
+def compile_bundle(device: str, k: int, max_batch: int, max_tokens: int, out: Path, check: bool = True) -> Path:
     from dsv4c.compile import compile_checkpoint
 
     target = "h200" if device.startswith("cuda") else "cpu"
     t0 = time.perf_counter()
-    compile_checkpoint(BUNDLE, out, target=target, max_tokens=max_tokens, max_batch=max_batch, mtp_k=k, progress=True)
+    compile_checkpoint(BUNDLE, out, target=target, max_tokens=max_tokens, max_batch=max_batch, mtp_k=k, progress=True,
+                       verify_boundaries=None if check else False)
     print(f"compiled {BUNDLE.name} for {target} with --mtp {k} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return out
 
@@ -69,6 +70,7 @@ def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
     return {"alpha": merged["acceptance_per_position"], "histogram": merged["accept_histogram"],
             "mean_accepted_length": merged["mean_accepted_length"],
             "replays_per_round": merged["rollback_replays"] / max(merged["rounds"], 1),
+            "fused_rounds": merged.get("fused_rounds"), "fallback_refreshes": merged.get("fallback_refreshes"),
             "policy": merged.get("mtp_policy")}
 
 
@@ -88,6 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small grid, for a CPU check")
     ap.add_argument("--no-auto", action="store_true", help="skip the mtp='auto' decision per cell")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--graphs", default=None, help="Session graph mode (default: full on a GPU, off on a CPU)")
+    ap.add_argument("--no-boundary-check", action="store_true",
+                    help="compile without the padding check at every bucket boundary (tests/test_boundary_check.py "
+                         "covers it; at --batches 64 it is most of the compile time)")
     a = ap.parse_args(argv)
     from dsv4c.runtime import Session
 
@@ -99,8 +105,10 @@ def main(argv=None) -> int:
         art = Path(a.art)
     else:
         tmp = tempfile.TemporaryDirectory()
-        art = compile_bundle(a.device, a.k, max(max(batches), 2), 64 + n_new + a.k + 8, Path(tmp.name) / "art")
-    sess = Session.load(art, device=a.device)
+        art = compile_bundle(a.device, a.k, max(max(batches), 2), 64 + n_new + a.k + 8, Path(tmp.name) / "art",
+                             check=not a.no_boundary_check)
+    graphs = a.graphs or ("full" if torch.device(a.device).type == "cuda" else None)
+    sess = Session.load(art, device=a.device, graphs=graphs)
     K = int(sess.manifest["mtp_k"])
     ks = list(range(K + 1))
     rows = []
@@ -124,7 +132,7 @@ def main(argv=None) -> int:
                     if k:
                         st = spec_stats(sess, prompts, n_new, T, k)
                         row.update({n: st[n] for n in ("alpha", "mean_accepted_length", "histogram",
-                                                       "replays_per_round")})
+                                                       "replays_per_round", "fused_rounds", "fallback_refreshes")})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
                 if not a.no_auto:
