@@ -1,13 +1,23 @@
-"""The mHC Sinkhorn normalisation (`dsv4c.model.v4.sinkhorn`) as one Triton kernel.
+"""mHC (manifold-constrained hyper-connections, dsv4c/model/v4.py) as Triton kernels: the Sinkhorn
+normalisation, and the whole pre- and post-mix of a site.
 
 Public API::
 
     sinkhorn(c0, iters, eps, block_m=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
     sinkhorn_ref(c0, iters, eps) -> Tensor             # the model's eager math (the spec)
+    hc_pre(X, fn, base, scale, eps, hc_eps, iters) -> (u, post, comb)   # two launches
+    hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
+    hc_post(y, X, post, comb) -> Tensor                # one launch
+    hc_post_ref(...)                                   # HyperConnection.post, unchanged
 
-Custom op (the target of passes/fuse_sinkhorn.py; fake impl = empty_like(c0))::
+Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the reference)::
 
     dsv4c::sinkhorn(Tensor c0, int iters, float eps) -> Tensor
+    dsv4c::hc_pre(Tensor X, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters)
+        -> (Tensor u, Tensor post, Tensor comb)
+    dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb) -> Tensor
+
+The pre/post kernels are described above their code, below the Sinkhorn kernel.
 
 Semantics (deepseek_v4.md, mHC): per [N, N] matrix, softmax over the last dim (max subtracted),
 +eps, divide each column by (its sum + eps), then (iters - 1) times: rows by (row sum + eps),
@@ -22,6 +32,8 @@ Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape,
 capture-safe (split_at_routers.OP_CAPTURE). M = 0 launches nothing.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -40,16 +52,21 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
     offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
     mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
     x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
+    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2), mask=mask)
 
+
+@triton.jit
+def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr):
+    """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
     # softmax over j, then + eps
-    e = tl.exp(x - tl.max(x, axis=2, keep_dims=True))
-    c = tl.div_rn(e, tl.sum(e, axis=2, keep_dims=True)) + eps
+    e = tl.exp(x - tl.max(x, axis=J_AXIS, keep_dims=True))
+    c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
     # columns: sum over i
-    c = tl.div_rn(c, tl.sum(c, axis=1, keep_dims=True) + eps)
+    c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
     for _ in range(ITERS - 1):
-        c = tl.div_rn(c, tl.sum(c, axis=2, keep_dims=True) + eps)  # rows
-        c = tl.div_rn(c, tl.sum(c, axis=1, keep_dims=True) + eps)  # columns
-    tl.store(out_ptr + offs, c, mask=mask)
+        c = tl.div_rn(c, tl.sum(c, axis=J_AXIS, keep_dims=True) + eps)  # rows
+        c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)  # columns
+    return c
 
 
 def _check(c0: torch.Tensor, iters: int, eps: float) -> int:
@@ -109,3 +126,254 @@ def sinkhorn_op(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 @sinkhorn_op.register_fake
 def _sinkhorn_fake(c0, iters, eps):
     return torch.empty_like(c0)
+
+
+# =============================================================================================
+# mHC pre and post (`HyperConnection.pre` / `.post` of dsv4c/model/v4.py) as two + one launches
+# =============================================================================================
+# Legend: M tokens (prod of the leading dims), N hc streams, D hidden, K = N·D, MIX = (2 + N)·N
+# mixing coefficients, S split-K chunks.
+#
+# pre(X [M, N, D], fn [MIX, K], base [MIX], scale [3]):
+#   z = (fn · vec(X)) · rsqrt(mean(vec(X)²) + eps)                       (hc_project, fp32)
+#   pre = σ(s0·z[:N] + b[:N]) + hc_eps;  post = 2·σ(s1·z[N:2N] + b[N:2N])
+#   comb = sinkhorn(s2·z[2N:] + b[2N:] as [N, N]);  u = Σ_k pre_k·X[k]   (u in X's dtype)
+# Launch 1 (`_hc_mix_kernel`, grid [⌈M/BLOCK_M⌉, S]): each program multiplies a BLOCK_M × CHUNK
+#   slice of vec(X) by the matching CHUNK columns of fn (fp32 IEEE dot) and sums the squares of
+#   the slice: partials zp [S, M, MIXP], ssp [S, M]. Splitting K spreads the fn read (1.5 MB at
+#   Flash dims) over many SMs at batch 1.
+# Launch 2 (`_hc_pre_finish_kernel`, grid [M, ⌈D/BLOCK_D⌉]): each program sums its token's partials
+#   (fixed order: deterministic), forms pre and writes its BLOCK_D slice of u; the d-block 0
+#   program also writes post and comb (Sinkhorn in registers, `_sinkhorn_tile`).
+# post(y [M, D], X [M, N, D], post [M, N], comb [M, N, N]):
+#   X'[k] = post_k·y + Σ_j comb[j, k]·X[j]   (fp32, cast to X's dtype), `_hc_post_kernel`, grid
+#   [M, ⌈D/BLOCK_D⌉].
+# Grids depend on shapes only and no launch reads device data on the host: capture-safe.
+HC_BLOCK_K = 64
+HC_CHUNK = 512  # K per split-K program (a multiple of HC_BLOCK_K)
+HC_BLOCK_D = 512
+
+
+@triton.jit
+def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
+                   CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # x [M, K] (any float dtype), fn [MIX, K] fp32 -> zp [S, M, MIXP], ssp [S, M] fp32
+    pid_m, pid_s = tl.program_id(0), tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, MIXP)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, MIXP), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    k0 = pid_s * CHUNK
+    for k1 in range(0, CHUNK, BLOCK_K):
+        k = k0 + k1 + kk
+        xm = (m[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        wm = (k[:, None] < K) & (j[None, :] < MIX)
+        w = tl.load(fn_ptr + j[None, :].to(tl.int64) * K + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, MIXP]
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        ss += tl.sum(x * x, axis=1)
+    row = pid_s.to(tl.int64) * M + m
+    tl.store(zp_ptr + row[:, None] * MIXP + j[None, :], acc, mask=(m < M)[:, None] & (j[None, :] < MIXP))
+    tl.store(ssp_ptr + row, ss, mask=m < M)
+
+
+@triton.jit
+def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
+                          M, D, S, inv_k, eps, hc_eps,
+                          ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, S_P)
+    n = tl.arange(0, N)
+    sm = s < S
+    zrow = (s.to(tl.int64) * M + pid_m) * MIXP  # [S_P] offsets of this token's partial rows
+    ss = tl.sum(tl.load(ssp_ptr + s.to(tl.int64) * M + pid_m, mask=sm, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(ss * inv_k + eps)  # rsqrt(mean(x²) + eps)
+    z_pre = tl.sum(tl.load(zp_ptr + zrow[:, None] + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+    pre = tl.sigmoid(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n)) + hc_eps  # [N]
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    xoffs = pid_m.to(tl.int64) * N * D + n[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + xoffs, mask=dm[None, :], other=0.0).to(tl.float32)  # [N, BLOCK_D]
+    u = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
+
+    if pid_d == 0:
+        z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
+        tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
+        ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
+        zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
+        c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
+        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+
+
+@triton.jit
+def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, N)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    tok = pid_m.to(tl.int64)
+    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
+    for jj in tl.static_range(N):
+        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
+        xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc += cj[:, None] * xj[None, :]
+    p = tl.load(post_ptr + tok * N + k)
+    out = p[:, None] * y[None, :] + acc
+    tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=dm[None, :])
+
+
+_HC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_streams(name: str, X: torch.Tensor) -> tuple[int, int]:
+    if X.dtype not in _HC_DTYPES:
+        raise ValueError(f"{name}: X must be float32/bfloat16/float16, got {X.dtype}")
+    if X.dim() < 3:
+        raise ValueError(f"{name}: X must be [..., N, D], got shape {tuple(X.shape)}")
+    n, d = X.shape[-2], X.shape[-1]
+    if n < 1 or n > MAX_N or n & (n - 1):
+        raise ValueError(f"{name}: N = X.shape[-2] must be a power of two <= {MAX_N}, got {n}")
+    return n, d
+
+
+def _check_f32(name: str, what: str, t: torch.Tensor, shape: tuple) -> None:
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name}: {what} must be float32, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: {what} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
+    n, d = _check_streams("hc_pre", X)
+    mix = (2 + n) * n
+    _check_f32("hc_pre", "fn", fn, (mix, n * d))
+    _check_f32("hc_pre", "base", base, (mix,))
+    _check_f32("hc_pre", "scale", scale, (3,))
+    if int(iters) < 1:
+        raise ValueError(f"hc_pre: iters must be >= 1, got {iters}")
+    return n, d
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+           hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D):
+    """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
+    (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
+    per split-K program, a multiple of 64) and `block_d` (a power of two) are tuning knobs; CPU tensors
+    run under the Triton interpreter."""
+    n, d = _check_pre(X, fn, base, scale, iters)
+    if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
+        raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
+    if block_d < 1 or block_d & (block_d - 1):
+        raise ValueError(f"hc_pre: block_d must be a power of two, got {block_d}")
+    lead = X.shape[:-2]
+    x = X.contiguous()
+    fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    m, k, mix = x.numel() // (n * d) if n * d else 0, n * d, (2 + n) * n
+    u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
+    post = torch.empty((*lead, n), dtype=torch.float32, device=X.device)
+    comb = torch.empty((*lead, n, n), dtype=torch.float32, device=X.device)
+    if m == 0:
+        return u, post, comb
+    if k == 0:
+        raise ValueError("hc_pre: D must be >= 1")
+    mixp = max(16, triton.next_power_of_2(mix))
+    splits = triton.cdiv(k, chunk)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
+    ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
+    _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                      BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+    bd = min(block_d, triton.next_power_of_2(d))
+    _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
+        x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
+        ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+        num_warps=4 if n * bd >= 1024 else 1)
+    return u, post, comb
+
+
+def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+               hc_eps: float, iters: int):
+    """The eager model's `HyperConnection.pre` (the specification), unchanged: called with the
+    constants it reads from its module (N from X)."""
+    from dsv4c.model.v4 import HyperConnection
+
+    hc = SimpleNamespace(n=X.shape[-2], eps=eps, hc_eps=hc_eps, iters=iters)
+    return HyperConnection.pre(hc, X, fn, base, scale)
+
+
+def _check_post(y, X, post, comb) -> tuple[int, int]:
+    n, d = _check_streams("hc_post", X)
+    lead = tuple(X.shape[:-2])
+    if y.dtype not in _HC_DTYPES or tuple(y.shape) != (*lead, d):
+        raise ValueError(f"hc_post: y must be a float tensor of shape {[*lead, d]}, got {y.dtype} {list(y.shape)}")
+    _check_f32("hc_post", "post", post, (*lead, n))
+    _check_f32("hc_post", "comb", comb, (*lead, n, n))
+    return n, d
+
+
+def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            block_d: int = HC_BLOCK_D) -> torch.Tensor:
+    """The mHC post-mix: X'[..., k, :] = post[..., k]·y + Σ_j comb[..., j, k]·X[..., j, :], fp32 math,
+    in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch."""
+    n, d = _check_post(y, X, post, comb)
+    if block_d < 1 or block_d & (block_d - 1):
+        raise ValueError(f"hc_post: block_d must be a power of two, got {block_d}")
+    x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
+    out = torch.empty_like(x)
+    m = x.numel() // (n * d) if n * d else 0
+    if m == 0:
+        return out
+    bd = min(block_d, triton.next_power_of_2(d))
+    _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                             num_warps=4 if n * bd >= 1024 else 1)
+    return out
+
+
+def hc_post_ref(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The eager model's `HyperConnection.post` (the specification), unchanged."""
+    from dsv4c.model.v4 import HyperConnection
+
+    return HyperConnection.post(y, X, post, comb)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops for the FX rewrite of the eager mHC subgraphs (passes/fuse_hc.py)
+
+
+@torch.library.custom_op("dsv4c::hc_pre", mutates_args=())
+def hc_pre_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+              hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` on CUDA tensors; on CPU the model's own function (bit-exact with the unfused graph)."""
+    if X.device.type == "cpu":
+        _check_pre(X, fn, base, scale, iters)
+        return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters)
+
+
+@hc_pre_op.register_fake
+def _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters):
+    lead, n, d = X.shape[:-2], X.shape[-2], X.shape[-1]
+    return (X.new_empty((*lead, d)), X.new_empty((*lead, n), dtype=torch.float32),
+            X.new_empty((*lead, n, n), dtype=torch.float32))
+
+
+@torch.library.custom_op("dsv4c::hc_post", mutates_args=())
+def hc_post_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`hc_post` on CUDA tensors; on CPU the model's own function (bit-exact with the unfused graph)."""
+    if X.device.type == "cpu":
+        _check_post(y, X, post, comb)
+        return hc_post_ref(y, X, post, comb)
+    return hc_post(y, X, post, comb)
+
+
+@hc_post_op.register_fake
+def _hc_post_fake(y, X, post, comb):
+    return torch.empty_like(X)

@@ -54,6 +54,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     """The lowering passes, in order. (The router split is not a rewrite of this graph: the runtime
     applies the plan `split_at_routers` makes of the final graph.)"""
     from dsv4c.passes.absorb_mla import absorb_mla
+    from dsv4c.passes.fuse_hc import fuse_hc
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
@@ -64,6 +65,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_projections", fuse_projections),
         ("absorb_mla", absorb_mla),
         ("fuse_sinkhorn", fuse_sinkhorn),
+        ("fuse_hc", fuse_hc),
         ("lower_f32_linears", lower_f32_linears),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),

@@ -82,6 +82,9 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.moe_experts_q": None,
     # kernels/mhc.py (passes/fuse_sinkhorn.py): one Triton launch, grid fixed by the shape
     "dsv4c.sinkhorn": None,
+    # kernels/mhc.py (passes/fuse_hc.py): Triton launches, grids fixed by the shapes
+    "dsv4c.hc_pre": None,
+    "dsv4c.hc_post": None,
 }
 
 

@@ -1,0 +1,405 @@
+"""The mHC pre/post kernels (kernels/mhc.py), their custom ops and the fuse_hc pass."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
+from dsv4c.kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from dsv4c.model import build_model, register_ops
+from dsv4c.model.v4 import HyperConnection
+from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes.fuse_hc import fuse_hc
+from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.presets import V4_TINY_A
+
+register_ops()
+
+# Kernel vs an fp64 reference, relative norm ||k - r|| / ||r|| per output, by the output's dtype.
+# fp32 outputs (post, comb; u of fp32 streams): kernel and eager fp32 differ only in summation order,
+# exp/sigmoid/rsqrt rounding: measured <= 2.1e-7 (eager fp32 vs fp64 ~1.6e-7).
+# Low-precision u / X': one rounding of the fp32 value; the Triton interpreter truncates instead of
+# rounding to nearest (< 1 ulp: 2^-7 bf16, 2^-10 fp16; measured 4.2e-3 bf16); on CUDA (round to
+# nearest) half of that.
+KERNEL_REL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1.5e-3}
+# A decode graph with the Triton kernels in place of the ops (interpreter) vs the unfused graph:
+# max |err| / max |out| over logits, streams and cache writes (bf16 u rounds differently: the
+# model is fp32 here, so this measures the fp32 kernels end to end).
+GRAPH_REL = 2e-6
+ITERS, EPS, HC_EPS = 20, 1e-6, 1e-6
+
+V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
+N_SLOTS, MAX_LEN, K = 3, 64, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item() if b.numel() else 0.0
+
+
+# ---- fp64 references (independent of the model code) --------------------------------------------
+def _sinkhorn64(c, iters, eps):
+    c = c.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def _pre64(X, fn, base, scale, eps, hc_eps, iters):
+    N = X.shape[-2]
+    x = X.flatten(-2).double()
+    z = (x @ fn.double().t()) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    b, s = base.double(), scale.double()
+    pre = torch.sigmoid(s[0] * z[..., :N] + b[:N]) + hc_eps
+    post = 2 * torch.sigmoid(s[1] * z[..., N:2 * N] + b[N:2 * N])
+    comb = _sinkhorn64((s[2] * z[..., 2 * N:] + b[2 * N:]).unflatten(-1, (N, N)), iters, hc_eps)
+    return (pre[..., None] * X.double()).sum(-2), post, comb
+
+
+def _post64(y, X, post, comb):
+    return post.double()[..., None] * y.double()[..., None, :] + torch.einsum("...jk,...jd->...kd", comb.double(),
+                                                                              X.double())
+
+
+def _site(lead, N, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mix = (2 + N) * N
+    X = torch.randn(*lead, N, D, generator=g).to(dtype)
+    fn = torch.randn(mix, N * D, generator=g) / (N * D) ** 0.5
+    base, scale = 0.3 * torch.randn(mix, generator=g), 0.5 + torch.rand(3, generator=g)
+    return X, fn, base, scale
+
+
+# ---- the kernels (Triton interpreter on CPU) --------------------------------------------------------
+@pytest.mark.parametrize("lead,N,D,dtype,chunk", [
+    ((1, 1), 4, 64, torch.float32, 512),    # decode, batch 1
+    ((3, 1), 4, 48, torch.float32, 64),     # 3 split-K chunks, non-power-of-two D
+    ((2, 3), 4, 33, torch.float32, 64),     # verify-shaped [B, 1 + k]; K = 132: a partial last chunk
+    ((17,), 4, 24, torch.float32, 64),      # 17 tokens: a partial M block; 3-D input
+    ((2, 1), 2, 40, torch.float32, 64),
+    ((1, 2), 1, 16, torch.float32, 64),     # N = 1
+    ((2, 2), 8, 16, torch.float32, 64),     # N = 8: MIX = 80
+    ((3, 1), 4, 64, torch.bfloat16, 128),
+    ((2, 2), 4, 40, torch.float16, 64),
+    ((0, 1), 4, 32, torch.float32, 64),     # no tokens: no launch
+])
+def test_hc_pre_kernel_matches_fp64(lead, N, D, dtype, chunk):
+    X, fn, base, scale = _site(lead, N, D, dtype, seed=N * D + len(lead))
+    got = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=chunk, block_d=16)
+    want = _pre64(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    for name, a, b in zip(("u", "post", "comb"), got, want):
+        assert a.shape == b.shape, name
+        assert _rel(a, b) <= KERNEL_REL[a.dtype], (name, _rel(a, b))
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    if got[2].numel():  # Sinkhorn did normalise: columns sum to ~1 (a kernel skipping it fails here)
+        assert torch.allclose(got[2].sum(-2), torch.ones(()), atol=1e-4)
+        assert _rel(got[1], want[1]) <= KERNEL_REL[torch.float32] < _rel(got[1] / 2, want[1])
+
+
+def test_hc_pre_kernel_equals_the_model_function_in_fp32():
+    X, fn, base, scale = _site((2, 3), 4, 40, torch.float32, seed=7)
+    for a, b in zip(hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=64), hc_pre_ref(X, fn, base, scale, EPS,
+                                                                                         HC_EPS, ITERS)):
+        assert _rel(a, b) <= KERNEL_REL[torch.float32]
+
+
+@pytest.mark.parametrize("lead,N,D,dtype", [
+    ((1, 1), 4, 64, torch.float32),
+    ((3, 2), 4, 40, torch.float32),
+    ((5,), 2, 33, torch.float32),
+    ((2, 1), 8, 16, torch.float32),
+    ((3, 1), 4, 64, torch.bfloat16),
+    ((2, 2), 4, 24, torch.float16),
+    ((0, 1), 4, 16, torch.float32),
+])
+def test_hc_post_kernel_matches_fp64(lead, N, D, dtype):
+    g = torch.Generator().manual_seed(N + D)
+    X = torch.randn(*lead, N, D, generator=g).to(dtype)
+    y = torch.randn(*lead, D, generator=g).to(dtype)
+    post = 2 * torch.rand(*lead, N, generator=g)
+    comb = torch.rand(*lead, N, N, generator=g)
+    got = hc_post(y, X, post, comb, block_d=16)
+    want = _post64(y, X, post, comb)
+    assert got.dtype == dtype and got.shape == X.shape
+    assert _rel(got, want) <= KERNEL_REL[dtype]
+    if got.numel():  # both terms matter
+        assert _rel(_post64(y, X, post, torch.zeros_like(comb)), want) > 0.1
+    if len(lead) == 2 and dtype == torch.float32:  # the model's own function (fp32)
+        assert _rel(got, hc_post_ref(y, X, post, comb)) <= KERNEL_REL[dtype]
+
+
+def test_strided_inputs_are_accepted():
+    X, fn, base, scale = _site((3, 2), 4, 24, torch.float32, seed=3)
+    Xs = X.transpose(0, 1).contiguous().transpose(0, 1)  # same values, not contiguous
+    assert not Xs.is_contiguous()
+    for a, b in zip(hc_pre(Xs, fn, base, scale, EPS, HC_EPS, ITERS, chunk=64), _pre64(X, fn, base, scale, EPS,
+                                                                                       HC_EPS, ITERS)):
+        assert _rel(a, b) <= KERNEL_REL[a.dtype]
+
+
+@pytest.mark.parametrize("change,err", [
+    (lambda a: {**a, "X": a["X"].double()}, "X must be float32"),
+    (lambda a: {**a, "X": a["X"][0, 0]}, r"X must be \[..., N, D\]"),
+    (lambda a: {**a, "X": torch.zeros(2, 1, 3, 8)}, "power of two"),
+    (lambda a: {**a, "fn": a["fn"].double()}, "fn must be float32"),
+    (lambda a: {**a, "fn": a["fn"][:, :-1]}, r"fn must have shape \[24, 32\]"),
+    (lambda a: {**a, "base": a["base"][:-1]}, "base must have shape"),
+    (lambda a: {**a, "scale": a["scale"].half()}, "scale must be float32"),
+    (lambda a: {**a, "iters": 0}, "iters"),
+    (lambda a: {**a, "chunk": 96}, "chunk"),
+])
+def test_hc_pre_wrapper_rejects_bad_input(change, err):
+    X, fn, base, scale = _site((2, 1), 4, 8, torch.float32, seed=0)
+    a = change({"X": X, "fn": fn, "base": base, "scale": scale, "iters": ITERS, "chunk": 64})
+    with pytest.raises(ValueError, match=err):
+        hc_pre(a["X"], a["fn"], a["base"], a["scale"], EPS, HC_EPS, a["iters"], chunk=a["chunk"])
+
+
+@pytest.mark.parametrize("change,err", [
+    (lambda a: {**a, "y": a["y"][..., :-1]}, "y must be"),
+    (lambda a: {**a, "post": a["post"].half()}, "post must be float32"),
+    (lambda a: {**a, "comb": a["comb"][..., :2]}, "comb must have shape"),
+    (lambda a: {**a, "X": a["X"].int()}, "X must be float32"),
+])
+def test_hc_post_wrapper_rejects_bad_input(change, err):
+    a = change({"y": torch.zeros(2, 1, 8), "X": torch.zeros(2, 1, 4, 8), "post": torch.zeros(2, 1, 4),
+                "comb": torch.zeros(2, 1, 4, 4)})
+    with pytest.raises(ValueError, match=err):
+        hc_post(a["y"], a["X"], a["post"], a["comb"])
+
+
+# ---- the custom ops ---------------------------------------------------------------------------------
+def test_ops_are_the_model_functions_on_cpu_fake_and_capture_safe():
+    X, fn, base, scale = _site((2, 3), 4, 16, torch.bfloat16, seed=1)
+    hc = HyperConnection.__new__(HyperConnection)
+    hc.n, hc.eps, hc.hc_eps, hc.iters = 4, EPS, HC_EPS, ITERS
+    want = HyperConnection.pre(hc, X, fn, base, scale)
+    got = torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    y = torch.randn(2, 3, 16).to(torch.bfloat16)
+    assert torch.equal(torch.ops.dsv4c.hc_post(y, X, want[1], want[2]), HyperConnection.post(y, X, want[1], want[2]))
+    with torch._subclasses.FakeTensorMode() as mode:
+        f = [mode.from_tensor(t) for t in (X, fn, base, scale, y)]
+        u, post, comb = torch.ops.dsv4c.hc_pre(*f[:4], EPS, HC_EPS, ITERS)
+        out = torch.ops.dsv4c.hc_post(f[4], f[0], post, comb)
+    assert [tuple(t.shape) for t in (u, post, comb, out)] == [(2, 3, 16), (2, 3, 4), (2, 3, 4, 4), (2, 3, 4, 16)]
+    assert (u.dtype, post.dtype, comb.dtype, out.dtype) == (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+    assert OP_CAPTURE["dsv4c.hc_pre"] is None and OP_CAPTURE["dsv4c.hc_post"] is None
+    assert host_sync_ops(reference_impl("dsv4c.hc_pre"), X, fn, base, scale, EPS, HC_EPS, ITERS) == []
+    assert host_sync_ops(reference_impl("dsv4c.hc_post"), y, X, want[1], want[2]) == []
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+_models: dict = {}
+_graphs: dict = {}
+
+
+def _model(dtype=torch.float32):
+    if dtype not in _models:
+        _models[dtype] = build_model(ModelConfig.from_dict(V4_TINY_2L), dtype=dtype)
+    return _models[dtype]
+
+
+def _spec(kind):
+    """verify = the decode graph of 1 + K tokens per sequence."""
+    return GraphSpec("decode" if kind == "verify" else kind, k=0 if kind == "decode" else K, n_slots=N_SLOTS,
+                     max_len=MAX_LEN)
+
+
+def _exported(kind, dtype=torch.float32):
+    """The unfused GraphModule of `kind`, exported once per module (callers get a deep copy)."""
+    if (kind, dtype) not in _graphs:
+        _graphs[(kind, dtype)] = export_graph(_model(dtype), _spec(kind)).module()
+    return copy.deepcopy(_graphs[(kind, dtype)])
+
+
+def _inputs(kind, dtype=torch.float32):
+    """Random inputs; main graphs run on a cache filled by a ragged prompt in slots 0 and 1."""
+    model = _model(dtype)
+    g = torch.Generator().manual_seed(1)
+    args = list(example_inputs(model, _spec(kind), "cpu"))
+    if kind == "mtp":
+        args[0] = torch.randn(args[0].shape, generator=g).to(args[0].dtype)
+        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
+        return args
+    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
+              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
+    T = {"prefill": 9, "decode": 1, "verify": 1 + K}[kind]
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
+
+
+@torch.no_grad()
+def _run(gm, args):
+    args = copy.deepcopy(args)
+    out = gm(*args)
+    return out, args[-1]
+
+
+def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    if torch.equal(x, y):
+        return 0.0
+    diff = torch.where(x == y, 0.0, x.double() - y.double())  # equal infinities (open-group scores) differ by 0
+    return (diff.abs().max() / y[y.isfinite()].double().abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_same(a, b, rel: float = 0.0):
+    """Outputs and cache contents of two runs agree within `rel` (0: bit-exact)."""
+    (oa, ca), (ob, cb) = a, b
+    assert len(oa) == len(ob)
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
+    for k in cb:
+        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
+
+
+def _sites(kind) -> int:
+    return 2 if kind == "mtp" else 2 * V4_TINY_2L["num_hidden_layers"]
+
+
+def _count(gm, op) -> int:
+    return sum(n.target is op for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("kind,dtype,sinkhorn_first", [
+    ("decode", torch.float32, True),
+    ("verify", torch.float32, True),
+    ("mtp", torch.float32, True),
+    ("prefill", torch.float32, False),   # the pattern with the Sinkhorn chain (fuse_sinkhorn skipped)
+    ("decode", torch.bfloat16, True),    # bf16 streams: the bf16 pattern, no aliasing casts
+    ("mtp", torch.bfloat16, False),
+])
+def test_pass_fuses_every_site_bit_exact(kind, dtype, sinkhorn_first):
+    model = _model(dtype)
+    ctx = PassContext(model.config, "cpu", graph_kind=kind)
+    ref_gm = _exported(kind, dtype)
+    gm = _exported(kind, dtype)
+    if sinkhorn_first:
+        gm = fuse_sinkhorn(gm, ctx).graph
+    res = fuse_hc(gm, ctx)
+    gm = res.graph
+    verify(gm, ctx, after="fuse_hc")
+    assert res.changed and res.stats == {"pre": _sites(kind), "post": _sites(kind)}
+    assert _count(gm, torch.ops.dsv4c.hc_pre.default) == _count(gm, torch.ops.dsv4c.hc_post.default) == _sites(kind)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.dsv4c.sinkhorn.default not in ops
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.einsum.default and n.args[0] == "btjk,btjd->btkd"]
+    assert ops.count(torch.ops.aten.sigmoid.default) == 1  # hc_head_collapse's, not an mHC site's
+    args = _inputs(kind, dtype)
+    _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the ops are the model's functions: exact
+    again = fuse_hc(gm, ctx)
+    assert not again.changed and again.stats == {"pre": 0, "post": 0}
+
+
+def test_fused_graph_with_the_triton_kernels_matches():
+    """The decode graph with each hc_pre/hc_post node running the Triton kernels (interpreter)."""
+    ctx = PassContext(_model().config, "cpu", graph_kind="decode")
+    ref_gm = _exported("decode")
+    gm = fuse_hc(_exported("decode"), ctx).graph
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.dsv4c.hc_pre.default:
+            n.target = hc_pre
+        elif n.target is torch.ops.dsv4c.hc_post.default:
+            n.target = hc_post
+    gm.recompile()
+    args = _inputs("decode")
+    _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
+
+
+def test_sites_that_differ_are_left_alone():
+    """Constants of pre that differ from the graph's literals: pre does not match (post has none)."""
+    gm = fuse_sinkhorn(_exported("decode"), PassContext(_model().config, "cpu", "decode")).graph
+    for change in ({"hc_eps": 1e-5}, {"rms_norm_eps": 1e-5}, {"hc_sinkhorn_iters": ITERS + 1}):
+        cfg = dataclasses.replace(_model().config, **change)
+        res = fuse_hc(copy.deepcopy(gm), PassContext(cfg, "cpu", graph_kind="decode"))
+        assert res.stats == {"pre": 0, "post": _sites("decode")}, change
+
+
+def test_not_a_v4_graph():
+    m = build_model(ModelConfig.preset("v3-tiny"))
+    gm = export_graph(m, GraphSpec("decode", n_slots=2, max_len=16)).module()
+    res = fuse_hc(gm, PassContext(m.config, "cpu", "decode"))
+    assert not res.changed and res.stats["pre"] == 0
+
+
+def test_fused_graph_exports_and_round_trips():
+    """A graph holding hc_pre (three outputs) and hc_post re-exports, saves and loads (torch.export)."""
+    ctx = PassContext(_model().config, "cpu", graph_kind="decode")
+    gm = fuse_hc(_exported("decode"), ctx).graph
+    args = _inputs("decode")
+    ep = torch.export.export(gm, tuple(copy.deepcopy(args)), strict=False)
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf).module()
+    names = {str(n.target) for n in loaded.graph.nodes}
+    assert {"dsv4c.hc_pre.default", "dsv4c.hc_post.default"} <= names
+    _assert_same(_run(loaded, args), _run(gm, args))
+
+
+def test_in_the_pipeline_sites_sit_in_capturable_segments():
+    """fuse_hc runs in default_pipeline after fuse_sinkhorn: every site fused, the pipeline's outputs
+    equal the same pipeline without it, and on h200 the fused ops sit in capturable static segments."""
+    ctx = PassContext(_model().config, "h200", graph_kind="verify")
+    args = _inputs("verify")
+    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
+    unfused, _ = run_pipeline(_exported("verify"), ctx, skip=skip + ("fuse_hc",))
+    gm, recs = run_pipeline(_exported("verify"), ctx, skip=skip)
+    rec = next(r for r in recs if r.name == "fuse_hc")
+    assert rec.stats == {"pre": _sites("verify"), "post": _sites("verify")}
+    _assert_same(_run(gm, args), _run(unfused, args))
+    plan = plan_segments(gm, ctx)
+    names = {n.name for n in gm.graph.nodes
+             if n.target in (torch.ops.dsv4c.hc_pre.default, torch.ops.dsv4c.hc_post.default)}
+    assert len(names) == 2 * _sites("verify")
+    holding = [s for s in plan.segments if names & set(s.nodes)]
+    assert sum(len(names & set(s.nodes)) for s in holding) == len(names)
+    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+
+
+# ---- CUDA (the device) ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernels_on_cuda_at_flash_dims(batch, dtype):
+    """The compiled kernels against the model's functions run on CUDA, at V4-Flash dims (hidden 4096,
+    hc_mult 4, 20 Sinkhorn iterations), and against fp64."""
+    X, fn, base, scale = (t.cuda() for t in _site((batch, 1), 4, 4096, dtype, seed=batch))
+    got = torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    torch_cuda = hc_pre_ref(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    want = _pre64(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    cuda_rel = {torch.float32: 1e-6, torch.bfloat16: 5e-3}  # one round-to-nearest of u on the device
+    for name, a, b, c in zip(("u", "post", "comb"), got, want, torch_cuda):
+        assert _rel(a, b) <= cuda_rel[a.dtype], (name, _rel(a, b))
+        assert _rel(a, c) <= 2 * cuda_rel[a.dtype], (name, _rel(a, c))
+    y = torch.randn(batch, 1, 4096, device="cuda").to(dtype)
+    out = torch.ops.dsv4c.hc_post(y, X, got[1], got[2])
+    assert _rel(out, _post64(y, X, got[1], got[2])) <= cuda_rel[dtype]
+    assert _rel(out, hc_post_ref(y, X, got[1], got[2])) <= 2 * cuda_rel[dtype]
+
+
+@pytest.mark.gpu
+def test_ops_capture_in_a_cuda_graph():
+    X, fn, base, scale = (t.cuda() for t in _site((8, 1), 4, 4096, torch.bfloat16, seed=0))
+    y = torch.randn(8, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.ops.dsv4c.hc_post(y, X, *torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)[1:])  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        u, post, comb = torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)
+        out = torch.ops.dsv4c.hc_post(y, X, post, comb)
+    X.copy_(torch.randn_like(X))
+    graph.replay()
+    want = hc_pre_ref(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    assert _rel(u, want[0]) <= 1e-2 and _rel(comb, want[2]) <= 2e-6
+    assert _rel(out, hc_post_ref(y, X, want[1], want[2])) <= 1e-2
