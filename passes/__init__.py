@@ -56,6 +56,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.absorb_mla import absorb_mla
     from dsv4c.passes.fuse_hc import fuse_hc
     from dsv4c.passes.fuse_projections import fuse_projections
+    from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.quantize_experts import quantize_experts
@@ -66,6 +67,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("absorb_mla", absorb_mla),
         ("fuse_sinkhorn", fuse_sinkhorn),
         ("fuse_hc", fuse_hc),
+        ("fuse_rmsnorm", fuse_rmsnorm),
         ("lower_f32_linears", lower_f32_linears),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),

@@ -1,0 +1,294 @@
+"""The RMSNorm kernel (kernels/norm.py), its custom op and the fuse_rmsnorm pass (V4 and V3)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
+from dsv4c.kernels.norm import rms_norm, rms_norm_ref
+from dsv4c.model import build_model, register_ops
+from dsv4c.model.common import RMSNorm
+from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.presets import V4_TINY_A
+
+register_ops()
+
+# Kernel vs an fp64 reference, relative norm ||k - r|| / ||r||, by the output's dtype. fp32: the sum
+# of squares in another order and rsqrt rounding (measured <= 1.2e-7). Low precision: one rounding of
+# the output (V3 order: two), which the Triton interpreter truncates (< 1 ulp: 2^-7 bf16, 2^-10 fp16);
+# on CUDA (round to nearest) half of that.
+KERNEL_REL = {torch.float32: 1e-6, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
+# Graphs with the Triton kernel (interpreter) in place of each rms_norm node, fp32 model: max |err| /
+# max |out| over logits and cache writes.
+GRAPH_REL = 2e-6
+EPS = 1e-6
+
+V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
+N_SLOTS, MAX_LEN, K = 3, 64, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item() if b.numel() else 0.0
+
+
+def _norm64(x, w, eps, cast_first):
+    xd = x.double()
+    r = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_first:  # the model rounds r to x's dtype before the multiply
+        r = r.to(x.dtype).double()
+    return w.double() * r
+
+
+# ---- the kernel (Triton interpreter on CPU) ---------------------------------------------------------
+@pytest.mark.parametrize("shape,x_dt,w_dt,cast_first", [
+    ((1, 64), torch.float32, torch.float32, False),
+    ((3, 1, 100), torch.float32, torch.float32, False),     # non-power-of-two C, [B, T, C]
+    ((2, 3, 4, 48), torch.float32, torch.float32, False),   # the MTP hnorm's [B, T, N, D]
+    ((5, 1), torch.float32, torch.float32, False),          # C = 1
+    ((4, 4096), torch.float32, torch.float32, False),       # Flash hidden
+    ((2, 1, 96), torch.bfloat16, torch.bfloat16, False),
+    ((2, 1, 96), torch.float16, torch.float16, False),
+    ((3, 2, 72), torch.bfloat16, torch.bfloat16, True),     # V3 order
+    ((3, 2, 72), torch.float32, torch.float32, True),
+    ((2, 40), torch.bfloat16, torch.float32, True),         # V3 order, fp32 weight: fp32 output
+    ((0, 1, 64), torch.float32, torch.float32, False),      # no rows: no launch
+])
+def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
+    g = torch.Generator().manual_seed(shape[-1] + len(shape))
+    x = (3 * torch.randn(shape, generator=g)).to(x_dt)
+    w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(w_dt)
+    got = rms_norm(x, w, EPS, cast_first)
+    want = _norm64(x, w, EPS, cast_first)
+    ref = rms_norm_ref(x, w, EPS, cast_first)
+    assert got.shape == x.shape and got.dtype == ref.dtype
+    tol = max(KERNEL_REL[got.dtype], KERNEL_REL[x_dt] if cast_first else 0.0)  # V3 order rounds r to x's dtype
+    assert _rel(got, want) <= tol
+    assert _rel(ref, want) <= tol  # the threshold holds for the model's own math too
+    if got.numel():  # the weight matters (a kernel ignoring it fails here)
+        assert _rel(got, _norm64(x, torch.ones_like(w), EPS, cast_first)) > 0.05
+
+
+def test_non_contiguous_input():
+    x = torch.randn(6, 5, 40).transpose(0, 1)
+    w = torch.rand(40) + 0.5
+    assert not x.is_contiguous()
+    assert _rel(rms_norm(x, w, EPS), _norm64(x, w, EPS, False)) <= KERNEL_REL[torch.float32]
+
+
+@pytest.mark.parametrize("x,w,err", [
+    (torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), "float32/bfloat16/float16"),
+    (torch.zeros(2, 8), torch.ones(7), r"w must have shape \[8\]"),
+    (torch.zeros(2, 8), torch.ones(1, 8), r"w must have shape \[8\]"),
+    (torch.zeros(()), torch.ones(1), "scalar"),
+    (torch.zeros(1, 32768), torch.ones(32768), "MAX_C"),
+])
+def test_wrapper_rejects_bad_input(x, w, err):
+    with pytest.raises(ValueError, match=err):
+        rms_norm(x, w, EPS)
+
+
+# ---- the custom op ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("cast_first", [False, True])
+def test_op_is_the_model_function_on_cpu_fake_and_capture_safe(cast_first):
+    x = torch.randn(2, 3, 40).to(torch.bfloat16)
+    norm = RMSNorm(40, EPS, cast_first=cast_first).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(40) + 0.5)
+        want = norm(x)
+    got = torch.ops.dsv4c.rms_norm(x, norm.weight.detach(), EPS, cast_first)
+    assert torch.equal(got, want) and got.dtype == want.dtype
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.dsv4c.rms_norm(mode.from_tensor(x), mode.from_tensor(torch.ones(40)), EPS, cast_first)
+    assert fake.shape == x.shape and fake.dtype == (torch.float32 if cast_first else torch.bfloat16)
+    assert OP_CAPTURE["dsv4c.rms_norm"] is None
+    assert host_sync_ops(reference_impl("dsv4c.rms_norm"), x, norm.weight.detach(), EPS, cast_first) == []
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+_models: dict = {}
+_graphs: dict = {}
+
+
+def _model(name: str, dtype=torch.float32):
+    if (name, dtype) not in _models:
+        cfg = ModelConfig.from_dict(V4_TINY_2L) if name == "v4" else ModelConfig.preset(name)
+        _models[(name, dtype)] = build_model(cfg, dtype=dtype)
+    return _models[(name, dtype)]
+
+
+def _spec(kind):
+    return GraphSpec("decode" if kind == "verify" else kind, k=0 if kind == "decode" else K, n_slots=N_SLOTS,
+                     max_len=MAX_LEN)
+
+
+def _exported(name, kind, dtype=torch.float32):
+    if (name, kind, dtype) not in _graphs:
+        _graphs[(name, kind, dtype)] = export_graph(_model(name, dtype), _spec(kind)).module()
+    return copy.deepcopy(_graphs[(name, kind, dtype)])
+
+
+def _inputs(name, kind, dtype=torch.float32):
+    """Random inputs; main graphs run on a cache filled by a ragged prompt in slots 0 and 1."""
+    model = _model(name, dtype)
+    g = torch.Generator().manual_seed(1)
+    args = list(example_inputs(model, _spec(kind), "cpu"))
+    if kind == "mtp":
+        args[0] = torch.randn(args[0].shape, generator=g).to(args[0].dtype)
+        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
+        return args
+    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
+              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
+    T = {"prefill": 9, "decode": 1, "verify": 1 + K}[kind]
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
+
+
+@torch.no_grad()
+def _run(gm, args):
+    args = copy.deepcopy(args)
+    return gm(*args), args[-1]
+
+
+def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    if torch.equal(x, y):
+        return 0.0
+    diff = torch.where(x == y, 0.0, x.double() - y.double())  # equal infinities (open-group scores) differ by 0
+    return (diff.abs().max() / y[y.isfinite()].double().abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_same(a, b, rel: float = 0.0):
+    (oa, ca), (ob, cb) = a, b
+    assert len(oa) == len(ob)
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
+    for k in cb:
+        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
+
+
+@torch.no_grad()
+def _norm_calls(name, kind, dtype=torch.float32) -> tuple[int, int]:
+    """(norms the eager model calls in this graph's step, of them V3-order): the sites to expect.
+    The compressors' norms are not module calls (their weight goes into the compressor op)."""
+    model = _model(name, dtype)
+    args = _inputs(name, kind, dtype)
+    calls = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: calls.append(mod.cast_first))
+             for m in model.modules() if isinstance(m, RMSNorm)]
+    try:
+        if kind == "mtp":
+            cache = model.new_mtp_cache(N_SLOTS, max_len=MAX_LEN)
+            model.mtp_forward(args[0], args[1], cache, slots=args[2])
+        else:
+            cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
+            model(args[0], cache, slots=args[1])
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(calls), sum(calls)
+
+
+@pytest.mark.parametrize("name,kind,dtype", [
+    ("v4", "decode", torch.float32),
+    ("v4", "verify", torch.float32),
+    ("v4", "mtp", torch.float32),
+    ("v4", "prefill", torch.bfloat16),
+    ("v4", "mtp", torch.bfloat16),
+    ("v3-tiny", "decode", torch.float32),
+    ("v3-tiny", "mtp", torch.bfloat16),
+    ("v32-tiny", "verify", torch.float32),
+])
+def test_pass_fuses_every_norm_bit_exact(name, kind, dtype):
+    model = _model(name, dtype)
+    ctx = PassContext(model.config, "cpu", graph_kind=kind)
+    ref_gm = _exported(name, kind, dtype)
+    res = fuse_rmsnorm(_exported(name, kind, dtype), ctx)
+    gm = res.graph
+    verify(gm, ctx, after="fuse_rmsnorm")
+    n, v3 = _norm_calls(name, kind, dtype)
+    assert n > 0 and res.changed and res.stats["sites"] == n
+    assert res.stats["orders"] == {"v4": n - v3, "v3": v3} and v3 == (0 if name == "v4" else n)
+    assert sum(nd.target is torch.ops.dsv4c.rms_norm.default for nd in gm.graph.nodes) == n
+    args = _inputs(name, kind, dtype)
+    _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the op is RMSNorm.forward: exact
+    again = fuse_rmsnorm(gm, ctx)
+    assert not again.changed and again.stats["sites"] == 0
+
+
+@pytest.mark.parametrize("name", ["v4", "v3-tiny"])
+def test_fused_graph_with_the_triton_kernel_matches(name):
+    """The decode graph with each rms_norm node running the Triton kernel (interpreter)."""
+    ctx = PassContext(_model(name).config, "cpu", graph_kind="decode")
+    ref_gm = _exported(name, "decode")
+    gm = fuse_rmsnorm(_exported(name, "decode"), ctx).graph
+    for nd in gm.graph.nodes:
+        if nd.target is torch.ops.dsv4c.rms_norm.default:
+            nd.target = rms_norm
+    gm.recompile()
+    args = _inputs(name, "decode")
+    _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
+
+
+def test_norms_with_another_eps_are_left_alone():
+    cfg = dataclasses.replace(_model("v4").config, rms_norm_eps=1e-5)
+    gm = _exported("v4", "decode")
+    before = gm.code
+    res = fuse_rmsnorm(gm, PassContext(cfg, "cpu", graph_kind="decode"))
+    assert not res.changed and res.stats["sites"] == 0 and res.graph.code == before
+
+
+def test_in_the_pipeline_norms_sit_in_capturable_segments():
+    """fuse_rmsnorm runs in default_pipeline: the outputs equal the pipeline without it, and on h200
+    the fused norms sit in capturable static segments."""
+    ctx = PassContext(_model("v4").config, "h200", graph_kind="decode")
+    args = _inputs("v4", "decode")
+    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
+    unfused, _ = run_pipeline(_exported("v4", "decode"), ctx, skip=skip + ("fuse_rmsnorm",))
+    gm, recs = run_pipeline(_exported("v4", "decode"), ctx, skip=skip)
+    n, _ = _norm_calls("v4", "decode")
+    assert next(r for r in recs if r.name == "fuse_rmsnorm").stats["sites"] == n
+    _assert_same(_run(gm, args), _run(unfused, args))
+    plan = plan_segments(gm, ctx)
+    names = {nd.name for nd in gm.graph.nodes if nd.target is torch.ops.dsv4c.rms_norm.default}
+    holding = [s for s in plan.segments if names & set(s.nodes)]
+    assert len(names) == n and sum(len(names & set(s.nodes)) for s in holding) == n
+    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+
+
+# ---- CUDA (the device) ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("C,cast_first", [(4096, False), (1024, False), (512, False), (7168, True), (1536, True)])
+def test_kernel_on_cuda(batch, C, cast_first):
+    """The compiled kernel against the model's function run on CUDA and against fp64: V4-Flash hidden
+    4096 (and q/kv norm widths), V3 hidden 7168 and q_a 1536, bf16, batch 1/8/64."""
+    g = torch.Generator().manual_seed(batch + C)
+    x = (3 * torch.randn(batch, 1, C, generator=g)).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=g)).to(torch.bfloat16).cuda()
+    got = torch.ops.dsv4c.rms_norm(x, w, EPS, cast_first)
+    want = _norm64(x, w, EPS, cast_first)
+    tol = 8e-3 if cast_first else 4e-3  # round to nearest on the device: one (V3 order: two) bf16 roundings
+    assert _rel(got, want) <= tol
+    assert _rel(got, rms_norm_ref(x, w, EPS, cast_first)) <= 2 * tol
+
+
+@pytest.mark.gpu
+def test_op_captures_in_a_cuda_graph():
+    x = torch.randn(8, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    torch.ops.dsv4c.rms_norm(x, w, EPS, False)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsv4c.rms_norm(x, w, EPS, False)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert _rel(out, _norm64(x, w, EPS, False)) <= 4e-3
