@@ -57,6 +57,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_hc import fuse_hc
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
+    from dsv4c.passes.fuse_rope import fuse_rope
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.quantize_experts import quantize_experts
@@ -68,6 +69,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_sinkhorn", fuse_sinkhorn),
         ("fuse_hc", fuse_hc),
         ("fuse_rmsnorm", fuse_rmsnorm),
+        ("fuse_rope", fuse_rope),
         ("lower_f32_linears", lower_f32_linears),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),

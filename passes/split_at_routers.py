@@ -82,10 +82,12 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.moe_experts_q": None,
     # kernels/mhc.py (passes/fuse_sinkhorn.py): one Triton launch, grid fixed by the shape
     "dsv4c.sinkhorn": None,
-    # kernels/mhc.py, kernels/norm.py (passes/fuse_hc.py, fuse_rmsnorm.py): Triton launches, grids fixed by the shapes
+    # kernels/mhc.py, norm.py, rope.py (passes/fuse_hc.py, fuse_rmsnorm.py, fuse_rope.py): Triton launches,
+    # grids fixed by the shapes
     "dsv4c.hc_pre": None,
     "dsv4c.hc_post": None,
     "dsv4c.rms_norm": None,
+    "dsv4c.rope_interleaved": None,
 }
 
 

@@ -23,8 +23,8 @@ def register_ops() -> None:
     """Import every module that defines dsv4c custom ops (needed before torch.export.load)."""
     from dsv4c.model import moe, static_ops, v3_ops, v4_ops  # noqa: F401
 
-    try:  # dsv4c::moe_experts_q (quantised experts), dsv4c::sinkhorn/hc_pre/hc_post (mHC), dsv4c::rms_norm; need triton
-        from dsv4c.kernels import mhc, moe_grouped, norm  # noqa: F401
+    try:  # dsv4c::moe_experts_q (quantised experts), sinkhorn/hc_pre/hc_post (mHC), rms_norm, rope_interleaved; need triton
+        from dsv4c.kernels import mhc, moe_grouped, norm, rope  # noqa: F401
     except ImportError:
         pass
 

@@ -1,0 +1,260 @@
+"""The interleaved RoPE kernel (kernels/rope.py), its custom op and the fuse_rope pass (V4 and V3)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
+from dsv4c.kernels.rope import rope_interleaved, rope_interleaved_ref
+from dsv4c.model import build_model, register_ops
+from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes.fuse_rope import fuse_rope
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.presets import V4_TINY_A
+
+register_ops()
+
+# Kernel vs an fp64 reference, relative norm ||k - r|| / ||r||, by x's dtype. fp32: the same products
+# and sums (measured <= 6e-8, FMA contraction on CUDA aside). Low precision: one rounding of the
+# rotated channels, which the Triton interpreter truncates (< 1 ulp: 2^-7 bf16, 2^-10 fp16).
+KERNEL_REL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1.5e-3}
+GRAPH_REL = 2e-6  # decode graph with the Triton kernel (interpreter) in place of each op, fp32 model
+
+V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
+N_SLOTS, MAX_LEN, K = 3, 64, 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item() if b.numel() else 0.0
+
+
+def _rope64(x, cos, sin, inverse):
+    r = 2 * cos.shape[-1]
+    xd = x.double()
+    a, b = xd[..., -r::2], xd[..., -r + 1::2]
+    s = -sin.double() if inverse else sin.double()
+    c = cos.double()
+    out = xd.clone()
+    out[..., -r::2] = a * c - b * s
+    out[..., -r + 1::2] = a * s + b * c
+    return out
+
+
+def _angles(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    ang = 6.3 * torch.rand(shape, generator=g)
+    return ang.cos(), ang.sin()
+
+
+# ---- the kernel (Triton interpreter on CPU) ---------------------------------------------------------
+@pytest.mark.parametrize("x_shape,cs_shape,dtype,inverse", [
+    ((2, 1, 64), (2, 1, 8), torch.bfloat16, False),         # V4 kv row [B, T, d]
+    ((2, 3, 4, 64), (2, 3, 1, 8), torch.float32, True),     # V4 o, inverse, per-head broadcast
+    ((3, 1, 16, 32), (3, 1, 1, 8), torch.bfloat16, False),  # indexer q: half the row rotated
+    ((2, 2, 3, 16), (2, 2, 1, 8), torch.float32, False),    # all channels rotated (V3 q_pe): no pass-through
+    ((5, 24), (5, 6), torch.float16, True),                 # non-power-of-two widths
+    ((4, 1, 100), (1, 1, 10), torch.float32, False),        # cos broadcast over the batch too
+    ((0, 1, 64), (0, 1, 8), torch.float32, False),          # no rows: no launch
+])
+def test_kernel_matches_fp64(x_shape, cs_shape, dtype, inverse):
+    g = torch.Generator().manual_seed(sum(x_shape))
+    x = (2 * torch.randn(x_shape, generator=g)).to(dtype)
+    cos, sin = _angles(cs_shape, seed=len(x_shape))
+    got = rope_interleaved(x, cos, sin, inverse)
+    want = _rope64(x, cos, sin, inverse)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert _rel(got, want) <= KERNEL_REL[dtype]
+    assert _rel(rope_interleaved_ref(x, cos, sin, inverse), want) <= KERNEL_REL[dtype]
+    if got.numel():  # direction matters, and the pass-through channels are exact
+        assert _rel(got, _rope64(x, cos, sin, not inverse)) > 0.05
+        keep = x.shape[-1] - 2 * cos.shape[-1]
+        assert torch.equal(got[..., :keep], x[..., :keep])
+
+
+def test_strided_x_and_expanded_cos():
+    x = torch.randn(4, 3, 2, 48).transpose(0, 1)  # [3, 4, 2, 48], not contiguous
+    cos, sin = _angles((3, 4, 1, 12), seed=5)
+    assert _rel(rope_interleaved(x, cos, sin), _rope64(x, cos, sin, False)) <= KERNEL_REL[torch.float32]
+    cos_e, sin_e = cos.expand(3, 4, 2, 12), sin.expand(3, 4, 2, 12)  # stride-0 dim
+    assert _rel(rope_interleaved(x, cos_e, sin_e), _rope64(x, cos, sin, False)) <= KERNEL_REL[torch.float32]
+
+
+@pytest.mark.parametrize("x,cs,err", [
+    (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 2), "float32/bfloat16/float16"),
+    (torch.zeros(2, 8), torch.zeros(2, 5), "rotates 10 channels"),
+    (torch.zeros(2, 1, 1, 1, 8), torch.zeros(2, 1, 1, 1, 2), "at most 3 leading dims"),
+    (torch.zeros(1, 8), torch.zeros(3, 2), "would broadcast x"),
+    (torch.zeros(2, 8), torch.zeros(3, 2), "do not broadcast"),
+])
+def test_wrapper_rejects_bad_input(x, cs, err):
+    with pytest.raises(ValueError, match=err):
+        rope_interleaved(x, cs, cs.clone())
+
+
+# ---- the custom op ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("inverse", [False, True])
+def test_op_is_the_model_function_on_cpu_fake_and_capture_safe(inverse):
+    x = torch.randn(2, 3, 4, 40).to(torch.bfloat16)
+    cos, sin = _angles((2, 3, 1, 8), seed=0)
+    assert torch.equal(torch.ops.dsv4c.rope_interleaved(x, cos, sin, inverse), rope_interleaved_ref(x, cos, sin, inverse))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.dsv4c.rope_interleaved(*(mode.from_tensor(t) for t in (x, cos, sin)), inverse)
+    assert fake.shape == x.shape and fake.dtype == x.dtype
+    assert OP_CAPTURE["dsv4c.rope_interleaved"] is None
+    assert host_sync_ops(reference_impl("dsv4c.rope_interleaved"), x, cos, sin, inverse) == []
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+_models: dict = {}
+_graphs: dict = {}
+
+
+def _model(name: str, dtype=torch.float32):
+    if (name, dtype) not in _models:
+        cfg = ModelConfig.from_dict(V4_TINY_2L) if name == "v4" else ModelConfig.preset(name)
+        _models[(name, dtype)] = build_model(cfg, dtype=dtype)
+    return _models[(name, dtype)]
+
+
+def _spec(kind):
+    return GraphSpec("decode" if kind == "verify" else kind, k=0 if kind == "decode" else K, n_slots=N_SLOTS,
+                     max_len=MAX_LEN)
+
+
+def _exported(name, kind, dtype=torch.float32):
+    if (name, kind, dtype) not in _graphs:
+        _graphs[(name, kind, dtype)] = export_graph(_model(name, dtype), _spec(kind)).module()
+    return copy.deepcopy(_graphs[(name, kind, dtype)])
+
+
+def _inputs(name, kind, dtype=torch.float32):
+    model = _model(name, dtype)
+    g = torch.Generator().manual_seed(1)
+    args = list(example_inputs(model, _spec(kind), "cpu"))
+    if kind == "mtp":
+        args[0] = torch.randn(args[0].shape, generator=g).to(args[0].dtype)
+        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
+        return args
+    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
+              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
+    T = {"prefill": 9, "decode": 1, "verify": 1 + K}[kind]
+    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
+    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
+
+
+@torch.no_grad()
+def _run(gm, args):
+    args = copy.deepcopy(args)
+    return gm(*args), args[-1]
+
+
+def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    if torch.equal(x, y):
+        return 0.0
+    diff = torch.where(x == y, 0.0, x.double() - y.double())  # equal infinities (open-group scores) differ by 0
+    return (diff.abs().max() / y[y.isfinite()].double().abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_same(a, b, rel: float = 0.0):
+    (oa, ca), (ob, cb) = a, b
+    assert len(oa) == len(ob)
+    for i, (x, y) in enumerate(zip(oa, ob)):
+        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
+    for k in cb:
+        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
+
+
+def _expected(name, kind) -> tuple[int, int]:
+    """(rope calls, of them inverse) in the step: V4 q, kv and inverse o per layer + the indexer q of
+    CSA layers; V3 q_pe and k_pe per layer."""
+    cfg = _model(name).config
+    if name != "v4":
+        return 2 * (1 if kind == "mtp" else cfg.num_hidden_layers), 0
+    ratios = [0] if kind == "mtp" else [cfg.layer_ratio(i) for i in range(cfg.num_hidden_layers)]
+    return sum(3 + (m == 4) for m in ratios), len(ratios)
+
+
+@pytest.mark.parametrize("name,kind,dtype", [
+    ("v4", "decode", torch.float32),
+    ("v4", "verify", torch.bfloat16),
+    ("v4", "mtp", torch.float32),
+    ("v4", "prefill", torch.float32),
+    ("v3-tiny", "decode", torch.bfloat16),
+    ("v32-tiny", "mtp", torch.float32),
+])
+def test_pass_fuses_every_rope_bit_exact(name, kind, dtype):
+    model = _model(name, dtype)
+    ctx = PassContext(model.config, "cpu", graph_kind=kind)
+    ref_gm = _exported(name, kind, dtype)
+    res = fuse_rope(_exported(name, kind, dtype), ctx)
+    gm = res.graph
+    verify(gm, ctx, after="fuse_rope")
+    n, inv = _expected(name, kind)
+    assert res.changed and res.stats == {"sites": n, "inverse": inv}
+    assert sum(nd.target is torch.ops.dsv4c.rope_interleaved.default for nd in gm.graph.nodes) == n
+    assert not [nd for nd in gm.graph.nodes if nd.target is torch.ops.aten.stack.default]  # only RoPE stacks
+    args = _inputs(name, kind, dtype)
+    _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the op is the model's function: exact
+    again = fuse_rope(gm, ctx)
+    assert not again.changed and again.stats["sites"] == 0
+
+
+def test_fused_graph_with_the_triton_kernel_matches():
+    ctx = PassContext(_model("v4").config, "cpu", graph_kind="verify")
+    ref_gm = _exported("v4", "verify")
+    gm = fuse_rope(_exported("v4", "verify"), ctx).graph
+    for nd in gm.graph.nodes:
+        if nd.target is torch.ops.dsv4c.rope_interleaved.default:
+            nd.target = rope_interleaved
+    gm.recompile()
+    args = _inputs("v4", "verify")
+    _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
+
+
+def test_in_the_pipeline_ropes_sit_in_capturable_segments():
+    """In default_pipeline (after fuse_projections took the main q RoPE into head_rms_rope): the
+    outputs equal the pipeline without it; on h200 the ops sit in capturable static segments."""
+    ctx = PassContext(_model("v4").config, "h200", graph_kind="decode")
+    args = _inputs("v4", "decode")
+    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
+    unfused, _ = run_pipeline(_exported("v4", "decode"), ctx, skip=skip + ("fuse_rope",))
+    gm, recs = run_pipeline(_exported("v4", "decode"), ctx, skip=skip)
+    n, inv = _expected("v4", "decode")
+    layers = _model("v4").config.num_hidden_layers
+    assert next(r for r in recs if r.name == "fuse_rope").stats == {"sites": n - layers, "inverse": inv}
+    _assert_same(_run(gm, args), _run(unfused, args))
+    plan = plan_segments(gm, ctx)
+    names = {nd.name for nd in gm.graph.nodes if nd.target is torch.ops.dsv4c.rope_interleaved.default}
+    holding = [s for s in plan.segments if names & set(s.nodes)]
+    assert sum(len(names & set(s.nodes)) for s in holding) == len(names) == n - layers
+    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+
+
+# ---- CUDA (the device) ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("x_tail,cs_tail,dtype,inverse", [
+    ((1, 512), (1, 32), torch.bfloat16, False),      # V4-Flash kv row (d 512, rope 64)
+    ((1, 64, 512), (1, 1, 32), torch.float32, True),  # V4-Flash o: 64 heads, fp32, inverse
+    ((1, 64, 128), (1, 1, 32), torch.bfloat16, False),  # indexer q (dI 128)
+])
+def test_kernel_on_cuda(batch, x_tail, cs_tail, dtype, inverse):
+    g = torch.Generator().manual_seed(batch)
+    x = (2 * torch.randn(batch, *x_tail, generator=g)).to(dtype).cuda()
+    cos, sin = (t.cuda() for t in _angles((batch, *cs_tail), seed=batch))
+    got = torch.ops.dsv4c.rope_interleaved(x, cos, sin, inverse)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 5e-3}[dtype]  # round to nearest on the device
+    assert _rel(got, _rope64(x, cos, sin, inverse)) <= tol
+    assert _rel(got, rope_interleaved_ref(x, cos, sin, inverse)) <= 2 * tol
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsv4c.rope_interleaved(x, cos, sin, inverse)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert _rel(out, _rope64(x, cos, sin, inverse)) <= tol
