@@ -48,7 +48,7 @@ def build(preset: str, device, dtype):
     return model.eval()
 
 
-ABLATED = ("fuse_sinkhorn", "lower_f32_linears")  # --ablate: the lowering without these passes
+ABLATED = ("fuse_sinkhorn", "fuse_hc", "fuse_rmsnorm", "fuse_rope", "lower_f32_linears")  # --ablate: without these passes
 
 
 def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = (),
