@@ -378,7 +378,9 @@ def test_kernels_on_cuda_at_flash_dims(batch, dtype):
     got = torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)
     torch_cuda = hc_pre_ref(X, fn, base, scale, EPS, HC_EPS, ITERS)
     want = _pre64(X, fn, base, scale, EPS, HC_EPS, ITERS)
-    cuda_rel = {torch.float32: 1e-6, torch.bfloat16: 5e-3}  # one round-to-nearest of u on the device
+    # fp32 outputs: K = N·D = 16384-term dot products; eager fp32 (CPU) vs fp64 measured 1.6e-6 (comb,
+    # batch 1). bf16 u: one round to nearest on the device (eager: 1.7e-3).
+    cuda_rel = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
     for name, a, b, c in zip(("u", "post", "comb"), got, want, torch_cuda):
         assert _rel(a, b) <= cuda_rel[a.dtype], (name, _rel(a, b))
         assert _rel(a, c) <= 2 * cuda_rel[a.dtype], (name, _rel(a, c))
@@ -401,5 +403,5 @@ def test_ops_capture_in_a_cuda_graph():
     X.copy_(torch.randn_like(X))
     graph.replay()
     want = hc_pre_ref(X, fn, base, scale, EPS, HC_EPS, ITERS)
-    assert _rel(u, want[0]) <= 1e-2 and _rel(comb, want[2]) <= 2e-6
+    assert _rel(u, want[0]) <= 1e-2 and _rel(comb, want[2]) <= 2e-5
     assert _rel(out, hc_post_ref(y, X, want[1], want[2])) <= 1e-2
