@@ -33,9 +33,14 @@ _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 def export_pattern(module: torch.nn.Module, example_inputs: tuple) -> GraphModule:
     """The ATen graph (as a GraphModule, for passes that rewrite it further) of `module(*example_inputs)`;
-    the pattern's placeholders are the module's inputs, its outputs the values the site returns."""
-    ep = torch.export.export(module, example_inputs, strict=False)
-    return ep.graph_module
+    the pattern's placeholders are the module's inputs, its outputs the values the site returns.
+    Export's dtype checks are dropped from it (no value uses them: older SubgraphMatchers call them
+    dead code)."""
+    gm = torch.export.export(module, example_inputs, strict=False).graph_module
+    for n in list(gm.graph.nodes):
+        if n.target is _ASSERT:
+            gm.graph.erase_node(n)
+    return gm
 
 
 class _Matcher(SubgraphMatcher):
