@@ -209,6 +209,17 @@ class Speculator:
         self.fused = FUSED in sess.graphs and not mtp_state  # stale MTP rows need a position-indexed cache
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
 
+    def capture_replay_graph(self) -> None:
+        """Capture the `verify` graph's buckets now. Rounds use verify_mtp (or verify) and mtp, which every
+        first round captures; `verify` also replays rejected spans that close a compressor group, which can
+        first happen deep inside a timed generate and would pay the capture of every bucket there. One
+        call with no real token (n_real = 0 writes nothing, positions stay) on the scratch slot."""
+        ex = self.sess.executors.get("verify")
+        if ex is None or not ex.buckets or ex._captured_all:
+            return
+        ids = torch.zeros(1, 1 + self.K, dtype=torch.int64)
+        self.sess._run("verify", ids, [self.sess.cache_slots - 1], [0])
+
     # ---- admission ------------------------------------------------------------------------------
     def prefill(self, r) -> torch.Tensor:
         """Prefill r's prompt into its slot (as Session._prefill), keeping the streams the MTP needs;
@@ -507,4 +518,5 @@ def speculator(sess) -> Speculator:
     spec = sess.__dict__.get("_speculator")
     if spec is None:
         spec = sess.__dict__["_speculator"] = Speculator(sess)
+        spec.capture_replay_graph()
     return spec

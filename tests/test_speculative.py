@@ -561,7 +561,12 @@ def test_compiled_fused_graph_in_the_executor(compiled, plain):
     sess = Session(compiled.art, {**compiled.manifest, "buckets": [1, 2, 4]}, compiled.graphs, compiled.weights,
                    compiled.device, None, graph_mode="emulate")  # the loaded graphs and weights, shared
     ex = sess.executors["verify_mtp"]
+    caches = {n: t.clone() for n, t in sess.caches.items()}
+    spec = speculator(sess)  # captures the rollback replay graph up front, writing nothing
+    assert sess.executors["verify"]._captured_all and sess.executors["verify"].stats["runs"] == 1
+    assert all(torch.equal(caches[n], t) for n, t in sess.caches.items()) and not sess.pos.any()
     out = sess.generate(ps[:3], max_new_tokens=12, mtp=2)
+    assert spec is speculator(sess)
     assert [r.tokens for r in out] == [t[:12] for t in ref[:3]]
     assert ex.stats["runs"] > 0 and ex.stats["eager_fallbacks"] == 0 and ex.buckets == (1, 2, 4)
     assert sum(r.stats["fused_rounds"] for r in out) > 0
