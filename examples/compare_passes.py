@@ -972,6 +972,9 @@ def parse(argv=None):
     ap.add_argument("--work-dir", type=Path, default=None, help="where artifacts go (default: a temporary folder)")
     # GPU: the slice
     ap.add_argument("--no-slice", action="store_true", help="CUDA: skip the v4-flash-slice speed columns")
+    ap.add_argument("--slice-only", action="store_true",
+                    help="CUDA: only the v4-flash-slice part (slice.md / slice.json in --out-dir), e.g. when a "
+                         "ladder run's budget left no room for it")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the eager reference")
     ap.add_argument("--compile-limit", type=float, default=90, help="seconds for torch.compile + its timed steps")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -992,6 +995,8 @@ def main(argv=None) -> dict:
     cuda = s.device.startswith("cuda")
     budget = Budget(a.budget_s if a.budget_s is not None else (480.0 if cuda else None), t0)
     a.out_dir.mkdir(parents=True, exist_ok=True)
+    if a.slice_only:
+        return slice_only(a, budget, cuda)
     res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
            "settings": dataclasses.asdict(s), "budget_s": budget.total, "pipeline": pipeline_names(),
@@ -1025,6 +1030,22 @@ def main(argv=None) -> dict:
             res["slice"] = run_slice(a, a.out_dir, budget)
         res["status"] = "complete"
         write(res, a.out_dir, t0)
+    return res
+
+
+def slice_only(a, budget: Budget, cuda: bool) -> dict:
+    """--slice-only: the slice part alone, written as slice.md / slice.json."""
+    if not cuda:
+        raise SystemExit("--slice-only needs a CUDA device (the v4-flash-slice is a GPU benchmark)")
+    res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(), "budget_s": budget.total,
+           "command": "python examples/compare_passes.py " + " ".join(sys.argv[1:]),
+           "slice": run_slice(a, a.out_dir, budget)}
+    md = (f"## v4-flash-slice part of the ladder, {res['device']}\n\n{res['date']}, commit {res['commit']}, "
+          f"torch {res['torch']}\n" + slice_table(res["slice"]))
+    print(md)
+    _write_atomic(a.out_dir / "slice.md", md + "\n")
+    _write_atomic(a.out_dir / "slice.json", json.dumps(_strip(res), indent=1, default=str) + "\n")
     return res
 
 
