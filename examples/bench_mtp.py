@@ -139,6 +139,7 @@ def main(argv=None) -> int:
                     pol = spec_stats(sess, prompts, n_new, T, "auto")["policy"] or {}
                     rows.append({"batch": B, "temperature": T, "k": "auto", "auto_k": pol.get("k"),
                                  "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup")})
+                    print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
     print(table(rows, sess, art))
     if a.out:
         Path(a.out).write_text(json.dumps({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
