@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4c import ModelConfig
-from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
+from dsv4c.export import GraphSpec, export_graph
 from dsv4c.kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref
 from dsv4c.model import build_model, register_ops
 from dsv4c.model.v4 import HyperConnection
@@ -17,7 +17,8 @@ from dsv4c.passes import PassContext, run_pipeline, verify
 from dsv4c.passes.fuse_hc import fuse_hc
 from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
-from dsv4c.presets import V4_TINY_A
+from fusion_cases import (V4_TINY_2L, assert_same as _assert_same, exported as _exported, inputs as _inputs,
+                           model as _model, rel as _rel, run as _run)
 
 register_ops()
 
@@ -33,15 +34,6 @@ KERNEL_REL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1.5e-3}
 # model is fp32 here, so this measures the fp32 kernels end to end).
 GRAPH_REL = 2e-6
 ITERS, EPS, HC_EPS = 20, 1e-6, 1e-6
-
-V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
-              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
-N_SLOTS, MAX_LEN, K = 3, 64, 2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item() if b.numel() else 0.0
-
 
 # ---- fp64 references (independent of the model code) --------------------------------------------
 def _sinkhorn64(c, iters, eps):
@@ -198,71 +190,6 @@ def test_ops_are_the_model_functions_on_cpu_fake_and_capture_safe():
 
 
 # ---- the pass -----------------------------------------------------------------------------------
-_models: dict = {}
-_graphs: dict = {}
-
-
-def _model(dtype=torch.float32):
-    if dtype not in _models:
-        _models[dtype] = build_model(ModelConfig.from_dict(V4_TINY_2L), dtype=dtype)
-    return _models[dtype]
-
-
-def _spec(kind):
-    """verify = the decode graph of 1 + K tokens per sequence."""
-    return GraphSpec("decode" if kind == "verify" else kind, k=0 if kind == "decode" else K, n_slots=N_SLOTS,
-                     max_len=MAX_LEN)
-
-
-def _exported(kind, dtype=torch.float32):
-    """The unfused GraphModule of `kind`, exported once per module (callers get a deep copy)."""
-    if (kind, dtype) not in _graphs:
-        _graphs[(kind, dtype)] = export_graph(_model(dtype), _spec(kind)).module()
-    return copy.deepcopy(_graphs[(kind, dtype)])
-
-
-def _inputs(kind, dtype=torch.float32):
-    """Random inputs; main graphs run on a cache filled by a ragged prompt in slots 0 and 1."""
-    model = _model(dtype)
-    g = torch.Generator().manual_seed(1)
-    args = list(example_inputs(model, _spec(kind), "cpu"))
-    if kind == "mtp":
-        args[0] = torch.randn(args[0].shape, generator=g).to(args[0].dtype)
-        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
-        return args
-    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
-              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
-    T = {"prefill": 9, "decode": 1, "verify": 1 + K}[kind]
-    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
-    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
-
-
-@torch.no_grad()
-def _run(gm, args):
-    args = copy.deepcopy(args)
-    out = gm(*args)
-    return out, args[-1]
-
-
-def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    if torch.equal(x, y):
-        return 0.0
-    diff = torch.where(x == y, 0.0, x.double() - y.double())  # equal infinities (open-group scores) differ by 0
-    return (diff.abs().max() / y[y.isfinite()].double().abs().max().clamp_min(1e-30)).item()
-
-
-def _assert_same(a, b, rel: float = 0.0):
-    """Outputs and cache contents of two runs agree within `rel` (0: bit-exact)."""
-    (oa, ca), (ob, cb) = a, b
-    assert len(oa) == len(ob)
-    for i, (x, y) in enumerate(zip(oa, ob)):
-        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
-    for k in cb:
-        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
-
-
 def _sites(kind) -> int:
     return 2 if kind == "mtp" else 2 * V4_TINY_2L["num_hidden_layers"]
 
@@ -280,10 +207,10 @@ def _count(gm, op) -> int:
     ("mtp", torch.bfloat16, False),
 ])
 def test_pass_fuses_every_site_bit_exact(kind, dtype, sinkhorn_first):
-    model = _model(dtype)
+    model = _model("v4", dtype)
     ctx = PassContext(model.config, "cpu", graph_kind=kind)
-    ref_gm = _exported(kind, dtype)
-    gm = _exported(kind, dtype)
+    ref_gm = _exported("v4", kind, dtype)
+    gm = _exported("v4", kind, dtype)
     if sinkhorn_first:
         gm = fuse_sinkhorn(gm, ctx).graph
     res = fuse_hc(gm, ctx)
@@ -295,7 +222,7 @@ def test_pass_fuses_every_site_bit_exact(kind, dtype, sinkhorn_first):
     assert torch.ops.dsv4c.sinkhorn.default not in ops
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.einsum.default and n.args[0] == "btjk,btjd->btkd"]
     assert ops.count(torch.ops.aten.sigmoid.default) == 1  # hc_head_collapse's, not an mHC site's
-    args = _inputs(kind, dtype)
+    args = _inputs("v4", kind, dtype)
     _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the ops are the model's functions: exact
     again = fuse_hc(gm, ctx)
     assert not again.changed and again.stats == {"pre": 0, "post": 0}
@@ -304,21 +231,21 @@ def test_pass_fuses_every_site_bit_exact(kind, dtype, sinkhorn_first):
 def test_fused_graph_with_the_triton_kernels_matches():
     """The decode graph with each hc_pre/hc_post node running the Triton kernels (interpreter)."""
     ctx = PassContext(_model().config, "cpu", graph_kind="decode")
-    ref_gm = _exported("decode")
-    gm = fuse_hc(_exported("decode"), ctx).graph
+    ref_gm = _exported("v4", "decode")
+    gm = fuse_hc(_exported("v4", "decode"), ctx).graph
     for n in gm.graph.nodes:
         if n.target is torch.ops.dsv4c.hc_pre.default:
             n.target = hc_pre
         elif n.target is torch.ops.dsv4c.hc_post.default:
             n.target = hc_post
     gm.recompile()
-    args = _inputs("decode")
+    args = _inputs("v4", "decode")
     _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
 
 
 def test_sites_that_differ_are_left_alone():
     """Constants of pre that differ from the graph's literals: pre does not match (post has none)."""
-    gm = fuse_sinkhorn(_exported("decode"), PassContext(_model().config, "cpu", "decode")).graph
+    gm = fuse_sinkhorn(_exported("v4", "decode"), PassContext(_model().config, "cpu", "decode")).graph
     for change in ({"hc_eps": 1e-5}, {"rms_norm_eps": 1e-5}, {"hc_sinkhorn_iters": ITERS + 1}):
         cfg = dataclasses.replace(_model().config, **change)
         res = fuse_hc(copy.deepcopy(gm), PassContext(cfg, "cpu", graph_kind="decode"))
@@ -335,8 +262,8 @@ def test_not_a_v4_graph():
 def test_fused_graph_exports_and_round_trips():
     """A graph holding hc_pre (three outputs) and hc_post re-exports, saves and loads (torch.export)."""
     ctx = PassContext(_model().config, "cpu", graph_kind="decode")
-    gm = fuse_hc(_exported("decode"), ctx).graph
-    args = _inputs("decode")
+    gm = fuse_hc(_exported("v4", "decode"), ctx).graph
+    args = _inputs("v4", "decode")
     ep = torch.export.export(gm, tuple(copy.deepcopy(args)), strict=False)
     buf = io.BytesIO()
     torch.export.save(ep, buf)
@@ -351,10 +278,10 @@ def test_in_the_pipeline_sites_sit_in_capturable_segments():
     """fuse_hc runs in default_pipeline after fuse_sinkhorn: every site fused, the pipeline's outputs
     equal the same pipeline without it, and on h200 the fused ops sit in capturable static segments."""
     ctx = PassContext(_model().config, "h200", graph_kind="verify")
-    args = _inputs("verify")
+    args = _inputs("v4", "verify")
     skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
-    unfused, _ = run_pipeline(_exported("verify"), ctx, skip=skip + ("fuse_hc",))
-    gm, recs = run_pipeline(_exported("verify"), ctx, skip=skip)
+    unfused, _ = run_pipeline(_exported("v4", "verify"), ctx, skip=skip + ("fuse_hc",))
+    gm, recs = run_pipeline(_exported("v4", "verify"), ctx, skip=skip)
     rec = next(r for r in recs if r.name == "fuse_hc")
     assert rec.stats == {"pre": _sites("verify"), "post": _sites("verify")}
     _assert_same(_run(gm, args), _run(unfused, args))

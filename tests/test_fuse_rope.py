@@ -1,19 +1,16 @@
 """The interleaved RoPE kernel (kernels/rope.py), its custom op and the fuse_rope pass (V4 and V3)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from dsv4c import ModelConfig
-from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
 from dsv4c.kernels.rope import rope_interleaved, rope_interleaved_ref
-from dsv4c.model import build_model, register_ops
+from dsv4c.model import register_ops
 from dsv4c.passes import PassContext, run_pipeline, verify
 from dsv4c.passes.fuse_rope import fuse_rope
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
-from dsv4c.presets import V4_TINY_A
+from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
+                           rel as _rel, run as _run)
 
 register_ops()
 
@@ -22,14 +19,6 @@ register_ops()
 # rotated channels, which the Triton interpreter truncates (< 1 ulp: 2^-7 bf16, 2^-10 fp16).
 KERNEL_REL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1.5e-3}
 GRAPH_REL = 2e-6  # decode graph with the Triton kernel (interpreter) in place of each op, fp32 model
-
-V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
-              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
-N_SLOTS, MAX_LEN, K = 3, 64, 2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item() if b.numel() else 0.0
 
 
 def _rope64(x, cos, sin, inverse):
@@ -109,67 +98,6 @@ def test_op_is_the_model_function_on_cpu_fake_and_capture_safe(inverse):
 
 
 # ---- the pass -----------------------------------------------------------------------------------
-_models: dict = {}
-_graphs: dict = {}
-
-
-def _model(name: str, dtype=torch.float32):
-    if (name, dtype) not in _models:
-        cfg = ModelConfig.from_dict(V4_TINY_2L) if name == "v4" else ModelConfig.preset(name)
-        _models[(name, dtype)] = build_model(cfg, dtype=dtype)
-    return _models[(name, dtype)]
-
-
-def _spec(kind):
-    return GraphSpec("decode" if kind == "verify" else kind, k=0 if kind == "decode" else K, n_slots=N_SLOTS,
-                     max_len=MAX_LEN)
-
-
-def _exported(name, kind, dtype=torch.float32):
-    if (name, kind, dtype) not in _graphs:
-        _graphs[(name, kind, dtype)] = export_graph(_model(name, dtype), _spec(kind)).module()
-    return copy.deepcopy(_graphs[(name, kind, dtype)])
-
-
-def _inputs(name, kind, dtype=torch.float32):
-    model = _model(name, dtype)
-    g = torch.Generator().manual_seed(1)
-    args = list(example_inputs(model, _spec(kind), "cpu"))
-    if kind == "mtp":
-        args[0] = torch.randn(args[0].shape, generator=g).to(args[0].dtype)
-        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
-        return args
-    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
-              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
-    T = {"prefill": 9, "decode": 1, "verify": 1 + K}[kind]
-    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
-    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
-
-
-@torch.no_grad()
-def _run(gm, args):
-    args = copy.deepcopy(args)
-    return gm(*args), args[-1]
-
-
-def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    if torch.equal(x, y):
-        return 0.0
-    diff = torch.where(x == y, 0.0, x.double() - y.double())  # equal infinities (open-group scores) differ by 0
-    return (diff.abs().max() / y[y.isfinite()].double().abs().max().clamp_min(1e-30)).item()
-
-
-def _assert_same(a, b, rel: float = 0.0):
-    (oa, ca), (ob, cb) = a, b
-    assert len(oa) == len(ob)
-    for i, (x, y) in enumerate(zip(oa, ob)):
-        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
-    for k in cb:
-        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
-
-
 def _expected(name, kind) -> tuple[int, int]:
     """(rope calls, of them inverse) in the step: V4 q, kv and inverse o per layer + the indexer q of
     CSA layers; V3 q_pe and k_pe per layer."""
