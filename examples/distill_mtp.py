@@ -147,30 +147,22 @@ def evaluate(model, wins: torch.Tensor, device: torch.device, batch: int = 16) -
 
 
 @torch.no_grad()
-def greedy_continuations(model, prompts: torch.Tensor, n_new: int, device: torch.device) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + n_new]: the main model's greedy continuations, each step a full
-    no-cache forward (train_forward) over the sequence so far."""
+def continuations(model, prompts: torch.Tensor, n_new: int, device: torch.device, temperature: float = 0.0,
+                  gen: torch.Generator | None = None) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + n_new]: the main model's continuations, each step a full no-cache
+    forward (train_forward) over the sequence so far. Temperature 0: greedy, with deterministic
+    kernels; else sampled at `temperature` with `gen` (on-policy text for the MTP to imitate)."""
     ids = prompts.to(device)
-    with _deterministic():
+    with _deterministic() if temperature == 0 else contextlib.nullcontext():
         for _ in range(n_new):
             with _autocast(device):
                 logits, _ = train_forward(model, ids)
-            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids.cpu()
-
-
-@torch.no_grad()
-@torch.no_grad()
-def sampled_continuations(model, prompts: torch.Tensor, n_new: int, device: torch.device, temperature: float,
-                          gen: torch.Generator) -> torch.Tensor:
-    """prompts [B, P] -> [B, P + n_new]: continuations sampled from the main model at `temperature`
-    (on-policy text for the MTP to imitate), each step a full no-cache forward."""
-    ids = prompts.to(device)
-    for _ in range(n_new):
-        with _autocast(device):
-            logits, _ = train_forward(model, ids)
-        p = torch.softmax(logits[:, -1].float() / temperature, -1).cpu()
-        ids = torch.cat([ids, torch.multinomial(p, 1, generator=gen).to(device)], 1)
+            if temperature == 0:
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+            else:
+                p = torch.softmax(logits[:, -1].float() / temperature, -1).cpu()
+                nxt = torch.multinomial(p, 1, generator=gen).to(device)
+            ids = torch.cat([ids, nxt], 1)
     return ids.cpu()
 
 
@@ -187,6 +179,7 @@ def mixed_batches(corpus: Iterator[torch.Tensor], pool: torch.Tensor, every: int
         yield batch
 
 
+@torch.no_grad()
 def greedy_agreement(model, seqs: torch.Tensor, n_prompt: int, device: torch.device) -> dict:
     """On-policy acceptance proxy: over the main model's own greedy sequences seqs [B, L] (prompt of
     n_prompt tokens), the fraction of rows where the MTP draft for t+2 (fed the generated token t+1)
@@ -434,7 +427,7 @@ def run(a: argparse.Namespace, train_stream: torch.Tensor, held_stream: torch.Te
     t0 = time.perf_counter()
     gen = None
     if a.gen_tokens and a.gen_prompts:  # the main model is frozen: its greedy sequences are made once
-        gen = greedy_continuations(model, greedy_prompts(held_stream, a.gen_prompts, a.gen_prompt_len),
+        gen = continuations(model, greedy_prompts(held_stream, a.gen_prompts, a.gen_prompt_len),
                                    a.gen_tokens, dev)
     t_gen = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -448,7 +441,7 @@ def run(a: argparse.Namespace, train_stream: torch.Tensor, held_stream: torch.Te
     if a.self_text:  # on-policy text: the main model's own samples from training-corpus prompts
         t0 = time.perf_counter()
         prompts = next(sample_batches(train_stream, a.self_text, a.self_prompt - 1, a.seed + 7))
-        pool = sampled_continuations(model, prompts, a.seq + 1 - a.self_prompt, dev, a.self_temperature,
+        pool = continuations(model, prompts, a.seq + 1 - a.self_prompt, dev, a.self_temperature,
                                      torch.Generator().manual_seed(a.seed + 11))
         data = mixed_batches(data, pool, a.self_every, a.seed)
         t_self = time.perf_counter() - t0

@@ -123,7 +123,7 @@ def test_positions_of_teacher_student_and_corpus(monkeypatch):
     loss, terms = dm.distill_loss(None, wins, ce_weight=0.5)
     assert terms["agree"].item() == 1.0 and loss.item() < 1e-6
     # greedy text: the main model's continuation follows succ, and the MTP draft matches every generated t+2
-    seqs = dm.greedy_continuations(None, wins[:, :3], 7, CPU)
+    seqs = dm.continuations(None, wins[:, :3], 7, CPU)
     assert torch.equal(seqs[:, :3], wins[:, :3]) and seqs.shape == (5, 10)
     assert torch.equal(seqs[:, 3:], _successor(seqs[:, 2:-1], V))
     assert dm.greedy_agreement(None, seqs, 3, CPU) == {"agree_greedy": 1.0, "greedy_rows": 5 * 6}
