@@ -215,7 +215,7 @@ class Speculator:
         first happen deep inside a timed generate and would pay the capture of every bucket there. One
         call with no real token (n_real = 0 writes nothing, positions stay) on the scratch slot."""
         ex = self.sess.executors.get("verify")
-        if ex is None or not ex.buckets or ex._captured_all:
+        if ex is None or not ex.buckets or ex.captured:
             return
         ids = torch.zeros(1, 1 + self.K, dtype=torch.int64)
         self.sess._run("verify", ids, [self.sess.cache_slots - 1], [0])

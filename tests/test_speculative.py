@@ -563,7 +563,7 @@ def test_compiled_fused_graph_in_the_executor(compiled, plain):
     ex = sess.executors["verify_mtp"]
     caches = {n: t.clone() for n, t in sess.caches.items()}
     spec = speculator(sess)  # captures the rollback replay graph up front, writing nothing
-    assert sess.executors["verify"]._captured_all and sess.executors["verify"].stats["runs"] == 1
+    assert sess.executors["verify"].captured and sess.executors["verify"].stats["runs"] == 1
     assert all(torch.equal(caches[n], t) for n, t in sess.caches.items()) and not sess.pos.any()
     out = sess.generate(ps[:3], max_new_tokens=12, mtp=2)
     assert spec is speculator(sess)
