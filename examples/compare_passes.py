@@ -995,13 +995,11 @@ def main(argv=None) -> dict:
     cuda = s.device.startswith("cuda")
     budget = Budget(a.budget_s if a.budget_s is not None else (480.0 if cuda else None), t0)
     a.out_dir.mkdir(parents=True, exist_ok=True)
+    head = run_header(cuda, budget, argv)
     if a.slice_only:
-        return slice_only(a, budget, cuda)
-    res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
-           "settings": dataclasses.asdict(s), "budget_s": budget.total, "pipeline": pipeline_names(),
-           "format_option": format_option(), "status": "compiling",
-           "command": "python examples/compare_passes.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+        return slice_only(a, head, budget, cuda)
+    res = {**head, "settings": dataclasses.asdict(s), "pipeline": pipeline_names(),
+           "format_option": format_option(), "status": "compiling"}
     tmp = None
     work = a.work_dir
     if work is None:
@@ -1033,14 +1031,19 @@ def main(argv=None) -> dict:
     return res
 
 
-def slice_only(a, budget: Budget, cuda: bool) -> dict:
+def run_header(cuda: bool, budget: Budget, argv) -> dict:
+    """Date, commit, versions, device, budget and command of one run (results.json / slice.json)."""
+    return {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else f"cpu ({os.cpu_count()} cores)",
+            "budget_s": budget.total,
+            "command": "python examples/compare_passes.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+
+
+def slice_only(a, head: dict, budget: Budget, cuda: bool) -> dict:
     """--slice-only: the slice part alone, written as slice.md / slice.json."""
     if not cuda:
         raise SystemExit("--slice-only needs a CUDA device (the v4-flash-slice is a GPU benchmark)")
-    res = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(), "budget_s": budget.total,
-           "command": "python examples/compare_passes.py " + " ".join(sys.argv[1:]),
-           "slice": run_slice(a, a.out_dir, budget)}
+    res = {**head, "slice": run_slice(a, a.out_dir, budget)}
     md = (f"## v4-flash-slice part of the ladder, {res['device']}\n\n{res['date']}, commit {res['commit']}, "
           f"torch {res['torch']}\n" + slice_table(res["slice"]))
     print(md)
