@@ -176,24 +176,34 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
     if small:   # CPU interpreter: a few, to exercise every path
         if fmt in ("mxfp4", "nvfp4"):
             return [("default", None), ("split bn32 bk64", C(16, 32, 64, 4, 3, True)),
-                    ("split bn64 bk128 sk2", C(16, 64, 128, 4, 3, True, 2))]
-        return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2))]
+                    ("split bn64 bk128 sk2", C(16, 64, 128, 4, 3, True, 2)),
+                    ("scaled bn32 bk64 direct", C(16, 32, 64, 4, 3, fp4_scaled=fmt == "mxfp4", direct=True))]
+        return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2)),
+                ("bn64 direct", C(16, 64, 128, 4, 3, direct=True))]
     if prefill:
         return [("default", None), ("m128 n128 w4 s3", C(128, 128, 128, 4, 3)), ("m64 n128 w4 s4", C(64, 128, 128, 4, 4)),
                 ("m128 n256 w8 s3", C(128, 256, 128, 8, 3)), ("m128 n128 w8 s4", C(128, 128, 128, 8, 4))]
+    def tag(name, direct):
+        return name + (" direct" if direct else "")
     if fmt in ("mxfp4", "nvfp4"):
-        def sp(bn, bk, w, st, sk=1):
-            return (f"split bn{bn} bk{bk} w{w} s{st}" + (f" sk{sk}" if sk > 1 else ""), C(16, bn, bk, w, st, True, sk))
-        return [("default", None), sp(32, 256, 4, 4), sp(64, 256, 4, 4), sp(16, 512, 4, 3), sp(32, 512, 4, 3),
-                sp(32, 256, 4, 4, 2), sp(64, 128, 4, 4), sp(32, 256, 2, 4), sp(64, 256, 8, 3), sp(64, 512, 8, 3),
-                sp(16, 256, 2, 4, 2), ("dot bn32 bk256 w4 s4", C(16, 32, 256, 4, 4))]
+        def sp(bn, bk, w, st, direct=False):
+            return tag(f"split bn{bn} bk{bk} w{w} s{st}", direct), C(16, bn, bk, w, st, True, direct=direct)
+
+        def sc(bn, bk, w, st, direct=False):   # tl.dot_scaled (MXFP4 only)
+            return tag(f"scaled bn{bn} bk{bk} w{w} s{st}", direct), C(16, bn, bk, w, st, fp4_scaled=True, direct=direct)
+        split = [("default", None), sp(32, 256, 4, 4, True), sp(64, 128, 4, 4, True), sp(16, 512, 4, 3, True),
+                 sp(64, 256, 4, 4)]
+        if fmt == "nvfp4":
+            return split
+        return split + [sc(32, 256, 4, 4), sc(64, 256, 4, 4), sc(64, 128, 4, 4), sc(32, 256, 4, 4, True),
+                        sc(64, 256, 4, 4, True), sc(64, 128, 4, 4, True), sc(32, 512, 4, 3, True),
+                        sc(128, 256, 8, 3, True), sc(64, 256, 8, 4, True)]
     if fmt == "fp8_block":   # GEMM 1 always runs BLOCK_N 128 (h quantised per 128 in its epilogue)
-        def f8(bn, w, st, sk=1):
-            return (f"bn{bn} w{w} s{st}" + (f" sk{sk}" if sk > 1 else ""), C(16, bn, 128, w, st, False, sk))
-        return [("default", None), f8(32, 4, 4), f8(64, 4, 4, 2), f8(32, 4, 4, 2), f8(64, 4, 4, 4), f8(128, 4, 4),
-                f8(64, 4, 3), f8(64, 4, 5), f8(64, 8, 4), f8(32, 2, 4)]
-    return [("default", None), ("bn32 bk128 w4 s4", C(16, 32, 128, 4, 4)), ("bn64 bk64 w4 s4", C(16, 64, 64, 4, 4)),
-            ("bn32 bk128 w4 s4 sk2", C(16, 32, 128, 4, 4, False, 2))]
+        def f8(bn, w, st, direct=False):
+            return tag(f"bn{bn} w{w} s{st}", direct), C(16, bn, 128, w, st, direct=direct)
+        return [("default", None), f8(64, 4, 4, True), f8(32, 4, 4, True), f8(128, 4, 4, True), f8(64, 4, 3, True)]
+    return [("default", None), ("bn32 bk128 w4 s4 direct", C(16, 32, 128, 4, 4, direct=True)),
+            ("bn64 bk64 w4 s4 direct", C(16, 64, 64, 4, 4, direct=True))]
 
 
 def time_eager(fn, iters: int) -> float:

@@ -52,10 +52,11 @@ ABLATED = ("fuse_sinkhorn", "fuse_hc", "fuse_rmsnorm", "fuse_rope", "lower_f32_l
 
 
 def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = (),
-          kind: str = "decode", k: int = 0, extra_ring_slots: int = 0):
+          kind: str = "decode", k: int = 0, extra_ring_slots: int = 0, expert_format: str | None = None):
     """A graph (default: decode, 1 token per row) lowered for h200; `quantize=False` skips
-    quantize_experts (bf16 experts); `skip` leaves out further passes."""
-    ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())))
+    quantize_experts (bf16 experts); `skip` leaves out further passes; `expert_format` overrides
+    the target's routed-expert format (as `compile --expert-format`)."""
+    ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())), expert_format)
     spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
     gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=tuple(skip) + (() if quantize else ("quantize_experts",)))
@@ -165,6 +166,7 @@ def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:
     return {"non_expert_weights": other, "routed_experts": experts, "embedding_rows": embed, "head": head,
             "kv": kv, "total": total,
             "total_fp8_experts": total - experts // 2,  # 1-byte experts (their scales are negligible)
+            "total_mxfp4_experts": total - experts + experts * 17 // 64,  # 4 bits + one e8m0 byte per 32
             "per_layer_no_head": (other + experts + kv) / cfg.num_hidden_layers}
 
 
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=27, help="decode steps; the first 3 are warm-up")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--quantized", action="store_true", help="add the h200 lowering of the experts "
+    ap.add_argument("--quantized", action="store_true", help="add the h200 lowerings of the experts "
                     "(quantize_experts: the target's format, Triton grouped kernels)")
     ap.add_argument("--only", nargs="+", default=None, help="lowerings to time (ref-experts is always built: "
                     "the roofline counts its routing), e.g. --only h200-experts")
@@ -215,13 +217,15 @@ def main(argv=None) -> int:
         variants.append(("gathered-unfused", {"moe_experts": "gathered"}, False))
     if a.quantized:
         variants.append(("h200-experts", {}, True))
+        variants.append(("h200-mxfp4", {}, True))   # the release MXFP4 experts, weight-only (W4A16)
     if a.only:  # keep GPU memory for one lowering (each holds its own fused / quantised weights)
         variants = [v for v in variants if v[0] in a.only or v[0] == "ref-experts"]
     for name, kernels, quantize in variants:
         skip = ABLATED if name.endswith("-unfused") else ()
         t0 = time.perf_counter()
         try:
-            graphs[name] = graph(model, n_slots, max_len, kernels, quantize, skip)
+            graphs[name] = graph(model, n_slots, max_len, kernels, quantize, skip,
+                                 expert_format="mxfp4_w4a16" if name == "h200-mxfp4" else None)
         except Exception as e:  # report, keep measuring the others
             print(f"{name}: lowering failed: {type(e).__name__}: {e}", flush=True)
             res.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
@@ -237,8 +241,9 @@ def main(argv=None) -> int:
     configs = [c for c in configs if c[0] in graphs and (not a.only or c[0] in a.only)]
     if "gathered-unfused" in graphs:
         configs += [("gathered-unfused", "eager"), ("gathered-unfused", full_mode)]
-    if "h200-experts" in graphs:  # the target's quantised Triton experts (capture-safe)
-        configs += [("h200-experts", "eager"), ("h200-experts", graph_mode), ("h200-experts", full_mode)]
+    for q in ("h200-experts", "h200-mxfp4"):  # quantised Triton experts (capture-safe)
+        if q in graphs:
+            configs += [(q, "eager"), (q, graph_mode), (q, full_mode)]
     if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
         configs += [("ref-experts", "eager+torch.compile"), ("gathered-experts", full_mode + "+inductor")]
         if "h200-experts" in graphs:
@@ -259,7 +264,8 @@ def main(argv=None) -> int:
                    torch.ones(B, dtype=torch.int64, device=dev), flat)
         by = step_bytes(model, B, a.prompt, rec.unique)
         roof[B] = {**by, "unique_experts": rec.unique, "roofline_ms": by["total"] / bw * 1e3 if bw else None,
-                   "roofline_fp8_experts_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
+                   "roofline_fp8_experts_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None,
+                   "roofline_mxfp4_experts_ms": by["total_mxfp4_experts"] / bw * 1e3 if bw else None}
     res["roofline"] = roof
 
     rows = []
@@ -330,7 +336,8 @@ def main(argv=None) -> int:
 
     for r in rows:
         if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
-            key = "roofline_fp8_experts_ms" if r["graph"] == "h200-experts" else "roofline_ms"
+            key = {"h200-experts": "roofline_fp8_experts_ms", "h200-mxfp4": "roofline_mxfp4_experts_ms"}.get(
+                r["graph"], "roofline_ms")
             r["roofline_fraction"] = roof[r["batch"]][key] / r["step_ms"]
     print(table(res))
     if a.out:

@@ -28,7 +28,8 @@ multiplies silu(g)*v in fp32 BEFORE W2; a repeated id adds. L <= 0 disables the 
 FP8 block runs W8A8 like Official: x and h are quantised per token per 128 channels (e4m3,
 ue8m0 scales); h is quantised in the first GEMM's epilogue. Weight-only formats run bf16
 tensor-core math on weights dequantised in registers (exact in bf16; NVFP4's fp32 global scale
-is applied to the accumulator). W4A4 quantises x and h to NVFP4 (per 16, e4m3 scales, a global
+is applied to the accumulator); MXFP4 on sm_90+ goes through tl.dot_scaled (bf16 x e2m1 with
+e8m0 scales), whose Hopper lowering is that same exact upcast, done by Triton. W4A4 quantises x and h to NVFP4 (per 16, e4m3 scales, a global
 input scale: the container's, or amax/(6*448) computed on device) and multiplies with
 tl.dot_scaled (sm_100+); elsewhere the wrapper refuses, naming capability 10.0, except under the
 CPU interpreter where an emulation (both operands dequantised to bf16) runs the same kernel.
@@ -37,11 +38,14 @@ Pipeline, all on device, no host sync, fixed grids from shapes only (CUDA-graph 
   1. routing prep (torch ops): assignments sorted by expert (stable), each expert's rows padded to
      BLOCK_M; `ids` [R] = assignment id per padded row (N_A marks padding); `block_expert`
      [NB] = expert of each M-block (-1: unused block, the program exits);
-     NB = ceil(N_A/BLOCK_M) + min(E, N_A) is the worst case, R = NB*BLOCK_M;
+     NB = ceil(N_A/BLOCK_M) + min(E, N_A) is the worst case, R = NB*BLOCK_M.
+     At decode (config.direct) there is no sort: M-block a is assignment a alone (one valid
+     row), so NB = R = N_A and the routing costs no launch; experts shared by several
+     assignments are then read once per assignment;
   2. GEMM 1 over w13 (w1 rows then w3 rows) on rows gathered from x, SwiGLU (+clamp) and the
      routing weight in the epilogue -> h [R, I];
   3. GEMM 2 over w2 on h's contiguous rows -> y [R, D] bf16;
-  4. combine: out[t] = sum_j y[row of (t, j)] (gather + sum in fp32).
+  4. combine: out[t] = sum_j y[row of (t, j)] (gather + one torch.sum, fp32 accumulation).
 
 Shapes: T tokens, D hidden, E experts, K experts per token (top-k), I expert width,
 N_A = T*K assignments, R padded rows, NB M-blocks.
@@ -63,7 +67,7 @@ from dsv4c import quant as Q
 
 __all__ = [
     "Bf16Experts", "Fp8BlockExperts", "MoeKernelConfig", "Mxfp4Experts", "Nvfp4Experts", "Nvfp4W4A4Experts",
-    "experts_from_tensors", "moe_grouped", "moe_grouped_ref", "route_prep",
+    "experts_from_tensors", "moe_grouped", "moe_grouped_ref", "route_direct", "route_prep",
 ]
 
 _FMT_ID = {"bf16": 0, "fp8_block": 1, "mxfp4": 2, "nvfp4": 3, "nvfp4_w4a4": 4}
@@ -359,8 +363,8 @@ def _step_split(FMT: tl.constexpr, a_even, a_odd, w_base, ws_base, cols, col_ok,
 
 @triton.jit
 def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.constexpr, stride_wn, stride_wsn, acc,
-          USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          USE_DOT_SCALED: tl.constexpr, SCALED_FP4: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + A_tile @ W_tile^T for K block k0, W rows `cols` of one expert, in format FMT."""
     if FMT == 0 or FMT == 1:
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -371,7 +375,15 @@ def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.co
             ws = tl.load(ws_base + (cols // 128) * stride_wsn + k0 // 128, mask=col_ok, other=0.0)
             part = U.mma(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INTERPRET)
             acc += part * a_s[:, None] * ws[None, :]
-    elif FMT == 2:
+    elif FMT == 2 and SCALED_FP4 and not INTERPRET:
+        # bf16 x MXFP4 through tl.dot_scaled: on Hopper Triton upcasts e2m1 and applies the e8m0
+        # scale in registers (exact in bf16), then runs a bf16 dot; on sm_100 it is native.
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(w_base + cols[:, None] * stride_wn + kp[None, :], mask=col_ok[:, None] & (kp[None, :] < K // 2), other=0)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K // 32), other=0)
+        acc = tl.dot_scaled(a, None, "bf16", tl.trans(p), sb, "e2m1", acc, fast_math=True)
+    elif FMT == 2:   # (also SCALED_FP4 under the interpreter, which has no dot_scaled)
         w = _fp4_tile(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 32, BLOCK_N, BLOCK_K)
         acc = U.mma(a, w.to(tl.bfloat16), acc, INTERPRET)
     elif FMT == 3:
@@ -400,22 +412,31 @@ def _moe_gemm_kernel(
         stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
         FMT: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr,
         HAS_LIMIT: tl.constexpr, USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr,
-        SPLIT_FP4: tl.constexpr, K_CHUNK: tl.constexpr, ATOMIC_OUT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        SPLIT_FP4: tl.constexpr, SCALED_FP4: tl.constexpr, DIRECT: tl.constexpr, K_CHUNK: tl.constexpr,
+        ATOMIC_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's M-block over K columns
     [pid_k*K_CHUNK, (pid_k+1)*K_CHUNK). GATHER: A rows are x[ids // TOPK] (GEMM 1), else the
     block's own rows (GEMM 2). SWIGLU: two accumulators over W rows n and N + n, SwiGLU, clamp
     and routing weight in the epilogue (QUANT_OUT: e4m3 + ue8m0 per 128, BLOCK_N == 128).
     SPLIT_FP4 (FMT 2, 3): even/odd-K half dots on nibble-decoded weights (_fp4_tile_split).
-    ATOMIC_OUT (split-K): fp32 atomic add of the partial tile into a zeroed fp32 out."""
+    ATOMIC_OUT (split-K): fp32 atomic add of the partial tile into a zeroed fp32 out.
+    SCALED_FP4 (FMT 2): tl.dot_scaled on the packed weights and their e8m0 scales.
+    DIRECT: no sorted routing; M-block pid_m is assignment pid_m alone (row 0 of the tile, the
+    other rows masked), bexp_ptr is the flat idx [N_A], and out / h have one row per assignment."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    e = tl.load(bexp_ptr + pid_m)
+    e = tl.load(bexp_ptr + pid_m).to(tl.int32)
     if e >= 0:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(ids_ptr + rows)
-        valid = ids < N_ASSIGN
+        if DIRECT:
+            r = tl.arange(0, BLOCK_M)
+            valid = r == 0
+            ids = tl.where(valid, pid_m, N_ASSIGN)
+            rows = tl.where(valid, pid_m, 0)
+        else:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            ids = tl.load(ids_ptr + rows)
+            valid = ids < N_ASSIGN
         if GATHER:
             arow = tl.where(valid, ids // TOPK, 0).to(tl.int64)
         else:
@@ -443,17 +464,18 @@ def _moe_gemm_kernel(
             else:
                 a, a_s = _load_a(FMT, a_ptr, as_ptr, arow, valid, k0, K, stride_am, stride_asm, BLOCK_M, BLOCK_K)
                 acc1 = _step(FMT, a, a_s, w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, acc1,
-                             USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+                             USE_DOT_SCALED, SCALED_FP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
                 if SWIGLU:
                     acc2 = _step(FMT, a, a_s, w_base, ws_base, cols + N, col_ok, k0, K, stride_wn, stride_wsn, acc2,
-                                 USE_DOT_SCALED, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
-        if FMT >= 3:
+                                 USE_DOT_SCALED, SCALED_FP4, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K)
+        if FMT == 3 or FMT == 4:
             g = tl.load(wg_ptr + e)
             if FMT == 4:
                 g = g * tl.load(ag_ptr)
             acc1 = acc1 * g
             acc2 = acc2 * g
         orow = rows.to(tl.int64)
+        store_ok = valid[:, None] & col_ok[None, :]   # padding rows are never read back
         if SWIGLU:
             if HAS_LIMIT:
                 acc1 = tl.minimum(acc1, limit)
@@ -463,17 +485,17 @@ def _moe_gemm_kernel(
             if QUANT_OUT:
                 s = U.ceil_pow2(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0)
                 q = U.e4m3_bits(h / s[:, None])
-                tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], q.to(tl.uint8), mask=col_ok[None, :])
-                tl.store(outs_ptr + orow * stride_osm + pid_n, s)
+                tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], q.to(tl.uint8), mask=store_ok)
+                tl.store(outs_ptr + orow * stride_osm + pid_n, s, mask=valid)
             else:
                 tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], h.to(out_ptr.dtype.element_ty),
-                         mask=col_ok[None, :])
+                         mask=store_ok)
         elif ATOMIC_OUT:
             tl.atomic_add(out_ptr + orow[:, None] * stride_om + cols[None, :], acc1,
                           mask=valid[:, None] & col_ok[None, :], sem="relaxed")
         else:
             tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], acc1.to(out_ptr.dtype.element_ty),
-                     mask=col_ok[None, :])
+                     mask=store_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +509,11 @@ class MoeKernelConfig:
     fp4_split: MXFP4/NVFP4 weight-only decode the nibbles by bit placement and run two half-K
     dots (even / odd K) instead of interleaving the nibbles (join + reshape); ignored elsewhere.
     split_k: the w2 GEMM splits K into this many chunks, each added into an fp32 buffer with
-    atomics (more programs at decode; the summation order then varies run to run); 1 = off."""
+    atomics (more programs at decode; the summation order then varies run to run); 1 = off.
+    fp4_scaled: MXFP4 weight-only multiplies through tl.dot_scaled (bf16 x e2m1 with e8m0 scales;
+    Triton's own in-register upcast on Hopper); ignored for other formats.
+    direct: skip the sort; every assignment is its own M-block of one row (no routing prep, two
+    GEMM launches and a sum). For decode, where few assignments share an expert."""
 
     block_m: int = 16
     block_n: int = 64
@@ -496,23 +522,33 @@ class MoeKernelConfig:
     num_stages: int = 3
     fp4_split: bool = False
     split_k: int = 1
+    fp4_scaled: bool = False
+    direct: bool = False
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
     """Heuristic tiles from static shapes: small BLOCK_M at decode, large at prefill; large
-    blocks under the CPU interpreter (fewer programs)."""
+    blocks under the CPU interpreter (fewer programs).
+
+    Decode choices come from the H200 sweep at Flash shapes, replayed in CUDA graphs
+    (BENCHMARKS.md, fourth session): `direct` routing (no sort) while few assignments share an
+    expert (n_assign <= E/4: 1 and 8 tokens at top-6 of 256) halves the 1-token call (the
+    sort's ~15 launches were most of it); MXFP4 weight-only multiplies through tl.dot_scaled
+    (Triton's in-register upcast) on sm_90+, 1.4-1.6x faster than the fp4_split path. split_k
+    stays off: its atomics make the summation order vary."""
     if device.type == "cpu":
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
     per_expert = n_assign / max(n_experts, 1)
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
     if per_expert <= 16:
-        # H200 sweep (BENCHMARKS.md, 2026-11-29, graph replay at Flash shapes): the fp4_split path
-        # beats the dot path for weight-only FP4 at 8 and 64 tokens by 1.3-1.8x; one token prefers
-        # narrower, deeper tiles. split_k stays off: its atomics make the summation order vary.
+        direct = n_assign <= n_experts // 4
+        if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):
+            return MoeKernelConfig(16, 64, 128, 4, 4, fp4_scaled=True, direct=direct)
         if fmt in ("mxfp4", "nvfp4"):
-            return (MoeKernelConfig(16, 32, 256, 4, 4, fp4_split=True) if n_assign <= 8
-                    else MoeKernelConfig(16, 64, 128, 4, 4, fp4_split=True))
-        return MoeKernelConfig(16, 64, 256 if fp4 else 128, 4, 4)
+            return MoeKernelConfig(16, 64, 128, 4, 4, fp4_split=True, direct=direct)
+        if fmt == "bf16":
+            return MoeKernelConfig(16, 32, 128, 4, 4, direct=direct)
+        return MoeKernelConfig(16, 64, 256 if fp4 else 128, 4, 4, direct=direct)
     if per_expert <= 64:   # bf16 at BLOCK_K 128 x 4 stages needed 320 KB of shared memory
         return MoeKernelConfig(64, 128, 64 if fmt == "bf16" else 128, 4, 3)
     return MoeKernelConfig(128, 128, 128 if fmt != "bf16" else 64, 8, 3)
@@ -521,13 +557,26 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
 @dataclass(frozen=True)
 class Routing:
     """Device routing prep. ids int32 [R]; block_expert int32 [NB]; inv int64 [N_A] (padded row
-    of each assignment, row-major over [T, K]); n_assign, block_m static ints."""
+    of each assignment, row-major over [T, K]); n_assign, block_m static ints. direct
+    (route_direct): block_expert is the flat idx [N_A], ids unused, inv None."""
 
     ids: torch.Tensor
     block_expert: torch.Tensor
-    inv: torch.Tensor
+    inv: torch.Tensor | None
     n_assign: int
     block_m: int
+    direct: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Rows of h and y: one per assignment (direct), else the padded row count."""
+        return self.n_assign if self.direct else self.ids.numel()
+
+
+def route_direct(idx: torch.Tensor, block_m: int) -> Routing:
+    """Routing without a sort: M-block a is assignment a (row-major over [T, K]). No device op."""
+    flat = idx.reshape(-1)
+    return Routing(flat, flat, None, flat.numel(), block_m, direct=True)
 
 
 def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
@@ -598,7 +647,8 @@ def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_f
         out.stride(0), out_s.stride(0),
         FMT=_FMT_ID[fmt], GATHER=gather, SWIGLU=swiglu, QUANT_OUT=quant_out, HAS_LIMIT=limit > 0,
         USE_DOT_SCALED=use_dot_scaled, INTERPRET=U.interpret_flag(a),
-        SPLIT_FP4=cfg.fp4_split and fmt in ("mxfp4", "nvfp4"), K_CHUNK=k_chunk, ATOMIC_OUT=out.dtype == torch.float32,
+        SPLIT_FP4=cfg.fp4_split and fmt in ("mxfp4", "nvfp4"), SCALED_FP4=cfg.fp4_scaled and fmt == "mxfp4",
+        DIRECT=routing.direct, K_CHUNK=k_chunk, ATOMIC_OUT=out.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -619,6 +669,7 @@ def _check_cfg(fmt: str, cfg: MoeKernelConfig, d: int, i: int) -> None:
     _req(cfg.split_k >= 1, f"config.split_k: >= 1, got {cfg.split_k}")
     if fmt == "fp8_block":
         _req(cfg.block_k == 128, f"config.block_k: fp8_block needs 128 (one activation scale per K step), got {cfg.block_k}")
+    _req(not (cfg.fp4_split and cfg.fp4_scaled), "config: fp4_split and fp4_scaled are alternatives; set one")
     if cfg.fp4_split and fmt in ("mxfp4", "nvfp4"):
         g = 32 if fmt == "mxfp4" else 16
         _req(cfg.block_k >= 2 * max(g, 16), f"config.block_k: fp4_split with {fmt} needs >= {2 * max(g, 16)} "
@@ -632,11 +683,11 @@ def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfi
     out = torch.empty_like(x)
     if t == 0:
         return out
-    routing = route_prep(idx, e, cfg.block_m)
-    rows = routing.ids.numel()
+    routing = route_direct(idx, cfg.block_m) if cfg.direct else route_prep(idx, e, cfg.block_m)
+    rows = routing.rows
     dev = x.device
     wflat = weight.reshape(-1).contiguous()
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    dummy = wflat   # any fp32 tensor: the pointer of an operand the format does not read
     cfg2 = cfg
     if fmt == "fp8_block":
         xq, xs = act_quant_fp8(x)
@@ -666,7 +717,11 @@ def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfi
         y = torch.empty(rows, d, dtype=torch.bfloat16, device=dev)
     _gemm(fmt, a2, a2_s, a2_g, experts, "w2", routing, wflat, y, y, d, i, topk, 0.0, False, False, False, cfg2,
           use_dot_scaled)
-    out.copy_(y[routing.inv].view(t, topk, d).float().sum(1))
+    per_slot = (y if routing.direct else y[routing.inv]).view(t, topk, d)          # [T, K, D]
+    if per_slot.dtype == out.dtype:
+        torch.sum(per_slot, 1, out=out)   # accumulates in fp32, one rounding to bf16
+    else:
+        out.copy_(per_slot.sum(1))
     return out
 
 

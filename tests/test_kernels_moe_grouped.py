@@ -222,6 +222,49 @@ def test_fp4_decode_variants_match_ref(fmt, variant, case):
     assert rel_err(y, M.moe_grouped_ref(x, idx, weight, experts, LIMIT)) < KERNEL_REL_ERR[fmt]
 
 
+def _direct_cfg(fmt: str, **kw) -> M.MoeKernelConfig:
+    return M.MoeKernelConfig(16, 64, 128 if fmt == "fp8_block" else 64, direct=True, **kw)
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_direct_routing_matches_ref(fmt, case):
+    """direct: one M-block per assignment, no sort; repeated ids and one expert taking every
+    slot must still add up, and the masked rows 1..15 of each block must not be stored."""
+    t, k, e, d, i = SHAPES[fmt]
+    if case == "one_expert_all":
+        t = 37
+    experts = FORMATS[fmt].from_float(*float_weights(e, i, d, seed=26))
+    x = inputs(t, d, seed=27)
+    idx, weight = routing(case, t, k, e, seed=28)
+    y = M.moe_grouped(x, idx, weight, experts, LIMIT, _direct_cfg(fmt))
+    assert y.shape == (t, d) and y.dtype == torch.bfloat16
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, experts, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+def test_direct_routing_launches_no_routing_ops():
+    """route_direct is views only (the point of the direct path at decode)."""
+    idx = torch.randint(0, 6, (3, 2))
+    r = M.route_direct(idx, 16)
+    assert r.direct and r.rows == 6 and r.inv is None
+    assert r.block_expert.data_ptr() == idx.data_ptr()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_fp4_scaled_config_matches_ref(direct):
+    """fp4_scaled (tl.dot_scaled on GPU; under the interpreter, which has no dot_scaled, the
+    same kernel's dequantised-tile path) through both routings."""
+    t, k, e, d, i = SHAPES["mxfp4"]
+    experts = M.Mxfp4Experts.from_float(*float_weights(e, i, d, seed=29))
+    x = inputs(t, d, seed=30)
+    idx, weight = routing("random", t, k, e, seed=31)
+    cfg = M.MoeKernelConfig(16, 32, 64, fp4_scaled=True, direct=direct)
+    y = M.moe_grouped(x, idx, weight, experts, LIMIT, cfg)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, experts, LIMIT)) < KERNEL_REL_ERR["mxfp4"]
+    with pytest.raises(ValueError, match="fp4_split and fp4_scaled"):
+        M.moe_grouped(x, idx, weight, experts, LIMIT, M.MoeKernelConfig(16, 32, 64, fp4_split=True, fp4_scaled=True))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
 def test_split_k_other_formats_match_ref(fmt):
     t, k, e, d, i = SHAPES[fmt]
@@ -260,6 +303,30 @@ def test_gpu_moe_grouped_matches_ref(fmt, t):
     x = inputs(t, d, device="cuda")
     idx, weight = (v.cuda() for v in routing("random", t, k, e))
     y = M.moe_grouped(x, idx, weight, ex, LIMIT)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+GPU_VARIANTS = {
+    "direct": lambda fmt: M.MoeKernelConfig(16, 64, 128, 4, 4, direct=True),
+    "direct_split": lambda fmt: M.MoeKernelConfig(16, 32, 256, 4, 4, fp4_split=True, direct=True),
+    "scaled": lambda fmt: M.MoeKernelConfig(16, 64, 128, 4, 4, fp4_scaled=True),
+    "scaled_direct": lambda fmt: M.MoeKernelConfig(16, 64, 256, 4, 4, fp4_scaled=True, direct=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_gpu_decode_variants_match_ref(fmt, variant, t):
+    """The decode variants on the GPU, where fp4_scaled really runs tl.dot_scaled."""
+    if variant.startswith("scaled") and fmt != "mxfp4" or variant == "direct_split" and fmt not in ("mxfp4", "nvfp4"):
+        pytest.skip("variant does not apply to this format")
+    _, k, e, d, i = GPU_SHAPE
+    ex = FORMATS[fmt].from_float(*float_weights(e, i, d, device="cuda"))
+    x = inputs(t, d, device="cuda")
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+    y = M.moe_grouped(x, idx, weight, ex, LIMIT, GPU_VARIANTS[variant](fmt))
     assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < KERNEL_REL_ERR[fmt]
 
 
