@@ -150,8 +150,11 @@ def _sinkhorn_fake(c0, iters, eps):
 #   [M, ⌈D/BLOCK_D⌉].
 # Grids depend on shapes only and no launch reads device data on the host: capture-safe.
 HC_BLOCK_K = 64
-HC_CHUNK = 512  # K per split-K program (a multiple of HC_BLOCK_K)
+HC_CHUNK = 128  # K per split-K program (a multiple of HC_BLOCK_K)
 HC_BLOCK_D = 512
+HC_FINISH_WARPS = 2
+# H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
+# chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 
 
 @triton.jit
@@ -263,11 +266,12 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-           hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D):
+           hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
+           finish_warps: int | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
-    per split-K program, a multiple of 64) and `block_d` (a power of two) are tuning knobs; CPU tensors
-    run under the Triton interpreter."""
+    per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
+    second launch) are tuning knobs; CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -295,7 +299,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
         ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-        num_warps=4 if n * bd >= 1024 else 1)
+        num_warps=finish_warps or (HC_FINISH_WARPS if n * bd >= 1024 else 1))
     return u, post, comb
 
 
