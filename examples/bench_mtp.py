@@ -138,7 +138,8 @@ def main(argv=None) -> int:
                 if not a.no_auto:
                     pol = spec_stats(sess, prompts, n_new, T, "auto")["policy"] or {}
                     rows.append({"batch": B, "temperature": T, "k": "auto", "auto_k": pol.get("k"),
-                                 "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup")})
+                                 "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup"),
+                                 "measured_speedup": pol.get("measured_speedup")})
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
     print(table(rows, sess, art))
     if a.out:

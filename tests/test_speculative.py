@@ -462,9 +462,16 @@ def test_choose_k_follows_the_measurements(bundled):
         times = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
         spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0, 0.0),
                                  ("times", 64): {"decode": 1.0, "verify": 3.5, "mtp": 0.5},
-                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.5, 0.0)})
+                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.5, 0.0),
+                                 ("measured", 1, 0.0): {1: 1.4, 2: 1.3, 3: 1.2}})
         k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
         assert k >= 2 and info["predicted_speedup"][k] > 1.5 and "k=" in info["reason"]
+        assert info["measured_speedup"] == {2: 1.3, 3: 1.2}[k] and "measured" in info["reason"]
+        # a measured loss overrules the model (host work per round is not in it)
+        spec.calibration[("measured", 1, 0.0)] = {1: 0.6, 2: 0.6, 3: 0.6}
+        k0, lost = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        assert k0 == 0 and "calibration run measured 0.60x" in lost["reason"]
+        spec.calibration[("measured", 1, 0.0)] = {1: 1.4, 2: 1.3, 3: 1.2}
         # k = 1 costs verify + mtp = 1.3: speedup 1.9 / 1.3; the fused graph (1.25, no fallback) costs less
         assert info["predicted_speedup"][1] == pytest.approx(1.9 / 1.3, abs=1e-3)
         times["verify_mtp"] = 1.25
@@ -491,6 +498,8 @@ def test_auto_records_its_decision_and_stays_exact(bundled, plain):
     assert [r.tokens for r in out] == ref[:2]
     pol = out[0].stats["mtp_policy"]
     assert pol["k"] in range(4) and pol["reason"] and len(pol["alpha"]) == 3
+    if pol["measured_speedup"] is not None:   # a predicted gain was confirmed or refused by a real run
+        assert (pol["k"] > 0) == (pol["measured_speedup"] >= 1.05)
     assert set(pol["step_ms"]) == {"decode", "verify", "mtp", "verify_mtp"}
 
 
