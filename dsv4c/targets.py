@@ -50,14 +50,14 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 _CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
          "dsa_cache_update": "static"}
 
-# BENCHMARKS.md, grouped-MoE sweep on the H200 (2026-11-29): Flash expert shapes, microseconds per call
-# replayed in a CUDA graph (how decode runs), best tile per cell, at 1 / 8 / 64 tokens.
-_HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us at 1/8/64 tokens, best tiles): "
-                  "fp8_block 122/363/1360, mxfp4_w4a16 180/650/2529, nvfp4_w4a16 203/838/3311. fp8_block is "
-                  "fastest at every decode size (1.5-1.9x over MXFP4) and the most accurate; the FP4 weight-only "
-                  "kernels are bound by in-register dequantisation (10-25% of copy bandwidth). One format per "
-                  "artifact (graphs share weights), so fp8_block; revisit when the FP4 kernels reach the "
-                  "issue-6 targets.")
+# BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, fourth session): Flash expert shapes,
+# microseconds per call replayed in a CUDA graph (how decode runs), best tile per cell, at 1 / 8 / 64 tokens.
+_HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us at 1/8/64 tokens, best tiles, "
+                  "direct routing at 1 and 8): fp8_block 59/290/1304, mxfp4_w4a16 (tl.dot_scaled) 79/417/1749, "
+                  "nvfp4_w4a16 149/793/3275. fp8_block is fastest at every decode size (1.3-1.4x over MXFP4) "
+                  "and the most accurate; the FP4 weight-only kernels are bound by in-register upcasting "
+                  "(24-36% of copy bandwidth). One format per artifact (graphs share weights), so fp8_block; "
+                  "revisit when the FP4 kernels reach the issue-6 targets.")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,
            "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
 
