@@ -23,8 +23,9 @@ recorded as an error and skipped. Reports us, % of the copy bandwidth measured i
 the best config per (format, tokens), and FP8/FP4 time ratios at 1 and 8 tokens; the JSON is
 rewritten after every cell, so a timeout keeps what was measured.
 
-    python examples/bench_moe_kernels.py --sweep --out sweep.json        # H200, ~3-4 min
+    python examples/bench_moe_kernels.py --sweep --out sweep.json --plot sweep.png   # H200, ~3-4 min
     TRITON_INTERPRET=1 python examples/bench_moe_kernels.py --small --sweep
+    python examples/bench_moe_kernels.py --plot-from sweep.json --plot sweep.png     # re-plot, no GPU
 """
 from __future__ import annotations
 
@@ -226,7 +227,7 @@ def time_graph(fn, replays: int) -> float:
         del graph
 
 
-def run_sweep(args, dev) -> None:
+def run_sweep(args, dev) -> dict:
     t_start = time.time()
     if args.small:
         e, d, i, k, tokens, n_rot, iters = 4, 128, 128, 2, [1, 5], 1, 1
@@ -316,6 +317,7 @@ def run_sweep(args, dev) -> None:
             torch.cuda.empty_cache()
     summarize(res, bw)
     dump()
+    return res
 
 
 def summarize(res: dict, bw: float | None) -> None:
@@ -346,6 +348,40 @@ def summarize(res: dict, bw: float | None) -> None:
         {k2: round(v, 2) for k2, v in ratios.items()})
 
 
+def plot_sweep(res: dict, path: str) -> None:
+    """One panel per format: graph-replay us per call of the sweep's "default" candidate and of the
+    best candidate, at each token count, with the best's share of the copy bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = list(dict.fromkeys(r["format"] for r in res["rows"]))
+    fig, axes = plt.subplots(1, len(fmts), figsize=(4 * len(fmts), 3.6), squeeze=False)
+    for ax, fmt in zip(axes[0], fmts):
+        rows = [r for r in res["rows"] if r["format"] == fmt and r.get("status") == "ok"]
+        tokens = sorted({r["tokens"] for r in rows})
+        us = lambda r: r.get("graph_us") or r.get("eager_us")   # noqa: E731
+        default = [next((us(r) for r in rows if r["tokens"] == t and r["candidate"] == "default"), float("nan"))
+                   for t in tokens]
+        best = [min((r for r in rows if r["tokens"] == t), key=us) for t in tokens]
+        xs = range(len(tokens))
+        ax.bar([x - 0.2 for x in xs], default, 0.4, label="default config")
+        ax.bar([x + 0.2 for x in xs], [us(b) for b in best], 0.4, label="best candidate")
+        for x, b in zip(xs, best):
+            if b.get("bw_ratio"):
+                ax.annotate(f"{100 * b['bw_ratio']:.0f}%", (x + 0.2, us(b)), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), [str(t) for t in tokens])
+        ax.set_xlabel("tokens")
+        ax.set_title(fmt)
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("us per call (CUDA-graph replay)" if res.get("copy_bw_Bps") else "us per call (eager)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"grouped MoE decode sweep, {res.get('device', '?')} (labels: best's % of copy bandwidth)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write JSON here")
@@ -356,12 +392,22 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="decode tile/variant sweep (see the module docstring)")
     ap.add_argument("--prefill", action="store_true", help="--sweep: add fp8_block at 4096 tokens")
     ap.add_argument("--budget-s", type=float, default=200.0, help="--sweep: stop starting candidates after this")
+    ap.add_argument("--plot", default=None, help="--sweep: also plot default vs best per format to this PNG")
+    ap.add_argument("--plot-from", default=None, help="plot a saved --sweep JSON to --plot and exit")
     args = ap.parse_args()
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot PNG")
+        with open(args.plot_from) as f:
+            plot_sweep(json.load(f), args.plot)
+        return
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.sweep:
         if args.formats == ap.get_default("formats"):
             args.formats = "mxfp4,nvfp4,fp8_block,bf16"    # the targets first: a timeout cuts the control
-        run_sweep(args, dev)
+        res = run_sweep(args, dev)
+        if args.plot:
+            plot_sweep(res, args.plot)
         return
     if args.small:
         e, d, i, k, decode, prefill = 8, 256, 128, 2, [1, 8], [64]

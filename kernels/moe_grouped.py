@@ -534,7 +534,7 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     (BENCHMARKS.md, fourth session): `direct` routing (no sort) while few assignments share an
     expert (n_assign <= E/4: 1 and 8 tokens at top-6 of 256) halves the 1-token call (the
     sort's ~15 launches were most of it); MXFP4 weight-only multiplies through tl.dot_scaled
-    (Triton's in-register upcast) on sm_90+, 1.4-2.3x faster than the fp4_split path. split_k
+    (Triton's in-register upcast) on sm_90+, about 1.5x faster than the best fp4_split tile. split_k
     stays off: its atomics make the summation order vary."""
     if device.type == "cpu":
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
