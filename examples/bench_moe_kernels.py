@@ -183,7 +183,8 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
                 ("bn64 direct", C(16, 64, 128, 4, 3, direct=True))]
     if prefill:
         return [("default", None), ("m128 n128 w4 s3", C(128, 128, 128, 4, 3)), ("m64 n128 w4 s4", C(64, 128, 128, 4, 4)),
-                ("m128 n256 w8 s3", C(128, 256, 128, 8, 3)), ("m128 n128 w8 s4", C(128, 128, 128, 8, 4))]
+                ("m128 n256 w8 s3", C(128, 256, 128, 8, 3)), ("m128 n128 w8 s4", C(128, 128, 128, 8, 4)),
+                ("m128 n64 w4 s4", C(128, 64, 128, 4, 4)), ("m64 n256 w8 s3", C(64, 256, 128, 8, 3))]
     def tag(name, direct):
         return name + (" direct" if direct else "")
     if fmt in ("mxfp4", "nvfp4"):
@@ -233,6 +234,8 @@ def run_sweep(args, dev) -> dict:
         e, d, i, k, tokens, n_rot, iters = 4, 128, 128, 2, [1, 5], 1, 1
     else:
         e, d, i, k, tokens, n_rot, iters = 256, 4096, 2048, 6, [1, 8, 64], 8, 5
+    if args.tokens:   # token counts above 64 get the prefill candidates
+        tokens = [int(t) for t in args.tokens.split(",")]
     limit = 10.0
     cuda = dev.type == "cuda"
     bw = copy_bandwidth(dev)
@@ -392,6 +395,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="decode tile/variant sweep (see the module docstring)")
     ap.add_argument("--prefill", action="store_true", help="--sweep: add fp8_block at 4096 tokens")
     ap.add_argument("--budget-s", type=float, default=200.0, help="--sweep: stop starting candidates after this")
+    ap.add_argument("--tokens", default=None, help="--sweep: comma list of token counts instead of 1,8,64")
     ap.add_argument("--plot", default=None, help="--sweep: also plot default vs best per format to this PNG")
     ap.add_argument("--plot-from", default=None, help="plot a saved --sweep JSON to --plot and exit")
     args = ap.parse_args()
