@@ -29,8 +29,9 @@ FP8 block runs W8A8 like Official: x and h are quantised per token per 128 chann
 ue8m0 scales); h is quantised in the first GEMM's epilogue. Weight-only formats run bf16
 tensor-core math on weights dequantised in registers (exact in bf16; NVFP4's fp32 global scale
 is applied to the accumulator); MXFP4 on sm_90+ goes through tl.dot_scaled (bf16 x e2m1 with
-e8m0 scales), whose Hopper lowering is that same exact upcast, done by Triton. W4A4 quantises x and h to NVFP4 (per 16, e4m3 scales, a global
-input scale: the container's, or amax/(6*448) computed on device) and multiplies with
+e8m0 scales), whose Hopper lowering is that same exact upcast, done by Triton. W4A4 quantises
+x and h to NVFP4 (per 16, e4m3 scales, a global input scale: the container's, or amax/(6*448)
+computed on device) and multiplies with
 tl.dot_scaled (sm_100+); elsewhere the wrapper refuses, naming capability 10.0, except under the
 CPU interpreter where an emulation (both operands dequantised to bf16) runs the same kernel.
 
@@ -379,9 +380,11 @@ def _step(FMT: tl.constexpr, a, a_s, w_base, ws_base, cols, col_ok, k0, K: tl.co
         # bf16 x MXFP4 through tl.dot_scaled: on Hopper Triton upcasts e2m1 and applies the e8m0
         # scale in registers (exact in bf16), then runs a bf16 dot; on sm_100 it is native.
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        p = tl.load(w_base + cols[:, None] * stride_wn + kp[None, :], mask=col_ok[:, None] & (kp[None, :] < K // 2), other=0)
+        p = tl.load(w_base + cols[:, None] * stride_wn + kp[None, :],
+                    mask=col_ok[:, None] & (kp[None, :] < K // 2), other=0)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K // 32), other=0)
+        sb = tl.load(ws_base + cols[:, None] * stride_wsn + ks[None, :],
+                     mask=col_ok[:, None] & (ks[None, :] < K // 32), other=0)
         acc = tl.dot_scaled(a, None, "bf16", tl.trans(p), sb, "e2m1", acc, fast_math=True)
     elif FMT == 2:   # (also SCALED_FP4 under the interpreter, which has no dot_scaled)
         w = _fp4_tile(w_base, ws_base, cols, col_ok, k0, K, stride_wn, stride_wsn, 32, BLOCK_N, BLOCK_K)
@@ -534,8 +537,8 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     (BENCHMARKS.md, fourth session): `direct` routing (no sort) while few assignments share an
     expert (n_assign <= E/4: 1 and 8 tokens at top-6 of 256) halves the 1-token call (the
     sort's ~15 launches were most of it); MXFP4 weight-only multiplies through tl.dot_scaled
-    (Triton's in-register upcast) on sm_90+, about 1.5x faster than the best fp4_split tile. split_k
-    stays off: its atomics make the summation order vary."""
+    (Triton's in-register upcast) on sm_90+, about 1.5x faster than the best fp4_split tile.
+    split_k stays off: its atomics make the summation order vary."""
     if device.type == "cpu":
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
     per_expert = n_assign / max(n_experts, 1)
