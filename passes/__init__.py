@@ -190,6 +190,21 @@ def _dump(dump_dir, fname: str, gm: GraphModule) -> None:
 
 
 # ---- helpers shared by the passes ------------------------------------------------------------------
+def kernel_ops(*names: str) -> tuple | None:
+    """The default overloads of dsv4c::<names>, after registering the model's ops; None when one
+    is missing (the Triton kernel modules register them, so they need triton). A fusion pass then
+    returns `PassResult(gm, False, {..., "skipped": unavailable(*names)})`."""
+    from dsv4c.model import register_ops
+
+    register_ops()
+    ops = [getattr(torch.ops.dsv4c, n, None) for n in names]
+    return None if None in ops else tuple(op.default for op in ops)
+
+
+def unavailable(*names: str) -> str:
+    return f"dsv4c::{'/'.join(names)} unavailable (needs triton)"
+
+
 def is_noop_cast(n: Node) -> bool:
     """`aten.to.dtype(x, dt)` where x already has dtype dt."""
     if n.op != "call_function" or n.target is not torch.ops.aten.to.dtype:

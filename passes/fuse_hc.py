@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult
+from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites, match_sites, replace_site
 
 _ACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,13 +126,10 @@ def fuse_hc(gm: GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.config
     if not cfg.is_v4:
         return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": "no mHC (not a V4 model)"})
-    from dsv4c.model import register_ops
-
-    register_ops()
-    ops = getattr(torch.ops.dsv4c, "hc_pre", None), getattr(torch.ops.dsv4c, "hc_post", None)
-    if None in ops:
-        return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": "dsv4c::hc_pre/hc_post unavailable (needs triton)"})
-    pre_op, post_op = ops[0].default, ops[1].default
+    ops = kernel_ops("hc_pre", "hc_post")
+    if ops is None:
+        return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": unavailable("hc_pre", "hc_post")})
+    pre_op, post_op = ops
     n, eps, hc_eps, iters = cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
     pre = post = 0
     for dt in _act_dtypes(gm):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult
+from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 _ACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,13 +68,10 @@ def _ok(site) -> bool:
 
 
 def fuse_rmsnorm(gm: GraphModule, ctx: PassContext) -> PassResult:
-    from dsv4c.model import register_ops
-
-    register_ops()
-    op = getattr(torch.ops.dsv4c, "rms_norm", None)
-    if op is None:
-        return PassResult(gm, False, {"sites": 0, "skipped": "dsv4c::rms_norm unavailable (needs triton)"})
-    op = op.default
+    ops = kernel_ops("rms_norm")
+    if ops is None:
+        return PassResult(gm, False, {"sites": 0, "skipped": unavailable("rms_norm")})
+    op, = ops
     if not any(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
     eps = ctx.config.rms_norm_eps

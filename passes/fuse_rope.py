@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult
+from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 aten = torch.ops.aten
@@ -96,13 +96,10 @@ def _ok(site) -> bool:
 
 
 def fuse_rope(gm: GraphModule, ctx: PassContext) -> PassResult:
-    from dsv4c.model import register_ops
-
-    register_ops()
-    op = getattr(torch.ops.dsv4c, "rope_interleaved", None)
-    if op is None:
-        return PassResult(gm, False, {"sites": 0, "skipped": "dsv4c::rope_interleaved unavailable (needs triton)"})
-    op = op.default
+    ops = kernel_ops("rope_interleaved")
+    if ops is None:
+        return PassResult(gm, False, {"sites": 0, "skipped": unavailable("rope_interleaved")})
+    op, = ops
     counts = {False: 0, True: 0}
     for key in sorted(_keys(gm), key=str):
         for inverse in (True, False):  # inverse first: the forward pattern also matches it, with -sin as sin

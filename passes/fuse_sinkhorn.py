@@ -32,7 +32,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
-from dsv4c.passes import PassContext, PassResult, erase_unused, fake_value
+from dsv4c.passes import PassContext, PassResult, erase_unused, fake_value, kernel_ops, unavailable
 
 aten = torch.ops.aten
 
@@ -71,13 +71,10 @@ def fuse_sinkhorn(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {"sites": 0, "skipped": "no mHC (not a V4 model)"})
     if not any(n.target in (aten.softmax.int, aten._softmax.default) for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
-    from dsv4c.model import register_ops
-
-    register_ops()
-    op = getattr(torch.ops.dsv4c, "sinkhorn", None)
-    if op is None:
-        return PassResult(gm, False, {"sites": 0, "skipped": "dsv4c::sinkhorn unavailable (needs triton)"})
-    op = op.default
+    ops = kernel_ops("sinkhorn")
+    if ops is None:
+        return PassResult(gm, False, {"sites": 0, "skipped": unavailable("sinkhorn")})
+    op, = ops
     iters, eps = cfg.hc_sinkhorn_iters, cfg.hc_eps
     matcher = SubgraphMatcher(sinkhorn_pattern(iters, eps, cfg.hc_mult), match_output=False,
                               match_placeholder=False, remove_overlapping_matches=True)
