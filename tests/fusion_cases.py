@@ -1,4 +1,4 @@
-"""Shared cases of the fusion-pass tests (test_fuse_hc / _rmsnorm / _rope): a two-layer V4 (SWA + CSA)
+"""Shared cases of the fusion-pass tests (test_fuse_sinkhorn / _hc / _rmsnorm / _rope): a two-layer V4 (SWA + CSA)
 or a preset, its step graphs exported once per (model, kind, dtype), random inputs on a cache filled by
 a ragged prompt, and the comparison of two runs (outputs and cache writes).
 

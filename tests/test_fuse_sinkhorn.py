@@ -1,21 +1,17 @@
 """The mHC Sinkhorn kernel (kernels/mhc.py), its custom op and the fuse_sinkhorn pass."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
+from fusion_cases import assert_same as _assert_same, exported, inputs, model as case_model, rel, run as _run
 
-from dsv4c import ModelConfig
-from dsv4c.export import GraphSpec, example_inputs, export_graph, flat_caches
 from dsv4c.kernels.mhc import sinkhorn, sinkhorn_ref
-from dsv4c.model import build_model
 from dsv4c.model.v4 import sinkhorn as model_sinkhorn
 from dsv4c.passes import PassContext, run_pipeline, verify
 from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
-from dsv4c.presets import V4_TINY_A
 
 # Kernel vs the eager reference in fp32 and in fp64, relative norm ||k - r|| / ||r||. Kernel and
 # eager fp32 round differently only in exp and in the order of the N-term sums; measured <= 1.3e-7
@@ -27,14 +23,8 @@ KERNEL_REL = 1e-6
 GRAPH_REL = 2e-6
 ITERS, EPS = 20, 1e-6
 
-# v4-tiny-a cut to 2 layers (SWA + CSA with its indexer) so the three exports take seconds.
-V4_TINY_2L = {**V4_TINY_A, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "compressed_sparse_attention"],
-              "compress_ratios": [0, 4, 0], "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "moe"]}
-N_SLOTS, MAX_LEN, K = 3, 64, 2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item() if b.numel() else 0.0
+# This file's "decode" graph is the step graph of 1 + K tokens per row (fusion_cases' "verify").
+_CASE_KIND = {"decode": "verify", "prefill": "prefill", "mtp": "mtp"}
 
 
 # ---- the kernel (Triton interpreter on CPU) ---------------------------------------------------------
@@ -55,8 +45,8 @@ def test_kernel_matches_reference(shape, block_m):
     got = sinkhorn(c0, ITERS, EPS, block_m=block_m)
     want = sinkhorn_ref(c0, ITERS, EPS)
     assert got.shape == want.shape and got.dtype == torch.float32
-    assert _rel(got, want) <= KERNEL_REL
-    assert _rel(got.double(), sinkhorn_ref(c0.double(), ITERS, EPS)) <= KERNEL_REL  # as close as eager fp32
+    assert rel(got, want) <= KERNEL_REL
+    assert rel(got.double(), sinkhorn_ref(c0.double(), ITERS, EPS)) <= KERNEL_REL  # as close as eager fp32
     if want.numel():  # the reference did normalise: columns sum to ~1 (a kernel returning c0 fails here)
         assert torch.allclose(got.sum(-2), torch.ones(()), atol=1e-4)
 
@@ -68,8 +58,8 @@ def test_kernel_iteration_counts_and_strided_input(iters):
     strided = c0.permute(2, 3, 0, 1)  # [5, 3, 4, 4], not contiguous
     got = sinkhorn(strided, iters, 1e-3, block_m=4)
     want = sinkhorn_ref(strided, iters, 1e-3)
-    assert _rel(got, want) <= KERNEL_REL
-    assert _rel(sinkhorn_ref(strided, iters + 1, 1e-3), want) > 10 * KERNEL_REL  # iterations matter here
+    assert rel(got, want) <= KERNEL_REL
+    assert rel(sinkhorn_ref(strided, iters + 1, 1e-3), want) > 10 * KERNEL_REL  # iterations matter here
 
 
 @pytest.mark.parametrize("bad,err", [
@@ -106,64 +96,22 @@ def test_op_is_the_reference_on_cpu_fake_and_capture_safe():
 # ---- the pass -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelConfig.from_dict(V4_TINY_2L))
-
-
-_graphs: dict = {}
+    return case_model("v4")   # v4-tiny-a cut to 2 layers (SWA + CSA with its indexer)
 
 
 def _exported(model, kind):
-    """The unfused GraphModule of `kind`, exported once per module (callers get a deep copy)."""
-    if kind not in _graphs:
-        _graphs[kind] = export_graph(model, GraphSpec(kind, k=K, n_slots=N_SLOTS, max_len=MAX_LEN)).module()
-    return copy.deepcopy(_graphs[kind])
+    """The unfused GraphModule of `kind` (a deep copy of the one export)."""
+    return exported("v4", _CASE_KIND[kind])
 
 
 def _inputs(model, kind):
     """Random inputs; main graphs run on a cache filled by a ragged prompt in slots 0 and 1."""
-    g = torch.Generator().manual_seed(1)
-    args = list(example_inputs(model, GraphSpec(kind, k=K, n_slots=N_SLOTS, max_len=MAX_LEN), "cpu"))
-    if kind == "mtp":
-        args[0] = torch.randn(args[0].shape, generator=g)
-        args[1] = torch.randint(0, model.config.vocab_size, args[1].shape, generator=g)
-        return args
-    cache = model.new_cache(N_SLOTS, max_len=MAX_LEN)
-    with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (2, 11), generator=g), cache,
-              n_real=torch.tensor([11, 7]), slots=torch.arange(2))
-    T = 9 if kind == "prefill" else 1 + K
-    ids = torch.randint(0, model.config.vocab_size, (2, T), generator=g)
-    return [ids, torch.arange(2), cache.pos[:2].clone(), torch.full((2,), T), flat_caches(cache.layers)]
-
-
-@torch.no_grad()
-def _run(gm, args):
-    args = copy.deepcopy(args)
-    out = gm(*args)
-    return out, args[-1]
+    return inputs("v4", _CASE_KIND[kind])
 
 
 def _sites(model, kind) -> int:
     cfg = model.config
     return 2 if kind == "mtp" else 2 * cfg.num_hidden_layers
-
-
-def _max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    """max |x - y| / max |y| (0 for equal tensors, -inf entries included)."""
-    if torch.equal(x, y):
-        return 0.0
-    diff = torch.where(x == y, 0.0, x - y)  # equal infinities (open-group scores) differ by 0
-    return (diff.abs().max() / y[y.isfinite()].abs().max().clamp_min(1e-30)).item()
-
-
-def _assert_same(a, b, rel: float = 0.0):
-    """Outputs and cache contents of two runs agree within `rel` (0: bit-exact)."""
-    (oa, ca), (ob, cb) = a, b
-    assert len(oa) == len(ob)
-    for i, (x, y) in enumerate(zip(oa, ob)):
-        assert _max_rel(x, y) <= rel, (i, _max_rel(x, y))
-    for k in cb:  # the cache writes too
-        assert _max_rel(ca[k], cb[k]) <= rel, (k, _max_rel(ca[k], cb[k]))
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mtp"])
