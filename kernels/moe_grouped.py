@@ -536,15 +536,17 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     Decode choices come from the H200 sweep at Flash shapes, replayed in CUDA graphs
     (BENCHMARKS.md, fourth session): `direct` routing (no sort) while few assignments share an
     expert (n_assign <= E/4: 1 and 8 tokens at top-6 of 256) halves the 1-token call (the
-    sort's ~15 launches were most of it); MXFP4 weight-only multiplies through tl.dot_scaled
-    (Triton's in-register upcast) on sm_90+, about 1.5x faster than the best fp4_split tile.
+    sort's ~15 launches were most of it), and below 16 assignments at any E (a small model's
+    verify: the sort's launches cost more than reading a few expert tiles twice); MXFP4
+    weight-only multiplies through tl.dot_scaled (Triton's in-register upcast) on sm_90+, about
+    1.5x faster than the best fp4_split tile.
     split_k stays off: its atomics make the summation order vary."""
     if device.type == "cpu":
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
     per_expert = n_assign / max(n_experts, 1)
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
     if per_expert <= 16:
-        direct = n_assign <= n_experts // 4
+        direct = n_assign <= max(n_experts // 4, 16)
         if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):
             return MoeKernelConfig(16, 64, 128, 4, 4, fp4_scaled=True, direct=direct)
         if fmt in ("mxfp4", "nvfp4"):
