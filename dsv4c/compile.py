@@ -31,7 +31,8 @@ from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
 from dsv4c.passes.quantize_experts import CheckpointExperts, check_format, describe_quant_map, merge_quant_map
 from dsv4c.targets import get_target
 
-FORMAT_VERSION = 2  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
+FORMAT_VERSION = 3  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
+#                    3: V4 compressors keep c·m + K rows by position (v4_compress), not the open group
 MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -52,9 +53,10 @@ def graph_kinds(cfg: ModelConfig, mtp_k: int, fused_mtp: bool = True) -> list[tu
     """(artifact graph name, export kind, k): decode always takes one token per sequence; with
     --mtp K the artifact adds `verify` (1 + K tokens per sequence), the MTP block's graph and (unless
     `fused_mtp` is off) `verify_mtp`, verify and the MTP refresh in one graph (export.VerifyMTPStepModule).
-    The fused graph writes MTP rows past the accepted prefix; that is harmless only when the MTP block
-    keeps no position-free state (V4: compress ratio 0, the SWA ring), so a V4 MTP block with a
-    compressor gets no fused graph."""
+    The fused graph writes MTP rows past the accepted prefix. Every V4 cache row is position-indexed
+    now (the compressors' kept rows too, format 3), so that would be harmless with a compressor in the
+    MTP block as well; no checkpoint has one and no test covers it, so such a block still gets no
+    fused graph."""
     kinds = [("prefill", "prefill", 0), ("decode", "decode", 0)]
     if mtp_k > 0:
         if not cfg.num_nextn_predict_layers:
@@ -308,6 +310,9 @@ def read_manifest(art: str | Path, verify: bool = True) -> dict:
     if version > FORMAT_VERSION:
         raise ArtifactError(f"{path}: format_version {version} is newer than this dsv4c reads ({FORMAT_VERSION}); "
                             f"upgrade dsv4c or recompile")
+    if version < FORMAT_VERSION:
+        raise ArtifactError(f"{path}: format_version {version} is older than this dsv4c reads ({FORMAT_VERSION}: "
+                            f"its caches have another layout); recompile the checkpoint")
     for key in ("target", "model_config", "graphs", "weights", "files", "limits", "checksum"):
         if key not in m:
             raise ArtifactError(f"{path}: field {key!r} is missing")

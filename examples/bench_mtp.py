@@ -69,7 +69,6 @@ def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
         return {"policy": res[0].stats.get("mtp_policy")}
     return {"alpha": merged["acceptance_per_position"], "histogram": merged["accept_histogram"],
             "mean_accepted_length": merged["mean_accepted_length"],
-            "replays_per_round": merged["rollback_replays"] / max(merged["rounds"], 1),
             "fused_rounds": merged.get("fused_rounds"), "fallback_refreshes": merged.get("fallback_refreshes"),
             "policy": merged.get("mtp_policy")}
 
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
                     if k:
                         st = spec_stats(sess, prompts, n_new, T, k)
                         row.update({n: st[n] for n in ("alpha", "mean_accepted_length", "histogram",
-                                                       "replays_per_round", "fused_rounds", "fallback_refreshes")})
+                                                       "fused_rounds", "fallback_refreshes")})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
                 if not a.no_auto:
@@ -158,15 +157,15 @@ def table(rows: list[dict], sess, art) -> str:
         return "-" if x is None else fmt.format(x)
 
     out = [f"MTP speculative decoding, {art} on {sess.device} ({sess.manifest['dtype']})", "",
-           "| batch | T | k | tok/s | speedup | α per position | τ (mean accepted length) | replays/round | greedy == k0 |",
-           "|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+           "| batch | T | k | tok/s | speedup | α per position | τ (mean accepted length) | fused / fallback rounds | greedy == k0 |",
+           "|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         if r["k"] == "auto":
             out.append(f"| {r['batch']} | {r['temperature']} | auto → {r['auto_k']} | | | {r['reason']} | | | |")
             continue
         alpha = ", ".join(f(x) for x in r.get("alpha", [])) or "-"
         out.append(f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                   f"{alpha} | {f(r.get('mean_accepted_length'))} | {f(r.get('replays_per_round'))} | "
+                   f"{alpha} | {f(r.get('mean_accepted_length'))} | {r.get('fused_rounds', '-')} / {r.get('fallback_refreshes', '-')} | "
                    f"{r.get('greedy_equal_to_k0', '-')} |")
     return "\n".join(out)
 

@@ -9,9 +9,7 @@ main caches hold positions < n, the MTP cache positions < n and its draft for x_
              [x_n, d_1..d_k] at positions n..n+k: target logits p_0..p_k and streams h_n..h_{n+k}.
   3. accept  greedy: while d_j == argmax p_{j-1}; sampling: exact rejection sampling on the processed
              distributions (`accept_drafts`). -> a accepted drafts and one extra token y.
-  4. rollback positions go to n+a+1. The state the verify wrote for positions > n+a is harmless except
-             the V4 compressors' open-group state (see below); it is restored and the accepted prefix is
-             replayed when a compressor group closed in (n+a, n+k].
+  4. rollback positions go to n+a+1. The state the verify wrote for positions > n+a is harmless (below).
   5. refresh one `mtp` call over positions n..n+a with the true inputs (h_j, x_{j+1}); its output at n+a is
              the next round's d_1.
 
@@ -23,9 +21,8 @@ the MTP output at row a is exactly what the refresh computes. A row keeps the fu
 committed tokens d_1..d_a, y equal the graph's ids (`_take_fused`); otherwise (sampling rows whose
 accepted or emitted token was not the argmax) it gets the separate refresh of step 5
 (`SpecStats.fused_rounds` / `fallback_refreshes` count both). MTP rows written for positions > n+a are
-stale like the verify's rows: the MTP ring also holds W + K rows, the MTP block has no compressor
-(ratio 0, checked), and the next round rewrites those positions before any query reads them. Drafts
-d_2..d_k still come from `mtp` calls, and rollback replays still use `verify`.
+stale like the verify's rows: the MTP caches also hold K extra rows, and the next round rewrites those
+positions before any query reads them. Drafts d_2..d_k still come from `mtp` calls.
 
 Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_ops.py):
   * window ring: the caches carry W + K rows (`extra_ring_slots`), so the verify's rows evict only
@@ -37,11 +34,12 @@ Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_op
     chunk holding p wrote it again.
   * MTP ring (V4, sliding window only) and V3 MTP cache: same argument, and the refresh (or the fused
     graph) rewrites positions n..n+a with true inputs.
-  * the compressor open-group state (`comp_kv/comp_score`, `idx_kv/idx_score`) is not position-indexed:
-    when a group closes inside the verify chunk after n+a, rows of the accepted positions are pooled
-    into a (wrong) entry and dropped from the state. Those sequences get their state rows restored from
-    a snapshot taken before the verify, and positions n..n+a are replayed through the verify graph with
-    n_real = a+1 (exactly the ops' semantics; costs one extra forward for those rows, counted in stats).
+  * the compressors' kept rows (`comp_kv/comp_score`, `idx_kv/idx_score`): position p at row p mod
+    (c·m + K). A group closing at a rejected position pools rejected rows into an entry that is not
+    visible yet (above). The accepted positions' rows stay, since the K extra rows keep the verify's
+    rows from reaching them, and the chunk that reaches the closing position again rewrites the rows
+    first. (While these rows were not position-indexed, such a round restored a snapshot and replayed
+    the accepted prefix through `verify`: one more forward in 15-35% of rounds.)
 
 Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
 
@@ -63,7 +61,6 @@ from dsv4c.runtime.sampling import SamplingParams, processed_probs
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
 DraftFilter = Callable[[object, int, list[int]], list[int]]
-OPEN_GROUP_STATE = ("comp_kv", "comp_score", "idx_kv", "idx_score")
 FUSED = "verify_mtp"  # the artifact's fused verify + MTP refresh graph (dsv4c/compile.py graph_kinds)
 
 
@@ -112,7 +109,6 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # rounds by accepted drafts 0..k
     rounds: int = 0
-    replays: int = 0  # rounds whose rollback replayed the accepted prefix (compressor group closed)
     fused_rounds: int = 0  # rounds whose next first draft came from the verify_mtp graph
     fallback_refreshes: int = 0  # verify_mtp rounds that still needed a separate mtp refresh (non-argmax tokens)
     policy: dict | None = None
@@ -136,7 +132,7 @@ class SpecStats:
                "acceptance_per_position": acc, "accepted_per_position": list(self.accepted),
                "proposed_per_position": list(self.proposed), "accept_histogram": list(self.histogram),
                "mean_accepted_length": (n_acc + self.rounds) / self.rounds if self.rounds else None,
-               "accepted_draft_tokens": n_acc, "rollback_replays": self.replays,
+               "accepted_draft_tokens": n_acc,
                "fused_rounds": self.fused_rounds, "fallback_refreshes": self.fallback_refreshes}
         if self.policy is not None:
             out["mtp_policy"] = self.policy
@@ -151,7 +147,6 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
         return None
     k = max(len(s["accept_histogram"]) for s in spec) - 1
     prop, acc, hist = [0] * k, [0] * k, [0] * (k + 1)
-    replays = sum(s.get("rollback_replays", 0) for s in spec)
     fused = {key: sum(s.get(key, 0) for s in spec) for key in ("fused_rounds", "fallback_refreshes")}
     for s in spec:
         for j, (p, a) in enumerate(zip(s["proposed_per_position"], s["accepted_per_position"])):
@@ -162,7 +157,7 @@ def merge_spec_stats(stats: list[dict]) -> dict | None:
     rounds = sum(hist)
     out = {"mtp_k": k, "rounds": rounds, "acceptance_per_position": [a / p if p else None for a, p in zip(acc, prop)],
            "proposed_per_position": prop, "accept_histogram": hist,
-           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None, "rollback_replays": replays,
+           "mean_accepted_length": (sum(acc) + rounds) / rounds if rounds else None,
            **fused}
     if "mtp_policy" in spec[0]:
         out["mtp_policy"] = spec[0]["mtp_policy"]
@@ -199,26 +194,12 @@ class Speculator:
         self.seqs: dict[int, _Seq] = {}  # by slot
         self.k = self.K
         self.draft_filter: DraftFilter | None = None
-        self.snapshot_keys = [n for n in sess.caches if n.rsplit(".", 1)[-1] in OPEN_GROUP_STATE]
-        ratios = self.cfg.compress_ratios[: self.cfg.num_hidden_layers] if self.is_v4 else []
-        self.group_sizes = sorted({m for m in ratios if m})  # the CSA indexer's compressor also has m = 4
+        self.host_drafts = False  # True: greedy rounds take the general path too (tests compare the two)
         self._prompt_hidden: dict[int, torch.Tensor] = {}
         self.calibration: dict = {}
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
-        mtp_state = [n for n in self.mtp_caches if n.rsplit(".", 1)[-1] in OPEN_GROUP_STATE]
-        self.fused = FUSED in sess.graphs and not mtp_state  # stale MTP rows need a position-indexed cache
+        self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
-
-    def capture_replay_graph(self) -> None:
-        """Capture the `verify` graph's buckets now. Rounds use verify_mtp (or verify) and mtp, which every
-        first round captures; `verify` also replays rejected spans that close a compressor group, which can
-        first happen deep inside a timed generate and would pay the capture of every bucket there. One
-        call with no real token (n_real = 0 writes nothing, positions stay) on the scratch slot."""
-        ex = self.sess.executors.get("verify")
-        if ex is None or not ex.buckets or ex.captured:
-            return
-        ids = torch.zeros(1, 1 + self.K, dtype=torch.int64)
-        self.sess._run("verify", ids, [self.sess.cache_slots - 1], [0])
 
     # ---- admission ------------------------------------------------------------------------------
     def prefill(self, r) -> torch.Tensor:
@@ -260,39 +241,20 @@ class Speculator:
     def round(self, active: dict) -> Iterator[tuple[int, int]]:
         """One draft-verify-accept round for every active sequence (slot -> request); yields emitted
         (request index, token) pairs through `Session._push`."""
-        sess, K = self.sess, self.K
+        sess = self.sess
         slots = sorted(active)
         seqs = [self.seqs[s] for s in slots]
-        B = len(slots)
-        n0 = sess.pos[torch.tensor(slots, device=sess.device)].tolist()  # x_n is fed at position n
+        n0 = sess.pos[slots].tolist()  # x_n is fed at position n
         ks = [max(0, min(self.k, q.req.max_new - len(q.req.out) - 1, sess.max_tokens - 1 - n))
               for q, n in zip(seqs, n0)]
-        drafts, qs = self._draft(slots, seqs, ks)
-        ids = torch.zeros(B, 1 + K, dtype=torch.int64)
-        for i, q in enumerate(seqs):
-            ids[i, : 1 + ks[i]] = torch.tensor([q.req.out[-1]] + drafts[i])
-        snap = self._snapshot(slots)
-        fused = None
-        if self.fused:  # verify and the MTP over the same rows with in-graph argmax inputs
-            logits, hidden, *fused = sess._run(FUSED, ids, slots, [1 + k for k in ks], caches=self.fused_caches,
-                                               outputs=True)
-        else:
-            logits, hidden = sess._run("verify", ids, slots, [1 + k for k in ks], outputs=True)
-        logits = logits.float().cpu()
-        accepted, replay = [], []
-        for i, q in enumerate(seqs):
-            r = q.req
-            p = processed_probs(logits[i, : 1 + ks[i]], r.params)
-            a, y = accept_drafts(p, qs[i], drafts[i], r.params.temperature == 0, r.gen)
-            accepted.append((a, y))
-            q.stats.record(a, ks[i])
-            sess.pos[slots[i]] = n0[i] + a + 1
-            if a < ks[i] and self._closes_group(n0[i] + a + 1, n0[i] + ks[i]):
-                replay.append(i)
-        if replay:
-            self._replay(slots, ids, n0, accepted, replay, snap)
+        greedy = (self.fused and not self.host_drafts and self.draft_filter is None
+                  and all(q.req.params.temperature == 0 for q in seqs))
+        verify = self._verify_greedy if greedy else self._verify_general
+        drafts, accepted, hidden, fused = verify(slots, seqs, n0, ks)
         for i, q in enumerate(seqs):
             a, y = accepted[i]
+            q.stats.record(a, ks[i])
+            sess.pos[slots[i]] = n0[i] + a + 1  # rollback: the rows past n+a are rewritten before any read
             for tok in drafts[i][:a] + [y]:
                 if q.req.finish is None:
                     yield from sess._push(q.req, tok)
@@ -300,6 +262,66 @@ class Speculator:
         if fused is not None:
             live = self._take_fused(slots, seqs, drafts, accepted, n0, live, *fused)
         self._refresh(slots, seqs, hidden, drafts, accepted, n0, live)
+
+    def _verify_general(self, slots, seqs, n0, ks):
+        """Steps 1-3 for any mix of sampling and greedy rows: drafts and the target distributions on
+        the host, exact acceptance. -> (drafts, (a, y) per row, streams, fused outputs or None)."""
+        sess, K, B = self.sess, self.K, len(slots)
+        drafts, qs = self._draft(slots, seqs, ks)
+        ids = torch.zeros(B, 1 + K, dtype=torch.int64)
+        for i, q in enumerate(seqs):
+            ids[i, : 1 + ks[i]] = torch.tensor([q.req.out[-1]] + drafts[i])
+        fused = None
+        if self.fused:  # verify and the MTP over the same rows with in-graph argmax inputs
+            logits, hidden, *fused = sess._run(FUSED, ids, slots, [1 + k for k in ks], caches=self.fused_caches,
+                                               outputs=True)
+        else:
+            logits, hidden = sess._run("verify", ids, slots, [1 + k for k in ks], outputs=True)
+        logits = logits.float().cpu()
+        accepted = []
+        for i, q in enumerate(seqs):
+            r = q.req
+            p = processed_probs(logits[i, : 1 + ks[i]], r.params)
+            accepted.append(accept_drafts(p, qs[i], drafts[i], r.params.temperature == 0, r.gen))
+        return drafts, accepted, hidden, fused
+
+    def _verify_greedy(self, slots, seqs, n0, ks):
+        """Steps 1-3 when every row is greedy and the artifact has the fused graph: the same tokens as
+        `_verify_general` (a greedy draft is the argmax of the MTP logits, and a draft is accepted
+        while it equals the verify's argmax, which the fused graph returns as its MTP input ids), but
+        the drafts stay on the device, so the round waits for the GPU once, for [B, 2T] token ids,
+        instead of after every draft and for [B, T, V] logits. Draft columns past a row's k hold
+        tokens the row does not use; n_real keeps them out of every cache."""
+        sess, K, B = self.sess, self.K, len(slots)
+        T, kmax = 1 + K, max(ks, default=0)
+        dev = sess.device
+        z = torch.stack([q.draft_z for q in seqs])  # [B, (N,) D]
+        cols = [torch.stack([q.draft_logits for q in seqs]).argmax(-1)]  # d_1 [B]
+        for j in range(1, kmax):  # d_{j+1} from the MTP fed (its own output, d_j)
+            h = z.new_zeros((B, T) + tuple(z.shape[1:]))
+            h[:, 0] = z
+            step = torch.zeros(B, T, dtype=torch.int64, device=dev)
+            step[:, 0] = cols[-1]
+            lg, zz = self._mtp(h, step, slots, [int(ks[i] > j) for i in range(B)])
+            cols.append(lg[:, 0].argmax(-1))
+            z = zz[:, 0]
+        last = torch.tensor([q.req.out[-1] for q in seqs], dtype=torch.int64)
+        ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        ids[:, 0] = last.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else last
+        if kmax:
+            ids[:, 1:1 + kmax] = torch.stack(cols[:kmax], 1)
+        logits, hidden, mlogits, mz, mids = sess._run(FUSED, ids, slots, [1 + k for k in ks],
+                                                      caches=self.fused_caches, outputs=True)
+        host = torch.cat([ids, mids.to(torch.int64)], 1).cpu().tolist()  # [B, 2T]: the round's one wait
+        drafts, accepted = [], []
+        for i, row in enumerate(host):
+            d, p = row[1:1 + ks[i]], row[T:]  # drafts; argmax of the target at rows 0..K
+            a = 0
+            while a < ks[i] and d[a] == p[a]:
+                a += 1
+            drafts.append(d)
+            accepted.append((a, p[a]))
+        return drafts, accepted, hidden, (mlogits, mz, torch.tensor([r[T:] for r in host]))
 
     def _draft(self, slots: list[int], seqs: list[_Seq], ks: list[int]):
         """k drafts per sequence and the distributions they were drawn from ([k, V] each)."""
@@ -370,28 +392,6 @@ class Speculator:
             last = n_real[row] - 1
             seqs[i].draft_logits, seqs[i].draft_z = lg[row, last], z[row, last]
 
-    # ---- rollback -----------------------------------------------------------------------------------
-    def _closes_group(self, lo: int, hi: int) -> bool:
-        """Does a compressor group close at a position in [lo, hi]? (a group of m closes at p with
-        (p+1) % m == 0)"""
-        return any((p + 1) % m == 0 for m in self.group_sizes for p in range(lo, hi + 1))
-
-    def _snapshot(self, slots: list[int]) -> dict[str, torch.Tensor]:
-        if not self.snapshot_keys:
-            return {}
-        s = torch.tensor(slots, device=self.sess.device)
-        return {n: self.sess.caches[n][s] for n in self.snapshot_keys}  # advanced indexing copies
-
-    def _replay(self, slots, ids, n0, accepted, rows: list[int], snap) -> None:
-        """Restore the open-group state of `rows` and re-feed their accepted tokens x_n..x_{n+a}."""
-        sess = self.sess
-        for i in rows:
-            for n, t in snap.items():
-                sess.caches[n][slots[i]] = t[i]
-            sess.pos[slots[i]] = n0[i]
-            self.seqs[slots[i]].stats.replays += 1
-        sess._run("verify", ids[rows], [slots[i] for i in rows], [accepted[i][0] + 1 for i in rows])
-
     # ---- graphs ---------------------------------------------------------------------------------------
     def _mtp(self, hidden, ids, slots, n_real):
         return self.sess._run("mtp", ids, slots, n_real, hidden=hidden, pos=self.mtp_pos, caches=self.mtp_caches,
@@ -406,7 +406,7 @@ def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | Non
         if K < 1:
             return None, lambda: SpecStats(0, policy={"k": 0, "reason": "the artifact has no MTP graphs"})
         spec = speculator(sess)
-        k, info = choose_k(sess, spec, reqs[0].params, len(reqs), reqs[0].ids)
+        k, info = choose_k(sess, spec, reqs[0].params, len(reqs), [r.ids for r in reqs])
         spec.k = max(k, 1)
         return (spec if k else None), (lambda: SpecStats(k, policy=info))
     if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= K:
@@ -422,21 +422,23 @@ def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | Non
 PRIOR_ALPHA = 0.8  # first-draft acceptance before any measurement (public V3/R1 figures: 0.8-0.9)
 
 
-def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_ids: list[int]) -> tuple[int, dict]:
+def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
+             prompts: list[list[int]]) -> tuple[int, dict]:
     """k for `mtp="auto"`: maximise the predicted decode speedup
-        S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B) + P_replay·t_verify(B)),
+        S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B)),
         τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
     and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp,
     with step times measured at batch B (calls with n_real = 0 write nothing) and α measured by a short
-    calibration generation on the first prompt at this temperature (cached per session, B and T bucket).
+    calibration generation of the first of `prompts` (the request's) at this temperature (cached per
+    session and T bucket).
     k = 0 (plain decoding) when no k predicts a gain of at least 5 %.
 
     The model counts graph time only. The host work of a round (acceptance, sampling, bookkeeping,
     per sequence) grows with the batch and is what made it predict 1.2-1.3x at batch 8 and 64 on the
     H200 where MTP ran at 0.4-0.6x (BENCHMARKS.md, fourth session). So a predicted k is confirmed
-    by measurement: one short plain and one short speculative generation of the calibration prompt
-    at batch B (cached per B and temperature bucket); k stays only if that measured speedup is at
-    least 5 % too."""
+    by measurement: one short plain and one short speculative generation of B of `prompts` (cycled)
+    (cached per B and temperature bucket); k stays only if that measured speedup is at least 5 % too.
+    B copies of one prompt would overstate the gain: their rows accept the same drafts."""
     B = max(1, min(batch, sess.max_batch))
     cal = spec.calibration
     tkey = ("times", B)
@@ -444,15 +446,15 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
         cal[tkey] = _step_times(sess, spec, B)
     akey = ("alpha", _temperature_bucket(params.temperature))
     if akey not in cal:
-        cal[akey] = _measure_alpha(sess, spec, params, calib_ids)
+        cal[akey] = _measure_alpha(sess, spec, params, prompts[0])
     t = cal[tkey]
-    alpha, p_replay, p_fallback = cal[akey]
+    alpha, p_fallback = cal[akey]
     # verify + the refresh of the next first draft: one fused call, or verify then mtp
     refresh = t[FUSED] + p_fallback * t["mtp"] if FUSED in t else t["verify"] + t["mtp"]
     best, pred = 0, {0: 1.0}
     for k in range(1, spec.K + 1):
         tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
-        cost = refresh + p_replay * t["verify"] + (k - 1) * t["mtp"]
+        cost = refresh + (k - 1) * t["mtp"]
         pred[k] = tau * t["decode"] / cost
         if pred[k] > pred[best] * (1.05 if best == 0 else 1.0):
             best = k
@@ -463,7 +465,7 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
         mkey = ("measured", B, _temperature_bucket(params.temperature))
         runs = cal.setdefault(mkey, {})
         if best not in runs:
-            runs[best] = _measure_speedup(sess, params, calib_ids, B, best)
+            runs[best] = _measure_speedup(sess, params, prompts, B, best)
         measured = runs[best]
         if measured < 1.05:
             reason = (f"predicted {pred[best]:.2f}x at k={best}, but a batch-{B} calibration run measured "
@@ -472,7 +474,7 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int, calib_i
         else:
             reason += f"; measured {measured:.2f}x"
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
-            "alpha": [round(a, 3) for a in alpha], "p_replay": round(p_replay, 3),
+            "alpha": [round(a, 3) for a in alpha],
             "p_fallback": round(p_fallback, 3),
             "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
@@ -514,7 +516,7 @@ def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, floa
 
 
 def _measure_alpha(sess, spec: Speculator, params: SamplingParams, ids: list[int], n_new: int = 24):
-    """Per-position acceptance, replay rate and fused-refresh fallback rate of a short K-draft generation
+    """Per-position acceptance and fused-refresh fallback rate of a short K-draft generation
     of `ids` (one sequence)."""
     ids = ids[-max(1, sess.max_tokens - n_new - 1):]
     res = sess.generate([ids], max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
@@ -523,15 +525,16 @@ def _measure_alpha(sess, spec: Speculator, params: SamplingParams, ids: list[int
     if not res["rounds"]:
         acc = [PRIOR_ALPHA] * spec.K
     rounds = max(res["rounds"], 1)
-    return acc, res["rollback_replays"] / rounds, res["fallback_refreshes"] / rounds
+    return acc, res["fallback_refreshes"] / rounds
 
 
-def _measure_speedup(sess, params: SamplingParams, ids: list[int], B: int, k: int, n_new: int = 24) -> float:
-    """Decode tokens/s of k-draft speculation over plain decoding, B copies of `ids`, same seed."""
-    ids = ids[-max(1, sess.max_tokens - n_new - 1):]
+def _measure_speedup(sess, params: SamplingParams, prompts: list[list[int]], B: int, k: int,
+                     n_new: int = 24) -> float:
+    """Decode tokens/s of k-draft speculation over plain decoding, B of `prompts` (cycled), same seed."""
+    batch = [prompts[i % len(prompts)][-max(1, sess.max_tokens - n_new - 1):] for i in range(B)]
 
     def tps(mtp: int) -> float:
-        out = sess.generate([ids] * B, max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
+        out = sess.generate(batch, max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
                             top_k=params.top_k, seed=12345, mtp=mtp)
         return sum(r.stats["tokens_per_s"] for r in out) / len(out)
 
@@ -552,5 +555,4 @@ def speculator(sess) -> Speculator:
     spec = sess.__dict__.get("_speculator")
     if spec is None:
         spec = sess.__dict__["_speculator"] = Speculator(sess)
-        spec.capture_replay_graph()
     return spec

@@ -149,9 +149,37 @@ def test_greedy_with_forced_rejection_at_every_offset(bundled, unfused, plain, k
     assert [r.tokens for r in out] == ref
     hist = [sum(r.stats["accept_histogram"][a] for r in out) for a in range(k + 1)]
     assert all(h > 0 for h in hist), hist  # a rejection at every offset happened, and full acceptance
-    assert sum(r.stats["rollback_replays"] for r in out) > 0  # and some needed the replay
     assert (sum(r.stats["fused_rounds"] for r in out) > 0) is fused
     assert sum(r.stats["fallback_refreshes"] for r in out) == 0  # greedy rows never fall back
+
+
+@torch.no_grad()
+def test_device_greedy_round_equals_host_round(bundled, plain):
+    """All rows greedy on the fused graph: the round that keeps drafts on the device and waits once
+    (`_verify_greedy`) gives the same tokens, acceptance and fused rounds per request as the
+    general round (host distributions and `accept_drafts`), with 5 prompts through 4 slots."""
+    _, sess = bundled
+    ps, ref = plain
+    spec = speculator(sess)
+    keys = ("accept_histogram", "accepted_per_position", "fused_rounds", "fallback_refreshes")
+    calls = []
+    device_round = spec._verify_greedy
+    spec._verify_greedy = lambda *a: calls.append(1) or device_round(*a)
+    runs, device_rounds = {}, {}
+    try:
+        for host in (False, True):
+            spec.host_drafts = host
+            calls.clear()
+            out = sess.generate(ps, max_new_tokens=20, mtp=3)
+            runs[host] = [(r.tokens, {n: r.stats[n] for n in keys}) for r in out]
+            device_rounds[host] = len(calls)
+    finally:
+        spec.host_drafts = False
+        del spec._verify_greedy
+    assert device_rounds[False] > 0 and device_rounds[True] == 0
+    assert runs[False] == runs[True]
+    assert [t for t, _ in runs[False]] == ref
+    assert sum(st["accept_histogram"][0] for _, st in runs[False]) > 0  # rejections happened
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,12 +196,31 @@ def _valid(name: str, t: torch.Tensor, n: int, cfg: ModelConfig, mtp: bool) -> t
         return t[[p % S for p in range(max(0, n - W), n)]]
     if kind in ("entries", "idx_entries"):
         return t[: n // (4 if kind == "idx_entries" else m)]
-    g = 4 if kind.startswith("idx") else m
-    c = t.shape[0] // g
-    rows = list(range((c - 1) * g, (c - 1) * g + n % g))
-    if c == 2 and n >= g:
-        rows = list(range(g)) + rows  # the previous (closed) group of CSA
-    return t[rows]
+    g = 4 if kind.startswith("idx") else m  # comp_* / idx_*: position p at row p mod R
+    c = 2 if g == 4 else 1
+    lo = max(0, (n // g - (c - 1)) * g)  # the open group, and for CSA the previous one
+    return t[[p % t.shape[0] for p in range(lo, n)]]
+
+
+def _closing_rejections(n_start: int, trace: list, k: int, group_sizes=(4, 16)) -> int:
+    """Rounds whose rejected positions include one where a compressor group closes: the verify
+    pooled rejected rows into an entry and the kept rows must still serve the accepted ones.
+    trace: (positions fed, acceptance histogram) after each round."""
+    count, n_prev, hist_prev = 0, n_start, [0] * (k + 1)
+    for n, hist in trace:
+        a = n - n_prev - 1
+        assert hist[a] == hist_prev[a] + 1
+        rejected = range(n_prev + a + 1, n_prev + k + 1)
+        count += any((p + 1) % m == 0 for m in group_sizes for p in rejected)
+        n_prev, hist_prev = n, hist
+    return count
+
+
+def _rollback_check(model, sess, K: int, trace: list):
+    def check(spec, r):
+        _assert_rolled_back(model, sess, spec, r, K)
+        trace.append((len(r.ids) + len(r.out) - 1, list(r.spec.histogram)))
+    return check
 
 
 def _fresh_state(model, committed: list[int], nxt: int, K: int):
@@ -236,8 +283,9 @@ def test_rolled_back_caches_equal_fresh_prefill_v4(bundled, unfused, fused):
     model, _ = bundled
     sess = _session(bundled, unfused, fused)
     (prompt,) = prompts(model.config.vocab_size, [61], seed=1)  # the verify chunks cross W and groups of 4/16
-    st = _run_rounds(model, sess, prompt, 3, 8, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3))
-    assert st.replays > 0 and min(st.histogram) > 0
+    trace = []
+    st = _run_rounds(model, sess, prompt, 3, 8, _rollback_check(model, sess, 3, trace))
+    assert _closing_rejections(len(prompt), trace, 3) > 0 and min(st.histogram) > 0
     assert st.fused_rounds == (8 if fused else 0) and st.fallback_refreshes == 0
 
 
@@ -460,30 +508,30 @@ def test_choose_k_follows_the_measurements(bundled):
     try:
         spec.calibration.clear()
         times = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
-        spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0, 0.0),
+        spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0),
                                  ("times", 64): {"decode": 1.0, "verify": 3.5, "mtp": 0.5},
-                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.5, 0.0),
+                                 ("alpha", 1.0): ([0.3, 0.2, 0.1], 0.0),
                                  ("measured", 1, 0.0): {1: 1.4, 2: 1.3, 3: 1.2}})
-        k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
         assert k >= 2 and info["predicted_speedup"][k] > 1.5 and "k=" in info["reason"]
         assert info["measured_speedup"] == {2: 1.3, 3: 1.2}[k] and "measured" in info["reason"]
         # a measured loss overrules the model (host work per round is not in it)
         spec.calibration[("measured", 1, 0.0)] = {1: 0.6, 2: 0.6, 3: 0.6}
-        k0, lost = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        k0, lost = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
         assert k0 == 0 and "calibration run measured 0.60x" in lost["reason"]
         spec.calibration[("measured", 1, 0.0)] = {1: 1.4, 2: 1.3, 3: 1.2}
         # k = 1 costs verify + mtp = 1.3: speedup 1.9 / 1.3; the fused graph (1.25, no fallback) costs less
         assert info["predicted_speedup"][1] == pytest.approx(1.9 / 1.3, abs=1e-3)
         times["verify_mtp"] = 1.25
-        _, fused = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        _, fused = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
         assert fused["predicted_speedup"][1] == pytest.approx(1.9 / 1.25, abs=1e-3)
-        spec.calibration[("alpha", 0.0)] = ([0.9, 0.8, 0.7], 0.0, 0.5)  # half the rounds refresh again
-        _, fb = choose_k(sess, spec, SamplingParams(0.0), 1, [5])
+        spec.calibration[("alpha", 0.0)] = ([0.9, 0.8, 0.7], 0.5)  # half the rounds refresh again
+        _, fb = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
         assert fb["predicted_speedup"][1] == pytest.approx(1.9 / 1.3, abs=1e-3) and fb["p_fallback"] == 0.5
-        k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [5])  # B clipped to max_batch = 4: measure
+        k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [[5]])  # B clipped to max_batch = 4: measure
         assert ("times", 4) in spec.calibration
         spec.calibration[("times", 4)] = {"decode": 1.0, "verify": 3.5, "mtp": 0.5}
-        k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [5])
+        k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [[5]])
         assert k == 0 and "no k" in info["reason"]
     finally:
         spec.calibration.clear()
@@ -542,8 +590,9 @@ def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, bund
         assert [r.tokens for r in out] == ref, k
         assert sum(r.stats["fused_rounds"] for r in out) > 0 and sum(r.stats["fallback_refreshes"] for r in out) == 0
     (prompt,) = prompts(model.config.vocab_size, [61], seed=1)
-    st = _run_rounds(model, sess, prompt, 3, 4, lambda spec, r: _assert_rolled_back(model, sess, spec, r, 3))
-    assert st.replays > 0
+    trace = []
+    _run_rounds(model, sess, prompt, 3, 4, _rollback_check(model, sess, 3, trace))
+    assert _closing_rejections(len(prompt), trace, 3) > 0
 
 
 @pytest.mark.slow
@@ -571,12 +620,12 @@ def test_compiled_fused_graph_in_the_executor(compiled, plain):
                    compiled.device, None, graph_mode="emulate")  # the loaded graphs and weights, shared
     ex = sess.executors["verify_mtp"]
     caches = {n: t.clone() for n, t in sess.caches.items()}
-    spec = speculator(sess)  # captures the rollback replay graph up front, writing nothing
-    assert sess.executors["verify"].captured and sess.executors["verify"].stats["runs"] == 1
+    spec = speculator(sess)  # allocates the MTP caches, runs nothing
     assert all(torch.equal(caches[n], t) for n, t in sess.caches.items()) and not sess.pos.any()
     out = sess.generate(ps[:3], max_new_tokens=12, mtp=2)
     assert spec is speculator(sess)
     assert [r.tokens for r in out] == [t[:12] for t in ref[:3]]
+    assert sess.executors["verify"].stats["runs"] == 0  # rejections need no replay through verify
     assert ex.stats["runs"] > 0 and ex.stats["eager_fallbacks"] == 0 and ex.buckets == (1, 2, 4)
     assert sum(r.stats["fused_rounds"] for r in out) > 0
 
@@ -604,7 +653,7 @@ def test_graph_kinds_add_the_fused_graph_with_mtp():
     assert graph_kinds(cfg, 2)[2:] == [("verify", "decode", 2), ("mtp", "mtp", 2), ("verify_mtp", "verify_mtp", 2)]
     assert [n for n, _, _ in graph_kinds(cfg, 2, fused_mtp=False)] == ["prefill", "decode", "verify", "mtp"]
     assert "verify_mtp" in [n for n, _, _ in graph_kinds(ModelConfig.preset("v3-tiny"), 1)]
-    # an MTP block with a compressor keeps open-group state that stale rows would corrupt: no fused graph
+    # an MTP block with a compressor: no fused graph (untested there, see graph_kinds)
     n = cfg.num_hidden_layers
     hca = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:n] + (16,))
     assert [n for n, _, _ in graph_kinds(hca, 2)] == ["prefill", "decode", "verify", "mtp"]

@@ -44,13 +44,15 @@ def test_v4_attention_static_matches_reference(T, kind):
     assert not torch.equal(r1, ring)  # something was written
 
 
+@pytest.mark.parametrize("extra", [0, 3])
 @pytest.mark.parametrize("m", [4, 8])
-def test_v4_compress_static_matches_reference_over_a_sequence(m):
-    """Chunks of varying T from position 0, the last ones partially real; groups close inside chunks."""
-    g = torch.Generator().manual_seed(m)
+def test_v4_compress_static_matches_reference_over_a_sequence(m, extra):
+    """Chunks of varying T from position 0, the last ones partially real; groups close inside chunks,
+    and one chunk is longer than the kept rows (c·m + extra)."""
+    g = torch.Generator().manual_seed(m + extra)
     B, w, n_slots, E = 3, 4, 5, 16
     c = 2 if m == 4 else 1
-    st_kv, st_sc = _open_group_state(n_slots, m, w, "cpu")
+    st_kv, st_sc = _open_group_state(n_slots, m, w, "cpu", extra)
     st_kv.normal_(generator=g)  # slots start from arbitrary (already used) state
     ents = torch.randn(n_slots, E, w, generator=g)
     ape = torch.randn(m, c * w, generator=g)
@@ -60,7 +62,7 @@ def test_v4_compress_static_matches_reference_over_a_sequence(m):
     new = [st_kv.clone(), st_sc.clone(), ents.clone()]
     slots = torch.tensor([3, 0, 2])
     pos = torch.zeros(B, dtype=torch.int64)
-    for step, T in enumerate([3, 5, 1, 2, 5, 4, 5]):
+    for step, T in enumerate([3, 5, 1, 2, 5, 4, 13, 5]):
         kv = torch.randn(B, T, c * w, generator=g)
         sc = torch.randn(B, T, c * w, generator=g)
         n_real = torch.tensor([T, max(T - step % 3, 0), T if step % 2 else 0])

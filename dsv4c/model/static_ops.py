@@ -86,33 +86,33 @@ def v4_compress_static(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tenso
                        eps: float) -> None:
     """Same contract as `dsv4c::v4_compress`, capture-safe.
 
-    The open group's r = pos0 mod m rows and the chunk's rows form V = m + T virtual rows, cut into
-    G = ceil(V / m) groups; group g closes iff (g+1)·m <= r + n_real and then becomes entry
-    (pos0 - r)/m + g. Every group is pooled; only the closing ones are written (the rest go to scratch)."""
+    With r = pos0 mod m, the V = (c-1)·m + G·m virtual rows cover positions pos0 - r - (c-1)·m
+    onwards, G = ceil((m + T) / m): the kept rows before pos0 (fill values before position 0), then
+    the chunk's rows. Group g (positions pos0 - r + g·m …) closes iff (g+1)·m <= r + n_real and then
+    becomes entry (pos0 - r)/m + g; for CSA its previous group is virtual group g. Every group is
+    pooled; only the closing ones are written (the rest go to scratch). The chunk's last R real rows
+    are kept at row position mod R."""
     B, T, cw = kv.shape
-    n_slots = state_kv.shape[0]
-    c = state_kv.shape[1] // m
+    n_slots, R = state_kv.shape[:2]
     w = entries.shape[-1]
+    c = cw // w
     dev = kv.device
-    cur = (c - 1) * m
     G = -(-(m + T) // m)
-    V = G * m
     r = torch.remainder(pos0, m)  # [B]
     t = torch.arange(T, device=dev)
     g_new = score.float() + ape.float()[torch.remainder(pos0[:, None] + t, m)]  # [B, T, cw]
-    old_kv, old_sc = state_kv[slots, cur:], state_score[slots, cur:]  # [B, m, cw]
-    v = torch.arange(V, device=dev)
-    src = (v[None, :] - r[:, None]).clamp(0, T - 1)  # [B, V] chunk row feeding virtual row v
-    from_old = v[None, :] < r[:, None]
-    old_idx = v.clamp(max=m - 1)[None, :, None].expand(B, V, cw)
-    buf_kv = torch.where(from_old[..., None], old_kv.gather(1, old_idx),
-                         kv.float().gather(1, src[..., None].expand(B, V, cw)))  # [B, V, cw]
-    buf_sc = torch.where(from_old[..., None], old_sc.gather(1, old_idx), g_new.gather(1, src[..., None].expand(B, V, cw)))
-    n_valid = r + n_real  # [B]
-    grp_kv, grp_sc = buf_kv.view(B, G, m, cw), buf_sc.view(B, G, m, cw)
+    v = torch.arange((c - 1) * m + G * m, device=dev)
+    p = (pos0 - r - (c - 1) * m)[:, None] + v  # [B, V] the position of each virtual row
+    from_past = (p < pos0[:, None])[..., None]
+    before_0 = (p < 0)[..., None]
+    kept = (slots[:, None], torch.remainder(p, R))
+    src = (p - pos0[:, None]).clamp(0, T - 1)[..., None].expand(-1, -1, cw)  # the chunk row of each virtual row
+    buf_kv = torch.where(from_past, state_kv[kept].masked_fill(before_0, 0.0), kv.float().gather(1, src))
+    buf_sc = torch.where(from_past, state_score[kept].masked_fill(before_0, float("-inf")), g_new.gather(1, src))
+    grp_kv = buf_kv[:, (c - 1) * m :].view(B, G, m, cw)
+    grp_sc = buf_sc[:, (c - 1) * m :].view(B, G, m, cw)
     if c == 2:
-        prev_kv = torch.cat([state_kv[slots, None, :m], grp_kv[:, :-1]], 1)  # [B, G, m, cw]
-        prev_sc = torch.cat([state_score[slots, None, :m], grp_sc[:, :-1]], 1)
+        prev_kv, prev_sc = buf_kv[:, : G * m].view(B, G, m, cw), buf_sc[:, : G * m].view(B, G, m, cw)
         slot_kv = torch.cat([prev_kv[..., :w], grp_kv[..., w:]], 2)  # [B, G, 2m, w]
         slot_sc = torch.cat([prev_sc[..., :w], grp_sc[..., w:]], 2)
     else:
@@ -123,27 +123,13 @@ def v4_compress_static(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tenso
     entry_idx = torch.div(pos0 - r, m, rounding_mode="floor")[:, None] + g  # [B, G]
     cos, sin = _cos_sin(inv_freq, entry_idx * m)
     e = rope_interleaved(e, cos, sin)
-    closes = (g[None, :] + 1) * m <= n_valid[:, None]  # [B, G]
+    closes = (g[None, :] + 1) * m <= (r + n_real)[:, None]  # [B, G]
     ws, wr = _scratch_redirect(slots, entry_idx, closes, n_slots)
     entries[ws, wr] = e
-    n_close = torch.div(n_valid, m, rounding_mode="floor")  # [B]
-    # the open group's rows after the chunk: virtual rows n_close·m + j for j < rem, old rows after
-    rem = n_valid - n_close * m
-    jj = torch.arange(m, device=dev)
-    take = (n_close * m)[:, None] + jj  # [B, m]
-    keep_new = jj[None, :] < rem[:, None]
-    take = take.clamp(max=V - 1)[..., None].expand(B, m, cw)
-    new_open_kv = torch.where(keep_new[..., None], buf_kv.gather(1, take), old_kv)
-    new_open_sc = torch.where(keep_new[..., None], buf_sc.gather(1, take), old_sc)
-    if c == 2:  # the newest closed group becomes the previous group
-        last = (n_close - 1).clamp(min=0)[:, None, None, None].expand(B, 1, m, cw)
-        closed_any = (n_close > 0)[:, None, None]
-        new_prev_kv = torch.where(closed_any, grp_kv.gather(1, last)[:, 0], state_kv[slots, :m])
-        new_prev_sc = torch.where(closed_any, grp_sc.gather(1, last)[:, 0], state_score[slots, :m])
-        new_open_kv = torch.cat([new_prev_kv, new_open_kv], 1)
-        new_open_sc = torch.cat([new_prev_sc, new_open_sc], 1)
-    state_kv[slots] = new_open_kv
-    state_score[slots] = new_open_sc
+    keep = (t[None, :] < n_real[:, None]) & (t[None, :] >= (n_real - R)[:, None])  # [B, T]
+    ks, kr = _scratch_redirect(slots, torch.remainder(pos0[:, None] + t, R), keep, n_slots)
+    state_kv[ks, kr] = kv.float()
+    state_score[ks, kr] = g_new
 
 
 @v4_compress_static.register_fake

@@ -37,7 +37,8 @@ class LayerCache:
     """Static per-layer decode state (deepseek_v4.md §5.1), updated in place by the v4 ops.
 
     ring [B, S, d]: window rows, position p at slot p mod S (S = W + extra slots for speculation).
-    comp_kv/comp_score [B, c·m, c·d] fp32: open-group state (previous group at [0, m) for CSA).
+    comp_kv/comp_score [B, c·m + k, c·d] fp32: the compressor rows of the latest positions, position p
+    at row p mod (c·m + k), k the extra rows for speculation (`dsv4c::v4_compress`).
     entries [B, ⌈L/m⌉, d]: compressed entries, entry i pools positions i·m … i·m+m-1.
     idx_*: the same three for the CSA indexer's compressor (width dI)."""
 
@@ -56,9 +57,11 @@ class LayerCache:
 V4Cache = StaticCache  # layers: [LayerCache]
 
 
-def _open_group_state(batch: int, m: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _open_group_state(batch: int, m: int, width: int, device, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressor rows [batch, c·m + extra, c·width] (kv zeros, scores -inf): the open group, the
+    previous group for CSA, and `extra` rows that a speculative verify may write past them."""
     c = 2 if m == 4 else 1
-    kv = torch.zeros(batch, c * m, c * width, dtype=torch.float32, device=device)
+    kv = torch.zeros(batch, c * m + extra, c * width, dtype=torch.float32, device=device)
     return kv, torch.full_like(kv, float("-inf"))
 
 
@@ -189,14 +192,15 @@ class Attention(nn.Module):
         if m == 4:
             self.indexer = Indexer(cfg)
 
-    def new_cache(self, batch: int, ring_slots: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
+    def new_cache(self, batch: int, ring_slots: int, max_len: int, dtype: torch.dtype, device,
+                  extra: int = 0) -> LayerCache:
         lc = LayerCache(torch.zeros(batch, ring_slots, self.head_dim, dtype=dtype, device=device))
         if self.m:
-            lc.comp_kv, lc.comp_score = _open_group_state(batch, self.m, self.head_dim, device)
+            lc.comp_kv, lc.comp_score = _open_group_state(batch, self.m, self.head_dim, device, extra)
             lc.entries = torch.zeros(batch, -(-max_len // self.m), self.head_dim, dtype=dtype, device=device)
         if self.m == 4:
             dI = self.indexer.head_dim
-            lc.idx_kv, lc.idx_score = _open_group_state(batch, 4, dI, device)
+            lc.idx_kv, lc.idx_score = _open_group_state(batch, 4, dI, device, extra)
             lc.idx_entries = torch.zeros(batch, -(-max_len // 4), dI, dtype=dtype, device=device)
         return lc
 
@@ -369,7 +373,7 @@ class DeepseekV4Model(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
         """Zeroed decode state for `batch_size` sequences of up to `max_len` positions.
-        `extra_ring_slots` (k_max) keeps speculative rows from evicting live window rows."""
+        `extra_ring_slots` (k_max) keeps speculative rows from evicting live window and compressor rows."""
         return self._cache(self.layers, batch_size, max_len, extra_ring_slots)
 
     def new_mtp_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
@@ -378,7 +382,7 @@ class DeepseekV4Model(nn.Module):
     def _cache(self, blocks, batch_size: int, max_len: int, extra: int) -> V4Cache:
         dev = self.embed.weight.device
         slots = self.config.sliding_window + extra
-        layers = [b.attn.new_cache(batch_size, slots, max_len, self.act_dtype, dev) for b in blocks]
+        layers = [b.attn.new_cache(batch_size, slots, max_len, self.act_dtype, dev, extra) for b in blocks]
         return V4Cache(layers, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
 
     # ---- forward ------------------------------------------------------------------------------

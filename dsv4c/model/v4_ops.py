@@ -33,12 +33,16 @@ def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, t
 def v4_compress(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
                 ape: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, state_kv: torch.Tensor,
                 state_score: torch.Tensor, entries: torch.Tensor, m: int, eps: float) -> None:
-    """Absorb the chunk's compressor rows and append an entry for every group that closes.
+    """Keep the chunk's compressor rows and write the entry of every group that closes in the chunk.
 
-    kv, score [B, T, c·w] fp32 (score without `ape`); state_kv/state_score [n_slots, c·m, c·w] fp32 with
-    the previous group in rows [0, m) (CSA only) and the open group in [(c-1)m, cm); entries [n_slots, E, w],
-    where entry i pools the group starting at position i·m (post-norm, RoPE at i·m)."""
-    c = state_kv.shape[1] // m
+    kv, score [B, T, c·w] fp32 (score without `ape`); entries [n_slots, E, w]: entry i pools the group
+    of positions i·m … i·m+m-1 (for CSA, c = 2, with the first w channels of the previous group),
+    post-norm, RoPE at i·m. state_kv/state_score [n_slots, R, c·w] fp32: the rows of recent
+    positions, position p at row p mod R, R >= c·m + the verify's extra rows. A closing group reads
+    at most c·m - 1 rows from before the chunk. Rows are indexed by position, so a chunk whose tail
+    is rejected (speculative decoding) leaves the accepted positions' rows in place, and the next
+    chunk overwrites the rejected ones before any group reads them."""
+    c = kv.shape[-1] // entries.shape[-1]
     for b in range(kv.shape[0]):
         p0, n, s = int(pos0[b]), int(n_real[b]), int(slots[b])
         _compress_row(kv[b, :n], score[b, :n] + ape.float()[(p0 + torch.arange(n, device=kv.device)) % m],
@@ -46,32 +50,35 @@ def v4_compress(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0
 
 
 def _compress_row(k, g, p0, m, c, norm_weight, inv_freq, st_kv, st_sc, entries, eps) -> None:
-    """One sequence: the same grouping as `dsv4c.model.v4.Compressor`, on state slices in place."""
-    w = entries.shape[-1]
-    r = p0 % m
-    cur = (c - 1) * m
-    rows_kv = torch.cat([st_kv[cur : cur + r], k])  # [r+T, c·w], group-aligned
-    rows_sc = torch.cat([st_sc[cur : cur + r], g])
-    n_close = rows_kv.shape[0] // m
-    if n_close:
-        grp_kv = rows_kv[: n_close * m].unflatten(0, (n_close, m))  # [n, m, c·w]
-        grp_sc = rows_sc[: n_close * m].unflatten(0, (n_close, m))
-        if c == 2:
-            prev_kv = torch.cat([st_kv[None, :m], grp_kv[:-1]])
-            prev_sc = torch.cat([st_sc[None, :m], grp_sc[:-1]])
-            slot_kv = torch.cat([prev_kv[..., :w], grp_kv[..., w:]], 1)  # [n, 2m, w]
-            slot_sc = torch.cat([prev_sc[..., :w], grp_sc[..., w:]], 1)
-            st_kv[:m], st_sc[:m] = grp_kv[-1], grp_sc[-1]
-        else:
-            slot_kv, slot_sc = grp_kv, grp_sc
-        pooled = (slot_sc.softmax(1) * slot_kv).sum(1)  # [n, w]
-        e = (norm_weight.float() * rms(pooled, eps)).to(entries.dtype)
-        first = (p0 - r) // m  # entry index of the first closing group
-        cos, sin = _cos_sin(inv_freq, (first + torch.arange(n_close, device=k.device)) * m)
-        entries[first : first + n_close] = rope_interleaved(e, cos, sin)
-    rem = rows_kv.shape[0] - n_close * m
-    st_kv[cur : cur + rem] = rows_kv[n_close * m :]
-    st_sc[cur : cur + rem] = rows_sc[n_close * m :]
+    """One sequence, group by group (the grouping of `dsv4c.model.v4.Compressor`). k, g [n, c·w]."""
+    R, w, n = st_kv.shape[0], entries.shape[-1], k.shape[0]
+    base = (p0 // m - (c - 1)) * m  # the first position a group closing in this chunk reads
+    rows_kv = torch.cat([_past_rows(st_kv, base, p0, 0.0), k])  # positions base … p0+n-1
+    rows_sc = torch.cat([_past_rows(st_sc, base, p0, float("-inf")), g])
+    closing = range(p0 // m, (p0 + n) // m)  # groups whose last position (j+1)·m-1 is in the chunk
+    pooled = []
+    for j in closing:
+        lo = j * m - base
+        slot_kv, slot_sc = rows_kv[lo : lo + m], rows_sc[lo : lo + m]  # [m, c·w]
+        if c == 2:  # the previous group's first w channels, then this group's last w
+            slot_kv = torch.cat([rows_kv[lo - m : lo, :w], slot_kv[:, w:]])  # [2m, w]
+            slot_sc = torch.cat([rows_sc[lo - m : lo, :w], slot_sc[:, w:]])
+        pooled.append((slot_sc.softmax(0) * slot_kv).sum(0))  # [w]
+    if pooled:
+        e = (norm_weight.float() * rms(torch.stack(pooled), eps)).to(entries.dtype)  # [groups, w]
+        cos, sin = _cos_sin(inv_freq, torch.tensor(closing, device=k.device) * m)
+        entries[closing.start : closing.stop] = rope_interleaved(e, cos, sin)
+    for t in range(max(0, n - R), n):  # the last R positions stay for later chunks
+        st_kv[(p0 + t) % R], st_sc[(p0 + t) % R] = k[t], g[t]
+
+
+def _past_rows(state: torch.Tensor, lo: int, hi: int, fill: float) -> torch.Tensor:
+    """The kept rows of positions lo … hi-1 ([hi-lo, c·w]); `fill` for positions before 0 (the
+    previous group of group 0: zero rows with -inf scores weigh nothing)."""
+    if hi <= lo:
+        return state[:0]
+    R = state.shape[0]
+    return torch.stack([state[p % R] if p >= 0 else torch.full_like(state[0], fill) for p in range(lo, hi)])
 
 
 @v4_compress.register_fake
