@@ -8,6 +8,7 @@ moment every request of the batch has its first token to the end (prefill and MT
 
     python examples/bench_mtp.py --out mtp.json                    # GPU (h200 target, bf16)
     python examples/bench_mtp.py --device cpu --quick --out q.json # CPU check (fp32, small grid)
+    python examples/bench_mtp.py --plot-from mtp.json --plot mtp.png  # re-plot a saved run, no GPU
 """
 from __future__ import annotations
 
@@ -73,6 +74,39 @@ def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
             "policy": merged.get("mtp_policy")}
 
 
+def plot_grid(res: dict, path: str) -> None:
+    """Speedup over k = 0 against batch size, one panel per temperature, one line per k; the k that
+    `auto` chose in each cell is ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    temps = sorted({r["temperature"] for r in rows})
+    ks = sorted({r["k"] for r in rows if r["k"] != "auto"})
+    fig, axes = plt.subplots(1, len(temps), figsize=(4 * len(temps), 3.6), squeeze=False, sharey=True)
+    for ax, T in zip(axes[0], temps):
+        cells = [r for r in rows if r["temperature"] == T]
+        for k in ks:
+            pts = sorted((r["batch"], r["speedup"]) for r in cells if r["k"] == k)
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=f"k={k}")
+            chosen = [(r["batch"], r["speedup"]) for r in cells if r["k"] == k
+                      and any(a["k"] == "auto" and a["batch"] == r["batch"] and a["auto_k"] == k for a in cells)]
+            if chosen:
+                ax.scatter(*zip(*chosen), s=160, facecolors="none", edgecolors="black")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"temperature {T}")
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("decode speedup vs k=0")
+    axes[0][0].legend(title="ringed: auto's k", fontsize=8)
+    fig.suptitle(f"MTP on {Path(res.get('artifact', '')).name or 'the bundled model'}, {res.get('gpu') or res.get('device')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -89,11 +123,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small grid, for a CPU check")
     ap.add_argument("--no-auto", action="store_true", help="skip the mtp='auto' decision per cell")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--plot", help="also plot speedup vs batch per temperature to this PNG")
+    ap.add_argument("--plot-from", help="plot a saved --out JSON to --plot and exit")
     ap.add_argument("--graphs", default=None, help="Session graph mode (default: full on a GPU, off on a CPU)")
     ap.add_argument("--no-boundary-check", action="store_true",
                     help="compile without the padding check at every bucket boundary (tests/test_boundary_check.py "
                          "covers it; at --batches 64 it is most of the compile time)")
     a = ap.parse_args(argv)
+    if a.plot_from:
+        if not a.plot:
+            ap.error("--plot-from needs --plot PNG")
+        plot_grid(json.loads(Path(a.plot_from).read_text()), a.plot)
+        return 0
     from dsv4c.runtime import Session
 
     batches = [int(x) for x in (a.batches or ("1,2" if a.quick else "1,8,64")).split(",")]
@@ -145,6 +186,8 @@ def main(argv=None) -> int:
         Path(a.out).write_text(json.dumps({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
                                            "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"],
                                            "mtp_k": K, "new_tokens": n_new, "rows": rows}, indent=1) + "\n")
+    if a.plot:
+        plot_grid({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art), "rows": rows}, a.plot)
     return 0
 
 
