@@ -60,3 +60,13 @@ def test_boundary_sizes_cover_every_bucket_gap_at_its_most_padding():
                     assert any(lo < b < hi for b in sizes), (max_batch, lo, hi, sizes)
         else:
             assert sizes == [max_batch]
+
+
+def test_a_batch_above_every_bucket_is_checked_on_the_eager_path(tmp_path):
+    """max_batch 3 with buckets 1, 2: batch 3 runs eagerly (no bucket fits); the check records it
+    with bucket None instead of failing the compile."""
+    write_random_checkpoint(ModelConfig.preset("v32-tiny"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=32, max_batch=3,
+                           dtype=torch.float32, buckets=(1, 2), kernels={"moe_experts": "gathered"})
+    rep = m["boundary_check"]
+    assert rep["ok"] is True and {(c["batch"], c["bucket"]) for c in rep["cases"]} == {(3, None)}
