@@ -182,8 +182,8 @@ class Session:
         B = len(slots)
         meta = [slots, pos[slots].tolist(), n_real]
         if self.device.type != "cuda":
-            t = torch.tensor(meta, dtype=torch.int64)
-            return ids, t[0], t[1], t[2]
+            t = torch.tensor(meta, dtype=torch.int64).to(self.device)
+            return ids.to(self.device), t[0], t[1], t[2]
         host_ids = ids.device.type == "cpu"
         flat = torch.tensor(sum(meta, []), dtype=torch.int64)
         if host_ids:
