@@ -157,11 +157,6 @@ class SegmentExecutor:
         self.pool = None
 
     # ---- public ------------------------------------------------------------------------------
-    @property
-    def captured(self) -> bool:
-        """Every bucket captured (a bucketed executor captures all of them on its first `run`)."""
-        return self._captured_all
-
     @torch.no_grad()
     def run(self, *args):
         """Same call and result as `split_gm(*args)` (the outputs are fresh tensors)."""

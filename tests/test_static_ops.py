@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4c.model import moe, static_ops, v3_ops, v4_ops  # noqa: F401  (registers the ops)
-from dsv4c.model.v4 import _open_group_state
+from dsv4c.model.v4 import _compressor_rows
 
 ops = torch.ops.dsv4c
 
@@ -52,7 +52,7 @@ def test_v4_compress_static_matches_reference_over_a_sequence(m, extra):
     g = torch.Generator().manual_seed(m + extra)
     B, w, n_slots, E = 3, 4, 5, 16
     c = 2 if m == 4 else 1
-    st_kv, st_sc = _open_group_state(n_slots, m, w, "cpu", extra)
+    st_kv, st_sc = _compressor_rows(n_slots, m, w, "cpu", extra)
     st_kv.normal_(generator=g)  # slots start from arbitrary (already used) state
     ents = torch.randn(n_slots, E, w, generator=g)
     ape = torch.randn(m, c * w, generator=g)

@@ -57,7 +57,7 @@ class LayerCache:
 V4Cache = StaticCache  # layers: [LayerCache]
 
 
-def _open_group_state(batch: int, m: int, width: int, device, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _compressor_rows(batch: int, m: int, width: int, device, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Compressor rows [batch, c·m + extra, c·width] (kv zeros, scores -inf): the open group, the
     previous group for CSA, and `extra` rows that a speculative verify may write past them."""
     c = 2 if m == 4 else 1
@@ -196,11 +196,11 @@ class Attention(nn.Module):
                   extra: int = 0) -> LayerCache:
         lc = LayerCache(torch.zeros(batch, ring_slots, self.head_dim, dtype=dtype, device=device))
         if self.m:
-            lc.comp_kv, lc.comp_score = _open_group_state(batch, self.m, self.head_dim, device, extra)
+            lc.comp_kv, lc.comp_score = _compressor_rows(batch, self.m, self.head_dim, device, extra)
             lc.entries = torch.zeros(batch, -(-max_len // self.m), self.head_dim, dtype=dtype, device=device)
         if self.m == 4:
             dI = self.indexer.head_dim
-            lc.idx_kv, lc.idx_score = _open_group_state(batch, 4, dI, device, extra)
+            lc.idx_kv, lc.idx_score = _compressor_rows(batch, 4, dI, device, extra)
             lc.idx_entries = torch.zeros(batch, -(-max_len // 4), dI, dtype=dtype, device=device)
         return lc
 
