@@ -178,7 +178,8 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
         if fmt in ("mxfp4", "nvfp4"):
             return [("default", None), ("split bn32 bk64", C(16, 32, 64, 4, 3, True)),
                     ("split bn64 bk128 sk2", C(16, 64, 128, 4, 3, True, 2)),
-                    ("scaled bn32 bk64 direct", C(16, 32, 64, 4, 3, fp4_scaled=fmt == "mxfp4", direct=True))]
+                    ("scaled bn32 bk64 direct", C(16, 32, 64, 4, 3, fp4_scaled=fmt == "mxfp4", direct=True)),
+                    ("gemv bn32 bk64 w4", C(block_n=32, block_k=64, num_warps=4, gemv=True))]
         return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2)),
                 ("bn64 direct", C(16, 64, 128, 4, 3, direct=True))]
     if prefill:
@@ -188,18 +189,19 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
     def tag(name, direct):
         return name + (" direct" if direct else "")
     if fmt in ("mxfp4", "nvfp4"):
+        def gv(bn, bk, w):   # CUDA-core GEMV kernels (kernels/moe_fp4_gemv.py)
+            return f"gemv bn{bn} bk{bk} w{w}", C(block_n=bn, block_k=bk, num_warps=w, gemv=True)
+        gemv = [gv(32, 256, 4), gv(32, 512, 4), gv(32, 1024, 4), gv(64, 256, 4), gv(64, 512, 8), gv(32, 256, 2),
+                gv(32, 512, 8)]
+
         def sp(bn, bk, w, st, direct=False):
             return tag(f"split bn{bn} bk{bk} w{w} s{st}", direct), C(16, bn, bk, w, st, True, direct=direct)
 
         def sc(bn, bk, w, st, direct=False):   # tl.dot_scaled (MXFP4 only)
             return tag(f"scaled bn{bn} bk{bk} w{w} s{st}", direct), C(16, bn, bk, w, st, fp4_scaled=True, direct=direct)
-        split = [("default", None), sp(32, 256, 4, 4, True), sp(64, 128, 4, 4, True), sp(16, 512, 4, 3, True),
-                 sp(64, 256, 4, 4)]
         if fmt == "nvfp4":
-            return split
-        return split + [sc(32, 256, 4, 4), sc(64, 256, 4, 4), sc(64, 128, 4, 4), sc(32, 256, 4, 4, True),
-                        sc(64, 256, 4, 4, True), sc(64, 128, 4, 4, True), sc(32, 512, 4, 3, True),
-                        sc(128, 256, 8, 3, True), sc(64, 256, 8, 4, True)]
+            return [("default", None)] + gemv + [sp(64, 256, 4, 4)]
+        return [("default", None)] + gemv + [sc(64, 128, 4, 4, True), sc(64, 256, 4, 4)]
     if fmt == "fp8_block":   # GEMM 1 always runs BLOCK_N 128 (h quantised per 128 in its epilogue)
         def f8(bn, w, st, direct=False):
             return tag(f"bn{bn} w{w} s{st}", direct), C(16, bn, 128, w, st, direct=direct)
@@ -276,6 +278,8 @@ def run_sweep(args, dev) -> dict:
         cands = {}
         for t in fmt_tokens:
             for name, cfg in sweep_candidates(fmt, t > 64, args.small):
+                if args.candidates and not any(c in name for c in args.candidates.split(",")):
+                    continue
                 cands.setdefault((t > 64, name), (name, cfg, []))[2].append(t)
         for name, cfg, cand_tokens in cands.values():
             for t in cand_tokens:
@@ -396,6 +400,8 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="--sweep: add fp8_block at 4096 tokens")
     ap.add_argument("--budget-s", type=float, default=200.0, help="--sweep: stop starting candidates after this")
     ap.add_argument("--tokens", default=None, help="--sweep: comma list of token counts instead of 1,8,64")
+    ap.add_argument("--candidates", default=None,
+                    help="--sweep: comma list of substrings; keep only candidates whose name has one")
     ap.add_argument("--plot", default=None, help="--sweep: also plot default vs best per format to this PNG")
     ap.add_argument("--plot-from", default=None, help="plot a saved --sweep JSON to --plot and exit")
     args = ap.parse_args()

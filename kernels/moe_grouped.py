@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
+from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv
 
 from dsv4c import quant as Q
 
@@ -516,7 +517,12 @@ class MoeKernelConfig:
     fp4_scaled: MXFP4 weight-only multiplies through tl.dot_scaled (bf16 x e2m1 with e8m0 scales;
     Triton's own in-register upcast on Hopper); ignored for other formats.
     direct: skip the sort; every assignment is its own M-block of one row (no routing prep, two
-    GEMM launches and a sum). For decode, where few assignments share an expert."""
+    GEMM launches and a sum). For decode, where few assignments share an expert.
+    gemv: MXFP4/NVFP4 weight-only only: the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py
+    (no sort, no tensor cores; block_n rows of W1/W3 or W2 per program, block_k, num_warps; the
+    other fields are ignored).
+    fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
+    default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -527,6 +533,8 @@ class MoeKernelConfig:
     split_k: int = 1
     fp4_scaled: bool = False
     direct: bool = False
+    gemv: bool = False
+    fp8_prefill: bool = False
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
@@ -540,11 +548,20 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     verify: the sort's launches cost more than reading a few expert tiles twice); MXFP4
     weight-only multiplies through tl.dot_scaled (Triton's in-register upcast) on sm_90+, about
     1.5x faster than the best fp4_split tile.
-    split_k stays off: its atomics make the summation order vary."""
+    split_k stays off: its atomics make the summation order vary.
+    Sixth-session H200 sweeps (BENCHMARKS.md): MXFP4/NVFP4 weight-only decode runs
+    the CUDA-core GEMV kernels (gemv) up to 2 assignments per expert: at 1 / 8 / 64 tokens of
+    Flash, 40 / 199 / 1465 us against 81 / 417 / 1753 for tl.dot_scaled; fp8_block from 64
+    assignments per expert runs the prefill kernels (fp8_prefill), 1.5-1.6x faster at 4096 and
+    16384 tokens."""
     if device.type == "cpu":
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
     per_expert = n_assign / max(n_experts, 1)
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
+    if fmt in ("mxfp4", "nvfp4") and n_assign <= max(2 * n_experts, 16):
+        return MoeKernelConfig(block_n=32, block_k=512, num_warps=4, gemv=True)
+    if fmt == "fp8_block" and per_expert >= 64:
+        return MoeKernelConfig(fp8_prefill=True)
     if per_expert <= 16:
         direct = n_assign <= max(n_experts // 4, 16)
         if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):
@@ -754,6 +771,15 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     fmt = experts.format
     e, i, d = experts.dims
     cfg = config or default_config(fmt, idx.numel(), e, x.device)
+    if cfg.fp8_prefill:
+        _req(fmt == "fp8_block", f"config.fp8_prefill: only for fp8_block experts, got {fmt}")
+        from dsv4c.kernels.moe_fp8_prefill import moe_fp8_prefill   # it imports this module
+        return moe_fp8_prefill(x, idx, weight, experts, swiglu_limit)
+    if cfg.gemv:
+        _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 weight-only experts, got {fmt}")
+        return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, getattr(experts, "w13_global", None),
+                            experts.w2, experts.w2_scale, getattr(experts, "w2_global", None), experts.group,
+                            swiglu_limit, Fp4GemvConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps))
     _check_cfg(fmt, cfg, d, i)
     use_dot_scaled = False
     if fmt == "nvfp4_w4a4" and x.device.type == "cuda":

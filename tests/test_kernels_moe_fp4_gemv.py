@@ -1,0 +1,176 @@
+"""FP4 weight-only decode GEMV kernels (dsv4c.kernels.moe_fp4_gemv) vs their reference.
+
+CPU: Triton interpreter (the inline PTX is replaced by the same products in fp32). GPU tests
+(-m gpu) run the PTX decoding (PRMT tables, bf16x2 FMAs) at Flash-like shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4c.kernels import moe_grouped as M
+from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv, moe_fp4_gemv_ref
+from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
+
+CONTAINERS = {"mxfp4": M.Mxfp4Experts, "nvfp4": M.Nvfp4Experts}
+LIMIT = 0.6
+
+
+def experts(fmt, e, i, d, seed=0, device="cpu", raw_bytes=False):
+    """Quantised from Gaussians, or (raw_bytes) every byte random: all 16 codes in every nibble
+    position, scales over a range of exponents."""
+    g = torch.Generator().manual_seed(seed)
+    if raw_bytes:
+        def u8(*s, lo=0, hi=256):
+            return torch.randint(lo, hi, s, generator=g, dtype=torch.uint8)
+        if fmt == "mxfp4":
+            e8 = torch.float8_e8m0fnu
+            ex = M.Mxfp4Experts(u8(e, 2 * i, d // 2), u8(e, 2 * i, d // 32, lo=112, hi=128).view(e8),
+                                u8(e, d, i // 2), u8(e, d, i // 32, lo=112, hi=128).view(e8))
+        else:
+            e4 = torch.float8_e4m3fn
+            ex = M.Nvfp4Experts(u8(e, 2 * i, d // 2), u8(e, 2 * i, d // 16, lo=0x08, hi=0x50).view(e4),
+                                torch.rand(e, generator=g) + 0.5, u8(e, d, i // 2),
+                                u8(e, d, i // 16, lo=0x08, hi=0x50).view(e4), torch.rand(e, generator=g) + 0.5)
+    else:
+        w1 = torch.randn(e, i, d, generator=g) * d ** -0.5
+        w3 = torch.randn(e, i, d, generator=g) * d ** -0.5
+        w2 = torch.randn(e, d, i, generator=g) * i ** -0.5
+        ex = CONTAINERS[fmt].from_float(w1, w3, w2)
+    return M.experts_from_tensors(fmt, **{f: (getattr(ex, f).to(device) if getattr(ex, f, None) is not None else None)
+                                          for f in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")})
+
+
+def args_of(x, idx, weight, ex):
+    return (x, idx, weight, ex.w13, ex.w13_scale, getattr(ex, "w13_global", None), ex.w2, ex.w2_scale,
+            getattr(ex, "w2_global", None), ex.group)
+
+
+def route(case, t, k, e, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if case == "random":
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    elif case == "empty_experts":
+        idx = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=g)]
+    elif case == "one_expert_all":
+        idx = torch.full((t, k), 2)
+    else:   # repeated ids within a token: contributions add
+        idx = torch.randint(0, e, (t, 1), generator=g).repeat(1, k)
+    return idx, torch.rand(t, k, generator=g) + 0.5
+
+
+# (T, K, E, D, I, config): D not a multiple of block_k, I not of block_n13 / block_n2
+CASES = [(4, 2, 6, 96, 96, Fp4GemvConfig(64, 64, 64, 4)), (3, 3, 5, 96, 64, Fp4GemvConfig(32, 16, 32, 2))]
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gemv_matches_ref(fmt, case):
+    t, k, e, d, i, cfg = CASES[0]
+    ex = experts(fmt, e, i, d)
+    x = (torch.randn(t, d, generator=torch.Generator().manual_seed(3)) * 2).bfloat16()
+    idx, weight = route(case, t, k, e)
+    a = args_of(x, idx, weight, ex)
+    y = moe_fp4_gemv(*a, LIMIT, cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (t, d)
+    assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt]
+    # the same function as the grouped kernels' reference (h not rounded there)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gemv_every_code_and_wide_activations(fmt):
+    """Random bytes (every e2m1 code in every nibble position, many scale exponents), activations
+    spanning 1e-4..1e4, no clamp, second tile config."""
+    t, k, e, d, i, cfg = CASES[1]
+    ex = experts(fmt, e, i, d, seed=4, raw_bytes=True)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(t, d, generator=g) * 10.0 ** torch.randint(-4, 5, (t, d), generator=g)).bfloat16()
+    idx, weight = route("random", t, k, e)
+    a = args_of(x, idx, weight, ex)
+    y = moe_fp4_gemv(*a, 0.0, cfg)
+    assert torch.isfinite(y.float()).all()
+    assert rel_err(y, moe_fp4_gemv_ref(*a, 0.0)) < KERNEL_REL_ERR[fmt]
+
+
+def test_gemv_through_moe_grouped_config():
+    t, k, e, d, i, _ = CASES[0]
+    ex = experts("mxfp4", e, i, d)
+    x = torch.randn(t, d).bfloat16()
+    idx, weight = route("random", t, k, e)
+    cfg = M.MoeKernelConfig(block_n=32, block_k=64, num_warps=4, gemv=True)
+    y = M.moe_grouped(x, idx, weight, ex, LIMIT, cfg)
+    direct = moe_fp4_gemv(*args_of(x, idx, weight, ex), LIMIT, Fp4GemvConfig(32, 32, 64, 4))
+    assert torch.equal(y, direct)
+    fp8 = M.Fp8BlockExperts.from_float(*(torch.randn(e, i2, d2) for i2, d2 in ((128, 128), (128, 128), (128, 128))))
+    with pytest.raises(ValueError, match="config.gemv"):
+        M.moe_grouped(torch.randn(t, 128).bfloat16(), idx, weight, fp8, LIMIT, cfg)
+
+
+def test_gemv_empty_batch():
+    ex = experts("nvfp4", 4, 64, 64)
+    x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    y = moe_fp4_gemv(*args_of(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), ex), LIMIT)
+    assert y.shape == (0, 64)
+
+
+def test_gemv_errors_name_the_input():
+    t, k, e, d, i, _ = CASES[0]
+    ex = experts("mxfp4", e, i, d)
+    x = torch.randn(t, d).bfloat16()
+    idx, weight = route("random", t, k, e)
+    a = list(args_of(x, idx, weight, ex))
+    with pytest.raises(ValueError, match="group"):
+        moe_fp4_gemv(*a[:-1], 64, LIMIT)
+    bad = list(a)
+    bad[4] = ex.w13_scale.view(torch.uint8)
+    with pytest.raises(ValueError, match="w13_scale"):
+        moe_fp4_gemv(*bad, LIMIT)
+    bad = list(a)
+    bad[0] = x.float()
+    with pytest.raises(ValueError, match="x: expected"):
+        moe_fp4_gemv(*bad, LIMIT)
+    bad = list(a)
+    bad[1] = torch.full_like(idx, e)
+    with pytest.raises(ValueError, match=r"idx: expert ids must be in \[0, 6\)"):
+        moe_fp4_gemv(*bad, LIMIT)
+    with pytest.raises(ValueError, match="block_k"):
+        moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 32, 16, 4))
+    with pytest.raises(ValueError, match="block_n13"):
+        moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(16, 32, 64, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_gpu_gemv_matches_ref(fmt, t, raw):
+    k, e, d, i = 6, 64, 1024, 512
+    ex = experts(fmt, e, i, d, device="cuda", raw_bytes=raw)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(t, d, generator=g) * 2).bfloat16().cuda()
+    idx, weight = (v.cuda() for v in route("random", t, k, e))
+    a = args_of(x, idx, weight, ex)
+    for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4), Fp4GemvConfig(32, 64, 128, 8)):
+        y = moe_fp4_gemv(*a, LIMIT, cfg)
+        assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt], cfg
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_cuda_graph_capture():
+    t, k, e, d, i = 8, 6, 32, 512, 256
+    ex = experts("mxfp4", e, i, d, device="cuda")
+    x = torch.randn(t, d).bfloat16().cuda()
+    idx, weight = (v.cuda() for v in route("random", t, k, e))
+    a = args_of(x, idx, weight, ex)
+    moe_fp4_gemv(*a, LIMIT)                                        # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_fp4_gemv(*a, LIMIT)
+    idx2, w2 = (v.cuda() for v in route("one_expert_all", t, k, e, seed=9))
+    x.copy_(torch.randn(t, d).bfloat16())
+    idx.copy_(idx2)
+    weight.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_fp4_gemv(*a, LIMIT))
