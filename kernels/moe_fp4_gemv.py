@@ -59,12 +59,18 @@ _MAG_PAIR = 0x0E000E00        # fp16x2 bits 11..9 of each half
 class Fp4GemvConfig:
     """Tiles of the two GEMV kernels. block_n13: W1/W3 rows per program (each program reads
     2 * block_n13 rows); block_n2: W2 rows per program; block_k: K columns per loop step (a
-    multiple of the scale group)."""
+    multiple of the scale group); sort: order the programs by expert (see sort_experts)."""
 
     block_n13: int = 32
     block_n2: int = 32
-    block_k: int = 256
+    block_k: int = 512
     num_warps: int = 4
+    sort: bool | None = None
+
+    def sort_experts(self, n_assign: int, n_experts: int) -> bool:
+        """Launch the programs in expert order? None: when assignments outnumber E/4 (then experts
+        repeat often enough for the L2 reuse to pay for the sort)."""
+        return self.sort if self.sort is not None else 4 * n_assign > n_experts
 
     def check(self, group: int) -> None:
         for name in ("block_n13", "block_n2", "block_k"):
@@ -222,32 +228,47 @@ def _w_step(w_base, s_base, rows, row_ok, k0, K: tl.constexpr, stride_wn, stride
 
 
 @triton.jit
-def _gemv_rows(w_base, s_base, rows, row_ok, aw_row, as_row, K: tl.constexpr, stride_wn, stride_sn,
-               GROUP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_N]: rows `rows` of one expert's packed weights times one activation row
-    (aw_row: int32 fp16 pairs; as_row: fp32 2^-k per 32 columns). The next K step's weights are
-    loaded before this step's arithmetic, so two steps of HBM reads are in flight."""
+def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constexpr, stride_wn, stride_sn,
+               TWO: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N] (and, with TWO, a second [BLOCK_N] for rows + off2): rows of one expert's
+    packed weights times one activation row (aw_row: int32 fp16 pairs; as_row: fp32 2^-k per 32
+    columns). The next K step's weights are loaded before this step's arithmetic, so two steps
+    of HBM reads are in flight; with TWO both row sets share the activation loads."""
     NG: tl.constexpr = BLOCK_K // GROUP
     GW: tl.constexpr = GROUP // 8
     BKW: tl.constexpr = BLOCK_K // 8
     g = tl.arange(0, NG)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     q_next, sb_next = _w_step(w_base, s_base, rows, row_ok, 0, K, stride_wn, stride_sn, GROUP, BLOCK_K)
+    q2_next, sb2_next = q_next, sb_next
+    if TWO:
+        q2_next, sb2_next = _w_step(w_base, s_base, rows + off2, row_ok, 0, K, stride_wn, stride_sn, GROUP, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         q = q_next
         sb = sb_next
+        q2 = q2_next
+        sb2 = sb2_next
         q_next, sb_next = _w_step(w_base, s_base, rows, row_ok, k0 + BLOCK_K, K, stride_wn, stride_sn, GROUP,
                                   BLOCK_K)
+        if TWO:
+            q2_next, sb2_next = _w_step(w_base, s_base, rows + off2, row_ok, k0 + BLOCK_K, K, stride_wn, stride_sn,
+                                        GROUP, BLOCK_K)
         kw = k0 // 8 + tl.arange(0, BKW)                                                     # [BKW]
         xv = tl.load(aw_row + kw[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(kw < K // 8)[:, None], other=0)
         xa, xb = tl.split(tl.reshape(xv, (BKW, 2, 2)))       # words m = 0, 2 and m = 1, 3
         x0, x2 = tl.split(xa)
         x1, x3 = tl.split(xb)
+        a_s = tl.load(as_row + (k0 + g * GROUP) // 32, mask=k0 + g * GROUP < K, other=0.0)     # [NG]
         p = _dot8(q, x0[None, :], x1[None, :], x2[None, :], x3[None, :], INTERPRET)           # [BN, BKW]
         part = tl.sum(tl.reshape(p, (BLOCK_N, NG, GW)), axis=2)                               # [BN, NG]
-        a_s = tl.load(as_row + (k0 + g * GROUP) // 32, mask=k0 + g * GROUP < K, other=0.0)     # [NG]
         acc += part * (_scale_value(sb, GROUP, INTERPRET) * a_s[None, :])
-    return tl.sum(acc, axis=1)
+        if TWO:
+            p2 = _dot8(q2, x0[None, :], x1[None, :], x2[None, :], x3[None, :], INTERPRET)
+            part2 = tl.sum(tl.reshape(p2, (BLOCK_N, NG, GW)), axis=2)
+            acc2 += part2 * (_scale_value(sb2, GROUP, INTERPRET) * a_s[None, :])
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,14 +276,17 @@ def _gemv_rows(w_base, s_base, rows, row_ok, aw_row, as_row, K: tl.constexpr, st
 
 
 @triton.jit
-def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
+def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
                    stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
                    K: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[a, n] for the BLOCK_N rows n of one tile, assignment a = program 0 (token a // TOPK):
-    SwiGLU of W1 and W3 rows against x, clamp, routing weight; stored as fp16 * 2^k with 2^-k
-    per 32 columns (hs), the operand format of _gemv2_kernel."""
+                   HAS_LIMIT: tl.constexpr, HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[a, n] for the BLOCK_N rows n of one tile, assignment a = program 0 (or perm[program 0]),
+    token a // TOPK: SwiGLU of W1 and W3 rows against x, clamp, routing weight; stored as
+    fp16 * 2^k with 2^-k per 32 columns (hs), the operand format of _gemv2_kernel."""
     a = tl.program_id(0)
+    if HAS_PERM:
+        a = tl.load(perm_ptr + a).to(tl.int32)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
     t = (a // TOPK).to(tl.int64)
@@ -270,10 +294,8 @@ def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, 
     row_ok = rows < I
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
-    g = _gemv_rows(w_base, s_base, rows, row_ok, xw_ptr + t * stride_xw, xs_ptr + t * stride_xs, K, stride_wn,
-                   stride_sn, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
-    u = _gemv_rows(w_base, s_base, rows + I, row_ok, xw_ptr + t * stride_xw, xs_ptr + t * stride_xs, K, stride_wn,
-                   stride_sn, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
+    g, u = _gemv_rows(w_base, s_base, rows, row_ok, I, xw_ptr + t * stride_xw, xs_ptr + t * stride_xs, K,
+                      stride_wn, stride_sn, True, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
         gs = tl.load(g_ptr + e)
         g = g * gs
@@ -292,18 +314,21 @@ def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, 
 
 
 @triton.jit
-def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D,
+def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D,
                   stride_hw, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                  K: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+                  K: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_PERM: tl.constexpr,
                   INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0."""
+    """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0
+    (or perm[program 0])."""
     a = tl.program_id(0).to(tl.int64)
+    if HAS_PERM:
+        a = tl.load(perm_ptr + a)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < D
-    y = _gemv_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, hw_ptr + a * stride_hw,
-                   hs_ptr + a * stride_hs, K, stride_wn, stride_sn, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
+    y, _ = _gemv_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, 0, hw_ptr + a * stride_hw,
+                      hs_ptr + a * stride_hs, K, stride_wn, stride_sn, False, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
         y = y * tl.load(g_ptr + e)
     tl.store(y_ptr + a * stride_y + rows, y.to(tl.bfloat16), mask=row_ok)
@@ -379,6 +404,10 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     wflat = weight.reshape(-1).contiguous()
     w13w = w13.view(torch.int32)    # 8 packed weights per word
     w2w = w2.view(torch.int32)
+    # Programs in expert order when experts repeat: consecutive programs then read the same expert
+    # tile, and all but the first find it in L2 (one sort launch; none at 1 and 8 Flash tokens).
+    perm = torch.sort(idx_flat, stable=True).indices if cfg.sort_experts(n_a, e) else None
+    permp = idx_flat if perm is None else perm
     # activations as fp16 * 2^k with 2^-k per 32 columns; words are fp16 pairs
     xh = torch.empty(t, d, dtype=torch.float16, device=dev)
     xs = torch.empty(t, triton.cdiv(d, 32), dtype=torch.float32, device=dev)
@@ -387,15 +416,15 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     hs = torch.empty(n_a, triton.cdiv(i, 32), dtype=torch.float32, device=dev)
     xw, hw = xh.view(torch.int32), h.view(torch.int32)
     _gemv13_kernel[(n_a, triton.cdiv(i, cfg.block_n13))](
-        xw, xs, idx_flat, wflat, w13w, s13, g13, h, hs, i, float(swiglu_limit),
+        xw, xs, idx_flat, permp, wflat, w13w, s13, g13, h, hs, i, float(swiglu_limit),
         xw.stride(0), xs.stride(0), w13w.stride(0), w13w.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         hs.stride(0), K=d, TOPK=topk, GROUP=group, HAS_GLOBAL=has_global, HAS_LIMIT=swiglu_limit > 0,
-        INTERPRET=interp, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        HAS_PERM=perm is not None, INTERPRET=interp, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
-        hw, hs, idx_flat, w2w, s2, g2, y, d,
+        hw, hs, idx_flat, permp, w2w, s2, g2, y, d,
         hw.stride(0), hs.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        K=i, GROUP=group, HAS_GLOBAL=has_global, INTERPRET=interp,
+        K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, INTERPRET=interp,
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     torch.sum(y.view(t, topk, d), 1, out=out)     # fp32 accumulation, one rounding to bf16
     return out

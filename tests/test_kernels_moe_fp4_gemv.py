@@ -5,6 +5,8 @@ CPU: Triton interpreter (the inline PTX is replaced by the same products in fp32
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -93,6 +95,21 @@ def test_gemv_every_code_and_wide_activations(fmt):
     assert rel_err(y, moe_fp4_gemv_ref(*a, 0.0)) < KERNEL_REL_ERR[fmt]
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gemv_expert_order_changes_nothing(fmt):
+    """Programs launched in expert order (sort) compute exactly what the assignment order does."""
+    t, k, e, d, i, cfg = CASES[1]
+    ex = experts(fmt, e, i, d, seed=8)
+    x = torch.randn(t, d).bfloat16()
+    idx, weight = route("random", t, k, e)
+    a = args_of(x, idx, weight, ex)
+    assert cfg.sort_experts(t * k, e) and not cfg.sort_experts(1, e)
+    y_sorted = moe_fp4_gemv(*a, LIMIT, dataclasses.replace(cfg, sort=True))
+    y_plain = moe_fp4_gemv(*a, LIMIT, dataclasses.replace(cfg, sort=False))
+    assert torch.equal(y_sorted, y_plain)
+    assert rel_err(y_sorted, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt]
+
+
 def test_gemv_through_moe_grouped_config():
     t, k, e, d, i, _ = CASES[0]
     ex = experts("mxfp4", e, i, d)
@@ -151,7 +168,7 @@ def test_gpu_gemv_matches_ref(fmt, t, raw):
     x = (torch.randn(t, d, generator=g) * 2).bfloat16().cuda()
     idx, weight = (v.cuda() for v in route("random", t, k, e))
     a = args_of(x, idx, weight, ex)
-    for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4), Fp4GemvConfig(32, 64, 128, 8)):
+    for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4, sort=True), Fp4GemvConfig(32, 64, 128, 8)):
         y = moe_fp4_gemv(*a, LIMIT, cfg)
         assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt], cfg
 
