@@ -50,14 +50,17 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 _CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
          "dsa_cache_update": "static"}
 
-# BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, fourth session): Flash expert shapes,
-# microseconds per call replayed in a CUDA graph (how decode runs), best tile per cell, at 1 / 8 / 64 tokens.
-_HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us at 1/8/64 tokens, best tiles, "
-                  "direct routing at 1 and 8): fp8_block 59/290/1304, mxfp4_w4a16 (tl.dot_scaled) 79/417/1749, "
-                  "nvfp4_w4a16 149/793/3275. fp8_block is fastest at every decode size (1.3-1.4x over MXFP4) "
-                  "and the most accurate; the FP4 weight-only kernels are bound by in-register upcasting "
-                  "(24-36% of copy bandwidth). One format per artifact (graphs share weights), so fp8_block; "
-                  "revisit when the FP4 kernels reach the issue-6 targets.")
+# BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, sixth session): Flash expert shapes,
+# microseconds per call replayed in a CUDA graph (how decode runs), default tiles, at 1 / 8 / 64 tokens;
+# and the v4-flash-slice decode step in full-graph mode with each expert format.
+_HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us at 1/8/64 tokens, default kernels): "
+                  "fp8_block 60/291/1304, mxfp4_w4a16 (CUDA-core GEMV) 38/196/1436, nvfp4_w4a16 41/208/1539; "
+                  "prefill at 4096/16384 tokens (eager calls, same run): fp8_block 3.65/8.00 ms, mxfp4_w4a16 10.1/30.9 ms. "
+                  "v4-flash-slice decode step, full graph, ms at batch 1/8/64: fp8_block 2.90/4.07/8.41, "
+                  "mxfp4_w4a16 2.82/3.79/9.88. MXFP4 is 1.5x faster per MoE call up to 8 tokens (3-7% per step), "
+                  "FP8 from 64 tokens and 3-4.5x at prefill, and FP8 is the more accurate. One format per "
+                  "artifact (graphs share weights), so fp8_block; --expert-format mxfp4_w4a16 for "
+                  "latency-bound decode at batch <= 8 (and half the expert memory).")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,
            "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
 
