@@ -95,10 +95,11 @@ def test_gemv_every_code_and_wide_activations(fmt):
     assert rel_err(y, moe_fp4_gemv_ref(*a, 0.0)) < KERNEL_REL_ERR[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gemv_expert_order_changes_nothing(fmt):
+def test_gemv_expert_order_changes_nothing():
     """Programs launched in expert order (sort) compute exactly what the assignment order does."""
-    t, k, e, d, i, cfg = CASES[1]
+    fmt = "nvfp4"
+    t, k, e, d, i, _ = CASES[1]
+    cfg = Fp4GemvConfig(32, 32, 64, 4)
     ex = experts(fmt, e, i, d, seed=8)
     x = torch.randn(t, d).bfloat16()
     idx, weight = route("random", t, k, e)
