@@ -18,7 +18,8 @@ Same function as `moe_grouped` on `Mxfp4Experts` (group 32, e8m0 scales, no glob
 `Nvfp4Experts` (group 16, e4m3 scales, fp32 global per expert): for each token t and slot j,
 y[t] += W2_e (silu(min(W1_e x_t, L)) * clamp(W3_e x_t, -L, L) * w[t, j]), e = idx[t, j].
 
-Kernels (no sort, no atomics, grids from shapes only: CUDA-graph safe):
+Kernels (no atomics, no host syncs, grids from shapes only: CUDA-graph safe; past E/4 assignments
+one torch.sort launch orders the programs by expert, see Fp4GemvConfig.sort_experts):
   1. `_act_f16_kernel`, grid (T, D / 256): x -> fp16 x * 2^k with 2^-k per 32 columns, k putting
      each 32-column chunk's amax in [1024, 2048) (products and 4-term sums then stay below
      6 * 4 * 2048 < 65504, and small chunks keep their precision);
@@ -30,9 +31,10 @@ Kernels (no sort, no atomics, grids from shapes only: CUDA-graph safe):
 
 Arithmetic per packed int32 word (8 weights, element j in nibble j, element 2b in byte b's low
 nibble, as released): the decoded fp16 pairs (exact) times the activation's fp16 pairs, 4 FMAs
-per lane in fp16 (the products are exact: 2 significant bits times 8 from bf16), the two lanes
-summed in fp32; per scale group the fp32 sum is multiplied by the weight scale (e8m0 or e4m3)
-times the activation chunk's 2^-k; NVFP4's global scale at the end. Under the CPU interpreter
+per lane in fp16 (in GEMM 1 the products are exact: 2 significant bits times bf16's 8; h carries
+fp16's 11, so in GEMM 2 they round like the sums, to 2^-11 relative), the two lanes summed in
+fp32; per scale group the fp32 sum is multiplied by the weight scale (e8m0 or e4m3) times the
+activation chunk's 2^-k; NVFP4's global scale at the end. Under the CPU interpreter
 (TRITON_INTERPRET=1) the inline PTX is replaced by the same products in fp32, so CPU tests check
 the data flow, the scaling and the tiling; GPU tests check the PTX.
 
@@ -68,8 +70,9 @@ class Fp4GemvConfig:
     sort: bool | None = None
 
     def sort_experts(self, n_assign: int, n_experts: int) -> bool:
-        """Launch the programs in expert order? None: when assignments outnumber E/4 (then experts
-        repeat often enough for the L2 reuse to pay for the sort)."""
+        """Launch the programs in expert order? None: when assignments outnumber E/4, where experts
+        repeat (meant for L2 reuse; the H200 sweep saw no measurable gain at 64 Flash tokens,
+        BENCHMARKS.md sixth session)."""
         return self.sort if self.sort is not None else 4 * n_assign > n_experts
 
     def check(self, group: int) -> None:
@@ -86,7 +89,7 @@ class Fp4GemvConfig:
 
 
 def default_gemv_config(device: torch.device) -> Fp4GemvConfig:
-    """Larger tiles under the CPU interpreter (fewer programs)."""
+    """Smaller K steps under the CPU interpreter (the test shapes are small)."""
     if device.type == "cpu":
         return Fp4GemvConfig(32, 32, 64, 4)
     return Fp4GemvConfig()
@@ -152,8 +155,9 @@ def _e2m1_nibble(q, J: tl.constexpr):
 # magnitude codes (table 00 38 3C 3E 40 42 44 46: 0, 0.5, 1, 1.5, 2, 3, 4, 6); a sign-replicating
 # PRMT turns the four sign bits into byte masks that one LOP3 merges into bit 7 of each byte; a
 # PRMT with a zero register spreads two high bytes into an fp16 pair. 13 integer instructions per
-# 8 weights, then 4 fp16x2 FMAs: the products are exact (2 significant bits times 8), each lane
-# adds 4 of them in fp16, and the two lanes are summed in fp32.
+# 8 weights, then 4 fp16x2 FMAs: the products are exact for bf16 activations (2 significant bits
+# times 8; h's 11-bit fp16 values round), each lane adds 4 of them in fp16, and the two lanes are
+# summed in fp32.
 _DOT8_PTX = tl.constexpr("""{
 .reg .b32 q4, q7, q7h, u0, u1, s0, s1, w0, w1, w2, w3, acc;
 .reg .b16 lo, hi;
@@ -207,7 +211,8 @@ def _scale_value(sb, GROUP: tl.constexpr, INTERPRET: tl.constexpr):
         e = (b >> 3) & 15
         m = b & 7
         normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-        return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        return tl.where(b >= 128, -v, v)      # the sign, as the GPU's e4m3 conversion reads it
     else:
         return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
@@ -345,6 +350,8 @@ def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
         raise ValueError(f"w13: expected contiguous uint8 [E, 2I, D/2], got {w13.dtype} {tuple(w13.shape)}")
     e, i2, d2 = w13.shape
     i, d = i2 // 2, d2 * 2
+    if i2 % 2 or i == 0 or d == 0:
+        raise ValueError(f"w13: expected [E, 2I, D/2] with I, D > 0 (w1 rows, then w3), got {tuple(w13.shape)}")
     if i % group or d % group:
         raise ValueError(f"w13: I = {i} and D = {d} must be multiples of the group {group}")
     sdt = torch.float8_e8m0fnu if group == 32 else torch.float8_e4m3fn
@@ -364,9 +371,9 @@ def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
         raise ValueError(f"idx: expected int32/int64 [{t}, K], got {idx.dtype} {tuple(idx.shape)}")
     if weight.dtype != torch.float32 or tuple(weight.shape) != tuple(idx.shape):
         raise ValueError(f"weight: expected fp32 {tuple(idx.shape)}, got {weight.dtype} {tuple(weight.shape)}")
-    devs = {x.device, idx.device, weight.device, w13.device, w2.device}
+    devs = {v.device for v in (x, idx, weight, w13, *(tns for tns, _, _ in want.values()))}
     if len(devs) != 1:
-        raise ValueError(f"x/idx/weight/w13/w2: all on one device, got {sorted(map(str, devs))}")
+        raise ValueError(f"x/idx/weight/w13/w2 and their scales: all on one device, got {sorted(map(str, devs))}")
     if x.device.type == "cpu" and idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= e:
@@ -383,8 +390,9 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
 
     x bf16 [T, D] contiguous; idx int [T, K] in [0, E); weight fp32 [T, K]; w13 uint8 [E, 2I, D/2]
     (w1 rows, then w3); w2 uint8 [E, D, I/2]; swiglu_limit L (<= 0: no clamp) -> bf16 [T, D].
-    Reads every assigned expert once per assignment (no sort): meant for decode, where few
-    assignments share an expert. CPU tensors run under the Triton interpreter."""
+    Reads every assigned expert once per assignment (the programs are at most ordered by expert,
+    see Fp4GemvConfig.sort): meant for decode, where few assignments share an expert. CPU
+    tensors run under the Triton interpreter."""
     e, i, d = _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, group)
     cfg = config or default_gemv_config(x.device)
     cfg.check(group)

@@ -1,7 +1,7 @@
 """FP4 weight-only decode GEMV kernels (dsv4c.kernels.moe_fp4_gemv) vs their reference.
 
 CPU: Triton interpreter (the inline PTX is replaced by the same products in fp32). GPU tests
-(-m gpu) run the PTX decoding (PRMT tables, bf16x2 FMAs) at Flash-like shapes.
+(-m gpu) run the PTX decoding (PRMT tables, fp16x2 FMAs) at Flash-like shapes.
 """
 from __future__ import annotations
 
@@ -95,6 +95,32 @@ def test_gemv_every_code_and_wide_activations(fmt):
     assert rel_err(y, moe_fp4_gemv_ref(*a, 0.0)) < KERNEL_REL_ERR[fmt]
 
 
+@pytest.mark.parametrize("sort", [False, True])
+def test_gemv_nvfp4_half_chunks(sort):
+    """NVFP4 with D and I multiples of 16 but not of 32: the last 32-column activation chunk of x
+    and of h is half full, and GEMM 2's K steps end inside it."""
+    t, k, e, d, i = 3, 2, 4, 80, 48
+    ex = experts("nvfp4", e, i, d, seed=11)
+    x = (torch.randn(t, d, generator=torch.Generator().manual_seed(12)) * 2).bfloat16()
+    idx, weight = route("random", t, k, e)
+    a = args_of(x, idx, weight, ex)
+    y = moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 16, 32, 4, sort=sort))
+    assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR["nvfp4"]
+
+
+def test_default_config_thresholds():
+    """moe_grouped's default: FP4 weight-only GEMV up to max(2E, 16) assignments, the FP8 prefill
+    kernel from 64 assignments per expert (CUDA device objects only; nothing is launched)."""
+    cuda = torch.device("cuda")
+    for fmt in ("mxfp4", "nvfp4"):
+        assert M.default_config(fmt, 512, 256, cuda).gemv and M.default_config(fmt, 16, 4, cuda).gemv
+    assert not M.default_config("nvfp4", 513, 256, cuda).gemv
+    assert not any(M.default_config(f, 6, 256, cuda).gemv for f in ("fp8_block", "bf16"))
+    assert M.default_config("fp8_block", 64 * 256, 256, cuda).fp8_prefill
+    assert not M.default_config("fp8_block", 64 * 256 - 1, 256, cuda).fp8_prefill
+    assert not M.default_config("mxfp4", 6, 256, torch.device("cpu")).gemv
+
+
 def test_gemv_expert_order_changes_nothing():
     """Programs launched in expert order (sort) compute exactly what the assignment order does."""
     fmt = "nvfp4"
@@ -156,6 +182,16 @@ def test_gemv_errors_name_the_input():
         moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 32, 16, 4))
     with pytest.raises(ValueError, match="block_n13"):
         moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(16, 32, 64, 4))
+    bad = list(a)
+    s13 = ex.w13_scale.view(torch.uint8)
+    bad[3] = torch.cat((ex.w13, ex.w13[:, :1]), 1)           # 2I + 1 rows, scales to match
+    bad[4] = torch.cat((s13, s13[:, :1]), 1).view(ex.w13_scale.dtype)
+    with pytest.raises(ValueError, match="w13: expected"):
+        moe_fp4_gemv(*bad, LIMIT)
+    bad = list(a)
+    bad[7] = ex.w2_scale.to("meta")
+    with pytest.raises(ValueError, match="w2_scale|one device"):
+        moe_fp4_gemv(*bad, LIMIT)
 
 
 @pytest.mark.gpu
