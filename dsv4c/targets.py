@@ -58,7 +58,8 @@ _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us a
                   "prefill at 4096/16384 tokens (eager calls, same run): fp8_block 3.65/8.00 ms, mxfp4_w4a16 10.1/30.9 ms. "
                   "v4-flash-slice decode step, full graph, ms at batch 1/8/64: fp8_block 2.90/4.07/8.41, "
                   "mxfp4_w4a16 2.82/3.79/9.88. MXFP4 is 1.5x faster per MoE call up to 8 tokens (3-7% per step), "
-                  "FP8 from 64 tokens and 2.8-3.9x at prefill, and FP8 is the more accurate. One format per "
+                  "FP8 from 64 tokens and 2.8-3.9x at prefill. Accuracy: FP8 is the closer for weights quantised "
+                  "from bf16; for the released MXFP4 experts, mxfp4_w4a16 keeps the checkpoint's exact values. One format per "
                   "artifact (graphs share weights), so fp8_block; --expert-format mxfp4_w4a16 for "
                   "latency-bound decode at batch <= 8 (and half the expert memory).")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,

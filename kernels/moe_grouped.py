@@ -558,9 +558,11 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
         return MoeKernelConfig(block_m=16, block_n=128, block_k=128)
     per_expert = n_assign / max(n_experts, 1)
     fp4 = fmt in ("mxfp4", "nvfp4", "nvfp4_w4a4")
-    if fmt in ("mxfp4", "nvfp4") and n_assign <= max(2 * n_experts, 16):
+    cap = torch.cuda.get_device_capability(device)
+    # the GEMV's NVFP4 scales decode through fp8e4nv (sm_89+); the prefill kernel loads by TMA (sm_90+)
+    if fmt in ("mxfp4", "nvfp4") and n_assign <= max(2 * n_experts, 16) and cap >= (8, 9):
         return MoeKernelConfig(block_n=32, block_k=512, num_warps=4, gemv=True)
-    if fmt == "fp8_block" and per_expert >= 64:
+    if fmt == "fp8_block" and per_expert >= 64 and cap >= (9, 0):
         return MoeKernelConfig(fp8_prefill=True)
     if per_expert <= 16:
         direct = n_assign <= max(n_experts // 4, 16)
@@ -777,6 +779,7 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
         return moe_fp8_prefill(x, idx, weight, experts, swiglu_limit)
     if cfg.gemv:
         _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 weight-only experts, got {fmt}")
+        _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")
         return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, getattr(experts, "w13_global", None),
                             experts.w2, experts.w2_scale, getattr(experts, "w2_global", None), experts.group,
                             swiglu_limit, Fp4GemvConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps))

@@ -108,10 +108,12 @@ def test_gemv_nvfp4_half_chunks(sort):
     assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR["nvfp4"]
 
 
-def test_default_config_thresholds():
-    """moe_grouped's default: FP4 weight-only GEMV up to max(2E, 16) assignments, the FP8 prefill
-    kernel from 64 assignments per expert (CUDA device objects only; nothing is launched)."""
+def test_default_config_thresholds(monkeypatch):
+    """moe_grouped's default: FP4 weight-only GEMV up to max(2E, 16) assignments on sm_89+, the FP8
+    prefill kernel from 64 assignments per expert on sm_90+ (the capability is faked; nothing is
+    launched)."""
     cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for fmt in ("mxfp4", "nvfp4"):
         assert M.default_config(fmt, 512, 256, cuda).gemv and M.default_config(fmt, 16, 4, cuda).gemv
     assert not M.default_config("nvfp4", 513, 256, cuda).gemv
@@ -119,6 +121,13 @@ def test_default_config_thresholds():
     assert M.default_config("fp8_block", 64 * 256, 256, cuda).fp8_prefill
     assert not M.default_config("fp8_block", 64 * 256 - 1, 256, cuda).fp8_prefill
     assert not M.default_config("mxfp4", 6, 256, torch.device("cpu")).gemv
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))   # A100
+    assert not M.default_config("nvfp4", 6, 256, cuda).gemv
+    assert not M.default_config("fp8_block", 64 * 256, 256, cuda).fp8_prefill
+    with pytest.raises(ValueError, match="config.block_n"):
+        ex = experts("mxfp4", 4, 64, 64)
+        M.moe_grouped(torch.randn(1, 64).bfloat16(), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), ex,
+                      LIMIT, M.MoeKernelConfig(block_n=16, gemv=True))
 
 
 def test_gemv_expert_order_changes_nothing():
