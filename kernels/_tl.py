@@ -114,3 +114,39 @@ def e2m1_lo_f16(p):
 def e2m1_hi_f16(p):
     """High-nibble codes of p as fp16 fp4 * 2^-14 (see e2m1_lo_f16)."""
     return (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    """silu(min(g, L)) * clamp(u, -L, L) in fp32 (no clamp without HAS_LIMIT): the experts'
+    activation (deepseek_v4.md §4.2), before the routing weight."""
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def quant_rows_e4m3(h):
+    """Per-row e4m3 quantisation of fp32 h [M, N] with a ue8m0 scale per row (N = 128: FP8
+    block activations): (e4m3 bytes int32 [M, N], scale fp32 [M])."""
+    s = ceil_pow2(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0)
+    return e4m3_bits(h / s[:, None]), s
+
+
+@triton.jit
+def block_rows(pid_m, ids_ptr, N_ASSIGN, BLOCK_M: tl.constexpr):
+    """Padded rows of M-block pid_m of a sorted routing (route_prep): (rows, assignment ids,
+    valid = not padding)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(ids_ptr + rows)
+    return rows, ids, ids < N_ASSIGN
+
+
+@triton.jit
+def a_rows(ids, rows, valid, TOPK, GATHER: tl.constexpr):
+    """int64 activation rows: the token of each assignment (GATHER: x[ids // TOPK]), else the row."""
+    if GATHER:
+        return tl.where(valid, ids // TOPK, 0).to(tl.int64)
+    else:
+        return rows.to(tl.int64)

@@ -48,13 +48,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels import _tl as U
 
 from dsv4c import quant as Q
 
 __all__ = ["Fp4GemvConfig", "moe_fp4_gemv", "moe_fp4_gemv_ref"]
 
-_SIGN_PAIR = -2147450880      # 0x80008000 as int32: fp16x2 sign bits
-_MAG_PAIR = 0x0E000E00        # fp16x2 bits 11..9 of each half
 
 
 @dataclass(frozen=True)
@@ -100,19 +99,13 @@ def default_gemv_config(device: torch.device) -> Fp4GemvConfig:
 
 
 @triton.jit
-def _exp2i(k):
-    """fp32 2^k for int32 k in [-126, 127]."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _chunk_scale_f16(v, CHUNKS: tl.constexpr):
     """v fp32 [CHUNKS, 32] -> (fp16 v * 2^k, 2^-k [CHUNKS]) with 2^k per chunk putting the chunk's
     amax in [1024, 2048) (k in [-117, 100]; an all-zero chunk gets k = 100)."""
     amax = tl.max(tl.abs(v), axis=1)                                          # [CHUNKS]
     ex = (amax.to(tl.int32, bitcast=True) >> 23) & 255
     k = tl.minimum(137 - ex, 100)
-    return (v * _exp2i(k)[:, None]).to(tl.float16), _exp2i(-k)
+    return (v * U.exp2i(k)[:, None]).to(tl.float16), U.exp2i(-k)
 
 
 @triton.jit
@@ -137,16 +130,6 @@ def _f16_lo(w):
 @triton.jit
 def _f16_hi(w):
     return ((w >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e2m1_nibble(q, J: tl.constexpr):
-    """fp32 value of nibble J of packed words q (int32)."""
-    c = (q >> (4 * J)) & 15
-    e = (c >> 1) & 3
-    m = c & 1
-    mag = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 # The PTX of _dot8. $1 = q (8 packed e2m1 codes, element j in nibble j), $2..$5 = activation
@@ -191,10 +174,10 @@ def _dot8(q, x0, x1, x2, x3, INTERPRET: tl.constexpr):
     """fp32 sum over the 8 weights of each packed word q (int32) times the activation fp16
     pair words x0..x3 (broadcast against q)."""
     if INTERPRET:
-        s = _e2m1_nibble(q, 0) * _f16_lo(x0) + _e2m1_nibble(q, 1) * _f16_hi(x0)
-        s += _e2m1_nibble(q, 2) * _f16_lo(x1) + _e2m1_nibble(q, 3) * _f16_hi(x1)
-        s += _e2m1_nibble(q, 4) * _f16_lo(x2) + _e2m1_nibble(q, 5) * _f16_hi(x2)
-        s += _e2m1_nibble(q, 6) * _f16_lo(x3) + _e2m1_nibble(q, 7) * _f16_hi(x3)
+        s = U.e2m1_value((q >> 0) & 15) * _f16_lo(x0) + U.e2m1_value((q >> 4) & 15) * _f16_hi(x0)
+        s += U.e2m1_value((q >> 8) & 15) * _f16_lo(x1) + U.e2m1_value((q >> 12) & 15) * _f16_hi(x1)
+        s += U.e2m1_value((q >> 16) & 15) * _f16_lo(x2) + U.e2m1_value((q >> 20) & 15) * _f16_hi(x2)
+        s += U.e2m1_value((q >> 24) & 15) * _f16_lo(x3) + U.e2m1_value((q >> 28) & 15) * _f16_hi(x3)
         return s
     else:
         return tl.inline_asm_elementwise(_DOT8_PTX, "=r,r,r,r,r,r", [q, x0, x1, x2, x3],
@@ -206,12 +189,9 @@ def _scale_value(sb, GROUP: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 value of scale bytes sb (uint8): e8m0 (GROUP 32) or e4m3 (GROUP 16)."""
     b = sb.to(tl.int32)
     if GROUP == 32:
-        return tl.where(b == 0, 0x400000, b << 23).to(tl.float32, bitcast=True)
+        return U.e8m0_value(b)
     elif INTERPRET:
-        e = (b >> 3) & 15
-        m = b & 7
-        normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        v = U.e4m3_value(b & 127)
         return tl.where(b >= 128, -v, v)      # the sign, as the GPU's e4m3 conversion reads it
     else:
         return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -305,10 +285,7 @@ def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_pt
         gs = tl.load(g_ptr + e)
         g = g * gs
         u = u * gs
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g * tl.sigmoid(g) * u * tl.load(rw_ptr + a)
+    h = U.swiglu(g, u, limit, HAS_LIMIT) * tl.load(rw_ptr + a)
     h = tl.where(row_ok, h, 0.0)
     hq, inv = _chunk_scale_f16(tl.reshape(h, (BLOCK_N // 32, 32)), BLOCK_N // 32)
     a64 = a.to(tl.int64)

@@ -86,13 +86,8 @@ def _tile(pid_m, pid_n, a_ptr, as_ptr, a_desc, w_desc, w_ptr, ws_ptr, ids_ptr, b
     """One [BLOCK_M, HALVES*BN] output tile (GEMM 1: HALVES = 2 are the w1 and w3 halves)."""
     e = tl.load(bexp_ptr + pid_m)
     if e >= 0:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(ids_ptr + rows)
-        valid = ids < N_ASSIGN
-        if GATHER:
-            arow = tl.where(valid, ids // TOPK, 0).to(tl.int64)
-        else:
-            arow = rows.to(tl.int64)
+        rows, ids, valid = U.block_rows(pid_m, ids_ptr, N_ASSIGN, BLOCK_M)
+        arow = U.a_rows(ids, rows, valid, TOPK, GATHER)
         if SWIGLU:
             n0 = pid_n * BN
             n1 = N + n0
@@ -117,13 +112,9 @@ def _tile(pid_m, pid_n, a_ptr, as_ptr, a_desc, w_desc, w_ptr, ws_ptr, ids_ptr, b
                                   TMA, ORDERED_FMA, INTERPRET, BLOCK_M, BN, BLOCK_K)
         cols = tl.arange(0, BN)
         if SWIGLU:
-            if HAS_LIMIT:
-                acc0 = tl.minimum(acc0, limit)
-                acc1 = tl.minimum(tl.maximum(acc1, -limit), limit)
             rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
-            h = acc0 * tl.sigmoid(acc0) * acc1 * rw[:, None]
-            s = U.ceil_pow2(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0)
-            q = U.e4m3_bits(h / s[:, None])
+            h = U.swiglu(acc0, acc1, limit, HAS_LIMIT) * rw[:, None]
+            q, s = U.quant_rows_e4m3(h)
             orow = rows.to(tl.int64)
             tl.store(out_ptr + orow[:, None] * stride_om + (n0 + cols)[None, :], q.to(tl.uint8), mask=valid[:, None])
             tl.store(outs_ptr + orow * stride_osm + pid_n, s, mask=valid)

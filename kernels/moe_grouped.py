@@ -438,13 +438,8 @@ def _moe_gemm_kernel(
             ids = tl.where(valid, pid_m, N_ASSIGN)
             rows = tl.where(valid, pid_m, 0)
         else:
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            ids = tl.load(ids_ptr + rows)
-            valid = ids < N_ASSIGN
-        if GATHER:
-            arow = tl.where(valid, ids // TOPK, 0).to(tl.int64)
-        else:
-            arow = rows.to(tl.int64)
+            rows, ids, valid = U.block_rows(pid_m, ids_ptr, N_ASSIGN, BLOCK_M)
+        arow = U.a_rows(ids, rows, valid, TOPK, GATHER)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         w_base = w_ptr + e.to(tl.int64) * stride_we
@@ -481,14 +476,10 @@ def _moe_gemm_kernel(
         orow = rows.to(tl.int64)
         store_ok = valid[:, None] & col_ok[None, :]   # padding rows are never read back
         if SWIGLU:
-            if HAS_LIMIT:
-                acc1 = tl.minimum(acc1, limit)
-                acc2 = tl.minimum(tl.maximum(acc2, -limit), limit)
             rw = tl.load(rw_ptr + ids, mask=valid, other=0.0)
-            h = acc1 * tl.sigmoid(acc1) * acc2 * rw[:, None]
+            h = U.swiglu(acc1, acc2, limit, HAS_LIMIT) * rw[:, None]
             if QUANT_OUT:
-                s = U.ceil_pow2(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0)
-                q = U.e4m3_bits(h / s[:, None])
+                q, s = U.quant_rows_e4m3(h)
                 tl.store(out_ptr + orow[:, None] * stride_om + cols[None, :], q.to(tl.uint8), mask=store_ok)
                 tl.store(outs_ptr + orow * stride_osm + pid_n, s, mask=valid)
             else:

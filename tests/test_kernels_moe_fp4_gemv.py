@@ -13,6 +13,7 @@ import torch
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv, moe_fp4_gemv_ref
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
+from moe_cases import float_weights, routing
 
 CONTAINERS = {"mxfp4": M.Mxfp4Experts, "nvfp4": M.Nvfp4Experts}
 LIMIT = 0.6
@@ -35,10 +36,7 @@ def experts(fmt, e, i, d, seed=0, device="cpu", raw_bytes=False):
                                 torch.rand(e, generator=g) + 0.5, u8(e, d, i // 2),
                                 u8(e, d, i // 16, lo=0x08, hi=0x50).view(e4), torch.rand(e, generator=g) + 0.5)
     else:
-        w1 = torch.randn(e, i, d, generator=g) * d ** -0.5
-        w3 = torch.randn(e, i, d, generator=g) * d ** -0.5
-        w2 = torch.randn(e, d, i, generator=g) * i ** -0.5
-        ex = CONTAINERS[fmt].from_float(w1, w3, w2)
+        ex = CONTAINERS[fmt].from_float(*float_weights(e, i, d, seed))
     return M.experts_from_tensors(fmt, **{f: (getattr(ex, f).to(device) if getattr(ex, f, None) is not None else None)
                                           for f in ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")})
 
@@ -48,30 +46,17 @@ def args_of(x, idx, weight, ex):
             getattr(ex, "w2_global", None), ex.group)
 
 
-def route(case, t, k, e, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    if case == "random":
-        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    elif case == "empty_experts":
-        idx = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=g)]
-    elif case == "one_expert_all":
-        idx = torch.full((t, k), 2)
-    else:   # repeated ids within a token: contributions add
-        idx = torch.randint(0, e, (t, 1), generator=g).repeat(1, k)
-    return idx, torch.rand(t, k, generator=g) + 0.5
-
-
 # (T, K, E, D, I, config): D not a multiple of block_k, I not of block_n13 / block_n2
 CASES = [(4, 2, 6, 96, 96, Fp4GemvConfig(64, 64, 64, 4)), (3, 3, 5, 96, 64, Fp4GemvConfig(32, 16, 32, 2))]
 
 
-@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated"])
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gemv_matches_ref(fmt, case):
     t, k, e, d, i, cfg = CASES[0]
     ex = experts(fmt, e, i, d)
     x = (torch.randn(t, d, generator=torch.Generator().manual_seed(3)) * 2).bfloat16()
-    idx, weight = route(case, t, k, e)
+    idx, weight = routing(case, t, k, e)
     a = args_of(x, idx, weight, ex)
     y = moe_fp4_gemv(*a, LIMIT, cfg)
     assert y.dtype == torch.bfloat16 and y.shape == (t, d)
@@ -88,7 +73,7 @@ def test_gemv_every_code_and_wide_activations(fmt):
     ex = experts(fmt, e, i, d, seed=4, raw_bytes=True)
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(t, d, generator=g) * 10.0 ** torch.randint(-4, 5, (t, d), generator=g)).bfloat16()
-    idx, weight = route("random", t, k, e)
+    idx, weight = routing("random", t, k, e)
     a = args_of(x, idx, weight, ex)
     y = moe_fp4_gemv(*a, 0.0, cfg)
     assert torch.isfinite(y.float()).all()
@@ -102,7 +87,7 @@ def test_gemv_nvfp4_half_chunks(sort):
     t, k, e, d, i = 3, 2, 4, 80, 48
     ex = experts("nvfp4", e, i, d, seed=11)
     x = (torch.randn(t, d, generator=torch.Generator().manual_seed(12)) * 2).bfloat16()
-    idx, weight = route("random", t, k, e)
+    idx, weight = routing("random", t, k, e)
     a = args_of(x, idx, weight, ex)
     y = moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 16, 32, 4, sort=sort))
     assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR["nvfp4"]
@@ -137,7 +122,7 @@ def test_gemv_expert_order_changes_nothing():
     cfg = Fp4GemvConfig(32, 32, 64, 4)
     ex = experts(fmt, e, i, d, seed=8)
     x = torch.randn(t, d).bfloat16()
-    idx, weight = route("random", t, k, e)
+    idx, weight = routing("random", t, k, e)
     a = args_of(x, idx, weight, ex)
     assert cfg.sort_experts(t * k, e) and not cfg.sort_experts(1, e)
     y_sorted = moe_fp4_gemv(*a, LIMIT, dataclasses.replace(cfg, sort=True))
@@ -150,7 +135,7 @@ def test_gemv_through_moe_grouped_config():
     t, k, e, d, i, _ = CASES[0]
     ex = experts("mxfp4", e, i, d)
     x = torch.randn(t, d).bfloat16()
-    idx, weight = route("random", t, k, e)
+    idx, weight = routing("random", t, k, e)
     cfg = M.MoeKernelConfig(block_n=32, block_k=64, num_warps=4, gemv=True)
     y = M.moe_grouped(x, idx, weight, ex, LIMIT, cfg)
     direct = moe_fp4_gemv(*args_of(x, idx, weight, ex), LIMIT, Fp4GemvConfig(32, 32, 64, 4))
@@ -171,7 +156,7 @@ def test_gemv_errors_name_the_input():
     t, k, e, d, i, _ = CASES[0]
     ex = experts("mxfp4", e, i, d)
     x = torch.randn(t, d).bfloat16()
-    idx, weight = route("random", t, k, e)
+    idx, weight = routing("random", t, k, e)
     a = list(args_of(x, idx, weight, ex))
     with pytest.raises(ValueError, match="group"):
         moe_fp4_gemv(*a[:-1], 64, LIMIT)
@@ -212,7 +197,7 @@ def test_gpu_gemv_matches_ref(fmt, t, raw):
     ex = experts(fmt, e, i, d, device="cuda", raw_bytes=raw)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(t, d, generator=g) * 2).bfloat16().cuda()
-    idx, weight = (v.cuda() for v in route("random", t, k, e))
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
     a = args_of(x, idx, weight, ex)
     for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4, sort=True), Fp4GemvConfig(32, 64, 128, 8)):
         y = moe_fp4_gemv(*a, LIMIT, cfg)
@@ -224,13 +209,13 @@ def test_gpu_gemv_cuda_graph_capture():
     t, k, e, d, i = 8, 6, 32, 512, 256
     ex = experts("mxfp4", e, i, d, device="cuda")
     x = torch.randn(t, d).bfloat16().cuda()
-    idx, weight = (v.cuda() for v in route("random", t, k, e))
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
     a = args_of(x, idx, weight, ex)
     moe_fp4_gemv(*a, LIMIT)                                        # compile before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_fp4_gemv(*a, LIMIT)
-    idx2, w2 = (v.cuda() for v in route("one_expert_all", t, k, e, seed=9))
+    idx2, w2 = (v.cuda() for v in routing("one_expert_all", t, k, e, seed=9))
     x.copy_(torch.randn(t, d).bfloat16())
     idx.copy_(idx2)
     weight.copy_(w2)

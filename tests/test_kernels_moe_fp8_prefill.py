@@ -11,39 +11,16 @@ import torch
 from dsv4c.kernels import moe_fp8_prefill as P
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
+from moe_cases import float_weights, inputs, routing
 
 TOL = KERNEL_REL_ERR["fp8_block"]
 
 
 def experts(e: int, i: int, d: int, seed: int = 0, device="cpu") -> M.Fp8BlockExperts:
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(e, i, d, generator=g) * d ** -0.5
-    w3 = torch.randn(e, i, d, generator=g) * d ** -0.5
-    w2 = torch.randn(e, d, i, generator=g) * i ** -0.5
-    ex = M.Fp8BlockExperts.from_float(w1, w3, w2)
+    ex = M.Fp8BlockExperts.from_float(*float_weights(e, i, d, seed))
     if device == "cpu":
         return ex
     return M.Fp8BlockExperts(*(getattr(ex, f).to(device) for f in ("w13", "w13_scale", "w2", "w2_scale")))
-
-
-def routing(case: str, t: int, k: int, e: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    if case == "random":
-        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    elif case == "empty_experts":       # only experts 1 and e-2 used
-        idx = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=g)]
-    elif case == "one_expert_all":      # every slot of every token on expert 2
-        idx = torch.full((t, k), 2)
-    elif case == "repeated_ids":        # rows like [e, e]: contributions add
-        idx = torch.randint(0, e, (t, 1), generator=g).repeat(1, k)
-        idx[::3, -1] = (idx[::3, 0] + 1) % e
-    else:
-        raise ValueError(case)
-    return idx, torch.rand(t, k, generator=g) + 0.5
-
-
-def inputs(t: int, d: int, seed: int = 2) -> torch.Tensor:
-    return (torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * 2).bfloat16()
 
 
 # CPU configs: the default path (TMA descriptors, persistent grid of 3 programs, GEMM 2 two halves)

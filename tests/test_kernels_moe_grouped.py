@@ -15,37 +15,11 @@ from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel
 
 import dsv4c.model.moe  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 from dsv4c.model.moe import moe_experts_loop
+from moe_cases import float_weights, inputs, routing
 
 FORMATS = {c.format: c for c in (M.Bf16Experts, M.Fp8BlockExperts, M.Mxfp4Experts, M.Nvfp4Experts,
                                  M.Nvfp4W4A4Experts)}
 LIMIT = 0.6
-
-
-def float_weights(e, i, d, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(e, i, d, generator=g) * d ** -0.5
-    w3 = torch.randn(e, i, d, generator=g) * d ** -0.5
-    w2 = torch.randn(e, d, i, generator=g) * i ** -0.5
-    return w1.to(device), w3.to(device), w2.to(device)
-
-
-def routing(case, t, k, e, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    if case == "random":
-        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    elif case == "empty_experts":       # only experts 1 and e-2 used
-        idx = torch.tensor([1, e - 2])[torch.randint(0, 2, (t, k), generator=g)]
-    elif case == "one_expert_all":      # every slot of every token on expert 2
-        idx = torch.full((t, k), 2)
-    elif case == "repeated_ids":        # rows like [e, e]: contributions add
-        idx = torch.randint(0, e, (t, 1), generator=g).repeat(1, k)
-        idx[::3, -1] = (idx[::3, 0] + 1) % e
-    weight = torch.rand(t, k, generator=g) + 0.5
-    return idx, weight
-
-
-def inputs(t, d, seed=2, device="cpu"):
-    return (torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * 2).bfloat16().to(device)
 
 
 # (T, K, E, D, I): T not a multiple of BLOCK_M=16, D not of BLOCK_K=128, I not of BLOCK_N=128,
