@@ -55,7 +55,6 @@ from dsv4c import quant as Q
 __all__ = ["Fp4GemvConfig", "moe_fp4_gemv", "moe_fp4_gemv_ref"]
 
 
-
 @dataclass(frozen=True)
 class Fp4GemvConfig:
     """Tiles of the two GEMV kernels. block_n13: W1/W3 rows per program (each program reads
