@@ -31,8 +31,8 @@ chunk rows t = g, g + G, … to the state. Nothing goes to the scratch slot: non
 padding rows are skipped (the static op writes them to scratch, whose contents are unspecified).
 The rows of a group are read in blocks of BLOCK_R with an online (running-max) softmax per channel;
 when one block holds them all (CSA, m = 4), the softmax is formed as the reference forms it
-(exp(s - max) / Σ, then Σ p·kv). Channels sit as [w/2, 2] pairs so that RoPE's interleaved pairs
-are a reduction over the last axis of size 2. fp32 throughout; RMS as x · (1 / sqrt(mean(x²) + eps));
+(exp(s - max) / Σ, then Σ p·kv). Channels are one contiguous axis (vector loads); RoPE's
+interleaved pairs come from a [w/2, 2] reshape and split of the normed row. fp32 throughout; RMS as x · (1 / sqrt(mean(x²) + eps));
 cos/sin are libdevice's (full range reduction, positions up to 2^24 exact as in the reference).
 Grid fixed by the shapes, no host sync: capture-safe.
 
@@ -60,7 +60,7 @@ MAX_W = 4096  # one entry row (w channels) in registers per program
 def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr, nw_ptr, invf_ptr,
                         skv_ptr, ssc_ptr, ent_ptr, T, R, E, G, n_pg, kv_sb, kv_st, sc_sb, sc_st, eps,
                         M: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_W2: tl.constexpr, BLOCK_CW: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CW: tl.constexpr,
                         STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr):
     # kv/score [B, T, C·W] (strides kv_sb, kv_st / sc_sb, sc_st; channels contiguous); ape [M, C·W];
     # state [n_slots, R, C·W] and entries [n_slots, E, W] contiguous; slots/pos0/n_real [B] int64;
@@ -79,17 +79,14 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
         r = pos0 % M
         j = (pos0 - r) // M + pg  # the entry of this program's group
         if ((pg + 1) * M <= r + n_real) & (pg < G) & (j < E):  # the group closes (and has a row)
-            # channel ch = 2·i + k as [1, BLOCK_W2, 2]; virtual row v of the group as [BLOCK_R, 1, 1]
-            i = tl.arange(0, BLOCK_W2)[None, :, None]
-            k = tl.arange(0, 2)[None, None, :]
-            ch = 2 * i + k
+            ch = tl.arange(0, BLOCK_W)[None, :]  # [1, BLOCK_W]
             chm = ch < W
             first = (j - (C - 1)) * M  # position of virtual row 0 (CSA: the previous group)
-            run_max = tl.full([1, BLOCK_W2, 2], float("-inf"), tl.float32)
-            den = tl.zeros([1, BLOCK_W2, 2], tl.float32)
-            acc = tl.zeros([1, BLOCK_W2, 2], tl.float32)
+            run_max = tl.full([BLOCK_W], float("-inf"), tl.float32)
+            den = tl.zeros([BLOCK_W], tl.float32)
+            acc = tl.zeros([BLOCK_W], tl.float32)
             for r0 in range(0, C * M, BLOCK_R):
-                v = r0 + tl.arange(0, BLOCK_R)[:, None, None]
+                v = r0 + tl.arange(0, BLOCK_R)[:, None]  # [BLOCK_R, 1] virtual rows of the group
                 p = first + v
                 chan = (v // M) * W + ch  # CSA: rows [0, M) take channels [0, W), rows [M, 2M) [W, 2W)
                 ok = (v < C * M) & chm
@@ -102,37 +99,40 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
                 s_old = tl.load(st_sc + srow * CW + chan, mask=past, other=float("-inf"))
                 s_new = (tl.load(sc_row + t * sc_st + chan, mask=new, other=0.0)
                          + tl.load(ape_ptr + (p % M) * CW + chan, mask=new, other=0.0).to(tl.float32))
-                s = tl.where(new, s_new, s_old)
-                blk_max = tl.max(s, axis=0, keep_dims=True)
+                s = tl.where(new, s_new, s_old)  # [BLOCK_R, BLOCK_W]
+                blk_max = tl.max(s, axis=0)
                 if C * M <= BLOCK_R:  # one block: the reference's softmax, then Σ p·kv
                     base = tl.where(blk_max == float("-inf"), 0.0, blk_max)
-                    e = tl.exp(s - base)
-                    prob = e / tl.where(chm, tl.sum(e, axis=0, keep_dims=True), 1.0)
-                    acc = tl.sum(prob * x, axis=0, keep_dims=True)
-                    den = tl.full([1, BLOCK_W2, 2], 1.0, tl.float32)
+                    e = tl.exp(s - base[None, :])
+                    prob = e / tl.where(chm, tl.sum(e, axis=0)[None, :], 1.0)
+                    acc = tl.sum(prob * x, axis=0)
+                    den = tl.full([BLOCK_W], 1.0, tl.float32)
                 else:
                     new_max = tl.maximum(run_max, blk_max)
                     base = tl.where(new_max == float("-inf"), 0.0, new_max)
                     scale = tl.exp(run_max - base)
-                    e = tl.exp(s - base)
-                    den = den * scale + tl.sum(e, axis=0, keep_dims=True)
-                    acc = acc * scale + tl.sum(e * x, axis=0, keep_dims=True)
+                    e = tl.exp(s - base[None, :])
+                    den = den * scale + tl.sum(e, axis=0)
+                    acc = acc * scale + tl.sum(e * x, axis=0)
                     run_max = new_max
-            pooled = tl.where(chm, acc / tl.where(chm, den, 1.0), 0.0)  # [1, BLOCK_W2, 2]
-            inv_rms = 1.0 / tl.sqrt_rn(tl.sum(pooled * pooled) / W + eps)
-            nw = tl.load(nw_ptr + ch, mask=chm, other=0.0).to(tl.float32)
+            c1 = tl.arange(0, BLOCK_W)
+            cm1 = c1 < W
+            pooled = tl.where(cm1, acc / tl.where(cm1, den, 1.0), 0.0)  # [BLOCK_W]
+            inv_rms = 1.0 / tl.sqrt_rn(tl.sum(pooled * pooled, axis=0) / W + eps)
+            nw = tl.load(nw_ptr + c1, mask=cm1, other=0.0).to(tl.float32)
             ty = ent_ptr.dtype.element_ty
             y = (nw * (pooled * inv_rms)).to(ty).to(tl.float32)  # cast before RoPE, as the static op
-            # RoPE of pairs i >= W/2 - HALF at angle (j·M)·inv_freq[i - (W/2 - HALF)]
+            # RoPE of pairs i >= W/2 - HALF, (y[2i], y[2i+1]), at angle (j·M)·inv_freq[i - (W/2 - HALF)]
+            ya, yb = tl.split(tl.reshape(y, [BLOCK_W // 2, 2]))  # [BLOCK_W/2] each
+            i = tl.arange(0, BLOCK_W // 2)
             f = i - (W // 2 - HALF)
-            rot = (f >= 0) & chm
+            rot = (f >= 0) & (i < W // 2)
             ang = (j * M).to(tl.float32) * tl.load(invf_ptr + f, mask=rot, other=0.0).to(tl.float32)
             cs = tl.cos(ang)
             sn = tl.sin(ang)
-            a = tl.sum(tl.where(k == 0, y, 0.0), axis=2, keep_dims=True)  # [1, BLOCK_W2, 1]
-            bb = tl.sum(tl.where(k == 1, y, 0.0), axis=2, keep_dims=True)
-            out = tl.where(rot, tl.where(k == 0, a * cs - bb * sn, a * sn + bb * cs), y)
-            tl.store(ent_ptr + (slot * E + j) * W + ch, out.to(ty), mask=chm)
+            out = tl.reshape(tl.join(tl.where(rot, ya * cs - yb * sn, ya), tl.where(rot, ya * sn + yb * cs, yb)),
+                             [BLOCK_W])
+            tl.store(ent_ptr + (slot * E + j) * W + c1, out.to(ty), mask=cm1)
     if DO_STATE:
         cc = tl.arange(0, BLOCK_CW)
         ccm = cc < CW
@@ -214,8 +214,13 @@ def _check(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv,
 
 
 def _block_rows(rows: int, block_w: int) -> int:
-    """Rows per block: all of a group when [rows, w] fits 8192 elements (CSA), else 8192 / w."""
-    return min(triton.next_power_of_2(rows), max(1, 8192 // block_w))
+    """Rows per block: all of a group when [rows, w] fits 4096 elements (CSA), else 4096 / w (HCA m = 128,
+    w = 512: 8 rows; 126 registers at 8 warps on sm_90, 16 rows would take 218)."""
+    return min(triton.next_power_of_2(rows), max(1, 4096 // block_w))
+
+
+def _num_warps(block_w: int) -> int:
+    return 8 if block_w >= 512 else (4 if block_w >= 128 else 1)
 
 
 def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
@@ -237,8 +242,8 @@ def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor
     args = (kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries,
             d.T, d.R, d.E, G)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), float(eps))
-    meta = dict(M=m, C=d.c, W=d.w, HALF=d.half, BLOCK_R=br, BLOCK_W2=block_w // 2,
-                BLOCK_CW=triton.next_power_of_2(d.cw), num_warps=4 if block_w >= 256 else (2 if block_w >= 128 else 1))
+    meta = dict(M=m, C=d.c, W=d.w, HALF=d.half, BLOCK_R=br, BLOCK_W=block_w,
+                BLOCK_CW=triton.next_power_of_2(d.cw), num_warps=_num_warps(block_w))
     if one_launch(d.R, d.T, d.c, m):
         _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=triton.cdiv(d.T, G), DO_ENTRIES=True,
                                       DO_STATE=True, **meta)
