@@ -45,7 +45,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from dsv4c.kernels._tl import interpret_flag
 
 __all__ = ["v4_indexer_scores", "v4_indexer_scores_ref", "v4_indexer_topk_fused", "v4_indexer_topk_fused_op",
@@ -164,7 +163,7 @@ def _select_kernel(s_ptr, pos0_ptr, out_ptr, T, E, m, K: tl.constexpr, CHUNK: tl
         # write: every key > thr, then the lowest-index keys == thr until K are taken; ascending entry order
         if N_CHUNKS == 1:
             need = K - tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
-            _write_chunk(out_row, e, u, valid, thr, need, 0, 0)
+            _write_chunk(out_row, e, u, valid, thr, need, 0, 0, K)
         else:
             need = K
             for c in range(N_CHUNKS):
@@ -174,17 +173,17 @@ def _select_kernel(s_ptr, pos0_ptr, out_ptr, T, E, m, K: tl.constexpr, CHUNK: tl
             ties = 0
             for c in range(N_CHUNKS):
                 e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
-                taken, ties = _write_chunk(out_row, e, u, valid, thr, need, taken, ties)
+                taken, ties = _write_chunk(out_row, e, u, valid, thr, need, taken, ties, K)
 
 
 @triton.jit
-def _write_chunk(out_row, e, u, valid, thr, need, taken, ties):
+def _write_chunk(out_row, e, u, valid, thr, need, taken, ties, K: tl.constexpr):
     """Store the chunk's selected entries at out_row[taken + rank]; returns the updated (taken, ties)."""
     eq = ((u == thr) & valid).to(tl.int32)
     tie_rank = ties + tl.cumsum(eq, axis=0) - eq                                   # exclusive
     take = (((u > thr) & valid) | ((eq != 0) & (tie_rank < need))).to(tl.int32)
     dst = taken + tl.cumsum(take, axis=0) - take
-    tl.store(out_row + dst, e.to(tl.int64), mask=take != 0)
+    tl.store(out_row + dst, e.to(tl.int64), mask=(take != 0) & (dst < K))  # exactly K are taken; never past the row
     return taken + tl.sum(take, axis=0), ties + tl.sum(eq, axis=0)
 
 

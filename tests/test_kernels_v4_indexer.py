@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dsv4c.kernels import v4_indexer as V
 from dsv4c.kernels.tolerances import rel_err
+
 from dsv4c.model.v4_ops import v4_indexer_topk
 
-SCORE_REL_ERR = 1e-6   # fp32 scores vs fp64 (only the summation order differs); measured ~1e-8 on CPU
+SCORE_REL_ERR = 1e-6   # fp32 scores vs fp64 (only the summation order differs); measured <= 8.5e-8 on CPU
 NEAR_TIE = 1e-5        # relative distance to the K-th score within which set membership may differ
 M = 4
 
