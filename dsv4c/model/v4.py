@@ -251,13 +251,28 @@ class Gate(nn.Module):
 
     def forward(self, u: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """u [T, D], ids [T] -> expert ids [T, K], weights [T, K] fp32."""
-        s = F.softplus(_linear_f32(u, self.weight)).sqrt()  # [T, E]
+        logits = _linear_f32(u, self.weight)  # [T, E]
         if self.hashed:
             idx = self.tid2eid[ids]
-        else:
-            idx = (s + self.bias.float()).topk(self.k, dim=-1).indices
-        w = s.gather(-1, idx)
-        return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
+            return idx, route_hashed(logits, idx, self.scale)
+        return route_topk(logits, self.bias, self.k, self.scale)
+
+
+# The router's scoring after the logits GEMM (T tokens, E experts, K chosen), the target of
+# passes/fuse_router.py: s = sqrt(softplus(logits)); weights = s[idx] renormalised, then scaled.
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32, bias [E] -> expert ids [T, K] (top-K of s + bias, descending), weights [T, K]."""
+    s = F.softplus(logits).sqrt()
+    idx = (s + bias.float()).topk(k, dim=-1).indices
+    w = s.gather(-1, idx)
+    return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+
+
+def route_hashed(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """logits [T, E] fp32, given expert ids idx [T, K] -> weights [T, K]."""
+    s = F.softplus(logits).sqrt()
+    w = s.gather(-1, idx)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * scale
 
 
 class Experts(nn.Module):
