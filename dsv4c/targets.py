@@ -48,7 +48,7 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 # the routed experts stay the reference op (run eagerly between graph segments) until issue 6's
 # kernels give them a capture-safe fast form.
 _CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
-         "dsa_cache_update": "static"}
+         "dsa_cache_update": "static", "head_rms_rope": "fused"}
 
 # BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, sixth session): Flash expert shapes,
 # microseconds per call replayed in a CUDA graph (how decode runs), default tiles, at 1 / 8 / 64 tokens;

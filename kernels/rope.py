@@ -106,6 +106,82 @@ def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return model_rope(x, cos, sin, inverse=inverse)
 
 
+# ------------------------------------------------------------------------------------------------
+# per-head RMS norm + RoPE of V4's query (dsv4c::head_rms_rope) in one launch
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _head_rms_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, C, L1, L2, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3, eps,
+                          HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # one row of C channels: y = (x · rsqrt(mean(x²) + eps)) cast to x's dtype, then the last 2·HALF
+    # channels rotated in fp32 from the cast values (the reference's order: norm, cast, rope)
+    row = tl.program_id(0).to(tl.int64)
+    i2 = row % L2
+    i1 = (row // L2) % L1
+    i0 = row // (L2 * L1)
+    base = row * C
+    ty = out_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_C)
+    x = tl.load(x_ptr + base + k, mask=k < C, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / C + eps)
+    keep = C - 2 * HALF
+    tl.store(out_ptr + base + k, (x * inv).to(ty), mask=k < keep)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    c = tl.load(cos_ptr + i0 * cs0 + i1 * cs1 + i2 * cs2 + j * cs3, mask=jm, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2 + j * ss3, mask=jm, other=0.0).to(tl.float32)
+    even = base + keep + 2 * j
+    a = (tl.load(x_ptr + even, mask=jm, other=0.0).to(tl.float32) * inv).to(ty).to(tl.float32)
+    b = (tl.load(x_ptr + even + 1, mask=jm, other=0.0).to(tl.float32) * inv).to(ty).to(tl.float32)
+    tl.store(out_ptr + even, (a * c - b * s).to(ty), mask=jm)
+    tl.store(out_ptr + even + 1, (a * s + b * c).to(ty), mask=jm)
+
+
+def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """`dsv4c::head_rms_rope` in one launch: per row of q [B, T, H, d], the unweighted RMS norm in
+    fp32, cast to q's dtype, then interleaved RoPE of the last 2·cos.shape[-1] channels; cos/sin
+    [B, T, r/2], shared by the heads (the model op's signature). CPU tensors run under the Triton
+    interpreter."""
+    if q.dim() != 4 or cos.dim() != 3:
+        raise ValueError(f"head_rms_rope: q must be [B, T, H, d] and cos/sin [B, T, r/2], got q {list(q.shape)}, "
+                         f"cos {list(cos.shape)}")
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    C, half = _check(q, cos, sin)
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    if qc.numel() == 0:
+        return out
+    lead = (1,) * (MAX_LEAD - (q.dim() - 1)) + tuple(q.shape[:-1])
+    cs = cos.expand(*q.shape[:-1], half)
+    ss = sin.expand(*q.shape[:-1], half)
+    pad = (0,) * (MAX_LEAD - (q.dim() - 1))
+    _head_rms_rope_kernel[(qc.numel() // C,)](
+        qc, cs, ss, out, C, lead[1], lead[2], *(pad + tuple(cs.stride())), *(pad + tuple(ss.stride())), float(eps),
+        HALF=half, BLOCK_C=triton.next_power_of_2(C), BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=1 if C <= 256 else 4)
+    return out
+
+
+def head_rms_rope_ref(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's op (dsv4c/model/v4_ops.py `head_rms_rope`), unchanged: the specification."""
+    from dsv4c.model.v4_ops import head_rms_rope as model_op
+
+    return model_op(q, cos, sin, eps)
+
+
+@torch.library.custom_op("dsv4c::head_rms_rope_fused", mutates_args=())
+def head_rms_rope_fused(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """`dsv4c::head_rms_rope` as one Triton launch on CUDA tensors; on CPU the model's op."""
+    if q.device.type == "cpu":
+        _check(q, cos[:, :, None], sin[:, :, None])
+        return head_rms_rope_ref(q, cos, sin, eps)
+    return head_rms_rope(q, cos, sin, eps)
+
+
+@head_rms_rope_fused.register_fake
+def _head_rms_rope_fake(q, cos, sin, eps):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("dsv4c::rope_interleaved", mutates_args=())
 def rope_interleaved_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """`rope_interleaved` on CUDA tensors; on CPU the model's own function (bit-exact with the unfused graph)."""

@@ -14,6 +14,9 @@ Implementations per op (the names a target may use):
     reference   the op as exported (dsv4c/model/*_ops.py, moe.py)
     static      `<op>_static`: the capture-safe cache ops
     gathered    `moe_experts_gathered`: capture-safe experts for decode-sized batches
+    fused       `<op>_fused`: one or two Triton launches computing the capture-safe op's function
+                (kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py); CPU tensors
+                run the reference
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("mla_cache_update", "static"): "mla_cache_update_static",
     ("dsa_cache_update", "static"): "dsa_cache_update_static",
     ("moe_experts", "gathered"): "moe_experts_gathered",
+    ("head_rms_rope", "fused"): "head_rms_rope_fused",
 }
 
 

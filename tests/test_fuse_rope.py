@@ -186,3 +186,60 @@ def test_kernel_on_cuda(batch, x_tail, cs_tail, dtype, inverse):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert _rel(out, _rope64(x, cos, sin, inverse)) <= tol
+
+
+# ---- head_rms_rope: per-head RMS norm + RoPE in one launch (the `fused` implementation) -----------
+def _head_rms_rope64(q, cos, sin, eps):
+    """fp64 of the model op's order: rms in fp64, rounded to q's dtype, then the rotation in fp64."""
+    qd = q.double()
+    normed = (qd * torch.rsqrt(qd.pow(2).mean(-1, keepdim=True) + eps)).to(q.dtype)
+    return _rope64(normed, cos[:, :, None], sin[:, :, None], False)
+
+
+@pytest.mark.parametrize("shape,half,dtype", [
+    ((1, 1, 4, 64), 8, torch.float32),
+    ((3, 2, 5, 48), 8, torch.bfloat16),   # 48 channels: not a power of two
+    ((2, 1, 3, 40), 4, torch.float32),
+    ((2, 3, 2, 16), 8, torch.bfloat16),   # every channel rotated
+])
+def test_head_rms_rope_kernel_matches_fp64(shape, half, dtype):
+    from dsv4c.kernels.rope import head_rms_rope, head_rms_rope_ref
+
+    g = torch.Generator().manual_seed(sum(shape))
+    q = (3 * torch.randn(shape, generator=g) + 0.5).to(dtype)
+    cos, sin = _angles((shape[0], shape[1], half), seed=half)
+    got = head_rms_rope(q, cos, sin, 1e-6)
+    want = _head_rms_rope64(q, cos, sin, 1e-6)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _rel(got, want) <= KERNEL_REL[dtype]
+    assert _rel(head_rms_rope_ref(q, cos, sin, 1e-6), want) <= KERNEL_REL[dtype]
+    assert _rel(got, _rope64(q, cos[:, :, None], sin[:, :, None], False)) > 0.05  # the norm happened
+
+
+def test_head_rms_rope_op_is_the_model_op_on_cpu_and_rejects_bad_input():
+    from dsv4c.kernels.rope import head_rms_rope, head_rms_rope_ref
+
+    q = torch.randn(2, 1, 3, 32)
+    cos, sin = _angles((2, 1, 4), seed=1)
+    assert torch.equal(torch.ops.dsv4c.head_rms_rope_fused(q, cos, sin, 1e-6), head_rms_rope_ref(q, cos, sin, 1e-6))
+    assert "dsv4c.head_rms_rope_fused" in OP_CAPTURE and OP_CAPTURE["dsv4c.head_rms_rope_fused"] is None
+    with pytest.raises(ValueError, match=r"q must be \[B, T, H, d\]"):
+        head_rms_rope(q[0], cos, sin, 1e-6)
+    with pytest.raises(ValueError, match="rotates 40 channels"):
+        head_rms_rope(q, *_angles((2, 1, 20), seed=2), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_head_rms_rope_on_cuda(batch):
+    g = torch.Generator().manual_seed(batch)
+    q = (2 * torch.randn(batch, 1, 64, 512, generator=g)).to(torch.bfloat16).cuda()  # V4-Flash q
+    cos, sin = (t.cuda() for t in _angles((batch, 1, 32), seed=batch))
+    got = torch.ops.dsv4c.head_rms_rope_fused(q, cos, sin, 1e-6)
+    assert _rel(got, _head_rms_rope64(q, cos, sin, 1e-6)) <= 5e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsv4c.head_rms_rope_fused(q, cos, sin, 1e-6)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert _rel(out, _head_rms_rope64(q, cos, sin, 1e-6)) <= 5e-3
