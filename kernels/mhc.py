@@ -153,6 +153,8 @@ HC_BLOCK_K = 64
 HC_CHUNK = 128  # K per split-K program (a multiple of HC_BLOCK_K)
 HC_BLOCK_D = 512
 HC_FINISH_WARPS = 2
+HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
+HC_ROWS_WARPS = 2
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 
@@ -179,6 +181,29 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
     row = pid_s.to(tl.int64) * M + m
     tl.store(zp_ptr + row[:, None] * MIXP + j[None, :], acc, mask=(m < M)[:, None] & (j[None, :] < MIXP))
     tl.store(ssp_ptr + row, ss, mask=m < M)
+
+
+@triton.jit
+def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
+                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
+    # the same partials as _hc_mix_kernel, one token row per program and no tl.dot (few rows: the
+    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s
+    m, pid_s = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, MIXP)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((MIXP,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    k0 = pid_s * CHUNK
+    for k1 in range(0, CHUNK, BLOCK_K):
+        k = k0 + k1 + kk
+        x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+        wm = (j[:, None] < MIX) & (k[None, :] < K)
+        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
+        acc += tl.sum(w * x[None, :], axis=1)
+        ss += x * x
+    row = pid_s.to(tl.int64) * M + m
+    tl.store(zp_ptr + row * MIXP + j, acc)
+    tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
 
 
 @triton.jit
@@ -267,11 +292,12 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None):
+           finish_warps: int | None = None, rows: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
-    second launch) are tuning knobs; CPU tensors run under the Triton interpreter."""
+    second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
+    M <= HC_ROWS_MAX tokens). CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -293,8 +319,12 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                      BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+    if m <= HC_ROWS_MAX if rows is None else rows:
+        _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                         num_warps=HC_ROWS_WARPS)
+    else:
+        _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                          BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),

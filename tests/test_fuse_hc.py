@@ -83,9 +83,10 @@ def _site(lead, N, D, dtype, seed):
     ((2, 2), 4, 40, torch.float16, 64),
     ((0, 1), 4, 32, torch.float32, 64),     # no tokens: no launch
 ])
-def test_hc_pre_kernel_matches_fp64(lead, N, D, dtype, chunk):
+@pytest.mark.parametrize("rows", [False, True])  # first launch: tl.dot tiles / one row per program
+def test_hc_pre_kernel_matches_fp64(lead, N, D, dtype, chunk, rows):
     X, fn, base, scale = _site(lead, N, D, dtype, seed=N * D + len(lead))
-    got = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=chunk, block_d=16)
+    got = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=chunk, block_d=16, rows=rows)
     want = _pre64(X, fn, base, scale, EPS, HC_EPS, ITERS)
     for name, a, b in zip(("u", "post", "comb"), got, want):
         assert a.shape == b.shape, name
