@@ -88,6 +88,8 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.hc_post": None,
     "dsv4c.rms_norm": None,
     "dsv4c.rope_interleaved": None,
+    "dsv4c.route_topk": None,  # kernels/router.py (passes/fuse_router.py): one Triton launch, grid = T
+    "dsv4c.route_hashed": None,
     # kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py (the `fused` implementations,
     # passes/select_kernels.py): Triton launches, grids fixed by the shapes, no host sync
     "dsv4c.head_rms_rope_fused": None,
