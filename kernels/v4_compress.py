@@ -32,9 +32,12 @@ padding rows are skipped (the static op writes them to scratch, whose contents a
 The rows of a group are read in blocks of BLOCK_R with an online (running-max) softmax per channel;
 when one block holds them all (CSA, m = 4), the softmax is formed as the reference forms it
 (exp(s - max) / Σ, then Σ p·kv). Channels are one contiguous axis (vector loads); RoPE's
-interleaved pairs come from a [w/2, 2] reshape and split of the normed row. fp32 throughout; RMS as x · (1 / sqrt(mean(x²) + eps));
-cos/sin are libdevice's (full range reduction, positions up to 2^24 exact as in the reference).
-Grid fixed by the shapes, no host sync: capture-safe.
+interleaved pairs come from a [w/2, 2] reshape and split of the normed row. fp32 throughout; RMS as
+x · (1 / sqrt(mean(x²) + eps)); cos/sin are libdevice's (full range reduction; positions below 2^24
+convert to fp32 exactly, as in the reference). The entry is rounded to its dtype before RoPE and
+after, as the static op does; under the interpreter bf16 is rounded to nearest-even on the bits
+(its own cast truncates). A group whose entry index j >= E is skipped (the static op would index
+out of range). Grid fixed by the shapes, no host sync: capture-safe.
 
 Reads and writes of the state in one launch (the race argument): row b's programs read state rows
 of positions pos0 - r - (c-1)·m … pos0 - 1 (r = pos0 mod m; only past rows come from the state) and
@@ -57,11 +60,22 @@ MAX_W = 4096  # one entry row (w channels) in registers per program
 
 
 @triton.jit
+def _to_entry(x, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 x cast to the entries' dtype. The interpreter's bf16 cast truncates, so under it (RNE_BF16)
+    the value is first rounded to nearest-even on the bits; the cast is then exact, as on the GPU."""
+    if RNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit
 def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr, nw_ptr, invf_ptr,
                         skv_ptr, ssc_ptr, ent_ptr, T, R, E, G, n_pg, kv_sb, kv_st, sc_sb, sc_st, eps,
                         M: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CW: tl.constexpr,
-                        STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr):
+                        STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr,
+                        RNE_BF16: tl.constexpr):
     # kv/score [B, T, C·W] (strides kv_sb, kv_st / sc_sb, sc_st; channels contiguous); ape [M, C·W];
     # state [n_slots, R, C·W] and entries [n_slots, E, W] contiguous; slots/pos0/n_real [B] int64;
     # n_pg = grid dim 1 (G with entries, T for the state-only launch)
@@ -121,7 +135,7 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
             inv_rms = 1.0 / tl.sqrt_rn(tl.sum(pooled * pooled, axis=0) / W + eps)
             nw = tl.load(nw_ptr + c1, mask=cm1, other=0.0).to(tl.float32)
             ty = ent_ptr.dtype.element_ty
-            y = (nw * (pooled * inv_rms)).to(ty).to(tl.float32)  # cast before RoPE, as the static op
+            y = _to_entry(nw * (pooled * inv_rms), ty, RNE_BF16).to(tl.float32)  # cast before RoPE, as the static op
             # RoPE of pairs i >= W/2 - HALF, (y[2i], y[2i+1]), at angle (j·M)·inv_freq[i - (W/2 - HALF)]
             ya, yb = tl.split(tl.reshape(y, [BLOCK_W // 2, 2]))  # [BLOCK_W/2] each
             i = tl.arange(0, BLOCK_W // 2)
@@ -132,7 +146,7 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
             sn = tl.sin(ang)
             out = tl.reshape(tl.join(tl.where(rot, ya * cs - yb * sn, ya), tl.where(rot, ya * sn + yb * cs, yb)),
                              [BLOCK_W])
-            tl.store(ent_ptr + (slot * E + j) * W + c1, out.to(ty), mask=cm1)
+            tl.store(ent_ptr + (slot * E + j) * W + c1, _to_entry(out, ty, RNE_BF16), mask=cm1)
     if DO_STATE:
         cc = tl.arange(0, BLOCK_CW)
         ccm = cc < CW
@@ -242,8 +256,9 @@ def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor
     args = (kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries,
             d.T, d.R, d.E, G)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), float(eps))
-    meta = dict(M=m, C=d.c, W=d.w, HALF=d.half, BLOCK_R=br, BLOCK_W=block_w,
-                BLOCK_CW=triton.next_power_of_2(d.cw), num_warps=_num_warps(block_w))
+    meta = {"M": m, "C": d.c, "W": d.w, "HALF": d.half, "BLOCK_R": br, "BLOCK_W": block_w,
+                "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
+                "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16}
     if one_launch(d.R, d.T, d.c, m):
         _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=triton.cdiv(d.T, G), DO_ENTRIES=True,
                                       DO_STATE=True, **meta)
