@@ -172,10 +172,10 @@ def test_custom_op_on_cpu_is_the_static_op():
 def _good(B=2, T=1, m=4, w=8):
     c = 2 if m == 4 else 1
     z = torch.zeros
-    return {"kv": z(B, T, c * w), "score": z(B, T, c * w), "slots": torch.tensor([0, 1]), "pos0": z(B, dtype=torch.int64),
-                "n_real": torch.ones(B, dtype=torch.int64), "ape": z(m, c * w), "norm_weight": torch.ones(w),
-                "inv_freq": torch.ones(2), "state_kv": z(3, c * m, c * w), "state_score": z(3, c * m, c * w),
-                "entries": z(3, 4, w), "m": m, "eps": 1e-6}
+    return {"kv": z(B, T, c * w), "score": z(B, T, c * w), "slots": torch.tensor([0, 1]),
+            "pos0": z(B, dtype=torch.int64), "n_real": torch.ones(B, dtype=torch.int64), "ape": z(m, c * w),
+            "norm_weight": torch.ones(w), "inv_freq": torch.ones(2), "state_kv": z(3, c * m, c * w),
+            "state_score": z(3, c * m, c * w), "entries": z(3, 4, w), "m": m, "eps": 1e-6}
 
 
 @pytest.mark.parametrize("change,match", [
