@@ -43,6 +43,12 @@ Design (flash decoding):
   positions pos0 + t and the read rows positions >= pos0 - W + 1, which share a row mod S iff S
   divides a distance in [1, W + T - 2]). The grid depends on shapes only and nothing is read back
   to the host: capture-safe. CPU tensors run under the Triton interpreter (bf16 dots in fp32 there).
+
+sm_90 compile (triton 3.6 on the CPU machine, cuobjdump -res-usage; not run on a device yet), d = 512,
+default config (BH 16, BN 32, 8 warps, 2 stages): bf16 split kernel 168-189 registers, no stack,
+80 KB shared; combine kernel 128 registers. 4 warps spill at BN 32 (255 + 64 B stack). fp32
+activations (IEEE dots) spill at d = 512 (255 + 1-2 KB stack at BN 32, 150 B at BN 16): correct but
+not tuned; the benchmark runs bf16.
 """
 from __future__ import annotations
 
@@ -58,10 +64,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Accuracy of this kernel vs the static op (rel_err, fp64), per activation dtype. Both compute in fp32
 # from the same inputs; what differs is summation order, exp2 vs exp, and for bf16/fp16 the hi/lo
-# split of p (residual ~2^-17 of p). Measured on the CPU interpreter (tests/test_kernels_v4_attention.py):
-# fp32 ~3e-7, bf16 ~4e-7 (see the report in the commit message); thresholds about 10x that, and the
-# brief's 1e-5 target for the H200 runs.
-REL_ERR: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+# split of p (residual ~2^-17 of p). Largest measured on the CPU interpreter over the CPU test cases
+# (tests/test_kernels_v4_attention.py): fp32 1.5e-7, bf16 1.3e-6; a torch simulation of the bf16 hi/lo
+# split at Flash-like sizes (700 keys, d 512) gives 2e-6. Thresholds: ~10x fp32, and the 1e-5 target
+# for bf16 (the H200 runs). fp16 is accepted but not measured.
+REL_ERR: dict[torch.dtype, float] = {torch.float32: 2e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 
 
 @dataclasses.dataclass(frozen=True)
