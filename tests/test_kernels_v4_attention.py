@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dsv4c.kernels.tolerances import rel_err
-from dsv4c.kernels.v4_attention import (REL_ERR, V4AttnConfig, v4_attention_fused, v4_attention_fused_op,
-                                        v4_attention_fused_ref)
+from dsv4c.kernels.v4_attention import (
+    REL_ERR,
+    V4AttnConfig,
+    v4_attention_fused,
+    v4_attention_fused_op,
+    v4_attention_fused_ref,
+)
 
 W = 8
 SMALL = V4AttnConfig(block_h=16, block_n=16)  # H = 4..6: one partial head block; BN 16 < the key counts
@@ -33,10 +37,10 @@ def make_case(B, T, H, d, S, m, E, k, pos0, n_real, dtype=torch.float32, device=
 
     slots = torch.randperm(n_slots - 1, generator=g)[:B]
     pos0 = torch.tensor(pos0, dtype=torch.int64)
-    a = dict(q=rnd(B, T, H, d), kv=rnd(B, T, d), slots=slots.to(device), pos0=pos0.to(device),
-             n_real=torch.tensor(n_real, dtype=torch.int64, device=device), ring=rnd(n_slots, S, d),
-             sinks=torch.randn(H, generator=g).to(device), entries=rnd(n_slots, E, d) if m else None,
-             selected=None, window=window, m=m)
+    a = {"q": rnd(B, T, H, d), "kv": rnd(B, T, d), "slots": slots.to(device), "pos0": pos0.to(device),
+         "n_real": torch.tensor(n_real, dtype=torch.int64, device=device), "ring": rnd(n_slots, S, d),
+         "sinks": torch.randn(H, generator=g).to(device), "entries": rnd(n_slots, E, d) if m else None,
+         "selected": None, "window": window, "m": m}
     if m == 4:
         sel = torch.full((B, T, k), -1, dtype=torch.int64)
         for b in range(B):
@@ -67,8 +71,8 @@ def assert_same(a, config=None):
 
 # B = 3 rows at different positions: pos0 = 0, pos0 < W, and a wrapped ring (pos0 > S); n_real < T pads
 CASES = {
-    1: dict(B=1, T=1, pos0=[5], n_real=[1]),
-    3: dict(B=3, T=3, pos0=[0, 5, 23], n_real=[3, 1, 2]),
+    1: {"B": 1, "T": 1, "pos0": [5], "n_real": [1]},
+    3: {"B": 3, "T": 3, "pos0": [0, 5, 23], "n_real": [3, 1, 2]},
 }
 
 
@@ -110,7 +114,7 @@ def test_padding_rows_write_nothing_and_every_key_counts():
     """n_real = 0 rows leave the ring alone; changing one key the query sees (a window row, an entry)
     changes the output, one it does not see (an unselected entry) does not."""
     a = make_case(2, 2, 4, 32, 10, 4, 12, 6, [20, 9], [0, 2], seed=11, n_minus=1)
-    got, r1, want, _ = run_both(a, SMALL)
+    got, r1, _want, _ = run_both(a, SMALL)
     slot0 = int(a["slots"][0])
     assert torch.equal(r1[slot0], a["ring"][slot0])
     base = got[0, 0]
@@ -173,7 +177,7 @@ def test_bad_input_hca_needs_ratio():
 # ------------------------------------------------------------------------------------------------
 # GPU: V4-Flash shapes (H 64, d 512, W 128, S 128 + 3, k 512), bf16
 # ------------------------------------------------------------------------------------------------
-FLASH = dict(H=64, d=512, S=131)
+FLASH = {"H": 64, "d": 512, "S": 131}
 
 
 @pytest.mark.gpu
