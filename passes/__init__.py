@@ -58,6 +58,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
     from dsv4c.passes.fuse_rope import fuse_rope
+    from dsv4c.passes.fuse_router import fuse_router
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.quantize_experts import quantize_experts
@@ -71,6 +72,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_rmsnorm", fuse_rmsnorm),
         ("fuse_rope", fuse_rope),
         ("lower_f32_linears", lower_f32_linears),
+        ("fuse_router", fuse_router),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),
     ]

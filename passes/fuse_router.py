@@ -1,0 +1,135 @@
+"""Fuse V4's MoE router scoring (after the logits GEMM) into one `dsv4c::route_topk` / `route_hashed` call.
+
+Every V4 MoE (each layer's and the MTP block's) routes with `Gate.forward`: the logits GEMM
+(`linear_f32` once lower_f32_linears ran on a low-precision graph, an fp32 `linear` otherwise),
+then `route_topk` (non-hash layers) or `route_hashed` (hash layers) of dsv4c/model/v4.py, ~9 ATen
+launches per layer in a decode step's CUDA graph.
+
+Before (logits [T, E] fp32, bias [E] fp32 graph attribute; K, scale literals):
+    s = sqrt(softplus(logits))
+    top-K:  idx = topk(s + to(bias, fp32), K).indices          hash:  idx = tid2eid[ids]  (stays)
+    g = gather(s, -1, idx);  w = g / (sum(g, -1, keepdim) + 1e-20) * scale
+After:
+    idx, w = dsv4c.route_topk(logits, bias, K, scale)          w = dsv4c.route_hashed(logits, idx, scale)
+                                                               # kernels/router.py: one Triton launch
+
+Why it is valid: the patterns are not written by hand. They are the model's own `route_topk` and
+`route_hashed` exported with torch.export for this config's K (num_experts_per_tok) and scale
+(routed_scaling_factor), so they hold exactly the op sequence and literals the model's graphs
+contain; passes/pattern.py finds each site and keeps it only when no intermediate value (s, the
+keys, the gathered scores) is used outside it. The ops are defined as those same functions: on the
+CPU they call them (bit-exact), on CUDA one Triton kernel computes the same formula in fp32
+(tests/test_fuse_router.py bounds the difference: equal expert ids, weights within 1e-6). A site
+is left alone when its logits are not a contiguous fp32 [T, E] with E <= kernels.router.MAX_E,
+or its bias not an fp32 [E]. V3/V3.2 routers (sigmoid, group-limited) hold no softplus: nothing
+matches there.
+
+`stats["sites"]` is the number of routers fused, `stats["variants"]` how many of each (topk, hashed).
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes.pattern import export_pattern, fuse_sites
+
+
+class _TopK(nn.Module):
+    def __init__(self, k: int, scale: float):
+        super().__init__()
+        self.k, self.scale = k, scale
+
+    def forward(self, logits, bias):
+        from dsv4c.model.v4 import route_topk
+
+        return route_topk(logits, bias, self.k, self.scale)
+
+
+class _Hashed(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, logits, idx):
+        from dsv4c.model.v4 import route_hashed
+
+        return route_hashed(logits, idx, self.scale)
+
+
+_E = 8  # the patterns' example width (E appears in no op of them)
+
+
+@functools.lru_cache(maxsize=8)
+def topk_pattern(k: int, scale: float):
+    """`route_topk` exported on logits [2, 8] fp32 for this K and scale, without the unused
+    `getitem(topk, 0)` (the values; the matcher refuses dead code)."""
+    g = export_pattern(_TopK(k, scale), (torch.zeros(2, _E), torch.zeros(_E))).graph
+    _drop_unused_topk_values(g)
+    return g
+
+
+def _drop_unused_topk_values(g) -> int:
+    """Erase `getitem(topk(...), i)` nodes nothing uses (export keeps the unused values); returns how many."""
+    dead = [n for n in g.nodes if n.target is operator.getitem and not n.users and isinstance(n.args[0], Node)
+            and n.args[0].target is torch.ops.aten.topk.default]
+    for n in dead:
+        g.erase_node(n)
+    return len(dead)
+
+
+@functools.lru_cache(maxsize=8)
+def hashed_pattern(k: int, scale: float):
+    """`route_hashed` exported on logits [2, 8] fp32 with ids [2, K]."""
+    return export_pattern(_Hashed(scale), (torch.zeros(2, _E), torch.zeros(2, k, dtype=torch.int64))).graph
+
+
+def _val(a):
+    v = a.meta.get("val") if isinstance(a, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _logits_ok(logits) -> bool:
+    from dsv4c.kernels.router import MAX_E
+
+    return (logits is not None and logits.dtype == torch.float32 and logits.dim() == 2
+            and isinstance(logits.shape[1], int) and 1 <= logits.shape[1] <= MAX_E and logits.is_contiguous())
+
+
+def _topk_ok(site) -> bool:
+    logits, bias = (_val(a) for a in site.inputs)
+    return (_logits_ok(logits) and bias is not None and bias.dtype == torch.float32
+            and tuple(bias.shape) == (logits.shape[1],))
+
+
+def _hashed_ok(site, k: int) -> bool:
+    logits, idx = (_val(a) for a in site.inputs)
+    return (_logits_ok(logits) and idx is not None and idx.dtype == torch.int64 and idx.dim() == 2
+            and idx.shape[1] == k)
+
+
+def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
+    ops = kernel_ops("route_topk", "route_hashed")
+    if ops is None:
+        return PassResult(gm, False, {"sites": 0, "skipped": unavailable("route_topk", "route_hashed")})
+    topk_op, hashed_op = ops
+    if not ctx.config.is_v4 or not any(n.target is torch.ops.aten.softplus.default for n in gm.graph.nodes):
+        return PassResult(gm, False, {"sites": 0})
+    k, scale = ctx.config.num_experts_per_tok, ctx.config.routed_scaling_factor
+    # the graph's unused top-k values would count as a use from outside the site
+    dropped = _drop_unused_topk_values(gm.graph)
+    variants = {
+        "topk": fuse_sites(gm, topk_pattern(k, scale),
+                           lambda s: (topk_op, (*s.inputs, k, scale)) if _topk_ok(s) else None),
+        "hashed": fuse_sites(gm, hashed_pattern(k, scale),
+                             lambda s: (hashed_op, (*s.inputs, scale)) if _hashed_ok(s, k) else None),
+    }
+    sites = sum(variants.values())
+    if sites or dropped:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, sites > 0 or dropped > 0, {"sites": sites, "variants": variants, "k": k, "scale": scale})
