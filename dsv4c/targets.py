@@ -47,8 +47,8 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 # CUDA targets: capture-safe cache ops (dsv4c/model/static_ops.py) so decode steps become CUDA graphs;
 # the routed experts stay the reference op (run eagerly between graph segments) until issue 6's
 # kernels give them a capture-safe fast form.
-_CUDA = {**_REFERENCE, "v4_attention": "static", "v4_compress": "static", "mla_cache_update": "static",
-         "dsa_cache_update": "static", "head_rms_rope": "fused"}
+_CUDA = {**_REFERENCE, "v4_attention": "fused", "v4_compress": "fused", "mla_cache_update": "static",
+         "dsa_cache_update": "static", "head_rms_rope": "fused", "v4_indexer_topk": "fused"}
 
 # BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, sixth session): Flash expert shapes,
 # microseconds per call replayed in a CUDA graph (how decode runs), default tiles, at 1 / 8 / 64 tokens;

@@ -36,6 +36,9 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("dsa_cache_update", "static"): "dsa_cache_update_static",
     ("moe_experts", "gathered"): "moe_experts_gathered",
     ("head_rms_rope", "fused"): "head_rms_rope_fused",
+    ("v4_indexer_topk", "fused"): "v4_indexer_topk_fused",
+    ("v4_attention", "fused"): "v4_attention_fused",
+    ("v4_compress", "fused"): "v4_compress_fused",
 }
 
 

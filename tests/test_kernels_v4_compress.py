@@ -229,6 +229,7 @@ def test_gpu_flash_shapes_match_static_op(m, w, B, T):
     args, caches = _flash_case(m, w, B, T, seed=m + w + B + T)
     ref, fused = [t.clone() for t in caches], [t.clone() for t in caches]
     kv, sc, slots, pos, n_real, ape, norm_w, inv_freq = args
+    pos[0], n_real[0] = 5 * m - 1, T  # row 0 closes a group at the first step (so entries must change)
     for step in range(m // T + 2 if m == 4 else 2):  # m = 4: crosses boundaries; m = 128: rows close near 0 mod 128
         v4_compress_fused_ref(kv, sc, slots, pos, n_real, ape, norm_w, inv_freq, *ref, m, 1e-6)
         torch.ops.dsv4c.v4_compress_fused(kv, sc, slots, pos, n_real, ape, norm_w, inv_freq, *fused, m, 1e-6)

@@ -155,7 +155,7 @@ def test_capture_table_matches_the_reference_implementations():
     for name, (args, kwargs) in calls.items():
         syncs = host_sync_ops(reference_impl(name), *args, **kwargs)
         assert bool(syncs) == (OP_CAPTURE[name] is not None), (name, syncs[:3])
-        for alt in (name + "_static", name + "_gathered"):  # the capture-safe implementations, same arguments
+        for alt in (name + "_static", name + "_gathered", name + "_fused"):  # capture-safe implementations, same arguments
             if alt in OP_CAPTURE:
                 syncs = host_sync_ops(reference_impl(alt), *args, **kwargs)
                 assert bool(syncs) == (OP_CAPTURE[alt] is not None), (alt, syncs[:3])
