@@ -152,11 +152,13 @@ def _sinkhorn_fake(c0, iters, eps):
 HC_BLOCK_K = 64
 HC_CHUNK = 128  # K per split-K program (a multiple of HC_BLOCK_K)
 HC_BLOCK_D = 512
-HC_FINISH_WARPS = 2
+HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
+# Seventh session: with the Sinkhorn input reloaded (RELOAD) and the row launch for M <= 8, chunk 128
+# and 1 finish warp take 9.4 / 10.4 / 19.3 us (2 warps 10.1 / 11.0 / 20.1; without RELOAD 22 / 23 / 32).
 
 
 @triton.jit
