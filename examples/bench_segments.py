@@ -48,6 +48,10 @@ def build(preset: str, device, dtype):
     return model.eval()
 
 
+# --only h200-static-ops: the h200 lowering with the capture-safe ATen forms of the cache ops and the
+# unfused router instead of the Triton ones (the lowering before the fused kernels), for a side-by-side
+STATIC_OPS = {"v4_attention": "static", "v4_compress": "static", "v4_indexer_topk": "reference",
+              "head_rms_rope": "reference"}
 ABLATED = ("fuse_sinkhorn", "fuse_hc", "fuse_rmsnorm", "fuse_rope", "lower_f32_linears")  # --ablate: without these passes
 
 
@@ -218,10 +222,11 @@ def main(argv=None) -> int:
     if a.quantized:
         variants.append(("h200-experts", {}, True))
         variants.append(("h200-mxfp4", {}, True))   # the release MXFP4 experts, weight-only (W4A16)
+        variants.append(("h200-static-ops", STATIC_OPS, True))  # the cache ops before the fused kernels
     if a.only:  # keep GPU memory for one lowering (each holds its own fused / quantised weights)
         variants = [v for v in variants if v[0] in a.only or v[0] == "ref-experts"]
     for name, kernels, quantize in variants:
-        skip = ABLATED if name.endswith("-unfused") else ()
+        skip = ABLATED if name.endswith("-unfused") else ("fuse_router",) if name == "h200-static-ops" else ()
         t0 = time.perf_counter()
         try:
             graphs[name] = graph(model, n_slots, max_len, kernels, quantize, skip,
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
     configs = [c for c in configs if c[0] in graphs and (not a.only or c[0] in a.only)]
     if "gathered-unfused" in graphs:
         configs += [("gathered-unfused", "eager"), ("gathered-unfused", full_mode)]
-    for q in ("h200-experts", "h200-mxfp4"):  # quantised Triton experts (capture-safe)
+    for q in ("h200-experts", "h200-mxfp4", "h200-static-ops"):  # quantised Triton experts (capture-safe)
         if q in graphs:
             configs += [(q, "eager"), (q, graph_mode), (q, full_mode)]
     if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
@@ -336,8 +341,8 @@ def main(argv=None) -> int:
 
     for r in rows:
         if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
-            key = {"h200-experts": "roofline_fp8_experts_ms", "h200-mxfp4": "roofline_mxfp4_experts_ms"}.get(
-                r["graph"], "roofline_ms")
+            key = {"h200-experts": "roofline_fp8_experts_ms", "h200-static-ops": "roofline_fp8_experts_ms",
+                   "h200-mxfp4": "roofline_mxfp4_experts_ms"}.get(r["graph"], "roofline_ms")
             r["roofline_fraction"] = roof[r["batch"]][key] / r["step_ms"]
     print(table(res))
     if a.out:

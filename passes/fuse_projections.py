@@ -16,7 +16,9 @@ output element, so bit-for-bit on the CPU reference). The compressor's projectio
 (an fp32 island), so in a bf16 model they form their own fp32 group beside the bf16 wq_a ‖ wkv.
 
 The fused weight is a new graph attribute `<common prefix>.fused_<members>`; the member weights
-are dropped from the graph. `stats["groups"]` lists each fused weight with its members, which the
+are dropped from the graph. An fp32 group of bf16 weights keeps the fused weight in bf16 and the
+upcast in the graph (`linear(x, to(W, fp32))`), so that `lower_f32_linears` turns it into
+`linear_f32`: the weight is stored and read once in bf16, not as an fp32 copy of twice the bytes. `stats["groups"]` lists each fused weight with its members, which the
 artifact's weight map records.
 
 Second rewrite, the per-head q norm with RoPE (one kernel instead of ~25 elementwise ops):
@@ -95,11 +97,19 @@ def fuse_projections(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, bool(groups_out) or ropes > 0, stats)
 
 
+def _stored_dtype(gm: GraphModule, names: list[str], dtype: torch.dtype) -> torch.dtype:
+    """The dtype the fused weight is kept in: the members' own dtype when they all share one and the
+    linears upcast it to `dtype` (the fp32 island of a bf16 model); else `dtype`."""
+    own = {get_param(gm, w).dtype for w in names}
+    return own.pop() if len(own) == 1 and dtype == torch.float32 else dtype
+
+
 def _fuse(gm: GraphModule, group: list[Node]) -> dict:
     x = group[0].args[0]
     dtype = x.meta["val"].dtype
     names = [_linear_weight(n) for n in group]
-    weights = [get_param(gm, w).detach().to(dtype) for w in names]
+    stored = _stored_dtype(gm, names, dtype)
+    weights = [get_param(gm, w).detach().to(stored) for w in names]
     fused = torch.cat(weights, 0)
     fname = _fused_name(names)
     set_param(gm, fname, fused)
@@ -107,6 +117,9 @@ def _fuse(gm: GraphModule, group: list[Node]) -> dict:
     with gm.graph.inserting_before(group[0]):
         w_node = gm.graph.get_attr(fname)
         w_node.meta["val"] = fake_value(x, lambda t: t, fused)
+        if stored != dtype:  # keep the upcast in the graph: lower_f32_linears then reads the weight once in bf16
+            w_node = gm.graph.call_function(aten.to.dtype, (w_node, dtype))
+            w_node.meta["val"] = fake_value(x, lambda t: t.to(dtype), fused)
         y = gm.graph.call_function(torch.ops.aten.linear.default, (x, w_node))
         y.meta["val"] = fake_value(x, fake_linear, x.meta["val"], w_node.meta["val"])
         parts = gm.graph.call_function(torch.ops.aten.split_with_sizes.default, (y, sizes, -1))
@@ -121,7 +134,8 @@ def _fuse(gm: GraphModule, group: list[Node]) -> dict:
     for w in names:
         if w not in used:
             delete_param(gm, w)
-    return {"fused": fname, "members": names, "out_features": sizes, "dtype": str(dtype).replace("torch.", "")}
+    return {"fused": fname, "members": names, "out_features": sizes, "dtype": str(dtype).replace("torch.", ""),
+            "stored": str(stored).replace("torch.", "")}
 
 
 # ---- per-head q norm + RoPE ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Run the fp32 linears of low-precision operands without an fp32 copy of the weight.
 
 The reference computes some projections in fp32 from bf16 weights: the V4 output head
-(deepseek_v4.md: "Official computing this in fp32") and the MoE routers' gate. Exported, such a
+(deepseek_v4.md: "Official computing this in fp32"), the MoE routers' gate, and the compressor and
+indexer projections (after fuse_projections, one stacked bf16 weight per layer). Exported, such a
 linear is
 
     before:  xf = to(x, fp32);  wf = to(w, fp32);  y = linear(xf, wf)     # x, w bf16; y fp32

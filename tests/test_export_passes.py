@@ -16,6 +16,7 @@ from dsv4c.model import build_model
 from dsv4c.passes import PassContext, VerifyError, default_pipeline, run_pipeline, verify
 from dsv4c.passes.absorb_mla import absorb_mla, crossover_tokens
 from dsv4c.passes.fuse_projections import fuse_projections
+from dsv4c.passes.lower_f32_linears import lower_f32_linears
 
 PRESETS = ["v4-tiny-a", "v3-tiny", "v32-tiny"]
 REL = 1e-5  # fp32 relative error bound (max |err| / max |logit|), absorption included
@@ -153,8 +154,14 @@ def test_fuse_projections_in_bf16_keeps_the_fp32_compressor_group():
     gm.recompile()
     groups = {(len(g["members"]), g["dtype"]) for g in res.stats["groups"]}
     assert groups == {(2, "bfloat16"), (2, "float32"), (5, "float32")}  # SWA/HCA/CSA layers
+    assert {g["stored"] for g in res.stats["groups"]} == {"bfloat16"}  # the fp32 groups keep bf16 weights
     assert res.stats["linears_after"] == res.stats["linears_before"] - 15
     ids, cache = _inputs(m, 1)
+    assert torch.equal(_run_graph(gm, ids, cache)[0], m(ids, copy.deepcopy(cache)))
+    # lower_f32_linears then reads each fused fp32-island weight in bf16 (no fp32 copy): one linear_f32 each
+    fp32_groups = [g for g in res.stats["groups"] if g["dtype"] == "float32"]
+    low = lower_f32_linears(gm, PassContext(cfg))
+    assert set(low.stats["weights"]) >= {g["fused"] for g in fp32_groups}
     assert torch.equal(_run_graph(gm, ids, cache)[0], m(ids, copy.deepcopy(cache)))
 
 

@@ -38,10 +38,15 @@ def test_bf16_head_and_gates_are_lowered_and_outputs_are_unchanged():
     gm0 = ep.module()
     gm, recs = run_pipeline(copy.deepcopy(gm0), PassContext(cfg, "h200", "decode"))
     rec = next(r for r in recs if r.name == "lower_f32_linears")
-    # the head and one router gate per layer: nothing else in V4 is an fp32 linear of bf16 weights
-    assert rec.changed and rec.stats["sites"] == 1 + cfg.num_hidden_layers, rec.stats
+    # the head, one router gate per layer, and per compressed layer the compressor (+ indexer)
+    # projections that fuse_projections stacked into one bf16 weight: nothing else in V4 is an fp32
+    # linear of bf16 weights
+    compressed = sum(cfg.layer_ratio(i) > 0 for i in range(cfg.num_hidden_layers))
+    n_sites = 1 + cfg.num_hidden_layers + compressed
+    assert rec.changed and rec.stats["sites"] == n_sites, rec.stats
     assert "model.head.weight" in rec.stats["weights"]
-    assert graph_ops(gm)["linear_f32.default"] == 1 + cfg.num_hidden_layers
+    assert sum(".fused_" in w for w in rec.stats["weights"]) == compressed
+    assert graph_ops(gm)["linear_f32.default"] == n_sites
     verify(gm, PassContext(cfg, "h200", "decode"), after="lower_f32_linears")
     # no fp32 copy of the head weight is left in the graph
     for n in gm.graph.nodes:
