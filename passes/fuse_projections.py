@@ -15,6 +15,13 @@ output dim and splitting the result gives the same values (in fp32 the same accu
 output element, so bit-for-bit on the CPU reference). The compressor's projections run in fp32
 (an fp32 island), so in a bf16 model they form their own fp32 group beside the bf16 wq_a ‖ wkv.
 
+The shared expert's SwiGLU is written `x @ w.t()` (dsv4c/model/common.py `swiglu`), which exports as
+`matmul(x, t(W))`: the same bias-free linear, so its gate (w1) and up (w3) projections on the same x
+form a group too and become one `linear(x, cat([W1, W3]))` + split (the activation then reads the two
+halves, passes/fuse_swiglu.py). Matmul-form linears group only with each other: in an fp32 model the
+router's logits GEMM (`linear(to(u, fp32), to(W, fp32))`) reads the same u, and it stays its own GEMM
+as in bf16 models (every group that formed before is unchanged).
+
 The fused weight is a new graph attribute `<common prefix>.fused_<members>`; the member weights
 are dropped from the graph. An fp32 group of bf16 weights keeps the fused weight in bf16 and the
 upcast in the graph (`linear(x, to(W, fp32))`), so that `lower_f32_linears` turns it into
@@ -54,8 +61,13 @@ def _source(n: Node) -> Node:
 
 def _linear_weight(n: Node) -> str | None:
     """The parameter name of a bias-free linear's weight (through a cast such as the compressor's
-    `w.float()`), or None."""
-    if n.op != "call_function" or n.target is not aten.linear.default:
+    `w.float()`), or of `matmul(x, t(W))` with W a 2-D graph attribute (the SwiGLU's `x @ w.t()`);
+    else None."""
+    if n.op != "call_function":
+        return None
+    if n.target is aten.matmul.default:
+        return _matmul_weight(n)
+    if n.target is not aten.linear.default:
         return None
     if len(n.args) > 2 and n.args[2] is not None:
         return None
@@ -63,13 +75,26 @@ def _linear_weight(n: Node) -> str | None:
     return w.target if w.op == "get_attr" else None
 
 
+def _matmul_weight(n: Node) -> str | None:
+    """W's name for `matmul(x, t(W))`, W a 2-D get_attr (no cast: x @ W^T is then linear(x, W))."""
+    wt = n.args[1]
+    if not isinstance(wt, Node) or wt.op != "call_function" or wt.target is not aten.t.default:
+        return None
+    w = wt.args[0]
+    val = w.meta.get("val") if isinstance(w, Node) else None
+    if not isinstance(w, Node) or w.op != "get_attr" or not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    return w.target
+
+
 def _groups(gm: GraphModule) -> list[list[Node]]:
-    """Linears on the same value computed in the same dtype (casts of one value count as one input)."""
+    """Linears on the same value computed in the same dtype (casts of one value count as one input);
+    matmul-form linears group among themselves (the module doc says why)."""
     by_input: dict[tuple, list[Node]] = defaultdict(list)
     for n in gm.graph.nodes:
         if _linear_weight(n) is not None:
             x = n.args[0]
-            by_input[(_source(x), x.meta["val"].dtype)].append(n)
+            by_input[(_source(x), x.meta["val"].dtype, n.target)].append(n)
     return [g for g in by_input.values() if len(g) > 1]
 
 

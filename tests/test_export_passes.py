@@ -131,9 +131,16 @@ def test_fuse_projections_op_counts():
     verify(gm, PassContext(cfg), after="fuse_projections")
     groups = res.stats["groups"]
     # per layer: x feeds wq_a ‖ wkv (+ compressor wkv/wgate for m > 0, + indexer for CSA); qr feeds wq_b ‖ indexer wq_b
+    # + per layer the shared expert's w1 ‖ w3 (exported as matmul(x, t(w)), not linear): another {2}
     members = {len(g["members"]) for g in groups}
     assert members == {2, 4, 7}
-    assert graph_ops(gm)["linear.default"] == before - sum(len(g["members"]) - 1 for g in groups)
+    shared = [g for g in groups if g["fused"].endswith("ffn.shared_experts.fused_w1__w3.weight")]
+    assert len(shared) == cfg.num_hidden_layers and all(len(g["members"]) == 2 for g in shared)
+    attn = [g for g in groups if g not in shared]
+    assert {len(g["members"]) for g in attn} == {2, 4, 7}
+    # each attention group of n linears leaves one; each shared group turns two matmuls into one linear
+    assert graph_ops(gm)["linear.default"] == before - sum(len(g["members"]) - 1 for g in attn) + len(shared)
+    assert graph_ops(gm)["matmul.default"] == cfg.num_hidden_layers  # only the w2 GEMMs stay matmuls
     names = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.users}
     assert not any(n.endswith(("attn.wq_a.weight", "attn.wkv.weight", "compressor.wgate.weight")) for n in names)
     # the per-head q norm + RoPE of every layer became one op
@@ -155,7 +162,8 @@ def test_fuse_projections_in_bf16_keeps_the_fp32_compressor_group():
     groups = {(len(g["members"]), g["dtype"]) for g in res.stats["groups"]}
     assert groups == {(2, "bfloat16"), (2, "float32"), (5, "float32")}  # SWA/HCA/CSA layers
     assert {g["stored"] for g in res.stats["groups"]} == {"bfloat16"}  # the fp32 groups keep bf16 weights
-    assert res.stats["linears_after"] == res.stats["linears_before"] - 15
+    # 15 attention projections fold away, plus one of the shared expert's w1 ‖ w3 per layer
+    assert res.stats["linears_after"] == res.stats["linears_before"] - 15 - cfg.num_hidden_layers
     ids, cache = _inputs(m, 1)
     assert torch.equal(_run_graph(gm, ids, cache)[0], m(ids, copy.deepcopy(cache)))
     # lower_f32_linears then reads each fused fp32-island weight in bf16 (no fp32 copy): one linear_f32 each
