@@ -27,7 +27,7 @@ one torch.sort launch orders the programs by expert, see Fp4GemvConfig.sort_expe
      and W3 of expert e with x[t]; SwiGLU + clamp + routing weight, then h is stored in the same
      fp16-with-chunk-scales form;
   3. `_gemv2_kernel`, grid (N_A, D / BLOCK_N2): y[a] = W2_e h[a] (bf16);
-  4. out[t] = sum_j y[t, j] (one torch.sum, fp32 accumulation).
+  4. out[t] = sum_j y[t, j] (kernels/moe_combine.py: one launch, fp32 accumulation).
 
 Arithmetic per packed int32 word (8 weights, element j in nibble j, element 2b in byte b's low
 nibble, as released): the decoded fp16 pairs (exact) times the activation's fp16 pairs, 4 FMAs
@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
+from dsv4c.kernels.moe_combine import combine_slots
 
 from dsv4c import quant as Q
 
@@ -410,8 +411,7 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
         hw.stride(0), hs.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, INTERPRET=interp,
         BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-    torch.sum(y.view(t, topk, d), 1, out=out)     # fp32 accumulation, one rounding to bf16
-    return out
+    return combine_slots(y, None, topk, out)      # fp32 accumulation, one rounding to bf16
 
 
 def moe_fp4_gemv_ref(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,

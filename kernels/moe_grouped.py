@@ -46,7 +46,7 @@ Pipeline, all on device, no host sync, fixed grids from shapes only (CUDA-graph 
   2. GEMM 1 over w13 (w1 rows then w3 rows) on rows gathered from x, SwiGLU (+clamp) and the
      routing weight in the epilogue -> h [R, I];
   3. GEMM 2 over w2 on h's contiguous rows -> y [R, D] bf16;
-  4. combine: out[t] = sum_j y[row of (t, j)] (gather + one torch.sum, fp32 accumulation).
+  4. combine: out[t] = sum_j y[row of (t, j)] (kernels/moe_combine.py: one launch, fp32 accumulation).
 
 Shapes: T tokens, D hidden, E experts, K experts per token (top-k), I expert width,
 N_A = T*K assignments, R padded rows, NB M-blocks.
@@ -63,6 +63,7 @@ import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
+from dsv4c.kernels.moe_combine import combine_slots
 from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv
 
 from dsv4c import quant as Q
@@ -736,12 +737,7 @@ def _moe_grouped_impl(x, idx, weight, experts, swiglu_limit, cfg: MoeKernelConfi
         y = torch.empty(rows, d, dtype=torch.bfloat16, device=dev)
     _gemm(fmt, a2, a2_s, a2_g, experts, "w2", routing, wflat, y, y, d, i, topk, 0.0, False, False, False, cfg2,
           use_dot_scaled)
-    per_slot = (y if routing.direct else y[routing.inv]).view(t, topk, d)          # [T, K, D]
-    if per_slot.dtype == out.dtype:
-        torch.sum(per_slot, 1, out=out)   # accumulates in fp32, one rounding to bf16
-    else:
-        out.copy_(per_slot.sum(1))
-    return out
+    return combine_slots(y, None if routing.direct else routing.inv, topk, out)   # fp32 sum, one rounding
 
 
 def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: Experts,
