@@ -81,8 +81,19 @@ class RotaryTable(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [...] int -> cos, sin [..., r/2]
-        ang = positions.float()[..., None] * self.inv_freq.to(positions.device)
-        return ang.cos(), ang.sin()
+        return rotary_table(positions, self.inv_freq)
+
+
+def rotary_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., r/2] fp32 of `positions [...]` (int) times inv_freq [r/2]: one fp32 product each."""
+    ang = positions.float()[..., None] * inv_freq.to(positions.device)
+    return ang.cos(), ang.sin()
+
+
+def rope_angles(pos0: torch.Tensor, T: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table of a chunk: cos, sin [B, T, r/2] at positions pos0[b] + t, pos0 [B] int64
+    (passes/fuse_rope_angles.py makes this one `dsv4c::rope_angles` launch)."""
+    return rotary_table(pos0[:, None] + torch.arange(T, device=pos0.device), inv_freq)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

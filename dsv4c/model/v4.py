@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig
-from dsv4c.model.common import RMSNorm, RotaryTable, StaticCache, batch_meta, rms, rope_interleaved, swiglu
+from dsv4c.model.common import (RMSNorm, RotaryTable, StaticCache, batch_meta, rms, rope_angles, rope_interleaved,
+                                 swiglu)
 from dsv4c.model import v4_ops  # noqa: F401  (registers torch.ops.dsv4c.v4_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -208,8 +209,7 @@ class Attention(nn.Module):
         """x [B, T, D] (normed block input), meta = (slots, pos0, n_real) -> [B, T, D]; updates lc."""
         B, T, _ = x.shape
         H, d = self.n_heads, self.head_dim
-        pos = meta[1][:, None] + torch.arange(T, device=x.device)  # [B, T]
-        cos, sin = self.rope(pos)  # [B, T, r/2]
+        cos, sin = rope_angles(meta[1], T, self.rope.inv_freq)  # [B, T, r/2] at positions pos0[b] + t
         qr = self.q_norm(self.wq_a(x))  # [B, T, Q]
         q = rms(self.wq_b(qr).unflatten(-1, (H, d)), self.eps).to(x.dtype)  # [B, T, H, d]
         q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
