@@ -88,6 +88,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.hc_post": None,
     "dsv4c.rms_norm": None,
     "dsv4c.rope_interleaved": None,
+    "dsv4c.rope_angles": None,  # kernels/rope_angles.py (passes/fuse_rope_angles.py): one Triton launch
     "dsv4c.route_topk": None,  # kernels/router.py (passes/fuse_router.py): one Triton launch, grid = T
     "dsv4c.route_hashed": None,
     # kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py (the `fused` implementations,
