@@ -58,6 +58,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
     from dsv4c.passes.fuse_rope import fuse_rope
+    from dsv4c.passes.fuse_rope_angles import fuse_rope_angles
     from dsv4c.passes.fuse_router import fuse_router
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
@@ -71,6 +72,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_hc", fuse_hc),
         ("fuse_rmsnorm", fuse_rmsnorm),
         ("fuse_rope", fuse_rope),
+        ("fuse_rope_angles", fuse_rope_angles),
         ("lower_f32_linears", lower_f32_linears),
         ("fuse_router", fuse_router),
         ("quantize_experts", quantize_experts),
