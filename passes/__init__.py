@@ -61,6 +61,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_rope_angles import fuse_rope_angles
     from dsv4c.passes.fuse_router import fuse_router
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
+    from dsv4c.passes.fuse_swiglu import fuse_swiglu
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
@@ -75,6 +76,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_rope_angles", fuse_rope_angles),
         ("lower_f32_linears", lower_f32_linears),
         ("fuse_router", fuse_router),
+        ("fuse_swiglu", fuse_swiglu),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),
     ]

@@ -141,10 +141,16 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     x [T, D]; w1, w3 [I, D]; w2 [D, I]."""
     g = x @ w1.t()
     u = x @ w3.t()
+    return swiglu_act(g, u, limit) @ w2.t()
+
+
+def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(g) ⊙ u, with limit > 0 clamped first: g ≤ L, |u| ≤ L. g, u [..., I]. (The target of
+    passes/fuse_swiglu.py.)"""
     if limit > 0:
         g = g.clamp(max=limit)
         u = u.clamp(-limit, limit)
-    return (torch.nn.functional.silu(g) * u) @ w2.t()
+    return torch.nn.functional.silu(g) * u
 
 
 @dataclass
