@@ -63,6 +63,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.fuse_swiglu import fuse_swiglu
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
+    from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
 
@@ -77,6 +78,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("lower_f32_linears", lower_f32_linears),
         ("fuse_router", fuse_router),
         ("fuse_swiglu", fuse_swiglu),
+        ("lower_grouped_linear", lower_grouped_linear),
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),
     ]

@@ -95,6 +95,7 @@ OP_CAPTURE: dict[str, str | None] = {
     # kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py (the `fused` implementations,
     # passes/select_kernels.py): Triton launches, grids fixed by the shapes, no host sync
     "dsv4c.head_rms_rope_fused": None,
+    "dsv4c.grouped_linear": None,  # kernels/grouped_linear.py (passes/lower_grouped_linear.py): one launch or the einsum
     "dsv4c.v4_attention_fused": None,
     "dsv4c.v4_compress_fused": None,
     "dsv4c.v4_indexer_topk_fused": None,

@@ -24,7 +24,7 @@ def register_ops() -> None:
     from dsv4c.model import moe, static_ops, v3_ops, v4_ops  # noqa: F401
 
     try:  # dsv4c::moe_experts_q (quantised experts), sinkhorn/hc_pre/hc_post (mHC), rms_norm, rope_interleaved; need triton
-        from dsv4c.kernels import mhc, moe_grouped, norm, rope, rope_angles, router, swiglu, v4_attention, v4_compress, v4_indexer  # noqa: F401
+        from dsv4c.kernels import grouped_linear, mhc, moe_grouped, norm, rope, rope_angles, router, swiglu, v4_attention, v4_compress, v4_indexer  # noqa: F401
     except ImportError:
         pass
 
