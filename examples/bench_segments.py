@@ -187,6 +187,8 @@ def main(argv=None) -> int:
                     "(quantize_experts: the target's format, Triton grouped kernels)")
     ap.add_argument("--only", nargs="+", default=None, help="lowerings to time (ref-experts is always built: "
                     "the roofline counts its routing), e.g. --only h200-experts")
+    ap.add_argument("--skip-passes", nargs="+", default=None, metavar="PASS",
+                    help="add h200-skip: the h200-experts lowering without these passes (their effect, same run)")
     ap.add_argument("--ablate", action="store_true",
                     help=f"add the gathered lowering without {', '.join(ABLATED)} (their speedup in the same run)")
     ap.add_argument("--inductor", action="store_true",
@@ -223,10 +225,13 @@ def main(argv=None) -> int:
         variants.append(("h200-experts", {}, True))
         variants.append(("h200-mxfp4", {}, True))   # the release MXFP4 experts, weight-only (W4A16)
         variants.append(("h200-static-ops", STATIC_OPS, True))  # the cache ops before the fused kernels
+        if a.skip_passes:
+            variants.append(("h200-skip", {}, True))
     if a.only:  # keep GPU memory for one lowering (each holds its own fused / quantised weights)
         variants = [v for v in variants if v[0] in a.only or v[0] == "ref-experts"]
     for name, kernels, quantize in variants:
-        skip = ABLATED if name.endswith("-unfused") else ("fuse_router",) if name == "h200-static-ops" else ()
+        skip = (ABLATED if name.endswith("-unfused") else ("fuse_router",) if name == "h200-static-ops"
+                else tuple(a.skip_passes) if name == "h200-skip" else ())
         t0 = time.perf_counter()
         try:
             graphs[name] = graph(model, n_slots, max_len, kernels, quantize, skip,
@@ -246,7 +251,7 @@ def main(argv=None) -> int:
     configs = [c for c in configs if c[0] in graphs and (not a.only or c[0] in a.only)]
     if "gathered-unfused" in graphs:
         configs += [("gathered-unfused", "eager"), ("gathered-unfused", full_mode)]
-    for q in ("h200-experts", "h200-mxfp4", "h200-static-ops"):  # quantised Triton experts (capture-safe)
+    for q in ("h200-experts", "h200-mxfp4", "h200-static-ops", "h200-skip"):  # quantised Triton experts (capture-safe)
         if q in graphs:
             configs += [(q, "eager"), (q, graph_mode), (q, full_mode)]
     if a.inductor:  # the peer: torch.compile of the eager reference step; and ours with fused segments
@@ -342,6 +347,7 @@ def main(argv=None) -> int:
     for r in rows:
         if "step_ms" in r and roof[r["batch"]]["roofline_ms"]:
             key = {"h200-experts": "roofline_fp8_experts_ms", "h200-static-ops": "roofline_fp8_experts_ms",
+                   "h200-skip": "roofline_fp8_experts_ms",
                    "h200-mxfp4": "roofline_mxfp4_experts_ms"}.get(r["graph"], "roofline_ms")
             r["roofline_fraction"] = roof[r["batch"]][key] / r["step_ms"]
     print(table(res))
