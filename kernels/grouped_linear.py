@@ -35,7 +35,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _grouped_linear_kernel(x_ptr, w_ptr, z_ptr, M, G, R, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_I: tl.constexpr, INTERPRET: tl.constexpr):
+                           BLOCK_I: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
     g = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     m = tl.arange(0, BLOCK_M)
@@ -51,6 +51,8 @@ def _grouped_linear_kernel(x_ptr, w_ptr, z_ptr, M, G, R, I: tl.constexpr, BLOCK_
         w = tl.load(w_rows + i0 + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         if INTERPRET:  # the interpreter's low-precision dot is not exact: multiply the same values in fp32
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        elif F32:  # fp32 operands: IEEE products (the default would round them to TF32's 10-bit mantissa)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     z = z_ptr + (m[:, None].to(tl.int64) * G + g) * R + r[None, :]
@@ -83,7 +85,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if M == 0:
         return z
     _grouped_linear_kernel[(G, triton.cdiv(R, BLOCK_R))](
-        xc, wc, z, M, G, R, I, BLOCK_M=16, BLOCK_R=BLOCK_R, BLOCK_I=BLOCK_I, INTERPRET=xc.device.type == "cpu",
+        xc, wc, z, M, G, R, I, BLOCK_M=16, BLOCK_R=BLOCK_R, BLOCK_I=BLOCK_I, F32=w.dtype == torch.float32,
+        INTERPRET=xc.device.type == "cpu",
         num_warps=4)
     return z
 

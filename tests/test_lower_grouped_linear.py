@@ -108,6 +108,14 @@ def test_v3_graphs_are_untouched():
 
 
 @pytest.mark.gpu
+def test_fp32_on_cuda_is_not_tf32():
+    """An fp32 model's projection: IEEE fp32 products (TF32 would give ~1e-3)."""
+    x, w = _case(2, 3, 2, 40, 300, torch.float32, torch.float32, seed=5)
+    got = torch.ops.dsv4c.grouped_linear(x.cuda(), w.cuda())
+    assert rel_err(got, _exact(x, w)) <= KERNEL_REL[torch.float32]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8, 16])
 def test_on_cuda_at_flash_dims(M):
     x, w = _case(1, M, 8, 1024, 4096, torch.float32, torch.bfloat16, seed=M)
