@@ -111,7 +111,7 @@ def test_v3_graphs_are_untouched():
 def test_fp32_on_cuda_is_not_tf32():
     """An fp32 model's projection: IEEE fp32 products (TF32 would give ~1e-3)."""
     x, w = _case(2, 3, 2, 40, 300, torch.float32, torch.float32, seed=5)
-    got = torch.ops.dsv4c.grouped_linear(x.cuda(), w.cuda())
+    got = torch.ops.dsv4c.grouped_linear(x.cuda(), w.cuda()).cpu()
     assert rel_err(got, _exact(x, w)) <= KERNEL_REL[torch.float32]
 
 
