@@ -44,9 +44,10 @@ class Target:
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
                                           "head_rms_rope", "mla_cache_update", "dsa_cache_update", "dsa_topk")}
-# CUDA targets: capture-safe cache ops (dsv4c/model/static_ops.py) so decode steps become CUDA graphs;
-# the routed experts stay the reference op (run eagerly between graph segments) until issue 6's
-# kernels give them a capture-safe fast form.
+# CUDA targets: capture-safe cache ops so decode steps become CUDA graphs. V4's attention, compressor,
+# indexer and per-head q norm + RoPE run as Triton kernels (`fused`, kernels/v4_*.py, rope.py); V3's
+# cache writes as the static ATen forms (dsv4c/model/static_ops.py). The routed experts are rewritten
+# by quantize_experts (expert_format) into capture-safe Triton kernels.
 _CUDA = {**_REFERENCE, "v4_attention": "fused", "v4_compress": "fused", "mla_cache_update": "static",
          "dsa_cache_update": "static", "head_rms_rope": "fused", "v4_indexer_topk": "fused"}
 
