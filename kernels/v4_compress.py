@@ -152,7 +152,9 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
         ccm = cc < CW
         for q in range(STATE_ITERS):  # rows t = pg, pg + n_pg, …: the chunk's last min(n_real, R) real rows
             t = pg + q * n_pg
-            keep = (t < T) & (t < n_real) & (t >= n_real - R)
+            tv = t + 0 * cc  # the row index as a [BLOCK_CW] tensor: a scalar bool & a tensor mask is not
+            #                  a bool mask under some Triton interpreters (3.9 rejects it)
+            keep = (tv < T) & (tv < n_real) & (tv >= n_real - R)
             p = pos0 + t
             x = tl.load(kv_row + t * kv_st + cc, mask=ccm & keep, other=0.0)
             s = (tl.load(sc_row + t * sc_st + cc, mask=ccm & keep, other=0.0)
