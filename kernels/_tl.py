@@ -150,3 +150,27 @@ def a_rows(ids, rows, valid, TOPK, GATHER: tl.constexpr):
         return tl.where(valid, ids // TOPK, 0).to(tl.int64)
     else:
         return rows.to(tl.int64)
+
+
+@triton.jit
+def exp_f32(y):
+    """e^y in fp32 to a few ulp (Cody-Waite reduction, Taylor to r^7; tl.exp is the approximate ex2 on
+    CUDA and does not match the interpreter); +inf above ~88.72, 0 below ~-103.9 (the fp32 range)."""
+    y = tl.minimum(tl.maximum(y, -110.0), 89.0)
+    n = tl.floor(y * 1.4426950408889634 + 0.5)  # round(y / ln2), in [-159, 128]
+    # ln2 = 0.693145751953125 (16 significant bits: n times it is exact) + 1.4286067653e-06
+    r = (y - n * 0.693145751953125) - n * 1.4286067653e-06  # |r| <= ln2/2
+    p = 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    ni = n.to(tl.int32)
+    n1 = ni >> 1  # 2^n as two normal factors: subnormal results round once, 2^128 overflows to inf
+    n2 = ni - n1
+    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
+    return p * s1 * s2

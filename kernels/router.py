@@ -38,32 +38,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels import _tl as U
 
 MAX_E = 512  # one row of scores in registers (V4-Flash E = 256, Pro E = 384)
 MAX_K = 32
-
-
-@triton.jit
-def _exp_nonpos(y):
-    """e^y for y <= 0, fp32, a few ulp; 0 below -104 (where fp32 e^y underflows)."""
-    y = tl.maximum(y, -110.0)
-    n = tl.floor(y * 1.4426950408889634 + 0.5)  # round(y / ln2)
-    # Cody-Waite: ln2 = 0.693145751953125 (16 significant bits: n times it is exact) + 1.4286067653e-06
-    r = (y - n * 0.693145751953125) - n * 1.4286067653e-06  # |r| <= ln2/2
-    p = 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0  # Taylor to r^7: truncation < 6e-9 relative
-    ni = n.to(tl.int32)  # in [-159, 0]
-    n1 = ni >> 1  # 2^n as two normal factors, so that a subnormal result is rounded once
-    n2 = ni - n1
-    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
-    return p * s1 * s2
 
 
 @triton.jit
@@ -85,7 +63,7 @@ def _log1p_unit(t):
 @triton.jit
 def _sqrt_softplus(x):
     """sqrt(softplus(x)) with torch's softplus (beta 1, threshold 20)."""
-    sp = tl.maximum(x, 0.0) + _log1p_unit(_exp_nonpos(-tl.abs(x)))
+    sp = tl.maximum(x, 0.0) + _log1p_unit(U.exp_f32(-tl.abs(x)))
     return tl.sqrt_rn(tl.where(x > 20.0, x, sp))
 
 

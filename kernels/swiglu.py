@@ -44,32 +44,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels import _tl as U
 
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_BLOCK = 1024
-
-
-@triton.jit
-def _exp_f32(y):
-    """e^y in fp32 to a few ulp; +inf above ~88.72, 0 below ~-103.9 (the fp32 range)."""
-    y = tl.minimum(tl.maximum(y, -110.0), 89.0)
-    n = tl.floor(y * 1.4426950408889634 + 0.5)  # round(y / ln2), in [-159, 128]
-    # ln2 = 0.693145751953125 (16 significant bits: n times it is exact) + 1.4286067653e-06
-    r = (y - n * 0.693145751953125) - n * 1.4286067653e-06  # |r| <= ln2/2
-    p = 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    ni = n.to(tl.int32)
-    n1 = ni >> 1  # 2^n as two normal factors: subnormal results round once, 2^128 overflows to inf
-    n2 = ni - n1
-    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
-    return p * s1 * s2
 
 
 @triton.jit
@@ -100,7 +78,7 @@ def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
         if ty != tl.float32:  # the clamped value is min(g, L) rounded: min(g, round(L)), as torch's
             g = _round(g, ty, RNE_BF16)
             u = _round(u, ty, RNE_BF16)
-    s = tl.div_rn(g, 1.0 + _exp_f32(-g))
+    s = tl.div_rn(g, 1.0 + U.exp_f32(-g))
     if ty != tl.float32:
         s = _round(s, ty, RNE_BF16)
         h = _round(s * u, ty, RNE_BF16)

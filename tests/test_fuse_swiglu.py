@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4c.kernels import swiglu as S
+from dsv4c.kernels import _tl as U
 from dsv4c.kernels.swiglu import swiglu_act, swiglu_act_ref
 from dsv4c.kernels.tolerances import rel_err
 from dsv4c.model import register_ops
@@ -89,7 +89,7 @@ def test_bf16_bit_equality_on_many_values():
 def _exp_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    tl.store(out_ptr + i, S._exp_f32(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+    tl.store(out_ptr + i, U.exp_f32(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: overflow to inf is the point
