@@ -213,6 +213,12 @@ def unavailable(*names: str) -> str:
     return f"dsv4c::{'/'.join(names)} unavailable (needs triton)"
 
 
+def tensor_value(a) -> torch.Tensor | None:
+    """The fake tensor a graph node holds (`meta["val"]`), or None for literals and non-tensor nodes."""
+    v = a.meta.get("val") if isinstance(a, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def is_noop_cast(n: Node) -> bool:
     """`aten.to.dtype(x, dt)` where x already has dtype dt."""
     if n.op != "call_function" or n.target is not torch.ops.aten.to.dtype:

@@ -35,9 +35,9 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites, match_sites, replace_site
 
 _ACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,18 +86,13 @@ def post_pattern(n: int, dtype: torch.dtype):
     return export_pattern(_Post(), ex).graph
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _streams_ok(X, n: int):
-    v = _val(X)
+    v = tensor_value(X)
     return v is not None and v.dim() == 4 and v.dtype in _ACT and v.shape[-2] == n
 
 
 def _fp32(a, shape) -> bool:
-    v = _val(a)
+    v = tensor_value(a)
     return v is not None and v.dtype == torch.float32 and tuple(v.shape) == tuple(shape)
 
 
@@ -105,20 +100,20 @@ def _pre_ok(site, n: int) -> bool:
     X, fn, base, scale = site.inputs
     if not _streams_ok(X, n):
         return False
-    mix, d = (2 + n) * n, _val(X).shape[-1]
+    mix, d = (2 + n) * n, tensor_value(X).shape[-1]
     return isinstance(d, int) and _fp32(fn, (mix, n * d)) and _fp32(base, (mix,)) and _fp32(scale, (3,))
 
 
 def _post_ok(site, n: int) -> bool:
     y, X, post, comb = site.inputs
-    if not _streams_ok(X, n) or _val(y) is None or _val(y).dtype != _val(X).dtype:
+    if not _streams_ok(X, n) or tensor_value(y) is None or tensor_value(y).dtype != tensor_value(X).dtype:
         return False
-    return all(_val(a) is not None and _val(a).dtype == torch.float32 for a in (post, comb))
+    return all(tensor_value(a) is not None and tensor_value(a).dtype == torch.float32 for a in (post, comb))
 
 
 def _act_dtypes(gm: GraphModule) -> list[torch.dtype]:
     """Float dtypes of the graph's 4-D values (the candidates for the streams' dtype)."""
-    found = {v.dtype for n in gm.graph.nodes if (v := _val(n)) is not None and v.dim() == 4}
+    found = {v.dtype for n in gm.graph.nodes if (v := tensor_value(n)) is not None and v.dim() == 4}
     return [dt for dt in _ACT if dt in found]
 
 

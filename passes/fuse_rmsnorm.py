@@ -31,9 +31,9 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 _ACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,13 +56,8 @@ def norm_pattern(eps: float, cast_first: bool, dtype: torch.dtype):
     return export_pattern(_Norm(eps, cast_first), (torch.zeros(2, 8, dtype=dtype), torch.ones(8, dtype=dtype))).graph
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _ok(site) -> bool:
-    x, w = (_val(a) for a in site.inputs)
+    x, w = (tensor_value(a) for a in site.inputs)
     return (x is not None and w is not None and x.dim() >= 1 and w.dim() == 1 and x.dtype in _ACT
             and w.dtype in _ACT and isinstance(x.shape[-1], int) and w.shape[0] == x.shape[-1])
 
@@ -75,7 +70,7 @@ def fuse_rmsnorm(gm: GraphModule, ctx: PassContext) -> PassResult:
     if not any(n.target is torch.ops.aten.rsqrt.default for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
     eps = ctx.config.rms_norm_eps
-    found = {v.dtype for n in gm.graph.nodes if (v := _val(n)) is not None}
+    found = {v.dtype for n in gm.graph.nodes if (v := tensor_value(n)) is not None}
     dtypes = [dt for dt in _ACT if dt in found]
     orders = {"v4": 0, "v3": 0}
     for cast_first in (False, True):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 aten = torch.ops.aten
@@ -58,11 +58,6 @@ def rope_pattern(rank: int, C: int, r: int, dtype: torch.dtype, inverse: bool):
     return export_pattern(_Rope(inverse), (torch.zeros(*lead, C, dtype=dtype), cs, cs.clone())).graph
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _keys(gm: GraphModule) -> set[tuple]:
     """(rank, C, r, dtype) of every `cat([slice(x, last, 0, C - r), _], -1)` whose x could be a RoPE input."""
     keys = set()
@@ -73,7 +68,7 @@ def _keys(gm: GraphModule) -> set[tuple]:
         if not (isinstance(keep, Node) and keep.target is aten.slice.Tensor and len(keep.args) == 4):
             continue
         x, dim, start, end = keep.args
-        v = _val(x)
+        v = tensor_value(x)
         if v is None or v.dtype not in _ACT or not 1 <= v.dim() <= _MAX_RANK or dim != v.dim() - 1 or start != 0:
             continue
         C = v.shape[-1]
@@ -86,8 +81,8 @@ def _ok(site) -> bool:
     """Tensors of the op's dtypes, and cos/sin broadcast to x's leading dims, never x to theirs: the
     site's output has x's shape (symbolic sizes compared by expression; the batch sizes of x and of
     cos/sin are different symbols of one runtime value)."""
-    x, cos, sin = (_val(a) for a in site.inputs)
-    out = _val(site.outputs[0])
+    x, cos, sin = (tensor_value(a) for a in site.inputs)
+    out = tensor_value(site.outputs[0])
     if x is None or cos is None or sin is None or out is None:
         return False
     if cos.dtype not in _ACT or sin.dtype not in _ACT or cos.dim() > x.dim() or sin.dim() != cos.dim():

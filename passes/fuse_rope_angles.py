@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 aten = torch.ops.aten
@@ -77,11 +77,6 @@ def angles_pattern() -> Graph:
     return g
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _t_value(t):
     """The chunk size bound to the pattern's T: an int literal, or a node holding a (sym)int."""
     if isinstance(t, Node):
@@ -97,9 +92,9 @@ def _same_size(a, b) -> bool:
 
 def _ok(site) -> bool:
     """pos0 a 1-D int64, inv_freq a 1-D fp32, T a (sym)int, and the site's cos [B, T, r/2] fp32."""
-    pos0, inv_freq = _val(site.inputs[0]), _val(site.inputs[1])
+    pos0, inv_freq = tensor_value(site.inputs[0]), tensor_value(site.inputs[1])
     T = _t_value(site.inputs[2])
-    cos = _val(site.outputs[0])
+    cos = tensor_value(site.outputs[0])
     if pos0 is None or inv_freq is None or T is None or cos is None:
         return False
     if pos0.dtype != torch.int64 or pos0.dim() != 1 or inv_freq.dtype != torch.float32 or inv_freq.dim() != 1:

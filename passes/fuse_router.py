@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 
@@ -88,11 +88,6 @@ def hashed_pattern(k: int, scale: float):
     return export_pattern(_Hashed(scale), (torch.zeros(2, _E), torch.zeros(2, k, dtype=torch.int64))).graph
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _logits_ok(logits) -> bool:
     from dsv4c.kernels.router import MAX_E
 
@@ -101,13 +96,13 @@ def _logits_ok(logits) -> bool:
 
 
 def _topk_ok(site) -> bool:
-    logits, bias = (_val(a) for a in site.inputs)
+    logits, bias = (tensor_value(a) for a in site.inputs)
     return (_logits_ok(logits) and bias is not None and bias.dtype == torch.float32
             and tuple(bias.shape) == (logits.shape[1],))
 
 
 def _hashed_ok(site, k: int) -> bool:
-    logits, idx = (_val(a) for a in site.inputs)
+    logits, idx = (tensor_value(a) for a in site.inputs)
     return (_logits_ok(logits) and idx is not None and idx.dtype == torch.int64 and idx.dim() == 2
             and idx.shape[1] == k)
 

@@ -29,9 +29,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
+from dsv4c.passes import PassContext, PassResult, kernel_ops, tensor_value, unavailable
 from dsv4c.passes.pattern import export_pattern, fuse_sites
 
 _ACT = (torch.float32, torch.bfloat16)
@@ -55,11 +55,6 @@ def swiglu_pattern(limit: float, dtype: torch.dtype):
     return export_pattern(_Act(limit), (ex, ex.clone())).graph
 
 
-def _val(a):
-    v = a.meta.get("val") if isinstance(a, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _addressable(t: torch.Tensor) -> bool:
     """Rows of unit stride with one row stride (the kernel's contract, checked on the fake value)."""
     if t.dim() < 1 or not isinstance(t.shape[-1], int):
@@ -76,7 +71,7 @@ def _addressable(t: torch.Tensor) -> bool:
 
 
 def _ok(site) -> bool:
-    g, u = (_val(a) for a in site.inputs)
+    g, u = (tensor_value(a) for a in site.inputs)
     return (g is not None and u is not None and g.dtype in _ACT and u.dtype == g.dtype and g.shape == u.shape
             and _addressable(g) and _addressable(u))
 
@@ -89,7 +84,7 @@ def fuse_swiglu(gm: GraphModule, ctx: PassContext) -> PassResult:
     if not any(n.target is torch.ops.aten.silu.default for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
     limit = float(ctx.config.swiglu_limit)
-    found = {v.dtype for n in gm.graph.nodes if (v := _val(n)) is not None}
+    found = {v.dtype for n in gm.graph.nodes if (v := tensor_value(n)) is not None}
     sites = 0
     for dt in (dt for dt in _ACT if dt in found):
         sites += fuse_sites(gm, swiglu_pattern(limit, dt), lambda s: (op, (*s.inputs, limit)) if _ok(s) else None)
