@@ -77,6 +77,16 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, 
     return x.shape[-1], half
 
 
+def _row_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> tuple:
+    """The kernels' shape arguments after C: L1, L2 (x's leading dims padded to MAX_LEAD), then cos's and
+    sin's four strides over [L0, L1, L2, r/2] (0 where they broadcast)."""
+    lead = (1,) * (MAX_LEAD - (x.dim() - 1)) + tuple(x.shape[:-1])
+    pad = (0,) * (MAX_LEAD - (x.dim() - 1))
+    cs = cos.expand(*x.shape[:-1], half)
+    ss = sin.expand(*x.shape[:-1], half)
+    return (lead[1], lead[2], *(pad + tuple(cs.stride())), *(pad + tuple(ss.stride())))
+
+
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2·cos.shape[-1] channels of x in interleaved pairs (see the module doc). x any
     strides (a non-contiguous x is copied once); cos/sin broadcastable to x's leading dims (read through
@@ -86,14 +96,9 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
     out = torch.empty_like(xc)
     if xc.numel() == 0:
         return out
-    lead = (1,) * (MAX_LEAD - (x.dim() - 1)) + tuple(x.shape[:-1])
-    cs = cos.expand(*x.shape[:-1], half)
-    ss = sin.expand(*x.shape[:-1], half)
-    pad = (0,) * (MAX_LEAD - (x.dim() - 1))
-    cstr, sstr = pad + tuple(cs.stride()), pad + tuple(ss.stride())
     keep = C - 2 * half
     rows = xc.numel() // C
-    _rope_kernel[(rows,)](xc, cs, ss, out, C, lead[1], lead[2], *cstr, *sstr, INVERSE=bool(inverse), KEEP=keep,
+    _rope_kernel[(rows,)](xc, cos, sin, out, C, *_row_args(x, cos, sin, half), INVERSE=bool(inverse), KEEP=keep,
                           HALF=half, BLOCK_KEEP=triton.next_power_of_2(max(keep, 1)),
                           BLOCK_HALF=triton.next_power_of_2(half), num_warps=1 if C <= 256 else 2)
     return out
@@ -150,12 +155,8 @@ def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
     out = torch.empty_like(qc)
     if qc.numel() == 0:
         return out
-    lead = (1,) * (MAX_LEAD - (q.dim() - 1)) + tuple(q.shape[:-1])
-    cs = cos.expand(*q.shape[:-1], half)
-    ss = sin.expand(*q.shape[:-1], half)
-    pad = (0,) * (MAX_LEAD - (q.dim() - 1))
     _head_rms_rope_kernel[(qc.numel() // C,)](
-        qc, cs, ss, out, C, lead[1], lead[2], *(pad + tuple(cs.stride())), *(pad + tuple(ss.stride())), float(eps),
+        qc, cos, sin, out, C, *_row_args(q, cos, sin, half), float(eps),
         HALF=half, BLOCK_C=triton.next_power_of_2(C), BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=1 if C <= 256 else 4)
     return out
