@@ -157,8 +157,9 @@ HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
-# Seventh session: with the Sinkhorn input reloaded (RELOAD) and the row launch for M <= 8, chunk 128
-# and 1 finish warp take 9.4 / 10.4 / 19.3 us (2 warps 10.1 / 11.0 / 20.1; without RELOAD 22 / 23 / 32).
+# Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
+# M <= 8, chunk 128 and 1 finish warp take 9.4 / 10.4 / 19.3 us (2 warps 10.1 / 11.0 / 20.1; without
+# the reload 22 / 23 / 32).
 
 
 @triton.jit
@@ -212,7 +213,7 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr, RELOAD: tl.constexpr):
+                          BLOCK_D: tl.constexpr):
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
     n = tl.arange(0, N)
@@ -237,13 +238,12 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
         ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
         zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
         c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
-        if RELOAD:
-            # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
-            # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded
-            # back, the [N, N] tile gets the compact layout of a fresh load.
-            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
-            tl.debug_barrier()
-            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+        # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
+        # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
+        # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
+        tl.debug_barrier()
+        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
         comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
         tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
@@ -301,7 +301,7 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None, rows: bool | None = None, reload: bool = True):
+           finish_warps: int | None = None, rows: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
@@ -337,8 +337,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
-        ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd, RELOAD=bool(reload),
-        num_warps=finish_warps or (HC_FINISH_WARPS if n * bd >= 1024 else 1))
+        ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+        num_warps=finish_warps or HC_FINISH_WARPS)
     return u, post, comb
 
 
