@@ -87,3 +87,29 @@ def assert_same(a, b, rel: float = 0.0) -> None:
         assert max_rel(x, y) <= rel, (i, max_rel(x, y))
     for k in cb:
         assert max_rel(ca[k], cb[k]) <= rel, (k, max_rel(ca[k], cb[k]))
+
+
+def pipeline_pair(pass_name: str):
+    """The two-layer V4's decode graph through default_pipeline on h200, with and without `pass_name`
+    (quantize_experts skipped: lossy, tests/test_quantize_experts.py). Asserts both give the same outputs
+    and cache writes; -> (ctx, fused graph, its pass records, the graph without the pass)."""
+    from dsv4c.passes import PassContext, run_pipeline
+
+    ctx = PassContext(model("v4").config, "h200", graph_kind="decode")
+    skip = ("quantize_experts",)
+    unfused, _ = run_pipeline(exported("v4", "decode"), ctx, skip=skip + (pass_name,))
+    gm, recs = run_pipeline(exported("v4", "decode"), ctx, skip=skip)
+    args = inputs("v4", "decode")
+    assert_same(run(gm, args), run(unfused, args))
+    return ctx, gm, recs, unfused
+
+
+def assert_in_capturable_segments(gm, ctx, targets, n: int) -> None:
+    """Exactly `n` nodes call one of `targets`, and each sits in a static, capturable segment of the plan."""
+    from dsv4c.passes.split_at_routers import plan_segments
+
+    plan = plan_segments(gm, ctx)
+    fused = {nd.name for nd in gm.graph.nodes if nd.target in targets}
+    holding = [s for s in plan.segments if fused & set(s.nodes)]
+    assert len(fused) == n == sum(len(fused & set(s.nodes)) for s in holding)
+    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]

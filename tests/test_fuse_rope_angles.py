@@ -14,9 +14,10 @@ from dsv4c import ModelConfig
 from dsv4c.kernels.rope_angles import rope_angles, rope_angles_ref
 from dsv4c.model import register_ops
 from dsv4c.model.common import rope_inv_freq
-from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes import PassContext, verify
 from dsv4c.passes.fuse_rope_angles import fuse_rope_angles
-from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
+from fusion_cases import assert_in_capturable_segments, pipeline_pair
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, max_rel as _max_rel,
                            model as _model, run as _run)
 
@@ -254,22 +255,13 @@ def test_v3_step_tables_are_fused_bit_exact(name, kind, want):
 def test_in_the_pipeline_tables_sit_in_capturable_segments():
     """fuse_rope_angles runs in default_pipeline right after fuse_rope: the outputs equal the pipeline
     without it, and on h200 the fused tables sit in capturable static segments."""
-    ctx = PassContext(_model("v4").config, "h200", graph_kind="decode")
-    args = _inputs("v4", "decode")
-    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
-    unfused, _ = run_pipeline(_exported("v4", "decode"), ctx, skip=skip + ("fuse_rope_angles",))
-    gm, recs = run_pipeline(_exported("v4", "decode"), ctx, skip=skip)
+    ctx, gm, recs, unfused = pipeline_pair("fuse_rope_angles")
     names = [r.name for r in recs]
     assert names.index("fuse_rope_angles") == names.index("fuse_rope") + 1
     want = _expected("v4", "decode")
     assert next(r for r in recs if r.name == "fuse_rope_angles").stats["sites"] == want
     assert _count(gm, aten.cos.default) == 0 and _count(unfused, aten.cos.default) == want
-    _assert_same(_run(gm, args), _run(unfused, args))
-    plan = plan_segments(gm, ctx)
-    fused = {nd.name for nd in gm.graph.nodes if nd.target is OP}
-    holding = [s for s in plan.segments if fused & set(s.nodes)]
-    assert len(fused) == want == sum(len(fused & set(s.nodes)) for s in holding)
-    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+    assert_in_capturable_segments(gm, ctx, (OP,), want)
 
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------

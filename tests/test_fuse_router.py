@@ -11,10 +11,11 @@ from dsv4c.kernels import router as R
 from dsv4c.kernels.router import route_hashed, route_hashed_ref, route_topk, route_topk_ref
 from dsv4c.kernels.tolerances import rel_err
 from dsv4c.model import register_ops
-from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes import PassContext, verify
 from dsv4c.passes.fuse_router import fuse_router
 from dsv4c.passes.lower_f32_linears import lower_f32_linears
-from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
+from fusion_cases import assert_in_capturable_segments, pipeline_pair
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
                            run as _run)
 
@@ -231,21 +232,12 @@ def test_other_k_or_scale_and_v3_graphs_are_left_alone():
 def test_in_the_pipeline_routers_sit_in_capturable_segments():
     """fuse_router runs in default_pipeline right after lower_f32_linears: the outputs equal the pipeline
     without it, and on h200 the fused routers sit in capturable static segments."""
-    ctx = PassContext(_model("v4").config, "h200", graph_kind="decode")
-    args = _inputs("v4", "decode")
-    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
-    unfused, _ = run_pipeline(_exported("v4", "decode"), ctx, skip=skip + ("fuse_router",))
-    gm, recs = run_pipeline(_exported("v4", "decode"), ctx, skip=skip)
+    ctx, gm, recs, _ = pipeline_pair("fuse_router")
     names = [r.name for r in recs]
     assert names.index("fuse_router") == names.index("lower_f32_linears") + 1
     want = _expected("v4", "decode")
     assert next(r for r in recs if r.name == "fuse_router").stats["variants"] == want
-    _assert_same(_run(gm, args), _run(unfused, args))
-    plan = plan_segments(gm, ctx)
-    fused = {nd.name for nd in gm.graph.nodes if nd.target in (TOPK, HASHED)}
-    holding = [s for s in plan.segments if fused & set(s.nodes)]
-    assert len(fused) == sum(want.values()) == sum(len(fused & set(s.nodes)) for s in holding)
-    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+    assert_in_capturable_segments(gm, ctx, (TOPK, HASHED), sum(want.values()))
 
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from dsv4c.kernels import _tl as U
 from dsv4c.kernels.swiglu import swiglu_act, swiglu_act_ref
 from dsv4c.kernels.tolerances import rel_err
 from dsv4c.model import register_ops
-from dsv4c.passes import PassContext, run_pipeline, verify
+from dsv4c.passes import PassContext, verify
 from dsv4c.passes.fuse_projections import fuse_projections
 from dsv4c.passes.fuse_swiglu import fuse_swiglu
-from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
+from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
+from fusion_cases import assert_in_capturable_segments, pipeline_pair
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
                            run as _run)
 
@@ -282,22 +283,13 @@ def test_fused_graph_with_the_triton_kernel_matches(kind):
 def test_in_the_pipeline_sites_sit_in_capturable_segments():
     """fuse_swiglu runs in default_pipeline right after fuse_router: the outputs equal the pipeline without
     it, and on h200 the fused activations sit in capturable static segments."""
-    ctx = PassContext(_model("v4").config, "h200", graph_kind="decode")
-    args = _inputs("v4", "decode")
-    skip = ("quantize_experts",)  # lossy (tests/test_quantize_experts.py)
-    unfused, _ = run_pipeline(_exported("v4", "decode"), ctx, skip=skip + ("fuse_swiglu",))
-    gm, recs = run_pipeline(_exported("v4", "decode"), ctx, skip=skip)
+    ctx, gm, recs, _ = pipeline_pair("fuse_swiglu")
     names = [r.name for r in recs]
     assert names.index("fuse_swiglu") == names.index("fuse_router") + 1
     n = _n_moe("v4", "decode")
     assert next(r for r in recs if r.name == "fuse_swiglu").stats["sites"] == n
     assert len(_shared_groups(next(r for r in recs if r.name == "fuse_projections").stats)) == n
-    _assert_same(_run(gm, args), _run(unfused, args))
-    plan = plan_segments(gm, ctx)
-    fused = {nd.name for nd in gm.graph.nodes if nd.target is OP}
-    holding = [s for s in plan.segments if fused & set(s.nodes)]
-    assert len(fused) == n == sum(len(fused & set(s.nodes)) for s in holding)
-    assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+    assert_in_capturable_segments(gm, ctx, (OP,), n)
 
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------
