@@ -387,6 +387,7 @@ class _ShardWriter:
         self.shards: list[list[str]] = []
 
     def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().cpu()  # a GPU model's tensors are written from host memory
         nbytes = t.numel() * t.element_size()
         if self.buf and self.size + nbytes > self.max:
             self._flush()

@@ -167,7 +167,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
-                       progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format)
+                       progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
+                       convert_device=a.convert_device)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("reference", "bf16", "fp8_block", "mxfp4_w4a16", "nvfp4_w4a16", "nvfp4_w4a4"),
                    help="routed-expert format instead of the target's (h200/h100: fp8_block; b200: nvfp4_w4a4); "
                         "a format the target's GPU cannot run fails with the capability it needs")
+    s.add_argument("--convert-device", default=None, metavar="DEVICE",
+                   help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
+                        "else cpu); exact, so the artifact's bytes do not depend on it")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")

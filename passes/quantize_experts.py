@@ -188,15 +188,26 @@ def _stack(containers: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: int, dp: int) -> tuple[dict, int]:
-    """Build the stacked fields one expert at a time. `read(e)` gives ("float", w1, w3, w2) or
-    ("mxfp4", w1, s1, w3, s3, w2, s2) for expert e (2-d checkpoint tensors). Returns (fields, the
-    number of experts quantised from dequantised values although the source was MXFP4)."""
+def _on(c, device: torch.device):
+    """The container `c` with every tensor field moved to `device`."""
+    moved = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+    return type(c)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: int, dp: int,
+                   device: str | torch.device = "cpu") -> tuple[dict, int]:
+    """Build the stacked fields (on the CPU) one expert at a time. `read(e)` gives ("float", w1,
+    w3, w2) or ("mxfp4", w1, s1, w3, s3, w2, s2) for expert e (2-d checkpoint tensors). Each
+    expert is converted on `device` (a GPU converts a Flash layer in a second; the same exact
+    arithmetic, so the same bytes). Returns (fields, the number of experts quantised from
+    dequantised values although the source was MXFP4)."""
     from dsv4c.kernels.moe_grouped import Mxfp4Experts
 
+    device = torch.device(device)
     parts, requant = [], 0
     for e in range(n_experts):
         src = read(e)
+        src = (src[0], *(t.to(device) for t in src[1:]))
         c = None
         if src[0] == "mxfp4":
             w1, s1, w3, s3, w2, s2 = (t.unsqueeze(0) for t in src[1:])
@@ -208,7 +219,7 @@ def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: 
                 c = quantize_float(kfmt, *mx.dequantize(), ip, dp)
         else:
             c = quantize_float(kfmt, *(t.unsqueeze(0) for t in src[1:]), ip, dp)
-        parts.append(c)
+        parts.append(c if device.type == "cpu" else _on(c, torch.device("cpu")))
     return _stack(parts), requant
 
 
@@ -378,8 +389,9 @@ class CheckpointExperts:
     sorted weight list, so each layer is built once). W4A4 activation scales (ACT_FIELDS) come from
     `activation(recipe)`; `activation_scales` keeps each layer's record for the manifest."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, device: str | torch.device = "cpu"):
         self.reader = reader
+        self.device = torch.device(device)
         self._key = None
         self._fields: dict[str, torch.Tensor] = {}
         self.requantised: dict[str, int] = {}
@@ -394,7 +406,7 @@ class CheckpointExperts:
             self._fields = {}
             read = checkpoint_reader_fn(self.reader, recipe["sources"])
             self._fields, n = expert_tensors(recipe["kernel_format"], recipe["experts"], read,
-                                             recipe["padded"]["I"], recipe["padded"]["D"])
+                                             recipe["padded"]["I"], recipe["padded"]["D"], self.device)
             self.requantised[key] = n
             self._key = key
         return self._fields[recipe["field"]]

@@ -205,3 +205,19 @@ def test_h200_artifact_runs_on_cuda_and_equals_eager(tmp_path):
     results = sess.generate(PROMPTS, max_new_tokens=5)
     for p, r in zip(PROMPTS, results):
         assert r.tokens == greedy(model, torch.tensor([p], device="cuda"), 5)[0].tolist()
+
+
+@pytest.mark.gpu
+def test_expert_conversion_on_the_gpu_writes_the_same_bytes(tmp_path):
+    """compile converts the released MXFP4 experts to the target's FP8 on a GPU when there is one; the
+    conversion is exact, so every weight file must hash as the CPU conversion's does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, quant="release")
+    files = {}
+    for dev in ("cpu", "cuda"):
+        m = compile_checkpoint(tmp_path / "ckpt", tmp_path / dev, target="h200", max_tokens=64, max_batch=4,
+                               convert_device=dev)
+        assert m["convert_device"] == dev
+        files[dev] = {k: v["sha256"] for k, v in m["files"].items() if k.startswith("weights/")}
+    assert files["cpu"] and files["cpu"] == files["cuda"]

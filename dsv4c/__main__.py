@@ -1,0 +1,4 @@
+"""`python -m dsv4c ...`: the same command line as the `dsv4c` script."""
+from dsv4c.cli import main
+
+raise SystemExit(main())
