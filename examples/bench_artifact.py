@@ -1,0 +1,276 @@
+"""Issue 4's benchmark: `dsv4c compile` the v4-flash-slice for h200, `dsv4c bench` the artifact, and time
+the eager reference and `torch.compile` of it in the same run (benchmark.md's rules).
+
+    python examples/bench_artifact.py --work /tmp/dsv4c_slice --out $OUT/artifact.json    # H200
+    python examples/bench_artifact.py --quick --device cpu --work /tmp/q --out q.json      # a smoke run
+
+Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps what was measured:
+  1. copy bandwidth; the slice built on the GPU (seeded random, every parameter non-trivial), its
+     weights rounded in place to the release formats (FP8 128x128 attention and shared expert, MXFP4
+     routed experts), so that the eager model and the checkpoint hold the same values;
+  2. the release checkpoint written (`save_checkpoint(quant="release")`, the official layout);
+  3. peers: B prompts of P tokens prefilled by the eager model, then greedy decode steps of
+     `model.step` (the eager reference) and of `torch.compile(model.step, dynamic=True)`, each step
+     timed with CUDA events; the first eager step of each batch also counts the unique routed experts
+     (the roofline's expert bytes);
+  4. `dsv4c compile CKPT --target h200 --max-batch 64 ...` (a subprocess; log in the work folder);
+  5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
+     (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt.
+The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
+them; bf16 everything else) over the measured copy bandwidth.
+
+Legend: B batch rows, P prompt tokens, S new tokens per sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, step_bytes  # noqa: E402
+
+from dsv4c import quant as Q  # noqa: E402
+from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
+from dsv4c.names import expert_disk_name, is_stacked  # noqa: E402
+
+
+@torch.no_grad()
+def round_to_release_(model) -> dict:
+    """Replace every weight the release layout stores quantised by its stored (dequantised) value, in
+    place: loading the written checkpoint then gives the same model. Returns counts per format."""
+    cfg, counts = model.config, {"fp8": 0, "fp4": 0}
+    for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point:
+            continue
+        fmt = release_format(cfg, expert_disk_name(name, 0) if is_stacked(name) else name)
+        if fmt == "fp4":
+            for e in range(p.shape[0]):  # one expert at a time: fp32 temporaries stay small
+                w, s = Q.quant_mxfp4(p[e].float())
+                p[e].copy_(Q.dequant_mxfp4(w, s))
+        elif fmt == "fp8":
+            q, s = Q.quant_fp8_block(p.float(), scale_fmt="ue8m0")
+            p.copy_(Q.dequant_fp8_block(q, Q.e8m0_to_float(s)))
+        else:
+            continue
+        counts[fmt] += 1
+    return counts
+
+
+@torch.no_grad()
+def prefill(model, n_slots: int, prompt: int, max_len: int, chunk_rows: int, seed: int):
+    cache = model.new_cache(n_slots, max_len=max_len)
+    g = torch.Generator().manual_seed(seed)
+    dev = cache.pos.device
+    for s in range(0, n_slots, chunk_rows):
+        rows = torch.arange(s, min(s + chunk_rows, n_slots))
+        ids = torch.randint(0, model.config.vocab_size, (len(rows), prompt), generator=g)
+        model(ids.to(dev), cache, slots=rows.to(dev))
+    return cache
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    return [t for lc in cache.layers for t in vars(lc).values() if isinstance(t, torch.Tensor)]
+
+
+@torch.no_grad()
+def time_steps(step, model, cache, snapshot, B: int, steps: int, count_experts: bool = False) -> dict:
+    """Greedy decode steps of `step(ids, slots, pos0, n_real, layers)` from the prefilled state."""
+    for t, s in zip(_cache_tensors(cache), snapshot):
+        t.copy_(s)
+    dev = cache.pos.device
+    ids = torch.randint(0, model.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(B)).to(dev)
+    slots = torch.arange(B, device=dev)
+    pos = cache.pos[:B].clone()
+    one = torch.ones(B, dtype=torch.int64, device=dev)
+    times, toks, unique = [], [], None
+    for i in range(steps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        if count_experts and i == 0:
+            rec = _ExpertCount()
+            with rec:
+                logits = step(ids, slots, pos, one, cache.layers)[0]
+            unique = rec.unique
+        else:
+            logits = step(ids, slots, pos, one, cache.layers)[0]
+        if dev.type == "cuda":
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(ids[:, 0].cpu())
+        pos += 1
+    warm = times[3:] if len(times) > 4 else times[1:]
+    return {"batch": B, "step_ms": statistics.median(warm), "first_step_ms": times[0],
+            "spread_ms": abs(statistics.median(warm[0::2]) - statistics.median(warm[1::2])) if len(warm) > 2 else 0.0,
+            "tokens": torch.stack(toks).T.tolist(), "unique_experts": unique}
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    """Run a dsv4c command line; output to `log`; raises with the log's tail on failure."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "TQDM_MININTERVAL": "10"}
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if rc:
+        raise RuntimeError(f"{' '.join(cmd)} exited {rc}:\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def dsv4c(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dsv4c", *args]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=27, help="decode steps per batch; the first 3 are warm-up")
+    ap.add_argument("--long-context", type=int, default=0, help="also bench batch 1 with a prompt this long")
+    ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifact")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--no-torch-compile", action="store_true", help="leave out the torch.compile peer")
+    ap.add_argument("--quick", action="store_true", help="tiny model, short prompt, cpu target (a smoke run)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.batches, a.prompt, a.steps, a.target = "v4-tiny-a", [1, 3], 40, 6, "cpu"
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a.work.mkdir(parents=True, exist_ok=True)
+    ckpt, art = a.work / "ckpt", a.work / "art"
+    res: dict = {"preset": a.preset, "target": a.target, "batches": a.batches, "prompt": a.prompt, "steps": a.steps,
+                 "commit": _commit(), "torch": torch.__version__, "stages_s": {},
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    def stage(name: str, t0: float) -> None:
+        res["stages_s"][name] = round(time.perf_counter() - t0, 1)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
+
+    # 1-2. the model, rounded to the release formats, and its checkpoint
+    t0 = time.perf_counter()
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
+    res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
+    model = build(a.preset, dev, dtype)
+    res["rounded"] = round_to_release_(model)
+    stage("build", t0)
+    t0 = time.perf_counter()
+    save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
+    res["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    stage("write_checkpoint", t0)
+
+    # 3. peers: the eager reference and torch.compile of it
+    t0 = time.perf_counter()
+    n_slots, max_len = max(a.batches), a.prompt + a.steps + 8
+    cache = prefill(model, n_slots, a.prompt, max_len, chunk_rows=8, seed=0)
+    snapshot = [t.clone() for t in _cache_tensors(cache)]
+    stage("prefill_eager", t0)
+    t0 = time.perf_counter()
+    peers = res["peers"] = {"eager": [], "torch.compile": []}
+    for B in a.batches:
+        peers["eager"].append(time_steps(model.step, model, cache, snapshot, B, a.steps, count_experts=True))
+        print(f"eager B={B}: {peers['eager'][-1]['step_ms']:.2f} ms/step", flush=True)
+    stage("eager", t0)
+    if not a.no_torch_compile:
+        t0 = time.perf_counter()
+        compiled = torch.compile(model.step, dynamic=True)
+        for B in a.batches:
+            try:
+                peers["torch.compile"].append(time_steps(compiled, model, cache, snapshot, B, a.steps))
+                print(f"torch.compile B={B}: {peers['torch.compile'][-1]['step_ms']:.2f} ms/step "
+                      f"(first call {peers['torch.compile'][-1]['first_step_ms'] / 1e3:.1f}s)", flush=True)
+            except Exception as e:  # report and go on: the artifact still gets measured
+                peers["torch.compile"].append({"batch": B, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"torch.compile B={B} failed: {e}", flush=True)
+        stage("torch_compile", t0)
+    res["roofline"] = {}
+    for r in peers["eager"]:
+        by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
+        res["roofline"][r["batch"]] = {**by, "roofline_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
+    del model, cache, snapshot
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # 4. dsv4c compile
+    t0 = time.perf_counter()
+    cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
+                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context) + a.steps + 8))
+    res["compile_command"] = " ".join(cmd[2:])
+    _run(cmd, a.work / "compile.log")
+    m = json.loads((art / "manifest.json").read_text())
+    res["artifact"] = {"bytes": sum(f["size"] for f in m["files"].values()), "compile_seconds": m["compile_seconds"],
+                       "expert_format": m["target"]["expert_format"], "convert_device": m.get("convert_device"),
+                       "buckets": m["buckets"]}
+    stage("compile", t0)
+
+    # 5. dsv4c bench
+    graphs = "full" if dev.type == "cuda" else "off"
+    runs = [(a.batches, a.prompt)] + ([([1], a.long_context)] if a.long_context else [])
+    res["bench"] = []
+    for batches, prompt in runs:
+        t0 = time.perf_counter()
+        js = a.work / f"bench_{prompt}.json"
+        cmd = dsv4c("bench", str(art), "--batch", *map(str, batches), "--prompt-len", str(prompt), "--output-len",
+                    str(a.steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
+        _run(cmd, a.work / f"bench_{prompt}.log")
+        res["bench"].append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
+        stage(f"bench_{prompt}", t0)
+
+    res["summary"] = summarize(res)
+    print(table(res))
+    a.out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def summarize(res: dict) -> list[dict]:
+    """Per batch: the artifact's decode step against its roofline and against the peers."""
+    peer = {name: {r["batch"]: r for r in rows if "step_ms" in r} for name, rows in res["peers"].items()}
+    out = []
+    for r in res["bench"][0]["rows"]:
+        B = r["batch"]
+        roof = res["roofline"].get(B, {}).get("roofline_ms")
+        row = {"batch": B, "artifact_step_ms": r["step_ms_p50"], "artifact_decode_tok_s": r["decode_tokens_per_s"],
+               "roofline_ms": roof, "roofline_fraction": roof / r["step_ms_p50"] if roof else None}
+        for name, by_b in peer.items():
+            if B in by_b:
+                row[f"{name}_step_ms"] = by_b[B]["step_ms"]
+                row[f"speedup_vs_{name}"] = by_b[B]["step_ms"] / r["step_ms_p50"]
+        out.append(row)
+    return out
+
+
+def table(res: dict) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"{res['preset']} -> {res['target']} artifact on {res['device']} (copy bandwidth "
+             f"{f(res.get('copy_bandwidth_GBps'), '.0f')} GB/s), prompt {res['prompt']}",
+             "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | eager ms | vs eager | "
+             "torch.compile ms | vs torch.compile |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["summary"]:
+        lines.append(f"| {r['batch']} | {r['artifact_step_ms']:.2f} | {r['artifact_decode_tok_s']:.1f} | "
+                     f"{f(r['roofline_ms'], '.3f')} | {f(r['roofline_fraction'], '.1%')} | "
+                     f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
+                     f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

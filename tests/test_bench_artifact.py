@@ -1,0 +1,29 @@
+"""examples/bench_artifact.py (issue 4's benchmark) end to end on the tiny model and the cpu target:
+release checkpoint, eager peer, `dsv4c compile`, `dsv4c bench`, summary. No torch.compile (minutes on
+a CPU); the H200 run in BENCHMARKS.md uses it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_bench_artifact_quick_run(tmp_path):
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "bench_artifact.py"), "--quick", "--device", "cpu",
+                        "--no-torch-compile", "--work", str(tmp_path / "w"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["rounded"]["fp4"] > 0 and res["rounded"]["fp8"] > 0  # the release formats were applied
+    assert res["artifact"]["expert_format"] == "reference" and res["artifact"]["bytes"] > 0
+    assert [r["batch"] for r in res["summary"]] == [1, 3]
+    for row in res["summary"]:
+        assert row["artifact_step_ms"] > 0 and row["eager_step_ms"] > 0
+        assert row["speedup_vs_eager"] == row["eager_step_ms"] / row["artifact_step_ms"]
+    eager = {p["batch"]: p for p in res["peers"]["eager"]}
+    assert all(len(eager[b]["tokens"]) == b and eager[b]["unique_experts"] for b in (1, 3))
+    assert "| batch | artifact ms/step |" in r.stdout
