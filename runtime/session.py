@@ -61,6 +61,10 @@ class _Request:
     spec: object = None  # speculative.SpecStats when generated with mtp != 0
 
 
+PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot prefill of the slice needs
+#                       16 GiB for one layer's attention scores; chunks give the same logits (tests)
+
+
 class Session:
     def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer,
                  graph_mode: str = "off"):
@@ -70,7 +74,8 @@ class Session:
         self.max_tokens = manifest["limits"]["max_tokens"]
         self.max_batch = manifest["limits"]["max_batch"]
         self.cache_slots = manifest["limits"]["cache_slots"]  # max_batch + the scratch slot
-        self.max_num_batched_tokens = self.max_tokens
+        # prefill chunk: bounded, since the prefill graph's attention holds [H, T, keys] scores
+        self.max_num_batched_tokens = min(self.max_tokens, PREFILL_CHUNK)
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.caches = self._allocate_caches()
@@ -192,17 +197,20 @@ class Session:
         ids = dev[3 * B:].view(ids.shape) if host_ids else ids
         return ids, dev[:B], dev[B:2 * B], dev[2 * B:3 * B]
 
-    def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False) -> list:
+    def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False) -> list:
         """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each
-        (`outputs=True`: every graph output of each chunk, batch dim kept)."""
-        step = self.max_num_batched_tokens
-        outs = [self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])],
-                          outputs=True) for i in range(0, len(ids), step)]
-        return outs if outputs else [o[0][0] for o in outs]
+        (`outputs=True`: every graph output of each chunk, batch dim kept; `last_row`: only each chunk's
+        last row, [1, V], so a long prompt does not hold T x V fp32 logits)."""
+        step, outs = self.max_num_batched_tokens, []
+        for i in range(0, len(ids), step):
+            o = self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])],
+                          outputs=True)
+            outs.append(o if outputs else o[0][0][-1:] if last_row else o[0][0])
+        return outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
         """Prefill one prompt; returns the last position's logits [V]."""
-        chunks = self._prefill_chunks(req.ids, req.slot)
+        chunks = self._prefill_chunks(req.ids, req.slot, last_row=True)
         req.chunks += len(chunks)
         return chunks[-1][-1]
 
