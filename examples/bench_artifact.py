@@ -15,7 +15,9 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
      (the roofline's expert bytes);
   4. `dsv4c compile CKPT --target h200 --max-batch 64 ...` (a subprocess; log in the work folder);
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
-     (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt.
+     (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
+  6. on a GPU, where a Session step's time goes: CUDA events around the step, the executor and the
+     graph replay alone (`step_breakdown`), in this process.
 The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
 them; bf16 everything else) over the measured copy bandwidth.
 
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     for r in peers["eager"]:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
         res["roofline"][r["batch"]] = {**by, "roofline_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
+    compiled = None  # the compiled function holds the model
+    torch._dynamo.reset()
     del model, cache, snapshot
     gc.collect()
     if dev.type == "cuda":
@@ -211,7 +215,8 @@ def main(argv=None) -> int:
     # 4. dsv4c compile
     t0 = time.perf_counter()
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
-                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context) + a.steps + 8))
+                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context) + a.steps + 8),
+                "--buckets", ",".join(map(str, sorted(set(a.batches)))))  # capture only what is timed
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")
     m = json.loads((art / "manifest.json").read_text())
@@ -233,10 +238,68 @@ def main(argv=None) -> int:
         res["bench"].append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
         stage(f"bench_{prompt}", t0)
 
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        try:
+            res["breakdown"] = step_breakdown(art, a.batches, a.prompt, a.steps, dev)
+        except Exception as e:  # the bench figures above stand without it
+            res["breakdown_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"breakdown failed: {e}", flush=True)
+        stage("breakdown", t0)
     res["summary"] = summarize(res)
     print(table(res))
     a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+@torch.no_grad()
+def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev) -> list[dict]:
+    """Where a Session decode step's time goes (full graphs): CUDA events around `Session._run` (what
+    `dsv4c bench` times), around the executor's run, and around the graph replay alone. The replay is
+    the GPU's work; the rest of a step is host work the GPU waits for."""
+    from dsv4c.runtime import Session
+
+    sess = Session.load(art, device=dev, graphs="full")
+    ex = sess.executors["decode"]
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wrap(obj, name: str, tag: str, only_decode: bool = False) -> None:
+        f = getattr(obj, name)
+
+        def timed(*args, **kw):
+            if only_decode and args[0] != "decode":
+                return f(*args, **kw)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = f(*args, **kw)
+            b.record()
+            marks.append((tag, a, b))
+            return out
+
+        setattr(obj, name, timed)
+
+    wrap(sess, "_run", "step", only_decode=True)
+    wrap(ex, "run", "executor")
+    wrap(ex, "_replay_full", "replay")
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for B in batches:
+        prompts = [torch.randint(0, sess.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(B)]
+        sess.generate(prompts, max_new_tokens=2)
+        marks.clear()
+        sess.generate(prompts, max_new_tokens=steps)
+        torch.cuda.synchronize(dev)
+        ms = {}
+        for tag, a, b in marks:
+            ms.setdefault(tag, []).append(a.elapsed_time(b))
+        med = {k: statistics.median(v[3:] if len(v) > 4 else v) for k, v in ms.items()}
+        out.append({"batch": B, **{f"{k}_ms": v for k, v in med.items()},
+                    "host_ms": med["step"] - med["replay"], "host_share": 1 - med["replay"] / med["step"]})
+        print(f"breakdown B={B}: step {med['step']:.3f} ms, executor {med['executor']:.3f}, "
+              f"replay {med['replay']:.3f}", flush=True)
+    del sess
+    torch.cuda.empty_cache()
+    return out
 
 
 def summarize(res: dict) -> list[dict]:
@@ -248,6 +311,10 @@ def summarize(res: dict) -> list[dict]:
         roof = res["roofline"].get(B, {}).get("roofline_ms")
         row = {"batch": B, "artifact_step_ms": r["step_ms_p50"], "artifact_decode_tok_s": r["decode_tokens_per_s"],
                "roofline_ms": roof, "roofline_fraction": roof / r["step_ms_p50"] if roof else None}
+        bd = next((x for x in res.get("breakdown", []) if x["batch"] == B), None)
+        if bd:
+            row["replay_ms"] = bd["replay_ms"]
+            row["replay_roofline_fraction"] = roof / bd["replay_ms"] if roof else None
         for name, by_b in peer.items():
             if B in by_b:
                 row[f"{name}_step_ms"] = by_b[B]["step_ms"]
@@ -262,11 +329,13 @@ def table(res: dict) -> str:
 
     lines = [f"{res['preset']} -> {res['target']} artifact on {res['device']} (copy bandwidth "
              f"{f(res.get('copy_bandwidth_GBps'), '.0f')} GB/s), prompt {res['prompt']}",
-             "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | eager ms | vs eager | "
-             "torch.compile ms | vs torch.compile |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | replay ms | replay vs roofline | "
+             "eager ms | vs eager | torch.compile ms | vs torch.compile |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["summary"]:
         lines.append(f"| {r['batch']} | {r['artifact_step_ms']:.2f} | {r['artifact_decode_tok_s']:.1f} | "
                      f"{f(r['roofline_ms'], '.3f')} | {f(r['roofline_fraction'], '.1%')} | "
+                     f"{f(r.get('replay_ms'), '.3f')} | {f(r.get('replay_roofline_fraction'), '.1%')} | "
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
                      f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x |")
     return "\n".join(lines)
