@@ -3,8 +3,9 @@
 For each batch size B it generates from B seeded random prompts of `prompt_len` tokens, greedy,
 `output_len` new tokens each, and times every graph call the Session makes (prefill chunks, decode
 steps; verify/MTP rounds with --mtp). Decode step latency percentiles come from those timings;
-throughput is generated tokens per second of decode time. With CUDA each call is timed by CUDA events
-from an idle GPU: its host work before the first kernel counts, the wait for the result does not.
+throughput is generated tokens per second of decode time. With CUDA, prefill calls are timed one by one
+with CUDA events from an idle GPU, and a decode step is the interval between consecutive decode steps'
+ends on the GPU (greedy steps are queued back to back; see _Timer).
 """
 from __future__ import annotations
 
@@ -25,28 +26,60 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 class _Timer:
-    """Wraps Session._run: records (graph kind, rows, seconds) per call."""
+    """Wraps Session._run: records (graph kind, rows, seconds) per call.
+
+    Prefill calls (and every call on a CPU) are timed one at a time, from an idle GPU (CUDA events: the
+    call's host work before its first kernel counts, the host's wait for the result does not). Decode
+    calls are not synchronised, since greedy decoding keeps the next step queued behind the current
+    one (Session._greedy_steps): a decode step's time is the interval between its end and the previous
+    decode step's end on the GPU (the first step after a prefill: from its own start). That is the
+    time per step a steady decode loop achieves, host work included where the GPU waits for it."""
 
     def __init__(self, sess):
         self.sess, self.calls = sess, []
         self._run = sess._run
+        self.cuda = sess.device.type == "cuda"
+        self._decode: list = []  # (kind, rows, start event, end event) | None (a prefill broke the chain)
 
     def __call__(self, kind, ids, slots, n_real, **kw):
-        if self.sess.device.type != "cuda":
+        if not self.cuda:
             t0 = time.perf_counter()
             out = self._run(kind, ids, slots, n_real, **kw)
             self.calls.append((kind, len(slots), time.perf_counter() - t0))
             return out
-        # CUDA events from an idle GPU: the call's host work before its first kernel counts, the
-        # host's wait for the result does not (benchmark.md: time on the GPU with CUDA events)
-        torch.cuda.synchronize(self.sess.device)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if kind == "prefill":
+            torch.cuda.synchronize(self.sess.device)
+            a.record()
+            out = self._run(kind, ids, slots, n_real, **kw)
+            b.record()
+            b.synchronize()
+            self.calls.append((kind, len(slots), a.elapsed_time(b) / 1e3))
+            self._decode.append(None)
+            return out
         a.record()
         out = self._run(kind, ids, slots, n_real, **kw)
         b.record()
-        b.synchronize()
-        self.calls.append((kind, len(slots), a.elapsed_time(b) / 1e3))
+        self._decode.append((kind, len(slots), a, b))
         return out
+
+    def finish(self) -> None:
+        """Turn the decode calls' events into times (after the generate call returned)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.sess.device)
+        prev = None
+        for item in self._decode:
+            if item is None:
+                prev = None
+                continue
+            kind, rows, a, b = item
+            self.calls.append((kind, rows, (a if prev is None else prev).elapsed_time(b) / 1e3))
+            prev = b
+        self._decode.clear()
+
+    def clear(self) -> None:
+        self.finish()
+        self.calls.clear()
 
 
 def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_len: int, device: str = "cpu",
@@ -73,9 +106,10 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
         prompts = [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(B)]
         if warmup:  # captures the graphs of this bucket, fills allocator caches
             sess.generate(prompts, max_new_tokens=2, mtp=mtp)
-        timer.calls.clear()
+        timer.clear()
         t1 = time.perf_counter()
         res = sess.generate(prompts, max_new_tokens=output_len, mtp=mtp)
+        timer.finish()
         wall = time.perf_counter() - t1
         steps = [s for k, _, s in timer.calls if k != "prefill"]
         prefill = [s for k, _, s in timer.calls if k == "prefill"]

@@ -16,7 +16,7 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
   4. `dsv4c compile CKPT --target h200 --max-batch 64 ...` (a subprocess; log in the work folder);
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
      (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
-  6. on a GPU, where a Session step's time goes: CUDA events around the step, the executor and the
+  6. on a GPU, where a Session step's time goes: the interval between decode steps against the CUDA
      graph replay alone (`step_breakdown`), in this process.
 The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
 them; bf16 everything else) over the measured copy bandwidth.
@@ -42,6 +42,7 @@ from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, step_by
 
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
+from dsv4c.model.generate import greedy  # noqa: E402
 from dsv4c.names import expert_disk_name, is_stacked  # noqa: E402
 
 
@@ -201,6 +202,11 @@ def main(argv=None) -> int:
                 peers["torch.compile"].append({"batch": B, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(f"torch.compile B={B} failed: {e}", flush=True)
         stage("torch_compile", t0)
+    # the artifact's answer is checked against the eager model's on one prompt (in the breakdown stage)
+    chk = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        check = (chk.tolist(), model(chk[None].to(dev))[0, -1].float().cpu(),
+                 greedy(model, chk[None].to(dev), 8)[0].tolist())
     res["roofline"] = {}
     for r in peers["eager"]:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
@@ -225,11 +231,11 @@ def main(argv=None) -> int:
                        "buckets": m["buckets"]}
     stage("compile", t0)
 
-    # 5. dsv4c bench
+    # 5. dsv4c bench; 6. the step breakdown and the check against eager (GPU); 5b. the long prompt
     graphs = "full" if dev.type == "cuda" else "off"
-    runs = [(a.batches, a.prompt)] + ([([1], a.long_context)] if a.long_context else [])
     res["bench"] = []
-    for batches, prompt in runs:
+
+    def bench(batches: list[int], prompt: int) -> None:
         t0 = time.perf_counter()
         js = a.work / f"bench_{prompt}.json"
         cmd = dsv4c("bench", str(art), "--batch", *map(str, batches), "--prompt-len", str(prompt), "--output-len",
@@ -238,14 +244,17 @@ def main(argv=None) -> int:
         res["bench"].append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
         stage(f"bench_{prompt}", t0)
 
+    bench(a.batches, a.prompt)
     if dev.type == "cuda":
         t0 = time.perf_counter()
         try:
-            res["breakdown"] = step_breakdown(art, a.batches, a.prompt, a.steps, dev)
+            res["breakdown"], res["artifact_vs_eager"] = step_breakdown(art, a.batches, a.prompt, a.steps, dev, check)
         except Exception as e:  # the bench figures above stand without it
             res["breakdown_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"breakdown failed: {e}", flush=True)
         stage("breakdown", t0)
+    if a.long_context:
+        bench([1], a.long_context)
     res["summary"] = summarize(res)
     print(table(res))
     a.out.write_text(json.dumps(res, indent=1, default=str))
@@ -253,13 +262,22 @@ def main(argv=None) -> int:
 
 
 @torch.no_grad()
-def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev) -> list[dict]:
-    """Where a Session decode step's time goes (full graphs): CUDA events around `Session._run` (what
-    `dsv4c bench` times), around the executor's run, and around the graph replay alone. The replay is
-    the GPU's work; the rest of a step is host work the GPU waits for."""
+def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev, check: tuple) -> tuple[list, dict]:
+    """Where a Session decode step's time goes (full graphs), from CUDA events recorded without
+    synchronising: `step` is the interval between consecutive decode steps' ends (what `dsv4c bench`
+    reports), `replay` the CUDA graph's own span (the GPU's work; with the steps queued back to back
+    nothing else delays it). step - replay is the time the GPU waits for the host per step. Also: the
+    Session's last-position logits and 8 greedy tokens for `check`'s prompt against the eager model's."""
     from dsv4c.runtime import Session
 
     sess = Session.load(art, device=dev, graphs="full")
+    ids, ref_logits, ref_tokens = check
+    got = sess.logits(ids)[-1]
+    tokens = sess.generate([ids], max_new_tokens=len(ref_tokens))[0].tokens
+    vs_eager = {"prompt_len": len(ids), "logits_rel_err": ((got - ref_logits).norm() / ref_logits.norm()).item(),
+                "argmax_equal": int(got.argmax()) == int(ref_logits.argmax()),
+                "greedy_tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens)), "of": len(ref_tokens)}
+    print(f"artifact vs eager: {vs_eager}", flush=True)
     ex = sess.executors["decode"]
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -279,7 +297,6 @@ def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev) 
         setattr(obj, name, timed)
 
     wrap(sess, "_run", "step", only_decode=True)
-    wrap(ex, "run", "executor")
     wrap(ex, "_replay_full", "replay")
     g = torch.Generator().manual_seed(7)
     out = []
@@ -289,17 +306,16 @@ def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev) 
         marks.clear()
         sess.generate(prompts, max_new_tokens=steps)
         torch.cuda.synchronize(dev)
-        ms = {}
-        for tag, a, b in marks:
-            ms.setdefault(tag, []).append(a.elapsed_time(b))
-        med = {k: statistics.median(v[3:] if len(v) > 4 else v) for k, v in ms.items()}
-        out.append({"batch": B, **{f"{k}_ms": v for k, v in med.items()},
-                    "host_ms": med["step"] - med["replay"], "host_share": 1 - med["replay"] / med["step"]})
-        print(f"breakdown B={B}: step {med['step']:.3f} ms, executor {med['executor']:.3f}, "
-              f"replay {med['replay']:.3f}", flush=True)
+        ends = [b for tag, _, b in marks if tag == "step"]
+        step = [x.elapsed_time(y) for x, y in zip(ends, ends[1:])]
+        replay = [a.elapsed_time(b) for tag, a, b in marks if tag == "replay"]
+        med = {"step": statistics.median(step[2:]), "replay": statistics.median(replay[3:])}
+        out.append({"batch": B, "step_ms": med["step"], "replay_ms": med["replay"],
+                    "host_wait_ms": med["step"] - med["replay"]})
+        print(f"breakdown B={B}: step {med['step']:.3f} ms, replay {med['replay']:.3f}", flush=True)
     del sess
     torch.cuda.empty_cache()
-    return out
+    return out, vs_eager
 
 
 def summarize(res: dict) -> list[dict]:

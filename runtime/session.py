@@ -82,6 +82,7 @@ class Session:
         # positions live on the host: every step's n_real is decided there, so reading or moving them
         # never waits for the GPU; `_run` ships them with the step's other inputs in one copy
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64)
+        self._staging = _Staging(self.device) if self.device.type == "cuda" else None
         self.executors = self._executors(graph_mode)
 
     # ---- loading ----------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ class Session:
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
         lead = () if hidden is None else (hidden.to(self.device),)
         out = run(*lead, ids, s, pos0, n, caches, self._graph_weights(kind))
-        pos[slots] += torch.tensor(n_real, dtype=torch.int64)
+        pos.numpy()[slots] += n_real  # slots are distinct
         return out if outputs else out[0]
 
     def _step_inputs(self, ids: torch.Tensor, slots: list[int], pos: torch.Tensor, n_real: list[int]):
@@ -185,15 +186,14 @@ class Session:
         they are on the host) go over in one pinned, non-blocking copy: a decode step has ~4 tiny
         inputs, and a pageable copy each cost ~20 us of host time on the H200 machine."""
         B = len(slots)
-        meta = [slots, pos[slots].tolist(), n_real]
+        meta = [*slots, *pos.numpy()[slots].tolist(), *n_real]
         if self.device.type != "cuda":
-            t = torch.tensor(meta, dtype=torch.int64).to(self.device)
+            t = torch.tensor(meta, dtype=torch.int64).view(3, B).to(self.device)
             return ids.to(self.device), t[0], t[1], t[2]
         host_ids = ids.device.type == "cpu"
-        flat = torch.tensor(sum(meta, []), dtype=torch.int64)
         if host_ids:
-            flat = torch.cat([flat, ids.reshape(-1).to(torch.int64)])
-        dev = flat.pin_memory().to(self.device, non_blocking=True)
+            meta += ids.reshape(-1).tolist()
+        dev = self._staging.send(meta)
         ids = dev[3 * B:].view(ids.shape) if host_ids else ids
         return ids, dev[:B], dev[B:2 * B], dev[2 * B:3 * B]
 
@@ -303,15 +303,48 @@ class Session:
                     del active[s]
                     free.append(s)
                 continue
-            slots = sorted(active)
-            last = torch.tensor([[active[s].out[-1]] for s in slots])
-            logits = self._run("decode", last, slots, [1] * len(slots))
-            for i, s in enumerate(slots):
-                r = active[s]
-                yield from self._emit(r, logits[i, -1])
-                if r.finish is not None:
-                    del active[s]
-                    free.append(s)
+            if all(r.params.temperature == 0 for r in active.values()):
+                yield from self._greedy_steps(active)
+            else:
+                slots = sorted(active)
+                last = torch.tensor([[active[s].out[-1]] for s in slots])
+                logits = self._run("decode", last, slots, [1] * len(slots))
+                for i, s in enumerate(slots):
+                    yield from self._emit(active[s], logits[i, -1])
+            for s in [s for s, r in active.items() if r.finish is not None]:
+                del active[s]
+                free.append(s)
+
+    def _greedy_launch(self, ids: torch.Tensor, slots: list[int]) -> "_Inflight":
+        """Enqueue one greedy decode step; the tokens stay on the device (argmax there) and are copied
+        to the host asynchronously."""
+        logits = self._run("decode", ids, slots, [1] * len(slots))           # [B, 1, V] fp32
+        return _Inflight(slots, logits[:, -1].argmax(-1, keepdim=True))       # [B, 1] int64
+
+    def _greedy_steps(self, active: dict) -> Iterator[tuple[int, int]]:
+        """Greedy decode steps for `active` until one of them finishes. Step t+1 is enqueued with step t's
+        tokens still on the device, before the host reads them, so the GPU runs the steps back to back while
+        the host does the previous step's bookkeeping. The tokens equal one-step-at-a-time greedy decoding
+        (argmax of the same fp32 logits). When a request finishes at step t, step t+1 is already in flight:
+        its tokens are used by the requests still running, and dropped for the finished ones (their slot
+        holds one more cache row, which `_reset_slot` clears before the slot is reused)."""
+        slots = sorted(active)
+        cur = self._greedy_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots)
+        while True:
+            more = any(len(active[s].out) + 1 < active[s].max_new for s in slots)
+            nxt = self._greedy_launch(cur.tokens, slots) if more else None
+            done = False
+            for s, tok in zip(slots, cur.read()):
+                yield from self._push(active[s], tok)
+                done |= active[s].finish is not None
+            if nxt is None:
+                return
+            if done:  # the step in flight: keep the tokens of the requests still running
+                for s, tok in zip(slots, nxt.read()):
+                    if active[s].finish is None:
+                        yield from self._push(active[s], tok)
+                return
+            cur = nxt
 
     def _emit(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[int, int]]:
         yield from self._push(r, sample(logits.float().cpu(), r.params, r.gen))
@@ -337,6 +370,59 @@ class Session:
         if r.spec is not None:  # MTP: acceptance per draft position, mean accepted length, histogram, policy
             stats.update(r.spec.as_dict())
         return GenerationResult(r.ids, r.out, text, r.finish or "length", stats)
+
+
+class _Inflight:
+    """A greedy step's tokens [B, 1] on the device, and their asynchronous copy to (pinned) host memory."""
+
+    def __init__(self, slots: list[int], tokens: torch.Tensor):
+        self.slots, self.tokens = slots, tokens
+        if tokens.device.type == "cuda":
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = tokens, None
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[:, 0].tolist()
+
+
+class _Staging:
+    """One pinned host buffer and one device buffer for a step's small int64 inputs: one host-to-device
+    copy per step, without a pinned allocation each time. Before the host buffer is rewritten, the event
+    of its last copy is waited for (a no-op unless the previous step's copy is still queued)."""
+
+    def __init__(self, device: torch.device, n: int = 4096):
+        self.device = device
+        self._alloc(n)
+
+    def _alloc(self, n: int) -> None:
+        self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        self.dev = [torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2)]
+        self.copied = [None, None]
+        self.i = 0
+
+    def send(self, values: list[int]) -> torch.Tensor:
+        """The values as a device int64 tensor (a view of a buffer that is reused two sends later)."""
+        n = len(values)
+        if n > self.host.numel():
+            torch.cuda.synchronize(self.device)
+            self._alloc(2 * n)
+        for ev in self.copied:
+            if ev is not None:
+                ev.synchronize()
+        self.host.numpy()[:n] = values
+        self.i ^= 1
+        dev = self.dev[self.i][:n]
+        dev.copy_(self.host[:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.copied[self.i] = ev
+        return dev
 
 
 GRAPH_MODES = {"off": "eager", "piecewise": "graphs", "full": "full", "emulate": "emulate",

@@ -86,6 +86,22 @@ def test_generate_batches_continuously_and_equals_eager_greedy(compiled, session
     assert [streamed[i] for i in range(3)] == [r.tokens for r in results[:3]]
 
 
+@torch.no_grad()
+def test_greedy_steps_in_flight_stop_early_and_admit_the_waiting(compiled, session):
+    """Greedy decoding keeps the next step queued before the host reads a step's tokens. Requests that stop
+    at different steps (a stop id), while others wait for their slot, must still get exactly eager greedy's
+    tokens, truncated at the stop id."""
+    _, _, model = compiled
+    ref = [greedy(model, torch.tensor([p]), 8)[0].tolist() for p in PROMPTS]
+    stop = ref[1][2]  # request 1 stops at its third token; others at their first occurrence, if any
+    results = session.generate(PROMPTS, max_new_tokens=8, stop=[stop])
+    for want, r in zip(ref, results):
+        cut = want[: want.index(stop) + 1] if stop in want else want
+        assert r.tokens == cut
+        assert r.finish_reason == ("stop" if stop in want else "length")
+    assert sum(r.finish_reason == "stop" for r in results) >= 1
+
+
 def test_sampling_is_seeded(session):
     sess = session
     a = sess.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
