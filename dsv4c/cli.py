@@ -121,20 +121,31 @@ def _tokenizer(checkpoint: Path):
     return Tokenizer.from_file(str(path))
 
 
-def _model_for(spec: str, meta: bool, dtype: torch.dtype):
+def _model_for(spec: str, meta: bool, dtype: torch.dtype, device: str = "cpu"):
     """A checkpoint folder loads its weights; a preset or config.json gets seeded random weights,
-    or none at all on the meta device (also chosen automatically above 2B parameters)."""
+    or none at all on the meta device (also chosen automatically when the weights would not fit:
+    above 2B parameters on a CPU, above 90% of the free memory on a GPU). On a GPU the random
+    weights are drawn there (other values than the CPU's, same distribution)."""
     from dsv4c.checkpoint import load_model
-    from dsv4c.model import build_model, count_parameters
+    from dsv4c.model import build_model, count_parameters, randomize_, set_dtype_
 
     p = Path(spec)
     if p.is_dir() and any(p.glob("*.safetensors")):
-        return load_model(p, device="meta" if meta else "cpu", dtype=dtype)
+        return load_model(p, device="meta" if meta else device, dtype=dtype)
     cfg = ModelConfig.resolve(spec)
-    big = count_parameters(build_model(cfg, device="meta"))["total"] > 2e9
+    n = count_parameters(build_model(cfg, device="meta"))["total"]
+    on_gpu = torch.device(device).type == "cuda"
+    big = n * dtype.itemsize > 0.9 * torch.cuda.mem_get_info(device)[0] if on_gpu else n > 2e9
     if big and not meta:
-        print(f"{spec}: {cfg.model_type} is full size; comparing on the meta device (stats only)", file=sys.stderr)
-    return build_model(cfg, device="meta" if meta or big else "cpu", dtype=dtype)
+        print(f"{spec}: {cfg.model_type} ({n / 1e9:.1f}B parameters) does not fit on {device}; comparing on the meta "
+              f"device (stats only)", file=sys.stderr)
+    if meta or big or not on_gpu:
+        return build_model(cfg, device="meta" if meta or big else "cpu", dtype=dtype)
+    model = build_model(cfg, device="meta")
+    set_dtype_(model, dtype)  # on meta: the GPU never holds an fp32 copy
+    model = model.to_empty(device=device)
+    randomize_(model, seed=0, on_device=True)
+    return model.eval()
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -142,7 +153,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     from dsv4c.compare import compare_passes, format_table
 
-    model = _model_for(a.checkpoint, a.meta, a.dtype)
+    model = _model_for(a.checkpoint, a.meta, a.dtype, a.device)
     kinds = tuple(k for k in a.graphs.split(",") if k)
     rows = compare_passes(model, target=a.target, kinds=kinds, k=a.k, skip=tuple(a.skip_pass), seed=a.seed)
     if a.json:
@@ -256,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", type=_dtype, default=torch.float32)
     s.add_argument("--json", action="store_true", help="print JSON: one entry per graph and pass")
+    s.add_argument("--device", default="cpu", help="where the model and graphs run (cuda: full-size slices "
+                   "such as v4-flash-slice, and the targets' Triton kernels)")
     s.set_defaults(fn=cmd_compare)
 
     s = sub.add_parser("compile", help="compile a checkpoint for a target into an artifact folder")

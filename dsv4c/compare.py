@@ -42,6 +42,7 @@ class _Case:
 
 def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
     cfg = model.config
+    dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     V, B = cfg.vocab_size, 2
     prompt_len = (cfg.sliding_window + 9) if cfg.is_v4 else 13
@@ -50,8 +51,8 @@ def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
     for kind in kinds:
         spec = GraphSpec(kind, k=k, n_slots=B, max_len=spec_len + 8)
         T = prompt_len if kind == "prefill" else 1 + k
-        ids = torch.randint(0, V, (B, T), generator=g)
-        meta = (torch.arange(B), None, torch.full((B,), T))
+        ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+        meta = (torch.arange(B, device=dev), None, torch.full((B,), T, device=dev))
         if kind == "mtp":
             cache = model.new_mtp_cache(B, max_len=spec.max_len)
             hidden = _sample_hidden(model, B, T, g)
@@ -61,7 +62,7 @@ def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
             continue
         cache = model.new_cache(B, max_len=spec.max_len)
         if kind == "decode":  # decode after a prompt, so the step sees a real cache
-            model(torch.randint(0, V, (B, prompt_len), generator=g), cache)
+            model(torch.randint(0, V, (B, prompt_len), generator=g).to(dev), cache)
         pos0 = cache.pos.clone()
         ref = model(ids, copy.deepcopy(cache))
         cases.append(_Case(spec, (ids, meta[0], pos0, meta[2]), cache, ref))
@@ -70,7 +71,7 @@ def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
 
 def _sample_hidden(model, B: int, T: int, g: torch.Generator) -> torch.Tensor:
     cfg = model.config
-    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(next(model.parameters()).device)
     if cfg.is_v4:
         return model.forward_with_streams(ids)[1]
     return model.forward_with_hidden(ids)[1]
