@@ -48,18 +48,19 @@ class _Timer:
             self.calls.append((kind, len(slots), time.perf_counter() - t0))
             return out
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(self.sess.device)
         if kind == "prefill":
             torch.cuda.synchronize(self.sess.device)
-            a.record()
+            a.record(stream)
             out = self._run(kind, ids, slots, n_real, **kw)
-            b.record()
+            b.record(stream)
             b.synchronize()
             self.calls.append((kind, len(slots), a.elapsed_time(b) / 1e3))
             self._decode.append(None)
             return out
-        a.record()
+        a.record(stream)
         out = self._run(kind, ids, slots, n_real, **kw)
-        b.record()
+        b.record(stream)
         self._decode.append((kind, len(slots), a, b))
         return out
 
@@ -109,8 +110,8 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
         timer.clear()
         t1 = time.perf_counter()
         res = sess.generate(prompts, max_new_tokens=output_len, mtp=mtp)
-        timer.finish()
         wall = time.perf_counter() - t1
+        timer.finish()
         steps = [s for k, _, s in timer.calls if k != "prefill"]
         prefill = [s for k, _, s in timer.calls if k == "prefill"]
         gen = sum(len(r.tokens) for r in res)

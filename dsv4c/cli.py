@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a format the target's GPU cannot run fails with the capability it needs")
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
-                        "else cpu); exact, so the artifact's bytes do not depend on it")
+                        "else cpu); exact, so the weight files' bytes do not depend on it")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")

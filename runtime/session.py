@@ -88,15 +88,20 @@ class Session:
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
-             graphs: str | None = None) -> "Session":
+             graphs: str | None = None, max_num_batched_tokens: int | None = None) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: off | piecewise | full | emulate | full-emulate (default: piecewise on a GPU, off on
-        a CPU); see the module docstring."""
+        a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
+        (default min(max_tokens, PREFILL_CHUNK))."""
         from safetensors.torch import load_file
 
         art = Path(art)
         manifest = read_manifest(art, verify=True)
+        limit = manifest["limits"]["max_tokens"]
+        if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
+            raise ValueError(f"max_num_batched_tokens: between 1 and the artifact's max_tokens ({limit}), "
+                             f"got {max_num_batched_tokens}")
         t = manifest["target"]
         target = Target(t["name"], t["device"], tuple(t["capability"]) if t["capability"] else None,
                         t["expert_format"], t["dense_format"])
@@ -120,7 +125,10 @@ class Session:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-        return cls(art, manifest, graph_modules, weights, device, tok, graphs)
+        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs)
+        if max_num_batched_tokens is not None:
+            sess.max_num_batched_tokens = max_num_batched_tokens
+        return sess
 
     def _allocate_caches(self, mtp: bool = False) -> dict[str, torch.Tensor]:
         """Static caches shaped as the graphs expect (runtime/kv_cache.py); CacheError if they do not fit.
@@ -205,7 +213,7 @@ class Session:
         for i in range(0, len(ids), step):
             o = self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])],
                           outputs=True)
-            outs.append(o if outputs else o[0][0][-1:] if last_row else o[0][0])
+            outs.append(o if outputs else o[0][0][-1:].clone() if last_row else o[0][0])  # clone: frees the chunk
         return outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
@@ -324,10 +332,13 @@ class Session:
     def _greedy_steps(self, active: dict) -> Iterator[tuple[int, int]]:
         """Greedy decode steps for `active` until one of them finishes. Step t+1 is enqueued with step t's
         tokens still on the device, before the host reads them, so the GPU runs the steps back to back while
-        the host does the previous step's bookkeeping. The tokens equal one-step-at-a-time greedy decoding
-        (argmax of the same fp32 logits). When a request finishes at step t, step t+1 is already in flight:
-        its tokens are used by the requests still running, and dropped for the finished ones (their slot
-        holds one more cache row, which `_reset_slot` clears before the slot is reused)."""
+        the host does the previous step's bookkeeping. Each request's tokens equal one-step-at-a-time
+        greedy decoding (argmax of the same fp32 logits; decode rows do not depend on each other). When a
+        request finishes at step t, step t+1 is already in flight: its tokens are used by the requests
+        still running, and dropped for the finished ones (their slot holds one more cache row, which
+        `_reset_slot` clears before the slot is reused). So a request admitted into a freed slot starts
+        one step later than without the pipeline, and `stream()` yields the running requests' step-t+1
+        tokens before its first one; each request's own token order is unchanged."""
         slots = sorted(active)
         cur = self._greedy_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots)
         while True:
@@ -381,7 +392,7 @@ class _Inflight:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(tokens.device))
         else:
             self.host, self.done = tokens, None
 
@@ -393,8 +404,10 @@ class _Inflight:
 
 class _Staging:
     """One pinned host buffer and one device buffer for a step's small int64 inputs: one host-to-device
-    copy per step, without a pinned allocation each time. Before the host buffer is rewritten, the event
-    of its last copy is waited for (a no-op unless the previous step's copy is still queued)."""
+    copy per step, without a pinned allocation each time. The device buffer is reused in stream order
+    (everything that reads a step's inputs is queued before the next step's copy). The host buffer is
+    rewritten only once its previous copy has run: with greedy steps queued back to back that copy sits
+    behind the step before, so the host runs at most one step ahead of the GPU."""
 
     def __init__(self, device: torch.device, n: int = 4096):
         self.device = device
@@ -402,26 +415,22 @@ class _Staging:
 
     def _alloc(self, n: int) -> None:
         self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        self.dev = [torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(2)]
-        self.copied = [None, None]
-        self.i = 0
+        self.dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.copied: torch.cuda.Event | None = None
 
     def send(self, values: list[int]) -> torch.Tensor:
-        """The values as a device int64 tensor (a view of a buffer that is reused two sends later)."""
+        """The values as a device int64 tensor (a view of the buffer the next send rewrites)."""
         n = len(values)
         if n > self.host.numel():
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # queued work may still read the old buffer
             self._alloc(2 * n)
-        for ev in self.copied:
-            if ev is not None:
-                ev.synchronize()
+        if self.copied is not None:
+            self.copied.synchronize()
         self.host.numpy()[:n] = values
-        self.i ^= 1
-        dev = self.dev[self.i][:n]
+        dev = self.dev[:n]
         dev.copy_(self.host[:n], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.copied[self.i] = ev
+        self.copied = torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(self.device))
         return dev
 
 

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 def test_bench_artifact_quick_run(tmp_path):
     out = tmp_path / "res.json"
     r = subprocess.run([sys.executable, str(EXAMPLES / "bench_artifact.py"), "--quick", "--device", "cpu",

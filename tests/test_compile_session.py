@@ -65,11 +65,14 @@ def test_session_logits_equal_eager_and_chunked_prefill_equals_one_shot(compiled
     ref = model(torch.tensor([ids]))[0]
     full = sess.logits(ids)
     assert ((full - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    sess.max_num_batched_tokens = 4
+    saved, sess.max_num_batched_tokens = sess.max_num_batched_tokens, 4
     try:
         assert ((sess.logits(ids) - full).abs().max() / full.abs().max()).item() < 1e-5
     finally:
-        sess.max_num_batched_tokens = sess.max_tokens
+        sess.max_num_batched_tokens = saved
+    with pytest.raises(ValueError, match="max_num_batched_tokens: between 1 and the artifact's max_tokens"):
+        Session.load(d / "art", max_num_batched_tokens=10_000)
+    assert Session.load(d / "art", max_num_batched_tokens=5).max_num_batched_tokens == 5
 
 
 @torch.no_grad()
@@ -221,6 +224,11 @@ def test_h200_artifact_runs_on_cuda_and_equals_eager(tmp_path):
     results = sess.generate(PROMPTS, max_new_tokens=5)
     for p, r in zip(PROMPTS, results):
         assert r.tokens == greedy(model, torch.tensor([p], device="cuda"), 5)[0].tolist()
+    # the pipelined greedy steps with real asynchronous copies: stops at different steps, requests waiting
+    stop = results[1].tokens[2]
+    stopped = sess.generate(PROMPTS, max_new_tokens=5, stop=[stop])
+    for r, full in zip(stopped, results):
+        assert r.tokens == (full.tokens[: full.tokens.index(stop) + 1] if stop in full.tokens else full.tokens)
 
 
 @pytest.mark.gpu
@@ -229,11 +237,15 @@ def test_expert_conversion_on_the_gpu_writes_the_same_bytes(tmp_path):
     conversion is exact, so every weight file must hash as the CPU conversion's does."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, quant="release")
-    files = {}
-    for dev in ("cpu", "cuda"):
-        m = compile_checkpoint(tmp_path / "ckpt", tmp_path / dev, target="h200", max_tokens=64, max_batch=4,
-                               convert_device=dev)
-        assert m["convert_device"] == dev
-        files[dev] = {k: v["sha256"] for k, v in m["files"].items() if k.startswith("weights/")}
-    assert files["cpu"] and files["cpu"] == files["cuda"]
+    cfg = ModelConfig.preset("v4-tiny-a")
+    write_random_checkpoint(cfg, tmp_path / "release", seed=3, quant="release")
+    write_random_checkpoint(cfg, tmp_path / "bf16", seed=3)
+    # MXFP4 -> FP8 (exact conversion) and bf16 -> NVFP4 (quantisation from float values)
+    for ckpt, fmt in (("release", None), ("bf16", "nvfp4_w4a16")):
+        files = {}
+        for dev in ("cpu", "cuda"):
+            m = compile_checkpoint(tmp_path / ckpt, tmp_path / f"{ckpt}-{dev}", target="h200", max_tokens=64,
+                                   max_batch=4, convert_device=dev, expert_format=fmt)
+            assert m["convert_device"] == dev
+            files[dev] = {k: v["sha256"] for k, v in m["files"].items() if k.startswith("weights/")}
+        assert files["cpu"] and files["cpu"] == files["cuda"], ckpt
