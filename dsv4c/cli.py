@@ -310,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
-    s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"),
-                   help="CUDA graphs for the decode steps (default: piecewise on a GPU, off on a CPU)")
+    s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"),
+                   help="CUDA graphs for the decode steps (default: auto on a GPU, i.e. each graph captured whole "
+                        "when all its segments can be, else piecewise; off on a CPU)")
     s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s "
                    "(and MTP acceptance with --mtp)")
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output-len", type=int, default=32)
     s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
-    s.add_argument("--graphs", default=None, choices=("off", "piecewise", "full", "emulate", "full-emulate"))
+    s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")

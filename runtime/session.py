@@ -9,8 +9,10 @@ sequence frees its slot for the next prompt at once.
 
 The fixed-shape graphs (decode, verify, MTP) run through a `SegmentExecutor`
 (`dsv4c.runtime.segments`): split at the MoE routers by the plan `split_at_routers` makes, padded to
-the artifact's batch buckets and replayed as CUDA graphs (`graphs="piecewise"`, the default on a GPU),
-or captured whole (`graphs="full"`, when the expert op is capture-safe). `graphs="off"` runs them op
+the artifact's batch buckets and replayed as CUDA graphs (`graphs="piecewise"`), or captured whole
+(`graphs="full"`, when the expert op is capture-safe). The default on a GPU, `graphs="auto"`, captures
+each graph whole when every segment of it is capturable (the CUDA targets' quantised experts are),
+else piecewise. `graphs="off"` runs them op
 by op (the default on a CPU); "emulate" / "full-emulate" run the bucketed data flow without CUDA graphs.
 The caches hold one slot more than `max_batch`: the last is the capture-safe ops' scratch slot
 (dsv4c/model/static_ops.py) and never holds a sequence.
@@ -91,7 +93,7 @@ class Session:
              graphs: str | None = None, max_num_batched_tokens: int | None = None) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
-        `graphs`: off | piecewise | full | emulate | full-emulate (default: piecewise on a GPU, off on
+        `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
         a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
         (default min(max_tokens, PREFILL_CHUNK))."""
         from safetensors.torch import load_file
@@ -108,7 +110,9 @@ class Session:
         device = torch.device(device)
         check_runnable(target, str(device), emulate)
         if graphs is None:
-            graphs = "piecewise" if device.type == "cuda" and manifest["buckets"] else "off"
+            graphs = "auto" if device.type == "cuda" and manifest["buckets"] else "off"
+        if graphs == "auto" and device.type != "cuda":
+            graphs = "off"  # CUDA graphs need a GPU; the emulated modes are asked for by name
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs: expected one of {sorted(GRAPH_MODES)}, got {graphs!r}")
         register_ops()
@@ -152,7 +156,7 @@ class Session:
         from dsv4c.passes.split_at_routers import apply_plan, plan_segments
         from dsv4c.runtime.segments import SegmentExecutor
 
-        if GRAPH_MODES[mode] == "eager":
+        if mode != "auto" and GRAPH_MODES[mode] == "eager":
             return {}
         out = {}
         for kind, g in self.manifest["graphs"].items():
@@ -165,7 +169,7 @@ class Session:
                 raise ArtifactError(f"{self.art}: graph {kind} splits into {len(plan.segments)} segments, the "
                                     f"manifest's segment_plan says {len(expected['segments'])}")
             out[kind] = SegmentExecutor(apply_plan(gm, plan), plan, self.device, buckets=self.manifest["buckets"],
-                                        mode=GRAPH_MODES[mode], pad_slot=self.cache_slots - 1)
+                                        mode=_executor_mode(mode, plan), pad_slot=self.cache_slots - 1)
         return out
 
     def _graph_weights(self, kind: str) -> dict[str, torch.Tensor]:
@@ -434,5 +438,13 @@ class _Staging:
         return dev
 
 
-GRAPH_MODES = {"off": "eager", "piecewise": "graphs", "full": "full", "emulate": "emulate",
+def _executor_mode(mode: str, plan) -> str:
+    """The SegmentExecutor mode of Session.load's `graphs=` for one graph's plan ("auto": whole-step
+    capture when every segment is capturable, else piecewise)."""
+    if mode == "auto":
+        return "full" if plan.n_capturable == len(plan.segments) else "graphs"
+    return GRAPH_MODES[mode]
+
+
+GRAPH_MODES = {"auto": None, "off": "eager", "piecewise": "graphs", "full": "full", "emulate": "emulate",
                "full-emulate": "full-emulate"}  # Session.load(graphs=) -> SegmentExecutor mode

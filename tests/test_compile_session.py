@@ -105,6 +105,17 @@ def test_greedy_steps_in_flight_stop_early_and_admit_the_waiting(compiled, sessi
     assert sum(r.finish_reason == "stop" for r in results) >= 1
 
 
+def test_graphs_auto_captures_whole_steps_only_where_every_segment_can_be(compiled):
+    from types import SimpleNamespace
+
+    from dsv4c.runtime.session import _executor_mode
+
+    whole, split = SimpleNamespace(n_capturable=3, segments=[0, 1, 2]), SimpleNamespace(n_capturable=2, segments=[0, 1, 2])
+    assert (_executor_mode("auto", whole), _executor_mode("auto", split)) == ("full", "graphs")
+    assert _executor_mode("piecewise", whole) == "graphs" and _executor_mode("off", whole) == "eager"
+    assert Session.load(compiled[0] / "art", graphs="auto").executors == {}  # no GPU: auto is off
+
+
 def test_sampling_is_seeded(session):
     sess = session
     a = sess.generate(PROMPTS[:2], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
@@ -216,6 +227,7 @@ def test_h200_artifact_runs_on_cuda_and_equals_eager(tmp_path):
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=64, max_batch=4,
                        dtype=torch.float32, kernels={"moe_experts": "reference"})  # unquantised experts: equal to eager
     sess = Session.load(tmp_path / "art", device="cuda")
+    assert sess.executors["decode"].mode == "graphs"  # auto: the reference experts are not capturable
     model = load_model(tmp_path / "ckpt").cuda()
     ids = [5, 9, 17, 3, 44, 2, 7, 19, 23]
     ref = model(torch.tensor([ids], device="cuda"))[0].float().cpu()
