@@ -320,9 +320,9 @@ class Session:
             else:
                 slots = sorted(active)
                 last = torch.tensor([[active[s].out[-1]] for s in slots])
-                logits = self._run("decode", last, slots, [1] * len(slots))
+                rows = self._run("decode", last, slots, [1] * len(slots))[:, -1].float().cpu()  # one copy
                 for i, s in enumerate(slots):
-                    yield from self._emit(active[s], logits[i, -1])
+                    yield from self._emit(active[s], rows[i])
             for s in [s for s, r in active.items() if r.finish is not None]:
                 del active[s]
                 free.append(s)
