@@ -30,3 +30,16 @@ def test_bench_artifact_quick_run(tmp_path):
     eager = {p["batch"]: p for p in res["peers"]["eager"]}
     assert all(len(eager[b]["tokens"]) == b and eager[b]["unique_experts"] for b in (1, 3))
     assert "| batch | artifact ms/step |" in r.stdout
+
+
+def test_routing_flips_quick_run(tmp_path):
+    """examples/routing_flips.py on v4-tiny-b: the W8A8 activation quantisation moves the logits, and the
+    hash layers (routed by token id) never change their experts."""
+    out = tmp_path / "flips.json"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "routing_flips.py"), "--quick", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    flips = res["expert_set_changed_per_layer"]
+    assert len(flips) == 5 and flips[:3] == [0.0, 0.0, 0.0]  # v4-tiny-b: 5 MoE layers, 3 hash layers
+    assert all(0.0 <= f <= 1.0 for f in flips) and 0 < res["logits_rel_err"] < 10
