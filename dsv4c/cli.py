@@ -127,7 +127,7 @@ def _model_for(spec: str, meta: bool, dtype: torch.dtype, device: str = "cpu"):
     above 2B parameters on a CPU, above 90% of the free memory on a GPU). On a GPU the random
     weights are drawn there (other values than the CPU's, same distribution)."""
     from dsv4c.checkpoint import load_model
-    from dsv4c.model import build_model, count_parameters, randomize_, set_dtype_
+    from dsv4c.model import build_model, count_parameters
 
     p = Path(spec)
     if p.is_dir() and any(p.glob("*.safetensors")):
@@ -139,13 +139,7 @@ def _model_for(spec: str, meta: bool, dtype: torch.dtype, device: str = "cpu"):
     if big and not meta:
         print(f"{spec}: {cfg.model_type} ({n / 1e9:.1f}B parameters) does not fit on {device}; comparing on the meta "
               f"device (stats only)", file=sys.stderr)
-    if meta or big or not on_gpu:
-        return build_model(cfg, device="meta" if meta or big else "cpu", dtype=dtype)
-    model = build_model(cfg, device="meta")
-    set_dtype_(model, dtype)  # on meta: the GPU never holds an fp32 copy
-    model = model.to_empty(device=device)
-    randomize_(model, seed=0, on_device=True)
-    return model.eval()
+    return build_model(cfg, device="meta" if meta or big else device, dtype=dtype, on_device=on_gpu)
 
 
 def cmd_compare(a: argparse.Namespace) -> int:

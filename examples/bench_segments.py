@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph, flat_caches
-from dsv4c.model import model_class, randomize_, set_dtype_
+from dsv4c.model import build_model
 from dsv4c.passes import PassContext, run_pipeline
 from dsv4c.passes.split_at_routers import apply_plan, plan_segments
 from dsv4c.runtime.segments import SegmentExecutor
@@ -39,13 +39,7 @@ from dsv4c.targets import DEFAULT_BUCKETS
 
 
 def build(preset: str, device, dtype):
-    cfg = ModelConfig.preset(preset)
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    set_dtype_(model, dtype)  # cast on meta: the GPU never holds an fp32 copy
-    model = model.to_empty(device=device)
-    randomize_(model, seed=0, on_device=True)
-    return model.eval()
+    return build_model(ModelConfig.preset(preset), device, dtype, on_device=True)
 
 
 # --only h200-static-ops: the h200 lowering with the capture-safe ATen forms of the cache ops and the

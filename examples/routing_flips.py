@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +31,8 @@ from bench_artifact import round_to_release_  # noqa: E402
 import dsv4c.model.moe as moe  # noqa: E402
 from dsv4c import ModelConfig  # noqa: E402
 from dsv4c import quant as Q  # noqa: E402
-from dsv4c.model import model_class, randomize_, set_dtype_  # noqa: E402
+from dsv4c.model import build_model  # noqa: E402
+from dsv4c.model.common import swiglu_act  # noqa: E402
 
 
 def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,7 @@ def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
 def swiglu_w8a8(x, w1, w3, w2, limit: float) -> torch.Tensor:
     """moe's swiglu with the W8A8 kernels' activation quantisation (x and h), fp32 accumulation."""
     xq = fake_quant_act(x)
-    g, u = xq @ w1.float().T, xq @ w3.float().T
-    h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) if limit > 0 else F.silu(g) * u
+    h = swiglu_act(xq @ w1.float().T, xq @ w3.float().T, limit)
     return (fake_quant_act(h) @ w2.float().T).to(x.dtype)
 
 
@@ -63,12 +62,8 @@ class _Routing(TorchDispatchMode):
 
 @torch.no_grad()
 def run(cfg: ModelConfig, prompt: int, seed: int = 11) -> dict:
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    set_dtype_(model, torch.bfloat16)  # on meta: no fp32 copy of the weights
-    model = model.to_empty(device="cpu")
-    randomize_(model, seed=0)
-    round_to_release_(model.eval())
+    model = build_model(cfg, dtype=torch.bfloat16)
+    round_to_release_(model)
     ids = torch.randint(0, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
     out, routes = {}, {}
     for name, fn in (("eager", moe.swiglu), ("w8a8", swiglu_w8a8)):

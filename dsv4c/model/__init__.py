@@ -40,16 +40,18 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                init: bool = True) -> nn.Module:
+                init: bool = True, on_device: bool = False) -> nn.Module:
     """Build the eager model for `cfg`. `device="meta"` allocates nothing (full-size configs).
-    With `init=False` the parameters are left uninitialised (they are about to be loaded)."""
+    With `init=False` the parameters are left uninitialised (they are about to be loaded);
+    `on_device=True` draws the random values on `device` (see `randomize_`). The dtype is set on
+    meta, so no fp32 copy is ever allocated; the values are the same as casting after the fill."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+    set_dtype_(model, dtype)
     if str(device) != "meta":
         model = model.to_empty(device=device)
         if init:
-            randomize_(model, seed=0)
-    set_dtype_(model, dtype)
+            randomize_(model, seed=0, on_device=on_device)
     return model.eval()
 
 
