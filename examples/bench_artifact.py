@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, step_bytes  # noqa: E402
+from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, decode, prefill, step_bytes  # noqa: E402
 
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
@@ -68,58 +68,40 @@ def round_to_release_(model) -> dict:
     return counts
 
 
-@torch.no_grad()
-def prefill(model, n_slots: int, prompt: int, max_len: int, chunk_rows: int, seed: int):
-    cache = model.new_cache(n_slots, max_len=max_len)
-    g = torch.Generator().manual_seed(seed)
-    dev = cache.pos.device
-    for s in range(0, n_slots, chunk_rows):
-        rows = torch.arange(s, min(s + chunk_rows, n_slots))
-        ids = torch.randint(0, model.config.vocab_size, (len(rows), prompt), generator=g)
-        model(ids.to(dev), cache, slots=rows.to(dev))
-    return cache
-
-
 def _cache_tensors(cache) -> list[torch.Tensor]:
     return [t for lc in cache.layers for t in vars(lc).values() if isinstance(t, torch.Tensor)]
 
 
+class _EagerStep:
+    """bench_segments.decode's executor interface over the eager model's `step` and cache."""
+
+    def __init__(self, step, cache):
+        self.step, self.layers = step, cache.layers
+
+    def run(self, ids, slots, pos, n_real, flat):
+        return self.step(ids, slots, pos, n_real, self.layers)
+
+
 @torch.no_grad()
 def time_steps(step, model, cache, snapshot, B: int, steps: int, count_experts: bool = False) -> dict:
-    """Greedy decode steps of `step(ids, slots, pos0, n_real, layers)` from the prefilled state."""
+    """Greedy decode steps of `step(ids, slots, pos0, n_real, layers)` from the prefilled state
+    (bench_segments.decode); with `count_experts`, one untimed step first counts the unique routed
+    experts per MoE layer."""
+    ex, V, dev = _EagerStep(step, cache), model.config.vocab_size, cache.pos.device
+    unique = None
+    if count_experts:
+        for t, s in zip(_cache_tensors(cache), snapshot):
+            t.copy_(s)
+        with _ExpertCount() as rec:
+            decode(ex, None, cache.pos, B, 1, V, dev)
+        unique = rec.unique
     for t, s in zip(_cache_tensors(cache), snapshot):
         t.copy_(s)
-    dev = cache.pos.device
-    ids = torch.randint(0, model.config.vocab_size, (B, 1), generator=torch.Generator().manual_seed(B)).to(dev)
-    slots = torch.arange(B, device=dev)
-    pos = cache.pos[:B].clone()
-    one = torch.ones(B, dtype=torch.int64, device=dev)
-    times, toks, unique = [], [], None
-    for i in range(steps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t0 = time.perf_counter()
-        if count_experts and i == 0:
-            rec = _ExpertCount()
-            with rec:
-                logits = step(ids, slots, pos, one, cache.layers)[0]
-            unique = rec.unique
-        else:
-            logits = step(ids, slots, pos, one, cache.layers)[0]
-        if dev.type == "cuda":
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            times.append((time.perf_counter() - t0) * 1e3)
-        ids = logits[:, -1].argmax(-1, keepdim=True)
-        toks.append(ids[:, 0].cpu())
-        pos += 1
+    toks, _, times = decode(ex, None, cache.pos, B, steps, V, dev)
     warm = times[3:] if len(times) > 4 else times[1:]
     return {"batch": B, "step_ms": statistics.median(warm), "first_step_ms": times[0],
             "spread_ms": abs(statistics.median(warm[0::2]) - statistics.median(warm[1::2])) if len(warm) > 2 else 0.0,
-            "tokens": torch.stack(toks).T.tolist(), "unique_experts": unique}
+            "tokens": toks.T.tolist(), "unique_experts": unique}
 
 
 def _run(cmd: list[str], log: Path) -> float:
@@ -181,7 +163,7 @@ def main(argv=None) -> int:
     # 3. peers: the eager reference and torch.compile of it
     t0 = time.perf_counter()
     n_slots, max_len = max(a.batches), a.prompt + a.steps + 8
-    cache = prefill(model, n_slots, a.prompt, max_len, chunk_rows=8, seed=0)
+    cache = prefill(model, n_slots + 1, a.prompt, max_len, chunk_rows=8, seed=0)  # + bench_segments' scratch slot
     snapshot = [t.clone() for t in _cache_tensors(cache)]
     stage("prefill_eager", t0)
     t0 = time.perf_counter()
