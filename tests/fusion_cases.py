@@ -113,3 +113,15 @@ def assert_in_capturable_segments(gm, ctx, targets, n: int) -> None:
     holding = [s for s in plan.segments if fused & set(s.nodes)]
     assert len(fused) == n == sum(len(fused & set(s.nodes)) for s in holding)
     assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
+
+
+def swap_targets(gm, impl: dict) -> int:
+    """Point every node that calls one of `impl`'s ops at its implementation (e.g. the Triton kernel
+    instead of the model's function), recompile, and return how many nodes changed."""
+    swapped = 0
+    for nd in gm.graph.nodes:
+        if nd.target in impl:
+            nd.target = impl[nd.target]
+            swapped += 1
+    gm.recompile()
+    return swapped

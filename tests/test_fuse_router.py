@@ -15,7 +15,7 @@ from dsv4c.passes import PassContext, verify
 from dsv4c.passes.fuse_router import fuse_router
 from dsv4c.passes.lower_f32_linears import lower_f32_linears
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
-from fusion_cases import assert_in_capturable_segments, pipeline_pair
+from fusion_cases import assert_in_capturable_segments, pipeline_pair, swap_targets
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
                            run as _run)
 
@@ -203,14 +203,7 @@ def test_fused_graph_with_the_triton_kernels_matches(kind):
     ctx = PassContext(_model("v4").config, "cpu", graph_kind=kind)
     ref_gm = _exported("v4", kind)
     gm = fuse_router(_exported("v4", kind), ctx).graph
-    impl = {TOPK: route_topk, HASHED: route_hashed}
-    swapped = 0
-    for nd in gm.graph.nodes:
-        if nd.target in impl:
-            nd.target = impl[nd.target]
-            swapped += 1
-    assert swapped == sum(_expected("v4", kind).values())
-    gm.recompile()
+    assert swap_targets(gm, {TOPK: route_topk, HASHED: route_hashed}) == sum(_expected("v4", kind).values())
     args = _inputs("v4", kind)
     _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
 

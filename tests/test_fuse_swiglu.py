@@ -17,7 +17,7 @@ from dsv4c.passes import PassContext, verify
 from dsv4c.passes.fuse_projections import fuse_projections
 from dsv4c.passes.fuse_swiglu import fuse_swiglu
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
-from fusion_cases import assert_in_capturable_segments, pipeline_pair
+from fusion_cases import assert_in_capturable_segments, pipeline_pair, swap_targets
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
                            run as _run)
 
@@ -269,13 +269,7 @@ def test_fused_graph_with_the_triton_kernel_matches(kind):
     """The op's nodes replaced by the Triton kernel (interpreter), reading the split halves in place."""
     res, _ = _fused("v4", kind, torch.float32)
     gm = res.graph
-    swapped = 0
-    for nd in gm.graph.nodes:
-        if nd.target is OP:
-            nd.target = swiglu_act
-            swapped += 1
-    assert swapped == _n_moe("v4", kind)
-    gm.recompile()
+    assert swap_targets(gm, {OP: swiglu_act}) == _n_moe("v4", kind)
     args = _inputs("v4", kind)
     _assert_same(_run(gm, args), _run(_exported("v4", kind), args), rel=GRAPH_REL)
 
