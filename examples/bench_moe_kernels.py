@@ -189,10 +189,11 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
     def tag(name, direct):
         return name + (" direct" if direct else "")
     if fmt in ("mxfp4", "nvfp4"):
-        def gv(bn, bk, w):   # CUDA-core GEMV kernels (kernels/moe_fp4_gemv.py)
-            return f"gemv bn{bn} bk{bk} w{w}", C(block_n=bn, block_k=bk, num_warps=w, gemv=True)
-        gemv = [gv(32, 256, 4), gv(32, 512, 4), gv(32, 1024, 4), gv(64, 256, 4), gv(64, 512, 8), gv(32, 256, 2),
-                gv(32, 512, 8)]
+        def gv(bn, bk, w, pdl=True):   # CUDA-core GEMV kernels (kernels/moe_fp4_gemv.py)
+            name = f"gemv bn{bn} bk{bk} w{w}" + ("" if pdl else " nopdl")
+            return name, C(block_n=bn, block_k=bk, num_warps=w, gemv=True, pdl=pdl)
+        gemv = [gv(32, 512, 4, False), gv(32, 256, 4), gv(32, 512, 4), gv(32, 1024, 4), gv(64, 256, 4), gv(64, 512, 8),
+                gv(32, 256, 2), gv(32, 256, 2, False), gv(32, 512, 8)]
 
         def sp(bn, bk, w, st, direct=False):
             return tag(f"split bn{bn} bk{bk} w{w} s{st}", direct), C(16, bn, bk, w, st, True, direct=direct)

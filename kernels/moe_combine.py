@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 BLOCK_D = 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -28,7 +29,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _combine_kernel(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, HAS_INV: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # launched early (programmatic dependent launch): y is ready once this returns
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
@@ -62,15 +66,21 @@ def _check(y: torch.Tensor, inv: torch.Tensor | None, topk: int, out: torch.Tens
     return n_a
 
 
-def combine_slots(y: torch.Tensor, inv: torch.Tensor | None, topk: int, out: torch.Tensor) -> torch.Tensor:
-    """out [T, D] = Σ_j y[row(t, j)] (see the module doc); returns out."""
+def combine_slots(y: torch.Tensor, inv: torch.Tensor | None, topk: int, out: torch.Tensor,
+                  pdl: bool = False) -> torch.Tensor:
+    """out [T, D] = Σ_j y[row(t, j)] (see the module doc); returns out. pdl: launch with
+    programmatic dependent launch (sm_90+ GPUs only; the caller's chain must allow it, see
+    kernels/moe_fp4_gemv.py)."""
     _check(y, inv, topk, out)
     t, d = out.shape
     if t == 0:
         return out
+    if pdl and (y.device.type != "cuda" or torch.cuda.get_device_capability(y.device) < (9, 0)):
+        raise ValueError(f"combine_slots: pdl needs a CUDA GPU of capability >= 9.0, got {y.device}")
+    launch = {"launch_pdl": True} if pdl else {}
     _combine_kernel[(t, triton.cdiv(d, BLOCK_D))](y, inv if inv is not None else y, out, d, y.stride(0),
                                                    out.stride(0), K=topk, HAS_INV=inv is not None, BLOCK=BLOCK_D,
-                                                   num_warps=4)
+                                                   PDL=pdl, num_warps=4, **launch)
     return out
 
 

@@ -28,6 +28,10 @@ one torch.sort launch orders the programs by expert, see Fp4GemvConfig.sort_expe
      fp16-with-chunk-scales form;
   3. `_gemv2_kernel`, grid (N_A, D / BLOCK_N2): y[a] = W2_e h[a] (bf16);
   4. out[t] = sum_j y[t, j] (kernels/moe_combine.py: one launch, fp32 accumulation).
+On sm_90+ the four are chained by programmatic dependent launch (Fp4GemvConfig.pdl): each is
+launched while its predecessor runs, the GEMVs request their first weight step before waiting
+for it, and the launch gaps and pipeline fill between the kernels overlap (H200, Flash shapes:
+34.4 -> 31.5 us at 1 token, BENCHMARKS.md ninth session).
 
 Arithmetic per packed int32 word (8 weights, element j in nibble j, element 2b in byte b's low
 nibble, as released): the decoded fp16 pairs (exact) times the activation's fp16 pairs, 4 FMAs
@@ -48,6 +52,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.moe_combine import combine_slots
 
@@ -60,13 +66,16 @@ __all__ = ["Fp4GemvConfig", "moe_fp4_gemv", "moe_fp4_gemv_ref"]
 class Fp4GemvConfig:
     """Tiles of the two GEMV kernels. block_n13: W1/W3 rows per program (each program reads
     2 * block_n13 rows); block_n2: W2 rows per program; block_k: K columns per loop step (a
-    multiple of the scale group); sort: order the programs by expert (see sort_experts)."""
+    multiple of the scale group); sort: order the programs by expert (see sort_experts);
+    pdl: launch the four kernels with programmatic dependent launch on sm_90+ (see `_pdl_wait`);
+    ignored under the interpreter and on older GPUs."""
 
     block_n13: int = 32
     block_n2: int = 32
     block_k: int = 512
     num_warps: int = 4
     sort: bool | None = None
+    pdl: bool = True
 
     def sort_experts(self, n_assign: int, n_experts: int) -> bool:
         """Launch the programs in expert order? None: when assignments outnumber E/4, where experts
@@ -109,8 +118,10 @@ def _chunk_scale_f16(v, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _act_f16_kernel(x_ptr, out_ptr, s_ptr, K, stride_x, stride_o, stride_s, CHUNKS: tl.constexpr):
+def _act_f16_kernel(x_ptr, out_ptr, s_ptr, K, stride_x, stride_o, stride_s, CHUNKS: tl.constexpr,
+                    PDL: tl.constexpr):
     """One row's CHUNKS*32 columns: fp16 x * 2^k and 2^-k per 32 columns (see _chunk_scale_f16)."""
+    _pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * CHUNKS
     cols = (c0 + tl.arange(0, CHUNKS))[:, None] * 32 + tl.arange(0, 32)[None, :]   # [CHUNKS, 32]
@@ -120,6 +131,19 @@ def _act_f16_kernel(x_ptr, out_ptr, s_ptr, K, stride_x, stride_o, stride_s, CHUN
     tl.store(out_ptr + r * stride_o + cols, q, mask=ok)
     ch = c0 + tl.arange(0, CHUNKS)
     tl.store(s_ptr + r * stride_s + ch, inv, mask=ch * 32 < K)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+). With PDL each kernel of the chain is launched while
+    its predecessor still runs, and may read what is fixed before the chain started (the expert
+    weights, idx and perm: written before the predecessor's own wait returned) but nothing the
+    predecessor writes until this wait returns (the predecessor has then finished and its
+    writes are visible). Only after its own wait does a kernel let its successor launch, so the
+    successor's early reads never race a kernel further back."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -214,12 +238,13 @@ def _w_step(w_base, s_base, rows, row_ok, k0, K: tl.constexpr, stride_wn, stride
 
 @triton.jit
 def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constexpr, stride_wn, stride_sn,
-               TWO: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               TWO: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_N] (and, with TWO, a second [BLOCK_N] for rows + off2): rows of one expert's
     packed weights times one activation row (aw_row: int32 fp16 pairs; as_row: fp32 2^-k per 32
     columns). The next K step's weights are loaded before this step's arithmetic, so two steps
-    of HBM reads are in flight; with TWO both row sets share the activation loads."""
+    of HBM reads are in flight; with TWO both row sets share the activation loads. The first
+    step's weights are requested before the PDL wait (they do not depend on the predecessor)."""
     NG: tl.constexpr = BLOCK_K // GROUP
     GW: tl.constexpr = GROUP // 8
     BKW: tl.constexpr = BLOCK_K // 8
@@ -230,6 +255,7 @@ def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constex
     q2_next, sb2_next = q_next, sb_next
     if TWO:
         q2_next, sb2_next = _w_step(w_base, s_base, rows + off2, row_ok, 0, K, stride_wn, stride_sn, GROUP, BLOCK_K)
+    _pdl_wait(PDL)
     for k0 in range(0, K, BLOCK_K):
         q = q_next
         sb = sb_next
@@ -264,7 +290,7 @@ def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constex
 def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
                    stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
                    K: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[a, n] for the BLOCK_N rows n of one tile, assignment a = program 0 (or perm[program 0]),
     token a // TOPK: SwiGLU of W1 and W3 rows against x, clamp, routing weight; stored as
@@ -280,7 +306,7 @@ def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_pt
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
     g, u = _gemv_rows(w_base, s_base, rows, row_ok, I, xw_ptr + t * stride_xw, xs_ptr + t * stride_xs, K,
-                      stride_wn, stride_sn, True, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
+                      stride_wn, stride_sn, True, GROUP, INTERPRET, PDL, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
         gs = tl.load(g_ptr + e)
         g = g * gs
@@ -299,7 +325,7 @@ def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_pt
 def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D,
                   stride_hw, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                   K: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_PERM: tl.constexpr,
-                  INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  INTERPRET: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0
     (or perm[program 0])."""
     a = tl.program_id(0).to(tl.int64)
@@ -310,7 +336,7 @@ def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr,
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < D
     y, _ = _gemv_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, 0, hw_ptr + a * stride_hw,
-                      hs_ptr + a * stride_hs, K, stride_wn, stride_sn, False, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
+                      hs_ptr + a * stride_hs, K, stride_wn, stride_sn, False, GROUP, INTERPRET, PDL, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
         y = y * tl.load(g_ptr + e)
     tl.store(y_ptr + a * stride_y + rows, y.to(tl.bfloat16), mask=row_ok)
@@ -358,6 +384,11 @@ def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
     return e, i, d
 
 
+def _use_pdl(cfg: Fp4GemvConfig, dev: torch.device) -> bool:
+    """Programmatic dependent launch: asked for, on a GPU, sm_90+."""
+    return cfg.pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+
+
 def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
                  w13_scale: torch.Tensor, w13_global: torch.Tensor | None, w2: torch.Tensor,
                  w2_scale: torch.Tensor, w2_global: torch.Tensor | None, group: int, swiglu_limit: float,
@@ -396,7 +427,10 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     # activations as fp16 * 2^k with 2^-k per 32 columns; words are fp16 pairs
     xh = torch.empty(t, d, dtype=torch.float16, device=dev)
     xs = torch.empty(t, triton.cdiv(d, 32), dtype=torch.float32, device=dev)
-    _act_f16_kernel[(t, triton.cdiv(d, 32 * 8))](x, xh, xs, d, x.stride(0), xh.stride(0), xs.stride(0), CHUNKS=8)
+    pdl = _use_pdl(cfg, dev)
+    launch = {"launch_pdl": True} if pdl else {}
+    _act_f16_kernel[(t, triton.cdiv(d, 32 * 8))](x, xh, xs, d, x.stride(0), xh.stride(0), xs.stride(0), CHUNKS=8,
+                                                 PDL=pdl, **launch)
     h = torch.empty(n_a, i, dtype=torch.float16, device=dev)
     hs = torch.empty(n_a, triton.cdiv(i, 32), dtype=torch.float32, device=dev)
     xw, hw = xh.view(torch.int32), h.view(torch.int32)
@@ -404,14 +438,15 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
         xw, xs, idx_flat, permp, wflat, w13w, s13, g13, h, hs, i, float(swiglu_limit),
         xw.stride(0), xs.stride(0), w13w.stride(0), w13w.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         hs.stride(0), K=d, TOPK=topk, GROUP=group, HAS_GLOBAL=has_global, HAS_LIMIT=swiglu_limit > 0,
-        HAS_PERM=perm is not None, INTERPRET=interp, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        HAS_PERM=perm is not None, INTERPRET=interp, PDL=pdl, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, **launch)
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
         hw, hs, idx_flat, permp, w2w, s2, g2, y, d,
         hw.stride(0), hs.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, INTERPRET=interp,
-        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-    return combine_slots(y, None, topk, out)      # fp32 accumulation, one rounding to bf16
+        K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, INTERPRET=interp, PDL=pdl,
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **launch)
+    return combine_slots(y, None, topk, out, pdl=pdl)      # fp32 accumulation, one rounding to bf16
 
 
 def moe_fp4_gemv_ref(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,

@@ -514,7 +514,8 @@ class MoeKernelConfig:
     (no sort, no tensor cores; block_n rows of W1/W3 or W2 per program, block_k, num_warps; the
     other fields are ignored).
     fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
-    default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored)."""
+    default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored).
+    pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -527,6 +528,7 @@ class MoeKernelConfig:
     direct: bool = False
     gemv: bool = False
     fp8_prefill: bool = False
+    pdl: bool = True
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
@@ -769,7 +771,8 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
         _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")
         return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, getattr(experts, "w13_global", None),
                             experts.w2, experts.w2_scale, getattr(experts, "w2_global", None), experts.group,
-                            swiglu_limit, Fp4GemvConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps))
+                            swiglu_limit, Fp4GemvConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                        pdl=cfg.pdl))
     _check_cfg(fmt, cfg, d, i)
     use_dot_scaled = False
     if fmt == "nvfp4_w4a4" and x.device.type == "cuda":

@@ -55,3 +55,9 @@ def test_on_cuda_at_flash_shapes(t):
     y = torch.randn(t * 6, 4096, device="cuda").bfloat16()
     got = combine_slots(y, None, 6, torch.empty(t, 4096, dtype=torch.bfloat16, device="cuda"))
     assert rel_err(got, y.double().view(t, 6, 4096).sum(1)) <= 5e-3
+
+
+def test_combine_pdl_needs_a_hopper_gpu():
+    y = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="pdl needs a CUDA GPU"):
+        combine_slots(y, None, 2, torch.empty(2, 8), pdl=True)

@@ -199,7 +199,8 @@ def test_gpu_gemv_matches_ref(fmt, t, raw):
     x = (torch.randn(t, d, generator=g) * 2).bfloat16().cuda()
     idx, weight = (v.cuda() for v in routing("random", t, k, e))
     a = args_of(x, idx, weight, ex)
-    for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4, sort=True), Fp4GemvConfig(32, 64, 128, 8)):
+    for cfg in (Fp4GemvConfig(), Fp4GemvConfig(64, 16, 512, 4, sort=True), Fp4GemvConfig(32, 64, 128, 8),
+                Fp4GemvConfig(pdl=False)):
         y = moe_fp4_gemv(*a, LIMIT, cfg)
         assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt], cfg
 
@@ -222,3 +223,34 @@ def test_gpu_gemv_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_fp4_gemv(*a, LIMIT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_gemv_pdl_chain_in_a_graph(fmt):
+    """Programmatic dependent launch: each call reads the previous call's output (directly, and
+    through a torch op launched without PDL), replayed in a CUDA graph, bit-equal to the same
+    chain run eagerly without PDL. A kernel that read its predecessor's output before its wait
+    would differ."""
+    t, k, e, d, i = 8, 6, 64, 1024, 512
+    ex = experts(fmt, e, i, d, device="cuda")
+    x = torch.randn(t, d).bfloat16().cuda()
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+
+    def chain(cfg):
+        y = moe_fp4_gemv(*args_of(x, idx, weight, ex), LIMIT, cfg)
+        y = moe_fp4_gemv(*args_of(y, idx, weight, ex), LIMIT, cfg)
+        y = moe_fp4_gemv(*args_of(y * 0.5 + x, idx, weight, ex), LIMIT, cfg)
+        return moe_fp4_gemv(*args_of(y, idx, weight, ex), LIMIT, cfg)
+
+    want = chain(Fp4GemvConfig(pdl=False))
+    assert torch.equal(chain(Fp4GemvConfig(pdl=True)), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(Fp4GemvConfig(pdl=True))
+    for _ in range(3):
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+
