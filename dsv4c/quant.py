@@ -210,6 +210,14 @@ def _scale_to_float(name: str, s: Tensor, dtypes: Sequence[torch.dtype] = _FP8_S
 # e4m3 and e2m1
 
 
+def div_const(t: Tensor, c: float) -> Tensor:
+    """t / c, correctly rounded on every device. CUDA kernels turn a division by a Python scalar
+    into a multiplication by its reciprocal, which differs from the quotient in about one fp32
+    result in four (c = 2688); a conversion on the GPU would then write other scales than on the
+    CPU. Dividing by a tensor of c keeps IEEE division on both."""
+    return t / torch.full_like(t, c)
+
+
 def to_e4m3(x: Tensor) -> Tensor:
     """float8_e4m3fn of x (same shape): clamp to +-448, then round to nearest, ties to even.
     x is first converted to fp32 (a float64 input is thus rounded twice). NaN stays NaN."""
@@ -302,7 +310,7 @@ def quant_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
     _require_finite("w", w)
     wb = w.to(torch.float32).unflatten(-1, (-1, MXFP4_BLOCK))              # [..., O, I/32, 32]
     amax = wb.abs().amax(dim=-1)                                           # [..., O, I/32]
-    k = ceil_pow2_exponent(torch.where(amax == 0, E2M1_MAX, amax) / E2M1_MAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    k = ceil_pow2_exponent(div_const(torch.where(amax == 0, E2M1_MAX, amax), E2M1_MAX)).clamp(-E8M0_BIAS, E8M0_BIAS)
     codes = e2m1_encode(wb / _exp2i(k).unsqueeze(-1)).flatten(-2)          # [..., O, I]
     return _pack(codes).view(torch.int8), _e8m0_from_exponent(k)
 
@@ -334,7 +342,7 @@ def _tile_amax(w: Tensor, block: int) -> Tensor:
 def _fp8_weight_scale(amax: Tensor, scale_fmt: str) -> Tensor:
     """fp32 tile scale from tile amax (same shape): amax/448, or ceil_pow2(amax/448) for ue8m0;
     1 for an all-zero tile. Tiny amax (< 448*2^-126) is floored to keep the scale normal."""
-    sigma = torch.where(amax == 0, 1.0, amax / E4M3_MAX)
+    sigma = torch.where(amax == 0, 1.0, div_const(amax, E4M3_MAX))
     if scale_fmt == "ue8m0":
         return _exp2i(ceil_pow2_exponent(sigma).clamp(-E8M0_BIAS, E8M0_BIAS))
     return sigma.clamp_min(_FP32_TINY)
@@ -384,7 +392,7 @@ def quant_fp8_block(w: Tensor, scale_fmt: str = "ue8m0", block: int = FP8_BLOCK)
 
 def _act_scale(amax: Tensor, ue8m0: bool) -> Tensor:
     """s = max(amax, 1e-4)/448, ceil_pow2'd for ue8m0. fp32, same shape as amax."""
-    s = amax.clamp_min(ACT_AMAX_FLOOR) / E4M3_MAX
+    s = div_const(amax.clamp_min(ACT_AMAX_FLOOR), E4M3_MAX)
     return ceil_pow2(s) if ue8m0 else s
 
 
@@ -502,7 +510,7 @@ def sim_fp4_blocks(x: Tensor, block: int = 32) -> Tensor:
     _require_block("block", block)
     _require_multiple("x", x, block, "K")
     xb = x.to(torch.float32).unflatten(-1, (-1, block))                              # [..., Kb, B]
-    s = ceil_pow2(xb.abs().amax(dim=-1, keepdim=True).clamp_min(E2M1_MAX * _FP32_TINY) / E2M1_MAX)  # [..., Kb, 1]
+    s = ceil_pow2(div_const(xb.abs().amax(dim=-1, keepdim=True).clamp_min(E2M1_MAX * _FP32_TINY), E2M1_MAX))  # [..., Kb, 1]
     return (_e2m1_values(e2m1_encode(xb / s)) * s).flatten(-2).to(x.dtype)
 
 
@@ -529,7 +537,7 @@ def _global_scale(name: str, w32: Tensor, global_scale: Tensor | None, dims: int
     lead = w32.shape[: w32.dim() - dims]
     if global_scale is None:
         amax = w32.abs().flatten(-dims).amax(dim=-1) if dims else w32.abs()
-        return torch.where(amax == 0, 1.0, amax / _NVFP4_GLOBAL_DIV)
+        return torch.where(amax == 0, 1.0, div_const(amax, _NVFP4_GLOBAL_DIV))
     _require_dtype(name, global_scale, (torch.float32,))
     g = global_scale.expand(lead) if global_scale.dim() <= len(lead) else global_scale
     _require_shape(name, g, lead, "one global scale per leading index")

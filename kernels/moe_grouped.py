@@ -679,7 +679,7 @@ def _dynamic_scale(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
     """NVFP4 activation global scale fp32 [1]: the given one, or amax(t)/(6*448) on device."""
     if given is not None:
         return given
-    return (t.abs().amax().float() / _NVFP4_GLOBAL_DIV).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    return Q.div_const(t.abs().amax().float(), _NVFP4_GLOBAL_DIV).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
 
 
 def _check_cfg(fmt: str, cfg: MoeKernelConfig, d: int, i: int) -> None:

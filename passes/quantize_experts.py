@@ -510,9 +510,11 @@ def _new_weights(kfmt: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     specs = field_specs(kfmt, e, ip, dp)
     if w1.is_meta:
         return {f: torch.empty(s, dtype=dt, device="meta") for f, (s, dt) in specs.items()}
-    # one expert at a time, as compile streams them: no fp32 copy of a whole [E, I, D] stack
-    fields, _ = expert_tensors(kfmt, e, lambda j: ("float", w1[j].detach(), w3[j].detach(), w2[j].detach()), ip, dp)
-    out = {f: fields[f] for f in specs}
+    # one expert at a time, as compile streams them: no fp32 copy of a whole [E, I, D] stack;
+    # converted where the weights are, and kept there (the graph's other parameters are)
+    fields, _ = expert_tensors(kfmt, e, lambda j: ("float", w1[j].detach(), w3[j].detach(), w2[j].detach()), ip, dp,
+                               device=w1.device)
+    out = {f: fields[f].to(w1.device) for f in specs}
     for f, (s, dt) in specs.items():  # the streamed (compile) path relies on these specs
         assert tuple(out[f].shape) == s and out[f].dtype == dt, (f, out[f].shape, out[f].dtype, s, dt)
     return out

@@ -491,6 +491,12 @@ def test_cuda_matches_cpu():
     cpu = [*Q.quant_mxfp4(w), *Q.quant_fp8_block(w[:, :200], "ue8m0"), *Q.quant_act_fp8(a)]
     dev = [*Q.quant_mxfp4(w.cuda()), *Q.quant_fp8_block(w[:, :200].cuda(), "ue8m0"),
            *Q.quant_act_fp8(a.cuda())]
+    # scales divided by constants (amax/448, amax/(6*448) per expert): the GPU must not round them
+    # differently (a division by a Python float is a reciprocal multiply there; see Q.div_const)
+    ws = torch.randn(32, 64, 256, generator=gen(19)) * torch.logspace(-3, 2, 32)[:, None, None]
+    cpu += [*Q.quant_nvfp4(ws), *Q.quant_fp8_block(ws[0] * 1.37, "fp32"), *Q.quant_act_fp8(a * 3.1, ue8m0=False)]
+    dev += [*Q.quant_nvfp4(ws.cuda()), *Q.quant_fp8_block(ws[0].cuda() * 1.37, "fp32"),
+            *Q.quant_act_fp8(a.cuda() * 3.1, ue8m0=False)]
     for c, d in zip(cpu, dev):
         assert c.dtype == d.dtype and torch.equal(as_bits(c), as_bits(d.cpu()))
     y_cpu = Q.mxfp4_fp8_gemm_ref(cpu[4], cpu[5], cpu[0], cpu[1])
