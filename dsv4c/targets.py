@@ -51,18 +51,18 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 _CUDA = {**_REFERENCE, "v4_attention": "fused", "v4_compress": "fused", "mla_cache_update": "static",
          "dsa_cache_update": "static", "head_rms_rope": "fused", "v4_indexer_topk": "fused"}
 
-# BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-29, sixth session): Flash expert shapes,
-# microseconds per call replayed in a CUDA graph (how decode runs), default tiles, at 1 / 8 / 64 tokens;
-# and the v4-flash-slice decode step in full-graph mode with each expert format.
+# BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-30, ninth session): Flash expert shapes,
+# microseconds per call replayed in a CUDA graph (how decode runs), default kernels, at 1 / 8 / 64 tokens,
+# and prefill; the v4-flash-slice decode step with each expert format is the sixth session's.
 _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us at 1/8/64 tokens, default kernels): "
-                  "fp8_block 60/291/1304, mxfp4_w4a16 (CUDA-core GEMV) 38/196/1436, nvfp4_w4a16 41/208/1539; "
-                  "prefill at 4096/16384 tokens (eager calls, same run): fp8_block 3.65/8.00 ms, mxfp4_w4a16 10.1/30.9 ms. "
-                  "v4-flash-slice decode step, full graph, ms at batch 1/8/64: fp8_block 2.90/4.07/8.41, "
-                  "mxfp4_w4a16 2.82/3.79/9.88. MXFP4 is 1.5x faster per MoE call up to 8 tokens (3-7% per step), "
-                  "FP8 from 64 tokens and 2.8-3.9x at prefill. Accuracy: FP8 is the closer for weights quantised "
-                  "from bf16; for the released MXFP4 experts, mxfp4_w4a16 keeps the checkpoint's exact values. One format per "
-                  "artifact (graphs share weights), so fp8_block; --expert-format mxfp4_w4a16 for "
-                  "latency-bound decode at batch <= 8 (and half the expert memory).")
+                  "fp8_block 57/288/1296, mxfp4_w4a16 (CUDA-core GEMV, PDL-chained) 31.5/188/1431, nvfp4_w4a16 "
+                  "32.5/201/1546; prefill at 4096/16384 tokens (graph replay): fp8_block 2.48/6.92 ms, "
+                  "mxfp4_w4a16 8.60/28.5 ms. v4-flash-slice decode step, full graph, ms at batch 1/8/64 (sixth "
+                  "session): fp8_block 2.90/4.07/8.41, mxfp4_w4a16 2.82/3.79/9.88. MXFP4 is 1.5-1.8x faster per "
+                  "MoE call up to 8 tokens, FP8 from 64 tokens and 3.5-4.1x at prefill. Accuracy: FP8 is the closer "
+                  "for weights quantised from bf16; for the released MXFP4 experts, mxfp4_w4a16 keeps the "
+                  "checkpoint's exact values. One format per artifact (graphs share weights), so fp8_block; "
+                  "--expert-format mxfp4_w4a16 for latency-bound decode at batch <= 8 (and half the expert memory).")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,
            "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
 
