@@ -18,6 +18,11 @@ def interpret_flag(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (Triton's `launch_pdl`, `gdc_wait`) needs a GPU of sm_90+."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 @triton.jit
 def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
     """acc + a [M, K] @ b_nk[N, K]^T in fp32 (tensor cores on GPU)."""

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from dsv4c.kernels._tl import pdl_supported
+
 BLOCK_D = 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -75,7 +77,7 @@ def combine_slots(y: torch.Tensor, inv: torch.Tensor | None, topk: int, out: tor
     t, d = out.shape
     if t == 0:
         return out
-    if pdl and (y.device.type != "cuda" or torch.cuda.get_device_capability(y.device) < (9, 0)):
+    if pdl and not pdl_supported(y.device):
         raise ValueError(f"combine_slots: pdl needs a CUDA GPU of capability >= 9.0, got {y.device}")
     launch = {"launch_pdl": True} if pdl else {}
     _combine_kernel[(t, triton.cdiv(d, BLOCK_D))](y, inv if inv is not None else y, out, d, y.stride(0),

@@ -384,11 +384,6 @@ def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
     return e, i, d
 
 
-def _use_pdl(cfg: Fp4GemvConfig, dev: torch.device) -> bool:
-    """Programmatic dependent launch: asked for, on a GPU, sm_90+."""
-    return cfg.pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
-
-
 def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
                  w13_scale: torch.Tensor, w13_global: torch.Tensor | None, w2: torch.Tensor,
                  w2_scale: torch.Tensor, w2_global: torch.Tensor | None, group: int, swiglu_limit: float,
@@ -427,7 +422,7 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     # activations as fp16 * 2^k with 2^-k per 32 columns; words are fp16 pairs
     xh = torch.empty(t, d, dtype=torch.float16, device=dev)
     xs = torch.empty(t, triton.cdiv(d, 32), dtype=torch.float32, device=dev)
-    pdl = _use_pdl(cfg, dev)
+    pdl = cfg.pdl and U.pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
     _act_f16_kernel[(t, triton.cdiv(d, 32 * 8))](x, xh, xs, d, x.stride(0), xh.stride(0), xs.stride(0), CHUNKS=8,
                                                  PDL=pdl, **launch)

@@ -195,15 +195,15 @@ def _on(c, device: torch.device):
 
 
 def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: int, dp: int,
-                   device: str | torch.device = "cpu") -> tuple[dict, int]:
-    """Build the stacked fields (on the CPU) one expert at a time. `read(e)` gives ("float", w1,
+                   device: str | torch.device = "cpu", out_device: str | torch.device = "cpu") -> tuple[dict, int]:
+    """Build the stacked fields on `out_device` one expert at a time. `read(e)` gives ("float", w1,
     w3, w2) or ("mxfp4", w1, s1, w3, s3, w2, s2) for expert e (2-d checkpoint tensors). Each
-    expert is converted on `device` (a GPU converts a Flash layer in a second; the same exact
-    arithmetic, so the same bytes). Returns (fields, the number of experts quantised from
-    dequantised values although the source was MXFP4)."""
+    expert is converted on `device` (a GPU converts a Flash layer in a second; the same arithmetic,
+    so the same bytes). Returns (fields, the number of experts quantised from dequantised values
+    although the source was MXFP4)."""
     from dsv4c.kernels.moe_grouped import Mxfp4Experts
 
-    device = torch.device(device)
+    device, out_device = torch.device(device), torch.device(out_device)
     parts, requant = [], 0
     for e in range(n_experts):
         src = read(e)
@@ -219,7 +219,7 @@ def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: 
                 c = quantize_float(kfmt, *mx.dequantize(), ip, dp)
         else:
             c = quantize_float(kfmt, *(t.unsqueeze(0) for t in src[1:]), ip, dp)
-        parts.append(c if device.type == "cpu" else _on(c, torch.device("cpu")))
+        parts.append(c if device == out_device else _on(c, out_device))
     return _stack(parts), requant
 
 
@@ -513,8 +513,8 @@ def _new_weights(kfmt: str, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     # one expert at a time, as compile streams them: no fp32 copy of a whole [E, I, D] stack;
     # converted where the weights are, and kept there (the graph's other parameters are)
     fields, _ = expert_tensors(kfmt, e, lambda j: ("float", w1[j].detach(), w3[j].detach(), w2[j].detach()), ip, dp,
-                               device=w1.device)
-    out = {f: fields[f].to(w1.device) for f in specs}
+                               device=w1.device, out_device=w1.device)
+    out = {f: fields[f] for f in specs}
     for f, (s, dt) in specs.items():  # the streamed (compile) path relies on these specs
         assert tuple(out[f].shape) == s and out[f].dtype == dt, (f, out[f].shape, out[f].dtype, s, dt)
     return out
