@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpret_flag(t: torch.Tensor) -> bool:
@@ -21,6 +22,19 @@ def interpret_flag(t: torch.Tensor) -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (Triton's `launch_pdl`, `gdc_wait`) needs a GPU of sm_90+."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+). With PDL each kernel of a chain is launched while
+    its predecessor still runs, and may read what is fixed before the chain started (the expert
+    weights, idx and perm: written before the predecessor's own wait returned) but nothing the
+    predecessor writes until this wait returns (the predecessor has then finished and its
+    writes are visible). Only after its own wait does a kernel let its successor launch, so the
+    successor's early reads never race a kernel further back."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

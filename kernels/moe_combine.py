@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4c.kernels._tl import pdl_supported
+from dsv4c.kernels._tl import pdl_supported, pdl_wait
 
 BLOCK_D = 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,9 +31,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _combine_kernel(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, HAS_INV: tl.constexpr,
                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # launched early (programmatic dependent launch): y is ready once this returns
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(PDL)   # launched early (programmatic dependent launch): y is ready once this returns
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D

@@ -52,8 +52,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.moe_combine import combine_slots
 
@@ -67,7 +65,7 @@ class Fp4GemvConfig:
     """Tiles of the two GEMV kernels. block_n13: W1/W3 rows per program (each program reads
     2 * block_n13 rows); block_n2: W2 rows per program; block_k: K columns per loop step (a
     multiple of the scale group); sort: order the programs by expert (see sort_experts);
-    pdl: launch the four kernels with programmatic dependent launch on sm_90+ (see `_pdl_wait`);
+    pdl: launch the four kernels with programmatic dependent launch on sm_90+ (see `_tl.pdl_wait`);
     ignored under the interpreter and on older GPUs."""
 
     block_n13: int = 32
@@ -121,7 +119,7 @@ def _chunk_scale_f16(v, CHUNKS: tl.constexpr):
 def _act_f16_kernel(x_ptr, out_ptr, s_ptr, K, stride_x, stride_o, stride_s, CHUNKS: tl.constexpr,
                     PDL: tl.constexpr):
     """One row's CHUNKS*32 columns: fp16 x * 2^k and 2^-k per 32 columns (see _chunk_scale_f16)."""
-    _pdl_wait(PDL)
+    U.pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * CHUNKS
     cols = (c0 + tl.arange(0, CHUNKS))[:, None] * 32 + tl.arange(0, 32)[None, :]   # [CHUNKS, 32]
@@ -131,19 +129,6 @@ def _act_f16_kernel(x_ptr, out_ptr, s_ptr, K, stride_x, stride_o, stride_s, CHUN
     tl.store(out_ptr + r * stride_o + cols, q, mask=ok)
     ch = c0 + tl.arange(0, CHUNKS)
     tl.store(s_ptr + r * stride_s + ch, inv, mask=ch * 32 < K)
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Programmatic dependent launch (sm_90+). With PDL each kernel of the chain is launched while
-    its predecessor still runs, and may read what is fixed before the chain started (the expert
-    weights, idx and perm: written before the predecessor's own wait returned) but nothing the
-    predecessor writes until this wait returns (the predecessor has then finished and its
-    writes are visible). Only after its own wait does a kernel let its successor launch, so the
-    successor's early reads never race a kernel further back."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -255,7 +240,7 @@ def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constex
     q2_next, sb2_next = q_next, sb_next
     if TWO:
         q2_next, sb2_next = _w_step(w_base, s_base, rows + off2, row_ok, 0, K, stride_wn, stride_sn, GROUP, BLOCK_K)
-    _pdl_wait(PDL)
+    U.pdl_wait(PDL)
     for k0 in range(0, K, BLOCK_K):
         q = q_next
         sb = sb_next
