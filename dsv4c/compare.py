@@ -7,6 +7,15 @@ lives on the meta device, the SNR (dB), max abs error and cosine similarity of t
 the eager model. Later passes (split, quantize) are judged the same way; `snr_prev_db` is the SNR of
 each step's logits against the previous step's (a lossy pass such as quantize_experts shows its own
 cost there, whatever came before).
+
+Routing (dsv4c/routing.py, passes/pin_routing.py): the eager reference's routing decisions are
+recorded per MoE layer (hash layers and the MTP block's included). Every row's graph runs with a
+routing tap that records its own decisions: `flips` is, per MoE layer, the share of tokens whose
+top-k expert set differs from eager's (routing free). With `pin_routing=True` each graph also runs
+with eager's decisions fed to its experts in place of its own router outputs: `pinned` holds that
+run's SNR / max abs / cosine (only the kernels' and formats' error is left), `pinned_flips` the
+graph's own router against eager's with eager-routed inputs (local flips, no cascade). The first
+row of each graph carries `margins`: per layer, the distribution of eager's top-k margins.
 """
 from __future__ import annotations
 
@@ -18,6 +27,8 @@ import torch
 
 from dsv4c.export import GraphSpec, export_graph, flat_caches
 from dsv4c.passes import PassContext, run_pipeline
+from dsv4c.passes.pin_routing import tapped
+from dsv4c.routing import RoutingTable, RoutingTap, margin_summary, record_routing, routing_flips
 
 
 def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -38,6 +49,7 @@ class _Case:
     args: tuple  # (ids, slots, pos0, n_real) or (hidden, ids, slots, pos0, n_real)
     cache: object  # the model's cache object before the step
     ref: torch.Tensor  # eager logits
+    routing: RoutingTable | None = None  # eager's routing decisions of the step
 
 
 def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
@@ -57,15 +69,17 @@ def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
             cache = model.new_mtp_cache(B, max_len=spec.max_len)
             hidden = _sample_hidden(model, B, T, g)
             pos0 = cache.pos.clone()
-            ref = model.mtp_forward(hidden, ids, copy.deepcopy(cache))[0]
-            cases.append(_Case(spec, (hidden, ids, meta[0], pos0, meta[2]), cache, ref))
+            with record_routing(model) as rec:
+                ref = model.mtp_forward(hidden, ids, copy.deepcopy(cache))[0]
+            cases.append(_Case(spec, (hidden, ids, meta[0], pos0, meta[2]), cache, ref, rec.table))
             continue
         cache = model.new_cache(B, max_len=spec.max_len)
         if kind == "decode":  # decode after a prompt, so the step sees a real cache
             model(torch.randint(0, V, (B, prompt_len), generator=g).to(dev), cache)
         pos0 = cache.pos.clone()
-        ref = model(ids, copy.deepcopy(cache))
-        cases.append(_Case(spec, (ids, meta[0], pos0, meta[2]), cache, ref))
+        with record_routing(model) as rec:
+            ref = model(ids, copy.deepcopy(cache))
+        cases.append(_Case(spec, (ids, meta[0], pos0, meta[2]), cache, ref, rec.table))
     return cases
 
 
@@ -82,10 +96,33 @@ def _run(gm, case: _Case) -> torch.Tensor:
     return gm(*case.args, flat_caches(cache.layers))[0]
 
 
+def _run_tapped(gm, case: _Case, pin: bool) -> tuple[torch.Tensor, RoutingTap]:
+    """Run `gm` with a routing tap (pinned to the case's eager routing, or observing); gm is unchanged after."""
+    tap = RoutingTap(case.routing, pin=pin)
+    with tapped(gm, tap):
+        out = _run(gm, case)
+    left = tap.unconsumed()
+    if left:
+        raise AssertionError(f"pinned routing: recorded rows never asked for: {left}")
+    return out, tap
+
+
+def case_metrics(gm, case: _Case, pin_routing: bool) -> dict:
+    """The logits error of `gm` on `case` with routing free (and pinned), and the routing flips."""
+    out, tap = _run_tapped(gm, case, pin=False)
+    m = {**error_metrics(out, case.ref), "flips": routing_flips(case.routing, tap.seen), "_out": out}
+    if pin_routing:
+        pout, ptap = _run_tapped(gm, case, pin=True)
+        m["pinned"] = error_metrics(pout, case.ref)
+        m["pinned_flips"] = routing_flips(case.routing, ptap.seen)
+    return m
+
+
 @torch.no_grad()
 def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: int = 0, skip=(),
-                   seed: int = 0, passes=None) -> list[dict]:
-    """One row per (graph kind, step): export first, then each pass of the pipeline."""
+                   seed: int = 0, passes=None, pin_routing: bool = False) -> list[dict]:
+    """One row per (graph kind, step): export first, then each pass of the pipeline. `pin_routing`:
+    also run each graph with eager's routing decisions (module docstring)."""
     cfg = model.config
     meta = next(model.parameters()).is_meta
     rows = []
@@ -100,15 +137,16 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
         def metrics(graph, case=case, prev=prev) -> dict:
             if case is None:
                 return {}
-            out = _run(graph, case)
-            m = {**error_metrics(out, case.ref), "snr_prev_db": error_metrics(out, prev[0])["snr_db"]
-                 if prev[0] is not None else None}
+            m = case_metrics(graph, case, pin_routing)
+            out = m.pop("_out")
+            m["snr_prev_db"] = error_metrics(out, prev[0])["snr_db"] if prev[0] is not None else None
             prev[0] = out
             return m
 
         rows.append({"graph": kind, "name": "export", "changed": False, "stats": {"nodes": len(gm.graph.nodes)},
                      "seconds": eg.seconds, "snr_db": None, "max_abs_err": None, "cosine": None,
-                     "snr_prev_db": None, **metrics(gm)})
+                     "snr_prev_db": None, **metrics(gm),
+                     **({"margins": margin_summary(case.routing)} if case is not None else {})})
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
@@ -122,18 +160,71 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table, one row per graph and step."""
-    head = (f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'vs prev':>8} {'max abs':>10} {'cosine':>10} "
-            f"{'sec':>6}  stats")
+    """A plain-text table, one row per graph and step (pinned-routing columns when measured), then
+    the per-layer routing flips of each graph's last step and eager's top-k margins."""
+    pinned = any("pinned" in r for r in rows)
+    pcols = f" {'pinned':>8} {'p.max abs':>10} {'p.cosine':>10}" if pinned else ""
+    head = (f"{'graph':8} {'step':18} {'changed':7} {'SNR dB':>8} {'vs prev':>8} {'max abs':>10} {'cosine':>10}"
+            f"{pcols} {'flips':>6} {'sec':>6}  stats")
     lines = [head, "-" * len(head)]
     for r in rows:
         snr, prev = (_db(r["snr_db"]), _db(r.get("snr_prev_db")))
         mae = "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"
         cos = "-" if r["cosine"] is None else f"{r['cosine']:.6f}"
         step = r["name"] + (" (skipped)" if r.get("skipped") else "")
-        lines.append(f"{r['graph']:8} {step:18} {str(r['changed']):7} {snr:>8} {prev:>8} {mae:>10} {cos:>10} "
-                     f"{r['seconds']:6.2f}  {_short_stats(r['stats'])}")
+        p = ""
+        if pinned:
+            pm = r.get("pinned") or {}
+            p = (f" {_db(pm.get('snr_db')):>8} {_e(pm.get('max_abs_err')):>10} "
+                 f"{('-' if pm.get('cosine') is None else format(pm['cosine'], '.6f')):>10}")
+        fl = r.get("flips")
+        flips = "-" if not fl else f"{max(f['share'] for f in fl):.0%}"
+        lines.append(f"{r['graph']:8} {step:18} {str(r['changed']):7} {snr:>8} {prev:>8} {mae:>10} {cos:>10}{p} "
+                     f"{flips:>6} {r['seconds']:6.2f}  {_short_stats(r['stats'])}")
+    lines.append("flips: the largest per-layer share of tokens whose top-k expert set differs from eager's "
+                 "(routing free)")
+    lines += routing_tables(rows)
     return "\n".join(lines)
+
+
+def routing_tables(rows: list[dict]) -> list[str]:
+    """Per graph: per MoE layer, flips of the last measured step (free / pinned-local) and eager's margins."""
+    lines = []
+    for graph in dict.fromkeys(r["graph"] for r in rows):
+        rs = [r for r in rows if r["graph"] == graph]
+        last = next((r for r in reversed(rs) if r.get("flips")), None)
+        margins = {m["layer"]: m for m in (rs[0].get("margins") or [])}
+        if last is None:
+            continue
+        lines += ["", f"{graph}: routing per MoE layer after {last['name']} (flips: share of tokens whose expert "
+                      f"set differs from eager's; margins: eager's k-th minus (k+1)-th selection score)",
+                  f"  {'layer':10} {'hash':4} {'tokens':>6} {'flips free':>10} {'flips pinned':>12} "
+                  f"{'margin min':>10} {'p10':>9} {'p50':>9}"]
+        pinned = {f["layer"]: f for f in last.get("pinned_flips") or []}
+        for f in last["flips"]:
+            m = margins.get(f["layer"], {}).get("quantiles") or {}
+            pf = pinned.get(f["layer"])
+            lines.append(f"  {f['layer']:10} {'yes' if f['hashed'] else '':4} {f['tokens']:>6} {f['share']:>10.1%} "
+                         f"{('-' if pf is None else format(pf['share'], '.1%')):>12} {_e(m.get('p0')):>10} "
+                         f"{_e(m.get('p10')):>9} {_e(m.get('p50')):>9}")
+    return lines
+
+
+def _e(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2e}"
+
+
+def json_rows(rows: list[dict]) -> list[dict]:
+    """Rows as strict JSON values: an infinite SNR (identical logits) becomes "inf"."""
+    def clean(v):
+        if isinstance(v, float) and math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return [clean(r) for r in rows]
 
 
 def _db(v: float | None) -> str:
@@ -150,3 +241,28 @@ def _short_stats(stats: dict) -> str:
         else:
             parts.append(f"{key}={v}")
     return ", ".join(parts)[:80]
+
+
+# ---- a whole compiled artifact ------------------------------------------------------------------
+@torch.no_grad()
+def eager_routing(model, ids) -> tuple[torch.Tensor, RoutingTable]:
+    """Eager prefill logits [T, V] fp32 of one token sequence and its routing decisions."""
+    dev = next(model.parameters()).device
+    with record_routing(model) as rec:
+        logits = model(torch.as_tensor(list(ids), device=dev)[None])[0].float()
+    return logits, rec.table
+
+
+@torch.no_grad()
+def artifact_logits(session, ids, routing: RoutingTable | None = None) -> tuple[torch.Tensor, RoutingTap]:
+    """`session.logits(ids)` (prefill logits [T, V] through the artifact's own prefill graph, in its
+    chunks) with a routing tap in that graph: pinned to `routing` (from `eager_routing` on the same ids)
+    when given, observing otherwise. The session's graph is unchanged afterwards; the tap's `seen` is the
+    artifact's own routing (for flips)."""
+    tap = RoutingTap(routing, pin=routing is not None)
+    with tapped(session.graphs["prefill"], tap):
+        out = session.logits(ids)
+    left = tap.unconsumed()
+    if left:
+        raise AssertionError(f"pinned routing: recorded rows never asked for: {left}")
+    return out, tap

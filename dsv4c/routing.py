@@ -1,0 +1,214 @@
+"""Routing decisions as data: record the eager model's, tap a graph's, count flips, measure margins.
+
+A comparison tool (`dsv4c compare --pin-routing`, `compare.artifact_logits`): nothing here is part
+of a compiled artifact or of the runtime's hot path.
+
+    with record_routing(model) as rec:        # eager: every Gate's (expert ids, weights), call order
+        ref = model(ids)
+    tap = RoutingTap(rec.table, pin=True)     # graph side (passes/pin_routing.py inserts it before
+                                              # each routed-experts op): feeds the recorded decisions
+                                              # to the experts, and records the graph's own
+    routing_flips(rec.table, tap.seen)        # per MoE layer: share of tokens whose top-k SET differs
+
+Entries are in call order: a model's forward calls its MoE layers in order (hash layers included), the
+MTP block's gate after them; a graph's routed-experts ops sit in the same order. A recorded entry is
+consumed row by row across calls (`RoutingTap` keeps a cursor per entry), so a prompt recorded in one
+eager forward can be replayed through a graph run in chunks (Session's chunked prefill).
+
+Legend: T tokens (B·T rows of a step), K experts per token, E experts.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RoutingEntry:
+    """One router call: its module name, expert ids [T, K] int64 and weights [T, K] fp32 (on the CPU);
+    `margins` [T] the gap between the K-th and (K+1)-th selection score (None for hash layers)."""
+
+    name: str
+    idx: torch.Tensor
+    weight: torch.Tensor
+    hashed: bool = False
+    margins: torch.Tensor | None = None
+
+
+@dataclass
+class RoutingTable:
+    entries: list[RoutingEntry] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def merged(self) -> "RoutingTable":
+        """Entries of the same module called several times (chunks) concatenated along the rows."""
+        out: dict[str, RoutingEntry] = {}
+        for e in self.entries:
+            if e.name not in out:
+                out[e.name] = RoutingEntry(e.name, e.idx, e.weight, e.hashed, e.margins)
+                continue
+            m = out[e.name]
+            m.idx, m.weight = torch.cat([m.idx, e.idx]), torch.cat([m.weight, e.weight])
+            if m.margins is not None and e.margins is not None:
+                m.margins = torch.cat([m.margins, e.margins])
+        return RoutingTable(list(out.values()))
+
+
+def _gate_classes() -> tuple[type, ...]:
+    from dsv4c.model import v3, v4
+
+    return (v4.Gate, v3.Gate)
+
+
+def topk_margins(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [T, E] -> [T]: k-th largest minus (k+1)-th largest (inf when E == k: nothing can flip)."""
+    if scores.shape[-1] <= k:
+        return torch.full(scores.shape[:-1], float("inf"))
+    v = scores.float().topk(k + 1, dim=-1).values
+    return v[..., k - 1] - v[..., k]
+
+
+def _v4_selection_scores(gate, u: torch.Tensor) -> torch.Tensor:
+    """The scores V4's top-K selects on: sqrt(softplus(u W^T)) + bias, fp32 [T, E]."""
+    logits = F.linear(u.float(), gate.weight.float())
+    return F.softplus(logits).sqrt() + gate.bias.float()
+
+
+class record_routing(contextlib.AbstractContextManager):
+    """Record every Gate call of `model` (forward hooks; the model is unchanged): `.table` after the
+    block. With `pin=table`, the gates' outputs are replaced by that table's, row by row (the eager side
+    of a pinned comparison: e.g. an eager model with a perturbed layer, routed as the unperturbed one)."""
+
+    def __init__(self, model: nn.Module, pin: RoutingTable | None = None):
+        self.model, self.table, self._handles = model, RoutingTable(), []
+        self._pin = RoutingTap(pin, pin=True) if pin is not None else None
+        self._order: dict[str, int] = {}
+
+    def __enter__(self) -> "record_routing":
+        from dsv4c.model import v4
+
+        classes = _gate_classes()
+        gates = [(n, m) for n, m in self.model.named_modules() if isinstance(m, classes)]
+        if not gates:
+            raise ValueError(f"{type(self.model).__name__}: no router (Gate) modules to record")
+        for name, gate in gates:
+            short = name.removesuffix(".ffn.gate").removesuffix(".mlp.gate")
+
+            def hook(mod, args, out, short=short):
+                idx, w = out
+                margins = None
+                hashed = bool(getattr(mod, "hashed", False))
+                if isinstance(mod, v4.Gate) and not hashed:
+                    margins = topk_margins(_v4_selection_scores(mod, args[0]), mod.k).cpu()
+                self.table.entries.append(RoutingEntry(short, idx.detach().cpu(), w.detach().float().cpu(),
+                                                       hashed, margins))
+                if self._pin is not None:
+                    return self._pin(idx, w, slot=len(self.table) - 1)
+                return None
+
+            self._handles.append(gate.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class RoutingTap(nn.Module):
+    """Inserted before the routed experts of a graph (passes/pin_routing.py): `tap(idx, w, slot=i)` is
+    the i-th router of the graph. Always records the graph's own (idx, w) in `seen`; with `pin=True`
+    returns the recorded decisions of entry i instead (the next rows of it: a cursor per entry), cast
+    to the graph's dtypes and device. `reset()` rewinds the cursors and clears `seen`."""
+
+    def __init__(self, table: RoutingTable | None = None, pin: bool = False):
+        super().__init__()
+        if pin and table is None:
+            raise ValueError("RoutingTap(pin=True) needs a recorded RoutingTable")
+        self.table, self.pin = table, pin
+        self.reset()
+
+    def reset(self) -> None:
+        self.cursor: dict[int, int] = {}
+        self.seen = RoutingTable()
+        self._dev_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, idx: torch.Tensor, weight: torch.Tensor, slot: int = 0):
+        name = self.table.entries[slot].name if self.table is not None and slot < len(self.table) else f"router{slot}"
+        self.seen.entries.append(RoutingEntry(name, idx.detach().clone(), weight.detach().float().clone()))
+        if not self.pin:
+            return idx, weight
+        if slot >= len(self.table):
+            raise ValueError(f"pinned routing: the graph has a router #{slot}, the recorded table only "
+                             f"{len(self.table)} ({self.table.names})")
+        e = self.table.entries[slot]
+        rows = idx.shape[0]
+        start = self.cursor.get(slot, 0)
+        if start + rows > e.idx.shape[0] or idx.shape[1] != e.idx.shape[1]:
+            raise ValueError(f"pinned routing, router #{slot} ({e.name}): the graph asks for rows "
+                             f"{start}..{start + rows} of K={idx.shape[1]}, the recording has "
+                             f"{e.idx.shape[0]} rows of K={e.idx.shape[1]}")
+        self.cursor[slot] = start + rows
+        key = (slot, str(idx.device))
+        if key not in self._dev_cache:
+            self._dev_cache[key] = (e.idx.to(idx.device), e.weight.to(idx.device))
+        i, w = self._dev_cache[key]
+        return i[start:start + rows].to(idx.dtype), w[start:start + rows].to(weight.dtype)
+
+    def unconsumed(self) -> dict[str, int]:
+        """Recorded rows no graph call asked for, per entry (empty: the replay covered the recording)."""
+        if not self.pin:
+            return {}
+        return {e.name: e.idx.shape[0] - self.cursor.get(i, 0) for i, e in enumerate(self.table.entries)
+                if self.cursor.get(i, 0) != e.idx.shape[0]}
+
+
+# ---- summaries --------------------------------------------------------------------------------
+def set_flips(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a, b [T, K] expert ids -> [T] bool: the top-K expert SET differs (order within a row ignored)."""
+    if a.shape != b.shape:
+        raise ValueError(f"routing shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.cpu().sort(-1).values != b.cpu().sort(-1).values).any(-1)
+
+
+def routing_flips(ref: RoutingTable, got: RoutingTable) -> list[dict]:
+    """Per router (merged over chunks): {"layer", "hashed", "tokens", "flipped", "share"}."""
+    r, g = ref.merged(), got.merged()
+    if len(r) != len(g):
+        raise ValueError(f"routing tables differ in length: {len(r)} routers recorded, {len(g)} seen")
+    out = []
+    for a, b in zip(r.entries, g.entries):
+        f = set_flips(a.idx, b.idx)
+        out.append({"layer": a.name, "hashed": a.hashed, "tokens": int(f.numel()), "flipped": int(f.sum()),
+                    "share": float(f.float().mean()) if f.numel() else 0.0})
+    return out
+
+
+MARGIN_QUANTILES = (0.0, 0.01, 0.1, 0.5, 0.9)
+
+
+def margin_summary(table: RoutingTable, thresholds: tuple[float, ...] = (1e-3, 1e-2)) -> list[dict]:
+    """Per router: quantiles of the top-K margin (score units: V4 selects on sqrt(softplus(logit)) + bias)
+    and the share of tokens whose margin is below each threshold. Hash layers have no margin (their
+    experts come from the token id), V3 gates are not measured: their entries carry only the counts."""
+    out = []
+    for e in table.merged().entries:
+        if e.margins is None:
+            out.append({"layer": e.name, "hashed": e.hashed, "tokens": int(e.idx.shape[0])})
+            continue
+        m = e.margins.double()
+        q = torch.quantile(m, torch.tensor(MARGIN_QUANTILES, dtype=torch.float64)).tolist()
+        out.append({"layer": e.name, "hashed": False, "tokens": int(m.numel()),
+                    "quantiles": {f"p{int(p * 100)}": v for p, v in zip(MARGIN_QUANTILES, q)},
+                    "below": {str(t): float((m < t).double().mean()) for t in thresholds}})
+    return out
