@@ -149,11 +149,13 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
     model = _model_for(a.checkpoint, a.meta, a.dtype, a.device)
     kinds = tuple(k for k in a.graphs.split(",") if k)
-    rows = compare_passes(model, target=a.target, kinds=kinds, k=a.k, skip=tuple(a.skip_pass), seed=a.seed)
+    from dsv4c.compare import json_rows
+
+    rows = compare_passes(model, target=a.target, kinds=kinds, k=a.k, skip=tuple(a.skip_pass), seed=a.seed,
+                          pin_routing=a.pin_routing)
     if a.json:
         # strict JSON has no Infinity: identical logits report snr_db "inf"
-        clean = [{k: ("inf" if isinstance(v, float) and v == float("inf") else v) for k, v in r.items()} for r in rows]
-        print(json.dumps(clean, indent=2, default=str))
+        print(json.dumps(json_rows(rows), indent=2, default=str))
     else:
         print(format_table(rows))
     return 0
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON: one entry per graph and pass")
     s.add_argument("--device", default="cpu", help="where the model and graphs run (cuda: full-size slices "
                    "such as v4-flash-slice, and the targets' Triton kernels)")
+    s.add_argument("--pin-routing", action="store_true", help="also run every graph with the eager model's routing "
+                   "decisions fed to its experts (only kernel/format error left); per-layer routing flips are "
+                   "reported either way")
     s.set_defaults(fn=cmd_compare)
 
     s = sub.add_parser("compile", help="compile a checkpoint for a target into an artifact folder")

@@ -1,0 +1,147 @@
+"""Pinned routing (dsv4c/routing.py, passes/pin_routing.py, compare's pinned columns) on a two-layer V4
+(a hash layer, then a top-k layer) in fp32: a perturbed expert kernel shows exactly its own error when
+routing is pinned; flips are counted exactly on a constructed near-tie; every fusion pass is bit-exact
+or >= 38 dB pinned, on the prefill and the MTP graph."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dsv4c.compare import _cases, _run, case_metrics, error_metrics
+from dsv4c.export import export_graph
+from dsv4c.passes import PassContext, get_param, run_pipeline, set_param
+from dsv4c.passes.pin_routing import expert_nodes, insert_taps, remove_taps, tapped
+from dsv4c.routing import RoutingTap, _v4_selection_scores, record_routing, routing_flips, set_flips
+
+from fusion_cases import model as tiny_model
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    """(model, the prefill case with eager's routing recorded, the exported prefill graph)."""
+    m = tiny_model("v4")
+    (case,) = _cases(m, ["prefill"], 0, seed=3)
+    return m, case, export_graph(m, case.spec).module()
+
+
+def test_set_flips_ignore_order_and_count_set_changes():
+    a = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    b = torch.tensor([[1, 0], [2, 4], [4, 5], [7, 6]])
+    assert set_flips(a, b).tolist() == [False, True, False, False]
+    with pytest.raises(ValueError, match="shapes differ"):
+        set_flips(a, b[:, :1])
+
+
+def test_taps_leave_the_graph_as_it_was_and_observe_its_routing(prefill):
+    m, case, gm0 = prefill
+    gm = copy.deepcopy(gm0)
+    code = gm.code
+    tap = RoutingTap(case.routing)
+    with tapped(gm, tap):
+        assert "routing_tap" in gm.code
+        out = _run(gm, case)
+    assert gm.code == code and not hasattr(gm, "routing_tap")
+    assert torch.equal(out, _run(gm, case))  # observing changes nothing
+    assert [e.name for e in case.routing.entries] == ["layers.0", "layers.1"] and case.routing.entries[0].hashed
+    assert all(f["flipped"] == 0 for f in routing_flips(case.routing, tap.seen))  # export = eager
+    with pytest.raises(ValueError, match="recorded RoutingTable"):
+        RoutingTap(None, pin=True)
+
+
+def test_pinned_routing_shows_exactly_a_perturbed_expert_kernels_error(prefill):
+    """A test double of the layer-0 experts adds a known error; free, the error cascades through layer 1's
+    flipped routing; pinned, the graph equals the eager model with the same error and eager's routing."""
+    m, case, gm0 = prefill
+    D = m.config.hidden_size
+    delta = torch.randn(D, generator=torch.Generator().manual_seed(7)) * 0.5
+
+    def perturbed(x, idx, w, *rest):
+        return torch.ops.dsv4c.moe_experts(x, idx, w, *rest) + delta
+
+    def run(pin: bool):
+        gm = copy.deepcopy(gm0)
+        tap = RoutingTap(case.routing, pin=pin)
+        insert_taps(gm, tap)
+        expert_nodes(gm)[0].target = perturbed
+        gm.recompile()
+        return _run(gm, case), tap
+
+    hook = m.layers[0].ffn.register_forward_hook(lambda mod, a, out: out + delta)
+    try:
+        with torch.no_grad(), record_routing(m, pin=case.routing) as rec:  # eager + the error, eager's routing
+            expected = m(case.args[0], copy.deepcopy(case.cache))
+    finally:
+        hook.remove()
+    assert not torch.equal(rec.table.entries[1].idx, case.routing.entries[1].idx)  # the error flips routes
+    pinned, ptap = run(pin=True)
+    free, ftap = run(pin=False)
+    known = error_metrics(expected, case.ref)
+    assert known["snr_db"] < 40  # the known error is visible
+    assert error_metrics(pinned, expected)["snr_db"] > 120  # the graph pinned = eager with the same error
+    assert abs(error_metrics(pinned, case.ref)["snr_db"] - known["snr_db"]) < 1e-3
+    assert not ptap.unconsumed()
+    free_flips = routing_flips(case.routing, ftap.seen)
+    assert free_flips[0]["flipped"] == 0 and free_flips[1]["flipped"] > 0  # hash layer never flips
+    assert error_metrics(free, expected)["snr_db"] < 60  # unpinned, the flips add error of their own
+
+
+def test_flips_are_counted_exactly_on_a_constructed_near_tie(prefill):
+    """Layer 1's gate bias of one expert is raised, in the graph only, by just enough that exactly n tokens
+    (those whose gap to the k-th score is smallest) take that expert in: n flips there, none in layer 0."""
+    m, case, gm0 = prefill
+    gate = m.layers[1].ffn.gate
+    got = {}
+    h = gate.register_forward_hook(lambda mod, a, out: got.__setitem__("u", a[0]))
+    try:
+        with torch.no_grad():
+            m(case.args[0], copy.deepcopy(case.cache))
+    finally:
+        h.remove()
+    with torch.no_grad():
+        s = _v4_selection_scores(gate, got["u"])  # [T, E]
+    kth = s.topk(gate.k, -1).values[:, -1]
+    chosen = case.routing.entries[1].idx
+    e = int(torch.bincount(chosen.flatten(), minlength=s.shape[1]).argmin())  # a rarely chosen expert
+    outside = ~(chosen == e).any(-1)
+    gaps = torch.where(outside, kth - s[:, e], torch.inf).sort().values
+    n = 3
+    assert gaps[n].isfinite() and gaps[n] - gaps[n - 1] > 1e-5  # a clean cut between the 3rd and 4th
+    bump = float(gaps[n - 1] + gaps[n]) / 2
+    gm = copy.deepcopy(gm0)
+    name = next(k for k, _ in gm.named_parameters() if k.endswith("layers.1.ffn.gate.bias"))
+    b = get_param(gm, name).detach().clone()
+    b[e] += bump
+    set_param(gm, name, torch.nn.Parameter(b))
+    for pin in (False, True):
+        tap = RoutingTap(case.routing, pin=pin)
+        with tapped(gm, tap):
+            _run(gm, case)
+        flips = routing_flips(case.routing, tap.seen)
+        assert [f["flipped"] for f in flips] == [0, n], (pin, flips)
+        assert math.isclose(flips[1]["share"], n / chosen.shape[0], rel_tol=1e-6)
+
+
+def _pipeline_rows(gm, case, cfg, kind: str) -> list[tuple[str, dict]]:
+    rows = []
+    run_pipeline(copy.deepcopy(gm), PassContext(cfg, "h200", kind),
+                 after_each=lambda name, g: rows.append((name, case_metrics(g, case, pin_routing=True))))
+    return rows
+
+
+def test_fusion_passes_pinned_are_bit_exact_or_38db_prefill_and_mtp(prefill):
+    m, case, gm = prefill
+    (mcase,) = _cases(m, ["mtp"], 1, seed=4)
+    for kind, c, g in (("prefill", case, gm), ("mtp", mcase, export_graph(m, mcase.spec).module())):
+        rows = _pipeline_rows(g, c, m.config, kind)
+        assert [r[0] for r in rows][-2:] == ["quantize_experts", "select_kernels"]
+        for name, r in rows:
+            if name in ("quantize_experts", "select_kernels"):  # fp8_block W8A8 experts: lossy on purpose
+                assert 15 < r["pinned"]["snr_db"] < 80, (kind, name, r["pinned"])
+                continue
+            assert r["pinned"]["snr_db"] == math.inf or r["pinned"]["snr_db"] >= 38, (kind, name, r["pinned"])
+            assert r["snr_db"] == math.inf or r["snr_db"] >= 38, (kind, name, r)
+        q = dict(rows)["quantize_experts"]
+        assert len(q["flips"]) == len(c.routing) and len(q["pinned_flips"]) == len(c.routing)
