@@ -52,12 +52,13 @@ class _Case:
     routing: RoutingTable | None = None  # eager's routing decisions of the step
 
 
-def _cases(model, kinds, k: int, seed: int) -> list[_Case]:
+def _cases(model, kinds, k: int, seed: int, prompt_len: int | None = None) -> list[_Case]:
     cfg = model.config
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
     V, B = cfg.vocab_size, 2
-    prompt_len = (cfg.sliding_window + 9) if cfg.is_v4 else 13
+    if prompt_len is None:
+        prompt_len = (cfg.sliding_window + 9) if cfg.is_v4 else 13
     spec_len = prompt_len + 16
     cases = []
     for kind in kinds:
@@ -120,14 +121,16 @@ def case_metrics(gm, case: _Case, pin_routing: bool) -> dict:
 
 @torch.no_grad()
 def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: int = 0, skip=(),
-                   seed: int = 0, passes=None, pin_routing: bool = False) -> list[dict]:
+                   seed: int = 0, passes=None, pin_routing: bool = False,
+                   prompt_len: int | None = None) -> list[dict]:
     """One row per (graph kind, step): export first, then each pass of the pipeline. `pin_routing`:
-    also run each graph with eager's routing decisions (module docstring)."""
+    also run each graph with eager's routing decisions (module docstring). `prompt_len`: tokens per
+    prefill row (and of the prompt before a decode step); default the window + 9 (V4), 13 (V3)."""
     cfg = model.config
     meta = next(model.parameters()).is_meta
     rows = []
     for kind in kinds:
-        case = None if meta else next(c for c in _cases(model, [kind], k, seed))
+        case = None if meta else next(c for c in _cases(model, [kind], k, seed, prompt_len))
         spec = case.spec if case else GraphSpec(kind, k=k)
         eg = export_graph(model, spec)
         gm = eg.module()

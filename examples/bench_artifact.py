@@ -17,7 +17,11 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
      (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
   6. on a GPU, where a Session step's time goes: the interval between decode steps against the CUDA
-     graph replay alone (`step_breakdown`), in this process.
+     graph replay alone (`step_breakdown`), in this process;
+  7. accuracy next to speed (`artifact_accuracy`): the artifact's prefill logits of one prompt through
+     Session.logits against the eager model's, with routing pinned to eager's decisions (only the
+     kernels' and formats' error: a fast but wrong lowering shows here) and free; every summary row
+     carries the pinned SNR (`pinned_snr_db`), so no speed figure stands without it.
 The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
 them; bf16 everything else) over the measured copy bandwidth.
 
@@ -186,9 +190,11 @@ def main(argv=None) -> int:
         stage("torch_compile", t0)
     # the artifact's answer is checked against the eager model's on one prompt (in the breakdown stage)
     chk = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(11))
+    from dsv4c.compare import eager_routing
+
     with torch.no_grad():
-        check = (chk.tolist(), model(chk[None].to(dev))[0, -1].float().cpu(),
-                 greedy(model, chk[None].to(dev), 8)[0].tolist())
+        full, routing = eager_routing(model, chk.tolist())  # logits [T, V] and eager's routing decisions
+        check = (chk.tolist(), full[-1].cpu(), greedy(model, chk[None].to(dev), 8)[0].tolist(), full.cpu(), routing)
     res["roofline"] = {}
     for r in peers["eager"]:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
@@ -235,6 +241,13 @@ def main(argv=None) -> int:
             res["breakdown_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"breakdown failed: {e}", flush=True)
         stage("breakdown", t0)
+    t0 = time.perf_counter()
+    try:
+        res["accuracy"] = artifact_accuracy(art, dev, check)
+    except Exception as e:  # reported in every row: a speed figure without its accuracy is marked
+        res["accuracy"] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"accuracy failed: {e}", flush=True)
+    stage("accuracy", t0)
     if a.long_context:
         bench([1], a.long_context)
     res["summary"] = summarize(res)
@@ -253,7 +266,7 @@ def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev, 
     from dsv4c.runtime import Session
 
     sess = Session.load(art, device=dev, graphs="full")
-    ids, ref_logits, ref_tokens = check
+    ids, ref_logits, ref_tokens = check[:3]
     got = sess.logits(ids)[-1]
     tokens = sess.generate([ids], max_new_tokens=len(ref_tokens))[0].tokens
     vs_eager = {"prompt_len": len(ids), "logits_rel_err": ((got - ref_logits).norm() / ref_logits.norm()).item(),
@@ -300,6 +313,29 @@ def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev, 
     return out, vs_eager
 
 
+@torch.no_grad()
+def artifact_accuracy(art: Path, dev, check: tuple) -> dict:
+    """The artifact's prefill logits of `check`'s prompt (Session.logits, op by op) against the eager
+    model's, routing pinned to eager's decisions and free; per-layer routing flips (free)."""
+    from dsv4c.compare import artifact_logits, error_metrics
+    from dsv4c.routing import routing_flips
+    from dsv4c.runtime import Session
+
+    ids, _, _, ref, routing = check
+    sess = Session.load(art, device=dev, graphs="off")
+    pinned, _ = artifact_logits(sess, ids, routing)
+    free, tap = artifact_logits(sess, ids)
+    del sess
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    p, f = error_metrics(pinned, ref), error_metrics(free, ref)
+    out = {"prompt_len": len(ids), "pinned_snr_db": p["snr_db"], "pinned_max_abs_err": p["max_abs_err"],
+           "pinned_cosine": p["cosine"], "free_snr_db": f["snr_db"], "free_cosine": f["cosine"],
+           "flips": [x["share"] for x in routing_flips(routing, tap.seen)]}
+    print(f"artifact accuracy (pinned routing): {out}", flush=True)
+    return out
+
+
 def summarize(res: dict) -> list[dict]:
     """Per batch: the artifact's decode step against its roofline and against the peers."""
     peer = {name: {r["batch"]: r for r in rows if "step_ms" in r} for name, rows in res["peers"].items()}
@@ -308,7 +344,9 @@ def summarize(res: dict) -> list[dict]:
         B = r["batch"]
         roof = res["roofline"].get(B, {}).get("roofline_ms")
         row = {"batch": B, "artifact_step_ms": r["step_ms_p50"], "artifact_decode_tok_s": r["decode_tokens_per_s"],
-               "roofline_ms": roof, "roofline_fraction": roof / r["step_ms_p50"] if roof else None}
+               "roofline_ms": roof, "roofline_fraction": roof / r["step_ms_p50"] if roof else None,
+               "pinned_snr_db": res.get("accuracy", {}).get("pinned_snr_db"),
+               "free_snr_db": res.get("accuracy", {}).get("free_snr_db")}
         bd = next((x for x in res.get("breakdown", []) if x["batch"] == B), None)
         if bd:
             row["replay_ms"] = bd["replay_ms"]
@@ -328,15 +366,24 @@ def table(res: dict) -> str:
     lines = [f"{res['preset']} -> {res['target']} artifact on {res['device']} (copy bandwidth "
              f"{f(res.get('copy_bandwidth_GBps'), '.0f')} GB/s), prompt {res['prompt']}",
              "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | replay ms | replay vs roofline | "
-             "eager ms | vs eager | torch.compile ms | vs torch.compile |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "eager ms | vs eager | torch.compile ms | vs torch.compile | SNR dB pinned (free) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["summary"]:
         lines.append(f"| {r['batch']} | {r['artifact_step_ms']:.2f} | {r['artifact_decode_tok_s']:.1f} | "
                      f"{f(r['roofline_ms'], '.3f')} | {f(r['roofline_fraction'], '.1%')} | "
                      f"{f(r.get('replay_ms'), '.3f')} | {f(r.get('replay_roofline_fraction'), '.1%')} | "
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
-                     f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x |")
+                     f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x | "
+                     f"{_snr(r.get('pinned_snr_db'))} ({_snr(r.get('free_snr_db'))}) |")
+    acc = res.get("accuracy", {})
+    lines.append(f"SNR: the artifact's prefill logits (Session.logits, {acc.get('prompt_len', '?')} tokens) against the "
+                 "eager model's with routing pinned to eager's decisions (free in parentheses)"
+                 + (f"; accuracy check failed: {acc['failed']}" if "failed" in acc else ""))
     return "\n".join(lines)
+
+
+def _snr(v) -> str:
+    return "-" if v is None else ("inf" if v == float("inf") else f"{v:.1f}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ def test_bench_artifact_quick_run(tmp_path):
     for row in res["summary"]:
         assert row["artifact_step_ms"] > 0 and row["eager_step_ms"] > 0
         assert row["speedup_vs_eager"] == row["eager_step_ms"] / row["artifact_step_ms"]
+        # fp32 cpu artifact, reference experts: pinned routing leaves only op-order rounding
+        assert row["pinned_snr_db"] > 60 and row["pinned_snr_db"] == res["accuracy"]["pinned_snr_db"]
     eager = {p["batch"]: p for p in res["peers"]["eager"]}
     assert all(len(eager[b]["tokens"]) == b and eager[b]["unique_experts"] for b in (1, 3))
     assert "| batch | artifact ms/step |" in r.stdout
