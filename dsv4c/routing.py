@@ -145,8 +145,8 @@ class RoutingTap(nn.Module):
 
     def forward(self, idx: torch.Tensor, weight: torch.Tensor, slot: int = 0):
         name = self.table.entries[slot].name if self.table is not None and slot < len(self.table) else f"router{slot}"
-        self.seen.entries.append(RoutingEntry(name, idx.detach().clone(), weight.detach().float().clone()))
         if not self.pin:
+            self._see(name, idx, weight)
             return idx, weight
         if slot >= len(self.table):
             raise ValueError(f"pinned routing: the graph has a router #{slot}, the recorded table only "
@@ -159,11 +159,15 @@ class RoutingTap(nn.Module):
                              f"{start}..{start + rows} of K={idx.shape[1]}, the recording has "
                              f"{e.idx.shape[0]} rows of K={e.idx.shape[1]}")
         self.cursor[slot] = start + rows
+        self._see(name, idx, weight)
         key = (slot, str(idx.device))
         if key not in self._dev_cache:
             self._dev_cache[key] = (e.idx.to(idx.device), e.weight.to(idx.device))
         i, w = self._dev_cache[key]
         return i[start:start + rows].to(idx.dtype), w[start:start + rows].to(weight.dtype)
+
+    def _see(self, name: str, idx: torch.Tensor, weight: torch.Tensor) -> None:
+        self.seen.entries.append(RoutingEntry(name, idx.detach().clone(), weight.detach().float().clone()))
 
     def unconsumed(self) -> dict[str, int]:
         """Recorded rows no graph call asked for, per entry (empty: the replay covered the recording)."""

@@ -14,7 +14,8 @@ from dsv4c.compare import _cases, _run, case_metrics, error_metrics
 from dsv4c.export import export_graph
 from dsv4c.passes import PassContext, get_param, run_pipeline, set_param
 from dsv4c.passes.pin_routing import expert_nodes, insert_taps, remove_taps, tapped
-from dsv4c.routing import RoutingTap, _v4_selection_scores, record_routing, routing_flips, set_flips
+from dsv4c.routing import (RoutingEntry, RoutingTable, RoutingTap, _v4_selection_scores, margin_summary,
+                           record_routing, routing_flips, set_flips, topk_margins)
 
 from fusion_cases import model as tiny_model
 
@@ -33,6 +34,33 @@ def test_set_flips_ignore_order_and_count_set_changes():
     assert set_flips(a, b).tolist() == [False, True, False, False]
     with pytest.raises(ValueError, match="shapes differ"):
         set_flips(a, b[:, :1])
+
+
+def test_tap_replays_a_recording_in_chunks_and_refuses_too_many_rows():
+    idx = torch.arange(12).view(6, 2)
+    table = RoutingTable([RoutingEntry("layers.0", idx, torch.rand(6, 2))])
+    tap = RoutingTap(table, pin=True)
+    own = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2)
+    a, _ = tap(*own, slot=0)
+    assert a.dtype == torch.int32 and a.tolist() == idx[:4].tolist() and tap.unconsumed() == {"layers.0": 2}
+    b, wb = tap(own[0][:2], own[1][:2], slot=0)
+    assert b.tolist() == idx[4:].tolist() and torch.equal(wb, table.entries[0].weight[4:]) and not tap.unconsumed()
+    with pytest.raises(ValueError, match="rows 6..7"):
+        tap(own[0][:1], own[1][:1], slot=0)
+    with pytest.raises(ValueError, match="router #1"):
+        tap(*own, slot=1)
+    # the two chunks the graph saw merge into one entry of 6 rows, all flipped but the identical ones
+    flips = routing_flips(table, tap.seen)
+    assert flips[0]["tokens"] == 6 and flips[0]["flipped"] == 6
+
+
+def test_margins_are_the_gap_between_kth_and_next_score():
+    s = torch.tensor([[5.0, 4.0, 3.9, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    assert torch.allclose(topk_margins(s, 2), torch.tensor([0.1, 1.0]))
+    m = margin_summary(RoutingTable([RoutingEntry("a", torch.zeros(2, 2), torch.zeros(2, 2), False,
+                                                  topk_margins(s, 2)),
+                                     RoutingEntry("h", torch.zeros(2, 2), torch.zeros(2, 2), True)]))
+    assert abs(m[0]["quantiles"]["p0"] - 0.1) < 1e-6 and m[0]["below"]["0.01"] == 0.0 and "quantiles" not in m[1]
 
 
 def test_taps_leave_the_graph_as_it_was_and_observe_its_routing(prefill):
@@ -145,3 +173,23 @@ def test_fusion_passes_pinned_are_bit_exact_or_38db_prefill_and_mtp(prefill):
             assert r["snr_db"] == math.inf or r["snr_db"] >= 38, (kind, name, r)
         q = dict(rows)["quantize_experts"]
         assert len(q["flips"]) == len(c.routing) and len(q["pinned_flips"]) == len(c.routing)
+
+
+def test_plot_routing_from_accuracy_json(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import plot_routing
+
+    flips = [{"layer": "layers.0", "hashed": True, "tokens": 4, "flipped": 0, "share": 0.0},
+             {"layer": "layers.1", "hashed": False, "tokens": 4, "flipped": 1, "share": 0.25}]
+    data = {"formats": [{"format": "fp8_block", "flips": flips, "pinned_flips": flips}],
+            "margins": {"slice": [{"layer": "layers.0", "hashed": True, "tokens": 4},
+                                  {"layer": "layers.1", "hashed": False, "tokens": 4,
+                                   "quantiles": {"p0": 1e-4, "p1": 2e-4, "p10": 1e-3, "p50": 1e-2, "p90": 0.1},
+                                   "below": {"0.001": 0.1, "0.01": 0.5}}]}}
+    lines, margins = plot_routing.series(data)
+    assert lines["fp8_block"] == (["layers.0", "layers.1"], [0.0, 0.25], [0.0, 0.25]) and "slice" in margins
+    out = plot_routing.plot(data, tmp_path / "r.png")
+    assert out.stat().st_size > 10_000
