@@ -193,3 +193,24 @@ def test_plot_routing_from_accuracy_json(tmp_path):
     assert lines["fp8_block"] == (["layers.0", "layers.1"], [0.0, 0.25], [0.0, 0.25]) and "slice" in margins
     out = plot_routing.plot(data, tmp_path / "r.png")
     assert out.stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_compare_h200_bf16():
+    """On the GPU, bf16, the h200 lowering with its Triton kernels: every fusion pass within bf16 rounding of
+    eager with routing pinned (>= 38 dB, issue 22), and pinning never makes the quantised graph worse."""
+    from dsv4c import ModelConfig
+    from dsv4c.compare import compare_passes
+    from dsv4c.model import build_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = build_model(ModelConfig.preset("v4-tiny-a"), "cuda", torch.bfloat16, on_device=True)
+    for kind in ("prefill", "decode"):
+        rows = compare_passes(m, target="h200", kinds=(kind,), pin_routing=True, prompt_len=256)
+        for r in rows:
+            p = r["pinned"]["snr_db"]
+            if r["name"] in ("quantize_experts", "select_kernels"):
+                assert p >= r["snr_db"] - 0.5, (kind, r["name"], p, r["snr_db"])
+            else:
+                assert p == math.inf or p >= 38, (kind, r["name"], r["pinned"])
