@@ -29,6 +29,9 @@ the meta device (`dsv4c compile`) it creates meta tensors of the right shape and
 one layer's experts at a time and one expert at a time inside it. MXFP4 checkpoint experts convert
 without loss where quant_formats.md §6 says (to mxfp4: the same bytes; to nvfp4: §6.1; to fp8_block:
 §6.2); an expert whose conversion would change a value is quantised from its dequantised values.
+In-memory float weights whose values are exactly MXFP4 (a model loaded from, or rounded to, the release
+checkpoint) take the same lossless conversion (`exact_via_mxfp4`), so `dsv4c compare` measures the
+values the artifact holds: quantising them from float instead cost NVFP4 ~20 dB (issue 22).
 
 W4A4 activation global scales (nvfp4_w4a4 only): every layer gets STATIC fp32 [1] global scales
 g = amax/(6*448) for x (input_scale_13) and h (input_scale_2), so a row's W4A4 result never depends
@@ -156,6 +159,26 @@ def quantize_float(kfmt: str, w1, w3, w2, ip: int, dp: int):
     return _CONTAINERS[kfmt].from_float(*_pad_float(w1, w3, w2, ip, dp))
 
 
+VIA_MXFP4 = ("nvfp4", "nvfp4_w4a4", "fp8_block")  # formats with a lossless conversion from MXFP4
+
+
+def exact_via_mxfp4(kfmt: str, w1, w3, w2, ip: int, dp: int):
+    """Float weights whose values are exactly MXFP4 (the release values, e.g. an eager model loaded
+    from a release checkpoint, or rounded to it) -> the lossless conversion compile applies to the
+    checkpoint's MXFP4 bytes, so in-memory quantisation (`dsv4c compare`, tests) gives the artifact's
+    values. None when the weights are not exactly MXFP4 (then they are quantised from float), the
+    conversion would change a value, or the padded dims are not multiples of 32."""
+    if ip % 32 or dp % 32:
+        return None
+    p1, p3, p2 = _pad_float(w1, w3, w2, ip, dp)
+    from dsv4c.kernels.moe_grouped import Mxfp4Experts
+
+    mx = Mxfp4Experts.from_float(p1, p3, p2)
+    if not all(torch.equal(a, b) for a, b in zip(mx.dequantize(), (p1, p3, p2))):
+        return None
+    return convert_mxfp4(kfmt, mx)
+
+
 def convert_mxfp4(kfmt: str, mx):
     """Lossless conversion of an Mxfp4Experts container (None if a value would change or the format
     has no exact conversion)."""
@@ -218,7 +241,9 @@ def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: 
                 requant += 1
                 c = quantize_float(kfmt, *mx.dequantize(), ip, dp)
         else:
-            c = quantize_float(kfmt, *(t.unsqueeze(0) for t in src[1:]), ip, dp)
+            w = tuple(t.unsqueeze(0) for t in src[1:])
+            c = exact_via_mxfp4(kfmt, *w, ip, dp) if kfmt in VIA_MXFP4 else None
+            c = c if c is not None else quantize_float(kfmt, *w, ip, dp)
         parts.append(c if device == out_device else _on(c, out_device))
     return _stack(parts), requant
 

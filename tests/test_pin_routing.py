@@ -13,7 +13,7 @@ import torch
 from dsv4c.compare import _cases, _run, case_metrics, error_metrics
 from dsv4c.export import export_graph
 from dsv4c.passes import PassContext, get_param, run_pipeline, set_param
-from dsv4c.passes.pin_routing import expert_nodes, insert_taps, remove_taps, tapped
+from dsv4c.passes.pin_routing import expert_nodes, insert_taps, tapped
 from dsv4c.routing import (RoutingEntry, RoutingTable, RoutingTap, _v4_selection_scores, margin_summary,
                            record_routing, routing_flips, set_flips, topk_margins)
 
@@ -214,3 +214,22 @@ def test_gpu_pinned_compare_h200_bf16():
                 assert p >= r["snr_db"] - 0.5, (kind, r["name"], p, r["snr_db"])
             else:
                 assert p == math.inf or p >= 38, (kind, r["name"], r["pinned"])
+
+
+@pytest.mark.parametrize("kfmt", ["nvfp4", "fp8_block"])
+def test_in_memory_quantisation_of_release_values_is_the_lossless_conversion(kfmt):
+    """Experts holding exactly MXFP4 values (the release values) quantise in memory as compile converts the
+    checkpoint: without loss. Float weights that are not MXFP4 still go through the lossy recipe."""
+    from dsv4c import quant as Q
+    from dsv4c.kernels.moe_grouped import experts_from_tensors
+    from dsv4c.passes.quantize_experts import expert_tensors
+
+    g = torch.Generator().manual_seed(0)
+    e, i, d = 2, 128, 256
+    raw = [torch.randn(e, *s, generator=g) * 0.05 for s in ((i, d), (i, d), (d, i))]
+    release = [Q.dequant_mxfp4(*Q.quant_mxfp4(w)) for w in raw]
+    for ws, exact in ((release, True), (raw, False)):
+        fields, _ = expert_tensors(kfmt, e, lambda j, ws=ws: ("float", *(w[j] for w in ws)), i, d)
+        got = experts_from_tensors(kfmt, **fields).dequantize()
+        same = all(torch.equal(a.float(), b) for a, b in zip(got, ws))
+        assert same == exact, (kfmt, exact)
