@@ -276,6 +276,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget; later parts are skipped")
     ap.add_argument("--work", type=Path, default=None, help="checkpoint + artifact folder (default: a temp dir)")
     ap.add_argument("--graphs", default="prefill,decode,mtp", help="graph kinds of the per-pass part")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="expert formats of the per-format part")
     ap.add_argument("--no-artifact", action="store_true")
     ap.add_argument("--quick", action="store_true", help="v4-tiny-a, 40-token prompts (a smoke run)")
     a = ap.parse_args(argv)
@@ -301,7 +302,8 @@ def main(argv=None) -> dict:
         if "prefill" in kinds:
             run_kind(res, model, a, "prefill", dev, t0)
         t1 = time.perf_counter()
-        res["formats"] = per_format(model, a.target, a.prompt, FORMATS, budget, min_s=reserve + 30)
+        formats = [f for f in a.formats.split(",") if f]
+        res["formats"] = per_format(model, a.target, a.prompt, formats, budget, min_s=reserve + 30) if formats else []
         _free(dev)
         print(f"[formats] {time.perf_counter() - t1:.0f} s", flush=True)
         write(res, a.out_dir, t0)
@@ -353,7 +355,7 @@ def run_artifact(model, a, dev) -> dict:
         prep = artifact(model, work, a.target, a.prompt, dev)
         del model
         _free(dev)
-        sess = Session.load(prep["art"], device=dev, graphs="off")
+        sess = Session.load(prep["art"], device=dev, graphs="off", emulate=dev.type != "cuda")
         out = {"expert_format": prep["expert_format"], "checkpoint_s": prep["checkpoint_s"],
                "compile_s": prep["compile_s"], **prep["measure"](sess)}
         del sess

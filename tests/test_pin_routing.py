@@ -233,3 +233,22 @@ def test_in_memory_quantisation_of_release_values_is_the_lossless_conversion(kfm
         got = experts_from_tensors(kfmt, **fields).dequantize()
         same = all(torch.equal(a.float(), b) for a, b in zip(got, ws))
         assert same == exact, (kfmt, exact)
+
+
+def test_compare_cli_pin_routing_json_on_the_mtp_graph(tmp_path, capsys):
+    """`dsv4c compare CFG --graphs mtp --pin-routing --json`: every row has its pinned metrics and per-layer
+    flips (the MTP block's router), strict JSON; the first row carries eager's margins."""
+    import json
+
+    from dsv4c.cli import main
+    from fusion_cases import V4_TINY_2L
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(V4_TINY_2L))
+    assert main(["compare", str(cfg), "--graphs", "mtp", "--pin-routing", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["name"] == "export" and [m["layer"] for m in rows[0]["margins"]] == ["mtp.0"]
+    for r in rows:
+        assert set(r["pinned"]) == {"snr_db", "max_abs_err", "cosine"}
+        assert [f["layer"] for f in r["flips"]] == [f["layer"] for f in r["pinned_flips"]] == ["mtp.0"]
+    assert rows[0]["pinned"]["snr_db"] == "inf"
