@@ -21,18 +21,7 @@ from dsv4c.presets import PRESETS
 
 
 
-def _v3_skip_reason() -> str | None:
-    try:
-        build_model(ModelConfig.preset("v3-tiny"), device="meta")
-        build_model(ModelConfig.preset("v32-tiny"), device="meta")
-    except Exception as e:  # noqa: BLE001 - any failure means the V3 model is not ready
-        return f"dsv4c/model/v3.py does not build yet ({type(e).__name__}: {e})"
-    return None
-
-
-_V3_REASON = _v3_skip_reason()
-V3_PARAMS = [pytest.param(p, marks=pytest.mark.skipif(_V3_REASON is not None, reason=_V3_REASON or ""))
-             for p in ("v3-tiny", "v32-tiny")]
+V3_PARAMS = ["v3-tiny", "v32-tiny"]  # a V3 model that does not build fails these tests
 V4_TINY = ["v4-tiny-a", "v4-tiny-b"]
 
 
