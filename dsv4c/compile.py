@@ -26,10 +26,11 @@ import torch
 import dsv4c
 from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_param
 from dsv4c.config import ModelConfig
+from dsv4c.convert import CheckpointExperts, check_format
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
-from dsv4c.passes.quantize_experts import CheckpointExperts, check_format, describe_quant_map, merge_quant_map
+from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
 from dsv4c.provenance import describe_source, source_hashes
 from dsv4c.targets import get_target
 
