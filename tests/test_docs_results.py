@@ -77,3 +77,18 @@ def test_readme_results_rows_match_the_current_state_page():
         for col in ("ratio", "date", "commit", "GPU"):
             assert r[col] == p[col], f"{r['what']!r}: README {col} {r[col]!r} != BENCHMARKS.md {p[col]!r}"
         assert not p["status"].startswith("stale"), f"{r['what']!r} is marked stale on the page: {p['status']}"
+
+
+def test_docs_name_every_pass_and_link_nothing_outside_the_repository():
+    from dsv4c.passes import default_pipeline
+
+    readme = (ROOT / "README.md").read_text()
+    pipeline = _section(readme, "- The pass pipeline (`passes/`)", "\n- ")
+    arch = (ROOT / "ARCHITECTURE.md").read_text()
+    table = {row["pass"].strip("`") for head, rows in _tables(arch) if head[0] == "pass" for row in rows}
+    for name, _ in default_pipeline():
+        assert f"`{name}`" in pipeline, f"README's pass list lacks {name}"
+        assert name in table, f"ARCHITECTURE.md's pass table lacks {name}"
+    for doc in ("README.md", "ARCHITECTURE.md"):
+        text = (ROOT / doc).read_text()
+        assert not re.search(r"https?://|\]\(\.\./|`\.\./", text), f"{doc} links outside the repository"
