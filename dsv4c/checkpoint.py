@@ -30,6 +30,8 @@ from dsv4c.names import (expert_disk_name, is_stacked, v4_hf_module_to_official,
                          v4_name_form)
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_SHARD_RE = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")  # the release shards
 _V4_FP8_RE = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                         r"|e_proj|h_proj)\.weight$")
 _V3_FP8_RE = re.compile(r"(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj"
@@ -101,22 +103,52 @@ def _read_header(path: Path) -> dict:
     return header
 
 
-def _checkpoint_files(path: Path) -> dict[str, Path]:
-    """name -> file, from the index or from the single/several safetensors files of a folder."""
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files that make up a checkpoint, as the hub lays them out: a file is itself;
+    a folder's `model.safetensors.index.json` names its shards when present, else `model.safetensors`,
+    else the release-named shards `model-0000i-of-0000n.safetensors` (all n of them). Any other
+    `.safetensors` file in the folder (an output, an adapter, a copy) is not part of the checkpoint."""
+    path = Path(path)
     if path.is_file():
-        return {k: path for k in _read_header(path) if k != "__metadata__"}
+        return [path]
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    if (path / INDEX_FILE).is_file():
+        return sorted({path / f for f in _weight_map(path / INDEX_FILE).values()})
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    shards = [(f, _SHARD_RE.fullmatch(f.name)) for f in path.glob("*.safetensors")]
+    shards = sorted((f, int(m[1]), int(m[2])) for f, m in shards if m)
+    if not shards:
+        raise CheckpointError(f"{path}: no {INDEX_FILE}, no {SINGLE_FILE} and no shards named "
+                              f"model-00001-of-0000N.safetensors")
+    counts = {n for _, _, n in shards}
+    if len(counts) > 1:
+        raise CheckpointError(f"{path}: shards of different sets ({', '.join(f.name for f, _, _ in shards)})")
+    n = counts.pop()
+    missing = sorted(set(range(1, n + 1)) - {i for _, i, _ in shards})
+    if missing:
+        raise CheckpointError(f"{path}: shard(s) {missing} of {n} are missing (model-{missing[0]:05d}-of-{n:05d}"
+                              f".safetensors)")
+    return [f for f, _, _ in shards]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a JSON {type(weight_map).__name__}, not an object")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    return weight_map
+
+
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """name -> file, from the index or from the files `checkpoint_files` picks."""
     index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError(f"weight_map is a JSON {type(weight_map).__name__}, not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    if path.is_dir() and index.is_file():
         out, headers = {}, {}
-        for name, fname in weight_map.items():
+        for name, fname in _weight_map(index).items():
             f = path / fname
             if f not in headers:
                 if not f.is_file():
@@ -126,11 +158,8 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{f}: index says it holds {name!r}, but it does not")
             out[name] = f
         return out
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
     out = {}
-    for f in files:
+    for f in checkpoint_files(path):
         for k in _read_header(f):
             if k != "__metadata__":
                 out[k] = f

@@ -26,10 +26,12 @@ import torch
 import dsv4c
 from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_param
 from dsv4c.config import ModelConfig
+from dsv4c.convert import CheckpointExperts, check_format
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
-from dsv4c.passes.quantize_experts import CheckpointExperts, check_format, describe_quant_map, merge_quant_map
+from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
+from dsv4c.provenance import describe_source, source_hashes
 from dsv4c.targets import get_target
 
 FORMAT_VERSION = 3  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
@@ -148,6 +150,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     manifest = {
         "format_version": FORMAT_VERSION,
         "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
+        "source": source_hashes(),  # sha256 of every module that built it (dsv4c/provenance.py)
         "target": tgt.to_dict(),
         "model_config": cfg.to_dict(),
         "dtype": str(dtype).replace("torch.", ""),
@@ -361,6 +364,7 @@ def describe_artifact(art: str | Path) -> str:
              f"{m['target']['status']}",
              f"model      {cfg['model_type']}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
              f"dtype {m['dtype']}",
+             f"source     {describe_source(m)}",
              f"limits     max_tokens {m['limits']['max_tokens']}, max_batch {m['limits']['max_batch']}; "
              f"buckets {m['buckets']}; mtp k={m['mtp_k']}"]
     for kind, g in m["graphs"].items():

@@ -285,7 +285,7 @@ def experts_from_tensors(fmt: str, **fields: torch.Tensor | None) -> Experts:
     """Build the container of format `fmt` from its fields (extra None fields are ignored)."""
     _req(fmt in _CONTAINERS, f"fmt: expected one of {sorted(_CONTAINERS)}, got {fmt!r}")
     cls = _CONTAINERS[fmt]
-    if fmt == "mxfp4":  # graphs carry ue8m0 scales as uint8 bytes (passes/quantize_experts.field_specs)
+    if fmt == "mxfp4":  # graphs carry ue8m0 scales as uint8 bytes (dsv4c/convert.py: field_specs)
         fields = {k: v.view(torch.float8_e8m0fnu) if k.endswith("_scale") and v is not None and v.dtype == torch.uint8
                   else v for k, v in fields.items()}
     names = {f.name for f in dataclasses.fields(cls)}

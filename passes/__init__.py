@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -198,15 +199,33 @@ def _dump(dump_dir, fname: str, gm: GraphModule) -> None:
 
 
 # ---- helpers shared by the passes ------------------------------------------------------------------
-def kernel_ops(*names: str) -> tuple | None:
-    """The default overloads of dsv4c::<names>, after registering the model's ops; None when one
-    is missing (the Triton kernel modules register them, so they need triton). A fusion pass then
-    returns `PassResult(gm, False, {..., "skipped": unavailable(*names)})`."""
-    from dsv4c.model import register_ops
+class KernelUnavailableError(RuntimeError):
+    """A pass needs a kernel op that is not registered (its kernel module failed to import) on a CUDA
+    target; the message names the op and the module's import error."""
 
-    register_ops()
-    ops = [getattr(torch.ops.dsv4c, n, None) for n in names]
-    return None if None in ops else tuple(op.default for op in ops)
+
+class KernelUnavailableWarning(UserWarning):
+    """The CPU target's notice that a fusion pass is left out because its kernel op is missing."""
+
+
+def kernel_ops(ctx: PassContext, *names: str) -> tuple | None:
+    """The default overloads of dsv4c::<names>, after registering the model's ops. When one is missing
+    (the Triton kernel modules register them, so they need triton): on a CUDA target raise
+    `KernelUnavailableError`; on the CPU target warn (`KernelUnavailableWarning`, printed once per
+    call site) and return None, and the pass returns `PassResult(gm, False, {..., "skipped": unavailable(...)})`."""
+    from dsv4c.model import register_ops
+    from dsv4c.targets import get_target
+
+    failed = register_ops()
+    missing = [n for n in names if getattr(torch.ops.dsv4c, n, None) is None]
+    if not missing:
+        return tuple(getattr(torch.ops.dsv4c, n).default for n in names)
+    why = "; ".join(f"dsv4c.kernels.{m}: {e}" for m, e in failed.items()) or "no kernel module failed to import"
+    msg = f"dsv4c::{'/'.join(missing)} is not registered ({why})"
+    if get_target(ctx.target).device == "cuda":
+        raise KernelUnavailableError(f"target {ctx.target!r} needs {msg}; install triton (Linux) or fix the import")
+    warnings.warn(f"{msg}: the {ctx.target} target runs without this fusion", KernelUnavailableWarning, stacklevel=3)
+    return None
 
 
 def unavailable(*names: str) -> str:

@@ -121,7 +121,7 @@ def fuse_hc(gm: GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.config
     if not cfg.is_v4:
         return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": "no mHC (not a V4 model)"})
-    ops = kernel_ops("hc_pre", "hc_post")
+    ops = kernel_ops(ctx, "hc_pre", "hc_post")
     if ops is None:
         return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": unavailable("hc_pre", "hc_post")})
     pre_op, post_op = ops

@@ -63,7 +63,7 @@ def _ok(site) -> bool:
 
 
 def fuse_rmsnorm(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops("rms_norm")
+    ops = kernel_ops(ctx, "rms_norm")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("rms_norm")})
     op, = ops

@@ -91,7 +91,7 @@ def _ok(site) -> bool:
 
 
 def fuse_rope(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops("rope_interleaved")
+    ops = kernel_ops(ctx, "rope_interleaved")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("rope_interleaved")})
     op, = ops

@@ -104,7 +104,7 @@ def _ok(site) -> bool:
 
 
 def fuse_rope_angles(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops("rope_angles")
+    ops = kernel_ops(ctx, "rope_angles")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("rope_angles")})
     op, = ops

@@ -108,7 +108,7 @@ def _hashed_ok(site, k: int) -> bool:
 
 
 def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops("route_topk", "route_hashed")
+    ops = kernel_ops(ctx, "route_topk", "route_hashed")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("route_topk", "route_hashed")})
     topk_op, hashed_op = ops

@@ -71,7 +71,7 @@ def fuse_sinkhorn(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {"sites": 0, "skipped": "no mHC (not a V4 model)"})
     if not any(n.target in (aten.softmax.int, aten._softmax.default) for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
-    ops = kernel_ops("sinkhorn")
+    ops = kernel_ops(ctx, "sinkhorn")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("sinkhorn")})
     op, = ops

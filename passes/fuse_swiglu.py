@@ -77,7 +77,7 @@ def _ok(site) -> bool:
 
 
 def fuse_swiglu(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops("swiglu_act")
+    ops = kernel_ops(ctx, "swiglu_act")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("swiglu_act")})
     op, = ops

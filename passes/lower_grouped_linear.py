@@ -51,7 +51,7 @@ def _uncast(a: Node, w_dtype: torch.dtype) -> Node | None:
 def lower_grouped_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     if not ctx.config.is_v4:
         return PassResult(gm, False, {"sites": 0, "skipped": "V4 only (the grouped wo_a)"})
-    ops = kernel_ops("grouped_linear")
+    ops = kernel_ops(ctx, "grouped_linear")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("grouped_linear")})
     op, = ops

@@ -38,11 +38,6 @@ same tensors at every call (their addresses are baked into the graphs); `run` ch
 `debug=True` every captured input's data_ptr is checked against its capture-time value at every
 replay.
 
-`inductor=True` compiles every captured segment with `torch.compile` (dynamic batch, so one
-compile serves every bucket) before capture: the custom ops stay opaque, the ATen ops between them
-(mHC's Sinkhorn, norms, RoPE, routing) fuse into few kernels. Compilation happens in the warm-up
-before the first capture.
-
 Graphs need a fixed T: a prefill graph (dynamic T) runs only in `eager` mode. A batch larger than
 the largest bucket (or than `max_tokens` tokens) runs eagerly on the split module, unpadded.
 """
@@ -108,7 +103,7 @@ class SegmentExecutor:
 
     def __init__(self, split_gm: GraphModule, plan: SegmentPlan, device, buckets=DEFAULT_BUCKETS,
                  max_tokens: int | None = None, *, mode: str | None = None, pad_slot: int | None = None,
-                 debug: bool = False, warmup: int = 2, seed: int = 0, inductor: bool = False):
+                 debug: bool = False, warmup: int = 2, seed: int = 0):
         self.gm, self.plan = split_gm, plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -145,10 +140,6 @@ class SegmentExecutor:
             raise ValueError(f"no bucket fits max_tokens={self.max_tokens} at {self.T} tokens per row")
         self.buckets = tuple(bs)
         self._parse()
-        if inductor:  # fuse each captured segment's ATen ops with TorchInductor (one dynamic-batch compile)
-            for st in self._steps:
-                if st.captured:
-                    st.module = torch.compile(st.module, dynamic=True)
         self._bucket_state: dict[int, _Bucket] = {}
         self._flat_bufs: dict[int, torch.Tensor] = {}
         self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches/weights captured against

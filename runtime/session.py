@@ -90,16 +90,21 @@ class Session:
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
-             graphs: str | None = None, max_num_batched_tokens: int | None = None) -> "Session":
+             graphs: str | None = None, max_num_batched_tokens: int | None = None,
+             strict_source: bool = False) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
         a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
-        (default min(max_tokens, PREFILL_CHUNK))."""
+        (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
+        dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py)."""
         from safetensors.torch import load_file
+
+        from dsv4c.provenance import check_source
 
         art = Path(art)
         manifest = read_manifest(art, verify=True)
+        check_source(manifest, str(art), strict=strict_source)
         limit = manifest["limits"]["max_tokens"]
         if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
             raise ValueError(f"max_num_batched_tokens: between 1 and the artifact's max_tokens ({limit}), "

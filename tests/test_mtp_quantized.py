@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dsv4c.passes.quantize_experts import ACT_FIELDS
+from dsv4c.convert import ACT_FIELDS
 from dsv4c.runtime import Session
 from dsv4c.runtime.speculative import merge_spec_stats
 from test_speculative import eager_session, prompts

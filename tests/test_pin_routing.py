@@ -222,7 +222,7 @@ def test_in_memory_quantisation_of_release_values_is_the_lossless_conversion(kfm
     checkpoint: without loss. Float weights that are not MXFP4 still go through the lossy recipe."""
     from dsv4c import quant as Q
     from dsv4c.kernels.moe_grouped import experts_from_tensors
-    from dsv4c.passes.quantize_experts import expert_tensors
+    from dsv4c.convert import expert_tensors
 
     g = torch.Generator().manual_seed(0)
     e, i, d = 2, 128, 256

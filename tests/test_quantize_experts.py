@@ -14,7 +14,7 @@ import pytest
 import torch
 from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 from dsv4c.passes import PassContext, get_param, run_pipeline
-from dsv4c.passes.quantize_experts import (
+from dsv4c.convert import (
     ACT_FIELDS,
     ACT_MARGIN,
     KERNEL_FORMAT,
@@ -26,9 +26,8 @@ from dsv4c.passes.quantize_experts import (
     checkpoint_reader_fn,
     expert_tensors,
     norm_weight_name,
-    quantize_experts,
-    quantize_experts_as,
 )
+from dsv4c.passes.quantize_experts import quantize_experts, quantize_experts_as
 from dsv4c.passes.split_at_routers import host_sync_ops, plan_segments
 from dsv4c.runtime import Session
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -2,6 +2,7 @@
 config, the dtype policy (which tensors stay fp32), and seeded random weights."""
 from __future__ import annotations
 
+import importlib
 import zlib
 
 import torch
@@ -19,14 +20,27 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
-def register_ops() -> None:
-    """Import every module that defines dsv4c custom ops (needed before torch.export.load)."""
+# The Triton kernel modules (dsv4c.kernels.<name>) that register dsv4c custom ops the fusion passes
+# and the quantised experts lower to; they need triton.
+KERNEL_MODULES = ("grouped_linear", "mhc", "moe_grouped", "norm", "rope", "rope_angles", "router", "swiglu",
+                  "v4_attention", "v4_compress", "v4_indexer")
+
+
+def register_ops() -> dict[str, str]:
+    """Import every module that defines dsv4c custom ops (needed before torch.export.load).
+
+    Returns {kernel module: import error} for the kernel modules that failed to import (empty when all
+    did). The caller decides what a failure means: the fusion passes raise on a CUDA target and print
+    a notice on the CPU target (`dsv4c.passes.kernel_ops`)."""
     from dsv4c.model import moe, static_ops, v3_ops, v4_ops  # noqa: F401
 
-    try:  # dsv4c::moe_experts_q (quantised experts), sinkhorn/hc_pre/hc_post (mHC), rms_norm, rope_interleaved; need triton
-        from dsv4c.kernels import grouped_linear, mhc, moe_grouped, norm, rope, rope_angles, router, swiglu, v4_attention, v4_compress, v4_indexer  # noqa: F401
-    except ImportError:
-        pass
+    failed = {}
+    for mod in KERNEL_MODULES:
+        try:
+            importlib.import_module(f"dsv4c.kernels.{mod}")
+        except ImportError as e:
+            failed[mod] = f"{type(e).__name__}: {e}"
+    return failed
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
