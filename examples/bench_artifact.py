@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, decode, prefill, step_bytes  # noqa: E402
 
 from dsv4c import quant as Q  # noqa: E402
-from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
+from dsv4c.checkpoint import keeps_fp32, release_format, save_checkpoint  # noqa: E402
 from dsv4c.model.generate import greedy  # noqa: E402
 from dsv4c.names import expert_disk_name, is_stacked  # noqa: E402
 
@@ -54,11 +54,16 @@ from dsv4c.names import expert_disk_name, is_stacked  # noqa: E402
 def round_to_release_(model) -> dict:
     """Replace every weight the release layout stores quantised by its stored (dequantised) value, in
     place: loading the written checkpoint then gives the same model. Returns counts per format."""
-    cfg, counts = model.config, {"fp8": 0, "fp4": 0}
+    cfg, counts = model.config, {"fp8": 0, "fp4": 0, "bf16": 0}
     for name, p in model.named_parameters():
         if not p.dtype.is_floating_point:
             continue
-        fmt = release_format(cfg, expert_disk_name(name, 0) if is_stacked(name) else name)
+        disk = expert_disk_name(name, 0) if is_stacked(name) else name
+        fmt = release_format(cfg, disk)
+        if fmt is None and p.dtype != torch.bfloat16 and not keeps_fp32(disk):  # stored as bf16 (an fp32 model)
+            p.copy_(p.to(torch.bfloat16))
+            counts["bf16"] += 1
+            continue
         if fmt == "fp4":
             for e in range(p.shape[0]):  # one expert at a time: fp32 temporaries stay small
                 w, s = Q.quant_mxfp4(p[e].float())
@@ -189,7 +194,7 @@ def main(argv=None) -> int:
                 print(f"torch.compile B={B} failed: {e}", flush=True)
         stage("torch_compile", t0)
     # the artifact's answer is checked against the eager model's on one prompt (in the breakdown stage)
-    chk = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(11))
+    chk = torch.randint(0, model.config.vocab_size, (min(64, a.prompt),), generator=torch.Generator().manual_seed(11))
     from dsv4c.compare import eager_routing
 
     with torch.no_grad():
