@@ -199,6 +199,8 @@ class Speculator:
         self.forced: ForcedDrafts | None = None  # teacher-forced drafts (benchmark; pipelined rounds only)
         self._prompt_hidden: dict[int, torch.Tensor] = {}
         self.calibration: dict = {}
+        # acceptance observed while running, per temperature bucket: (accepted, proposed) per draft position
+        self.observed: dict[float, tuple[list[int], list[int]]] = {}
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
@@ -234,6 +236,13 @@ class Speculator:
             logits, z = self._mtp(h, ids, [s], [real])
             last = real - 1
         self.seqs[s] = _Seq(r, stats, logits[0, last], z[0, last])
+
+    def observe(self, temperature: float, a: int, k_round: int) -> None:
+        """Count one round's acceptance for `mtp="auto"` (`choose_k` prefers it to its calibration run)."""
+        acc, prop = self.observed.setdefault(_temperature_bucket(temperature), ([0] * self.K, [0] * self.K))
+        for j in range(min(a + 1, k_round)):
+            prop[j] += 1
+            acc[j] += j < a
 
     def release(self, slot: int) -> None:
         self.seqs.pop(slot, None)
@@ -288,6 +297,7 @@ class Speculator:
         for i, q in enumerate(seqs):
             a, y = accepted[i]
             q.stats.record(a, ks[i])
+            self.observe(q.req.params.temperature, a, ks[i])
             sess.pos[slots[i]] = n0[i] + a + 1  # rollback: the rows past n+a are rewritten before any read
             for tok in drafts[i][:a] + [y]:
                 if q.req.finish is None:
@@ -596,6 +606,8 @@ class _Pipeline:
             # the drafts the one-round path would have checked (it drafts fewer near max_new_tokens)
             kr = max(0, min(k, r.max_new - len(r.out) - 1, sess.max_tokens - 1 - n))
             q.stats.record(min(a, kr), kr)
+            if spec.forced is None:  # forced drafts say nothing about the model's acceptance
+                spec.observe(r.params.temperature, min(a, kr), kr)
             self.n[i] = n + a + 1
             sess.pos[self.slots[i]] = spec.mtp_pos[self.slots[i]] = n + a + 1
             for tok in toks[: min(a, kr) + 1]:
@@ -698,10 +710,12 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
     """k for `mtp="auto"`: maximise the predicted decode speedup
         S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B)),
         τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
-    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp,
-    with step times measured at batch B (calls with n_real = 0 write nothing) and α measured by a short
-    calibration generation of the first of `prompts` (the request's) at this temperature (cached per
-    session and T bucket).
+    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp
+    at temperature 0 and t_verify_mtp + t_mtp above it (pipelined sampling rounds always run the refresh
+    call), with step times measured at batch B (calls with n_real = 0 write nothing) and α the
+    acceptance observed in earlier rounds at this temperature bucket (`Speculator.observe`, once
+    MIN_OBSERVED_ROUNDS first drafts were checked), else measured by a short calibration generation
+    of the first of `prompts` (the request's) at this temperature (cached per session and T bucket).
     k = 0 (plain decoding) when no k predicts a gain of at least 5 %.
 
     The model counts graph time only. The host work of a round (acceptance, sampling, bookkeeping,
@@ -720,8 +734,13 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         cal[akey] = _measure_alpha(sess, spec, params, prompts[0])
     t = cal[tkey]
     alpha, p_fallback = cal[akey]
-    # verify + the refresh of the next first draft: one fused call, or verify then mtp
-    refresh = t[FUSED] + p_fallback * t["mtp"] if FUSED in t else t["verify"] + t["mtp"]
+    alpha, source = _observed_alpha(spec, params.temperature, alpha)
+    # verify + the refresh of the next first draft: one fused call, or verify then mtp. Pipelined
+    # sampling rounds run the refresh call whenever a row is not greedy (its need is known on the device only)
+    if FUSED in t:
+        refresh = t[FUSED] + (p_fallback if params.temperature == 0 else 1.0) * t["mtp"]
+    else:
+        refresh = t["verify"] + t["mtp"]
     best, pred = 0, {0: 1.0}
     for k in range(1, spec.K + 1):
         tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
@@ -745,13 +764,26 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         else:
             reason += f"; measured {measured:.2f}x"
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
-            "alpha": [round(a, 3) for a in alpha],
+            "alpha": [round(a, 3) for a in alpha], "alpha_source": source,
             "p_fallback": round(p_fallback, 3),
             "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
             "measured_speedup": None if measured is None else round(measured, 3),
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
     return best, info
+
+
+MIN_OBSERVED_ROUNDS = 64  # first-draft checks before the observed acceptance replaces the calibration run's
+
+
+def _observed_alpha(spec: Speculator, temperature: float, calibrated: list[float]) -> tuple[list[float], str]:
+    """Per-position acceptance for the policy: what earlier rounds at this temperature bucket accepted
+    (once MIN_OBSERVED_ROUNDS first drafts were checked; positions never checked keep the calibrated
+    value), else the calibration run's."""
+    acc, prop = spec.observed.get(_temperature_bucket(temperature), ([], []))
+    if not prop or prop[0] < MIN_OBSERVED_ROUNDS:
+        return list(calibrated), "calibration run"
+    return [a / p if p else c for a, p, c in zip(acc, prop, calibrated)], f"observed over {prop[0]} rounds"
 
 
 def _temperature_bucket(temp: float) -> float:

@@ -22,9 +22,9 @@ PARAMS = [SamplingParams(0.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3)
 def bundled():
     model = load_model(BUNDLE, dtype=torch.float32).eval()
     sess = eager_session(model)
-    ps = prompts(model.config.vocab_size)
+    ps = prompts(model.config.vocab_size)[:4]  # one batch of the 4 slots (lengths 3..70: the ring wraps)
     with torch.no_grad():
-        ref = [r.tokens for r in sess.generate(ps, max_new_tokens=20)]
+        ref = [r.tokens for r in sess.generate(ps, max_new_tokens=12)]
     return model, sess, ps, ref
 
 
@@ -145,7 +145,7 @@ def test_pipelined_sampling_is_reproducible_and_exact_for_greedy_rows(bundled):
     _, sess, ps, ref = bundled
 
     def run(seed):
-        reqs = sess._requests(ps[:4], 12, 0.0, 1.0, 0, seed, None)  # one batch of 4 slots
+        reqs = sess._requests(ps, 12, 0.0, 1.0, 0, seed, None)
         for i in (1, 3):
             reqs[i].params = SamplingParams(0.9, top_p=0.95)
         list(sess._serve(reqs, 2))
@@ -155,7 +155,7 @@ def test_pipelined_sampling_is_reproducible_and_exact_for_greedy_rows(bundled):
     b, _ = run(0)
     c, _ = run(1)
     assert a == b and [a[i] for i in (1, 3)] != [c[i] for i in (1, 3)]
-    assert [a[i] for i in (0, 2)] == [ref[i][:12] for i in (0, 2)]
+    assert [a[i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
     assert sum(st[i]["fallback_refreshes"] for i in (1, 3)) > 0
 
 
@@ -184,14 +184,15 @@ def test_teacher_forced_drafts_give_exactly_the_requested_acceptance(bundled, k,
     truth = {i: p + t for i, (p, t) in enumerate(zip(ps, ref))}
     spec.forced = ForcedDrafts(truth, alpha, seed=3)
     try:
-        out = sess.generate(ps, max_new_tokens=20, mtp=k)
+        out = sess.generate(ps, max_new_tokens=12, mtp=k)
     finally:
         spec.forced = None
     assert [r.tokens for r in out] == ref
     for i, r in enumerate(out):
-        hist, prop, acc = _replay_forced(ForcedDrafts(truth, alpha, seed=3), i, len(ps[i]), 20, k)
+        hist, prop, acc = _replay_forced(ForcedDrafts(truth, alpha, seed=3), i, len(ps[i]), 12, k)
         assert (r.stats["accept_histogram"], r.stats["proposed_per_position"],
                 r.stats["accepted_per_position"]) == (hist, prop, acc), i
+    assert sum(r.stats["accept_histogram"][0] for r in out) > 0 and sum(r.stats["accepted_draft_tokens"] for r in out) > 0
     # the keep draws themselves: a Bernoulli(alpha) per draft
     f = ForcedDrafts({}, alpha, seed=9)
     keep = counter_uniforms(torch.arange(20000) % 13, torch.arange(20000), 2 * k)[:, :k] < alpha
@@ -214,11 +215,12 @@ def test_auto_picks_k0_when_drafting_costs_too_much(bundled):
     saved = dict(spec.calibration)
     try:
         spec.calibration.clear()
+        spec.observed.clear()
         costly = {"decode": 1.0, "verify": 3.0, "mtp": 1.0, "verify_mtp": 3.0}
         spec.calibration.update({("times", 2): costly, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0)})
         k, info = choose_k(sess, spec, SamplingParams(0.0), 2, [ps[0]])
         assert k == 0 and "no k" in info["reason"] and max(info["predicted_speedup"].values()) == 1.0
-        out = sess.generate(ps[:2], max_new_tokens=20, mtp="auto")
+        out = sess.generate(ps[:2], max_new_tokens=12, mtp="auto")
         assert [r.tokens for r in out] == ref[:2]
         assert out[0].stats["mtp_policy"]["k"] == 0 and out[0].stats["rounds"] == 0
         # cheap drafts: the same acceptance predicts a gain
@@ -229,3 +231,33 @@ def test_auto_picks_k0_when_drafting_costs_too_much(bundled):
     finally:
         spec.calibration.clear()
         spec.calibration.update(saved)
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmark (examples/bench_mtp_forced.py) on the eager session
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_forced_benchmark_grid_and_roofline(bundled):
+    import sys
+
+    sys.path.insert(0, str(BUNDLE.parents[1]))
+    import bench_mtp_forced as bf
+
+    _, sess, _, _ = bundled
+    saved = dict(sess.manifest["target"])
+    sess.manifest["target"].update({"expert_format": "reference", "dense_format": "reference"})
+    try:
+        rows = bf.run_grid(sess, [2], [0.9], [2], 8, 8, False, log=lambda s: None)
+    finally:
+        sess.manifest["target"].clear()
+        sess.manifest["target"].update(saved)
+    (row,) = rows
+    assert row["equal_to_k0"] and row["tau_requested"] == pytest.approx(1 + 0.9 + 0.81)
+    assert row["speedup"] > 0 and 0 < row["bound"] < row["tau_requested"]
+    # the byte model: one token touches top_k experts; a round reads more than a decode step
+    cfg = sess.config
+    roof = bf.Roofline(cfg, "fp8_block", "fp8_block", 40)
+    assert bf.unique_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, 1) == pytest.approx(cfg.num_experts_per_tok)
+    assert roof.verify(4, 3) > roof.decode(4) and roof.round(4, 2) > roof.verify(4, 3)
+    assert roof.bound(0.8, 2, 4) == pytest.approx(bf.tau(0.8, 2) * roof.decode(4) / roof.round(4, 2))
+    assert roof.bound(0.8, 1, 4, T_graph=4) < roof.bound(0.8, 1, 4)  # padded rows cost bytes

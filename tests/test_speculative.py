@@ -506,9 +506,10 @@ def test_end_to_end_sampling_distribution_tiny_vocab():
 def test_choose_k_follows_the_measurements(bundled):
     _, sess = bundled
     spec = speculator(sess)
-    saved = dict(spec.calibration)
+    saved, observed = dict(spec.calibration), dict(spec.observed)
     try:
         spec.calibration.clear()
+        spec.observed.clear()  # earlier tests' rounds: the policy would prefer their acceptance
         times = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
         spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0),
                                  ("times", 64): {"decode": 1.0, "verify": 3.5, "mtp": 0.5},
@@ -535,9 +536,17 @@ def test_choose_k_follows_the_measurements(bundled):
         spec.calibration[("times", 4)] = {"decode": 1.0, "verify": 3.5, "mtp": 0.5}
         k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [[5]])
         assert k == 0 and "no k" in info["reason"]
+        # acceptance observed while running replaces the calibration run's once there are enough rounds
+        spec.calibration[("times", 1)] = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
+        for _ in range(70):
+            spec.observe(0.0, 0, 3)  # every first draft rejected
+        k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
+        assert k == 0 and info["alpha"][0] == 0 and "observed over 70 rounds" == info["alpha_source"]
     finally:
         spec.calibration.clear()
         spec.calibration.update(saved)
+        spec.observed.clear()
+        spec.observed.update(observed)
 
 
 @torch.no_grad()
