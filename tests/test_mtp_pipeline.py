@@ -261,3 +261,51 @@ def test_forced_benchmark_grid_and_roofline(bundled):
     assert roof.verify(4, 3) > roof.decode(4) and roof.round(4, 2) > roof.verify(4, 3)
     assert roof.bound(0.8, 2, 4) == pytest.approx(bf.tau(0.8, 2) * roof.decode(4) / roof.round(4, 2))
     assert roof.bound(0.8, 1, 4, T_graph=4) < roof.bound(0.8, 1, 4)  # padded rows cost bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the bundled model compiled for h200 (bf16, full CUDA graphs)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.runtime import Session
+
+    out = tmp_path_factory.mktemp("h200") / "art"
+    compile_checkpoint(BUNDLE, out, target="h200", max_tokens=160, max_batch=8, mtp_k=3, verify_boundaries=False)
+    return Session.load(out, device="cuda")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_pipelined_rounds_equal_the_host_round_and_plain_decode(h200, monkeypatch):
+    """bf16 on the GPU, batch 8: pipelined greedy rounds give the tokens and acceptance of the one-round
+    host path (same graphs, same argmax), for k = 1..3; sampling repeats with the same seed; a
+    teacher-forced α = 1 run accepts every draft the verify agrees with."""
+    from dsv4c.runtime import speculative as sp
+
+    sess = h200
+    ps = prompts(sess.config.vocab_size, [5, 17, 40, 9, 64, 3, 22, 11], seed=5)
+    spec = speculator(sess)
+    launches = []
+    launch = sp._Pipeline.launch
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: launches.append(1) or launch(self, st))
+    plain = [r.tokens for r in sess.generate(ps, max_new_tokens=48)]
+    for k in (1, 2, 3):
+        runs = {}
+        for host in (False, True):
+            spec.host_drafts = host
+            try:
+                out = sess.generate(ps, max_new_tokens=48, mtp=k)
+            finally:
+                spec.host_drafts = False
+            runs[host] = [(r.tokens, r.stats["accept_histogram"]) for r in out]
+        assert runs[False] == runs[True], k
+    assert launches
+    same = sum(t == p for (t, _), p in zip(runs[False], plain))
+    assert same >= 6, f"only {same}/8 greedy MTP outputs equal k = 0 in bf16"  # near ties may flip a few
+    a = [r.tokens for r in sess.generate(ps, max_new_tokens=32, temperature=0.8, seed=4, mtp=2)]
+    b = [r.tokens for r in sess.generate(ps, max_new_tokens=32, temperature=0.8, seed=4, mtp=2)]
+    assert a == b
