@@ -217,7 +217,8 @@ def table(rows: list[dict], title: str) -> str:
            "| α measured | τ req / meas | == k0 |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         out.append(f"| {r['batch']} | {r['alpha']} | {r['k']} | {r['tokens_per_s']:.0f} ({r['k0_tokens_per_s']:.0f}) | "
-                   f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {100 * r['of_bound']:.0f}% | {r['bound_compiled']:.2f}x | "
+                   f"{r['speedup']:.2f}x | {r['bound']:.2f}x | {100 * r['of_bound']:.0f}% | "
+                   f"{r['bound_compiled']:.2f}x | "
                    f"{', '.join(f'{a:.2f}' for a in r['measured_alpha'])} | {r['tau_requested']:.2f} / "
                    f"{r['tau_measured']} | {r['equal_to_k0']} |")
     return "\n".join(out)
@@ -288,7 +289,8 @@ def main(argv=None) -> int:
     alphas = [float(x) for x in a.alphas.split(",")]
     ks = [int(x) for x in a.ks.split(",")]
     if a.roofline_only:
-        print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, a.prompt_len + a.new_tokens // 2))
+        ctx_len = a.prompt_len + a.new_tokens // 2
+        print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, ctx_len))
         return 0
     max_tokens = max(a.prompt_len, 64) + a.new_tokens + 4 * a.k + 8
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

@@ -259,14 +259,15 @@ class Speculator:
         Round r+1 is queued only when it cannot write past max_tokens whatever round r accepts; a
         request that finishes in round r has round r+1's tokens dropped (its slot is reset on reuse).
         Without the fused graph, with `draft_filter` or `host_drafts`: one `round` per call."""
-        if self.forced is not None and not self.fused:
-            raise ValueError(f"{self.sess.art}: teacher-forced drafts need the fused verify_mtp graph")
-        pipe = None
-        if self.fused and not self.host_drafts and self.draft_filter is None and self.k >= 1:
-            pipe = _Pipeline(self, active)
+        pipelined = self.fused and not self.host_drafts and self.draft_filter is None and self.k >= 1
+        if self.forced is not None and not pipelined:
+            raise ValueError(f"{self.sess.art}: teacher-forced drafts run in pipelined rounds only (the fused "
+                             f"verify_mtp graph, k >= 1, no draft_filter / host_drafts)")
+        pipe = _Pipeline(self, active) if pipelined else None
         if pipe is None or not pipe.fits(0):
             if self.forced is not None:
-                raise ValueError("teacher-forced drafts: the round would write past max_tokens")
+                raise ValueError(f"teacher-forced drafts: a round of k={self.k} at positions {pipe.n} would write "
+                                 f"past max_tokens={self.sess.max_tokens}")
             yield from self.round(active)
             return
         yield from pipe.run()

@@ -192,7 +192,8 @@ def test_teacher_forced_drafts_give_exactly_the_requested_acceptance(bundled, k,
         hist, prop, acc = _replay_forced(ForcedDrafts(truth, alpha, seed=3), i, len(ps[i]), 12, k)
         assert (r.stats["accept_histogram"], r.stats["proposed_per_position"],
                 r.stats["accepted_per_position"]) == (hist, prop, acc), i
-    assert sum(r.stats["accept_histogram"][0] for r in out) > 0 and sum(r.stats["accepted_draft_tokens"] for r in out) > 0
+    assert sum(r.stats["accept_histogram"][0] for r in out) > 0  # rejected and accepted drafts
+    assert sum(r.stats["accepted_draft_tokens"] for r in out) > 0
     # the keep draws themselves: a Bernoulli(alpha) per draft
     f = ForcedDrafts({}, alpha, seed=9)
     keep = counter_uniforms(torch.arange(20000) % 13, torch.arange(20000), 2 * k)[:, :k] < alpha
