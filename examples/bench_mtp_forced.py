@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -262,6 +263,7 @@ def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=p
     compile_checkpoint(ckpt, art, target="h200", max_tokens=max_tokens, max_batch=max(batches), buckets=tuple(batches),
                        mtp_k=K, progress=True, verify_boundaries=False, force=True)
     log(f"slice compiled (h200, --mtp {K}) in {time.perf_counter() - t0:.0f}s")
+    shutil.rmtree(ckpt)  # 20 GB: the artifact (~35 GB) is all the run needs, and the device disk is 64 GiB
     return art
 
 
