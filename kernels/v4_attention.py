@@ -81,6 +81,10 @@ class V4AttnConfig:
     num_stages: int = 2
     split: int | None = None
     target_programs: int = 264  # two per SM of an H200 (132 SMs)
+    # batch-invariant (deterministic mode): SPLIT = min(invariant_split, key blocks), never from B·T,
+    # so a row's partials and their merge order do not depend on how many rows share the launch
+    batch_invariant: bool = False
+    invariant_split: int = 8
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -341,6 +345,8 @@ def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m
 def _grid_split(B: int, T: int, H: int, n_blocks: int, cfg: V4AttnConfig) -> int:
     if cfg.split is not None:
         return cfg.split
+    if cfg.batch_invariant:
+        return max(1, min(cfg.invariant_split, n_blocks))
     base = B * T * triton.cdiv(H, cfg.block_h)
     return max(1, min(n_blocks, triton.cdiv(cfg.target_programs, base)))
 
@@ -415,4 +421,27 @@ def v4_attention_fused_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor
 
 @v4_attention_fused_op.register_fake
 def _v4_attention_fused_fake(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+BATCH_INVARIANT = V4AttnConfig(batch_invariant=True)
+
+
+@torch.library.custom_op("dsv4c::v4_attention_fused_det", mutates_args=("ring",))
+def v4_attention_fused_det_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                              n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor,
+                              entries: torch.Tensor | None, selected: torch.Tensor | None, window: int,
+                              m: int) -> torch.Tensor:
+    """`v4_attention_fused` with the batch-invariant split (`BATCH_INVARIANT`): a row's output does not
+    depend on the batch size (`--kernel v4_attention=fused_det`). Not yet invariant to T: the current
+    chunk's keys form their own block segment (module doc), so a verify row and the decode row at the
+    same position reduce their keys in different groups. On CPU the static op."""
+    if q.device.type == "cpu":
+        _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
+        return v4_attention_fused_ref(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
+    return v4_attention_fused(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m, BATCH_INVARIANT)
+
+
+@v4_attention_fused_det_op.register_fake
+def _v4_attention_fused_det_fake(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m):
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -38,6 +38,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("head_rms_rope", "fused"): "head_rms_rope_fused",
     ("v4_indexer_topk", "fused"): "v4_indexer_topk_fused",
     ("v4_attention", "fused"): "v4_attention_fused",
+    ("v4_attention", "fused_det"): "v4_attention_fused_det",  # batch-invariant split (deterministic mode)
     ("v4_compress", "fused"): "v4_compress_fused",
 }
 

@@ -97,6 +97,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.head_rms_rope_fused": None,
     "dsv4c.grouped_linear": None,  # kernels/grouped_linear.py (passes/lower_grouped_linear.py): one launch or the einsum
     "dsv4c.v4_attention_fused": None,
+    "dsv4c.v4_attention_fused_det": None,  # the same launches with the batch-invariant split
     "dsv4c.v4_compress_fused": None,
     "dsv4c.v4_indexer_topk_fused": None,
 }

@@ -313,8 +313,8 @@ class Session:
                 (active.__setitem__(r.slot, r) if r.finish is None else free.append(r.slot))
             if not active:
                 continue
-            if spec is not None:  # one draft-verify-accept round for every active sequence
-                yield from spec.round(active)
+            if spec is not None:  # draft-verify-accept rounds (pipelined) until a request finishes
+                yield from spec.rounds(active)
                 for s in [s for s, r in active.items() if r.finish is not None]:
                     spec.release(s)
                     del active[s]

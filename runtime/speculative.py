@@ -57,7 +57,8 @@ import torch
 
 from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
-from dsv4c.runtime.sampling import SamplingParams, processed_probs
+from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, processed_probs,
+                                    processed_probs_rows)
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
 DraftFilter = Callable[[object, int, list[int]], list[int]]
@@ -194,9 +195,12 @@ class Speculator:
         self.seqs: dict[int, _Seq] = {}  # by slot
         self.k = self.K
         self.draft_filter: DraftFilter | None = None
-        self.host_drafts = False  # True: greedy rounds take the general path too (tests compare the two)
+        self.host_drafts = False  # True: rounds take the one-round host path (tests compare the two)
+        self.forced: ForcedDrafts | None = None  # teacher-forced drafts (benchmark; pipelined rounds only)
         self._prompt_hidden: dict[int, torch.Tensor] = {}
         self.calibration: dict = {}
+        # acceptance observed while running, per temperature bucket: (accepted, proposed) per draft position
+        self.observed: dict[float, tuple[list[int], list[int]]] = {}
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
@@ -233,9 +237,49 @@ class Speculator:
             last = real - 1
         self.seqs[s] = _Seq(r, stats, logits[0, last], z[0, last])
 
+    def observe(self, temperature: float, a: int, k_round: int) -> None:
+        """Count one round's acceptance for `mtp="auto"` (`choose_k` prefers it to its calibration run)."""
+        acc, prop = self.observed.setdefault(_temperature_bucket(temperature), ([0] * self.K, [0] * self.K))
+        for j in range(min(a + 1, k_round)):
+            prop[j] += 1
+            acc[j] += j < a
+
     def release(self, slot: int) -> None:
         self.seqs.pop(slot, None)
         self._prompt_hidden.pop(slot, None)
+
+    # ---- rounds ---------------------------------------------------------------------------------
+    def rounds(self, active: dict) -> Iterator[tuple[int, int]]:
+        """Rounds for `active` (slot -> request) until one of them finishes, yielding emitted (request
+        index, token) pairs. With the fused graph, rounds are pipelined like `Session._greedy_steps`:
+        round r+1 is queued on round r's device outputs before the host reads round r. Acceptance
+        (greedy: argmax compare + cumulative-product length; sampling: `_accept_rows` with each
+        request's `counter_uniforms`), the emitted token, the next positions and the next first draft
+        are all computed on the device; the host gets [B, T+2] int64 per round, copied asynchronously.
+        Round r+1 is queued only when it cannot write past max_tokens whatever round r accepts; a
+        request that finishes in round r has round r+1's tokens dropped (its slot is reset on reuse).
+        Without the fused graph, with `draft_filter` or `host_drafts`: one `round` per call."""
+        pipelined = self.fused and not self.host_drafts and self.draft_filter is None and self.k >= 1
+        if self.forced is not None and not pipelined:
+            raise ValueError(f"{self.sess.art}: teacher-forced drafts run in pipelined rounds only (the fused "
+                             f"verify_mtp graph, k >= 1, no draft_filter / host_drafts)")
+        pipe = _Pipeline(self, active) if pipelined else None
+        if pipe is None or not pipe.fits(0):
+            if self.forced is not None:
+                raise ValueError(f"teacher-forced drafts: a round of k={self.k} at positions {pipe.n} would write "
+                                 f"past max_tokens={self.sess.max_tokens}")
+            yield from self.round(active)
+            return
+        yield from pipe.run()
+
+    def _run_dev(self, kind: str, ids: torch.Tensor, ctx: "_Ctx", pos: torch.Tensor, n_real: torch.Tensor, *,
+                 hidden: torch.Tensor | None = None, caches: dict):
+        """Run a graph on device inputs (positions and n_real decided on the device; the host `pos`
+        is set when the round is read)."""
+        sess = self.sess
+        run = sess.executors[kind].run if kind in sess.executors else sess.graphs[kind]
+        lead = () if hidden is None else (hidden,)
+        return run(*lead, ids, ctx.slots, pos, n_real, caches, sess._graph_weights(kind))
 
     # ---- one round --------------------------------------------------------------------------------
     def round(self, active: dict) -> Iterator[tuple[int, int]]:
@@ -254,6 +298,7 @@ class Speculator:
         for i, q in enumerate(seqs):
             a, y = accepted[i]
             q.stats.record(a, ks[i])
+            self.observe(q.req.params.temperature, a, ks[i])
             sess.pos[slots[i]] = n0[i] + a + 1  # rollback: the rows past n+a are rewritten before any read
             for tok in drafts[i][:a] + [y]:
                 if q.req.finish is None:
@@ -398,6 +443,245 @@ class Speculator:
                               outputs=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# pipelined rounds: acceptance, rollback and the next round's inputs decided on the device
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ForcedDrafts:
+    """Teacher-forced drafts: acceptance controlled on any model (examples/bench_mtp_forced.py).
+
+    `truth[request index]` is the request's whole token sequence (prompt + a continuation generated
+    with k = 0). The draft d_j of a round at position n (x_n fed there) is the true token x_{n+j},
+    kept with probability `alpha` and otherwise replaced by a different token; with a greedy target
+    that equals the truth, d_j is accepted exactly when it was kept, so α_j = alpha at every position
+    and τ = (1 - alpha^(k+1)) / (1 - alpha). The keep/replace draws are `counter_uniforms` of
+    (seed + request index, n): the same rounds corrupt the same drafts in every run. The MTP draft
+    calls still run (their cost is part of what a round costs); their drafts are overridden."""
+
+    truth: dict[int, list[int]]
+    alpha: float
+    seed: int = 0
+
+    def table(self, reqs: list, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (true tokens [B, width] by position (0 past the known sequence), seeds [B])."""
+        t = torch.zeros(len(reqs), width, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            seq = self.truth[r.index][:width]
+            t[i, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        seeds = torch.tensor([self.seed + r.index for r in reqs], dtype=torch.int64)
+        return t.to(device), seeds.to(device)
+
+    def drafts(self, table: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor, k: int, V: int) -> torch.Tensor:
+        """[B, k]: x_{n+1..n+k} from `table`, each replaced by another token with probability 1 - alpha."""
+        idx = (pos[:, None] + 1 + torch.arange(k, device=pos.device)).clamp_max(table.shape[1] - 1)
+        true = table.gather(1, idx)
+        u = counter_uniforms(seeds, pos, 2 * k)
+        keep = u[:, :k] < self.alpha
+        wrong = (true + 1 + (u[:, k:] * (V - 1)).long().clamp_max(V - 2)) % V  # never the true token
+        return torch.where(keep, true, wrong)
+
+    def keep_flags(self, index: int, n: int, k: int) -> list[bool]:
+        """Host replay of which drafts of request `index`'s round at position n are kept (tests)."""
+        u = counter_uniforms(torch.tensor([self.seed + index]), torch.tensor([n]), 2 * k)
+        return (u[0, :k] < self.alpha).tolist()
+
+
+@dataclass
+class _DevState:
+    """A round's inputs, per row of the active batch, on the device."""
+
+    last: torch.Tensor  # [B] int64: x_n, committed, not fed yet
+    pos: torch.Tensor  # [B] int64: n (the MTP's position equals the main one at a round's start)
+    dlogits: torch.Tensor  # [B, V]: MTP logits of d_1
+    dz: torch.Tensor  # [B, (N,) D]: MTP output streams at n - 1
+
+
+@dataclass
+class _Ctx:
+    """What stays fixed over one `Speculator.rounds` call (the active batch)."""
+
+    slots: torch.Tensor  # [B] int64 device
+    ones: torch.Tensor  # [B]: n_real of the draft calls
+    n_verify: torch.Tensor  # [B]: 1 + k
+    rp: RowParams
+    seeds: torch.Tensor  # [B] int64: each request's seed (its RNG stream, `counter_uniforms`)
+    forced: tuple | None  # (ForcedDrafts, table, seeds) or None
+
+
+class _Launched:
+    """A queued round: the next round's state (device) and an asynchronous copy of its results
+    [B, T + 2] int64 (committed tokens d_1..d_a, y then junk; a; 1 where the row took the refresh)."""
+
+    def __init__(self, state: _DevState, packed: torch.Tensor):
+        self.state = state
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(packed.device))
+        else:
+            self.host, self.done = packed, None
+
+    def read(self) -> list[list[int]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def _accept_rows(P: torch.Tensor, Q: torch.Tensor, D: torch.Tensor, U: torch.Tensor, K: int):
+    """`accept_drafts` for a batch, on the device. P [B, k+1, V] target, Q [B, k, V] draft distributions
+    (processed; one-hot for greedy rows), D [B, k] drafts, U [B, 2K+1] the round's uniforms (draft j
+    accepted iff U[:, K + j] < p̃(d_j) / q̃(d_j); y drawn with U[:, 2K]). -> (a [B], y [B]).
+    A greedy row (one-hot P and Q) gets exactly the greedy rule: ratio 1 or 0, and y = argmax."""
+    B, k = D.shape
+    pd = P[:, :k].gather(-1, D[..., None])[..., 0]
+    qd = Q.gather(-1, D[..., None])[..., 0]
+    ratio = torch.where(qd > 0, pd / qd.clamp_min(1e-38), torch.inf).double()
+    ok = U[:, K:K + k] < ratio
+    a = ok.long().cumprod(1).sum(1)
+    ar = torch.arange(B, device=P.device)
+    Pa = P[ar, a]
+    Qa = torch.cat([Q, torch.zeros_like(P[:, :1])], 1)[ar, a]
+    res = (Pa - Qa).clamp_min(0)
+    res = torch.where(res.sum(-1, keepdim=True) > 0, res, Pa)
+    return a, draw_rows(res, U[:, 2 * K])
+
+
+class _Pipeline:
+    """`Speculator.rounds`: rounds queued back to back on the device (see there)."""
+
+    def __init__(self, spec: "Speculator", active: dict):
+        self.spec, self.sess = spec, spec.sess
+        sess, dev = self.sess, spec.sess.device
+        self.slots = sorted(active)
+        self.seqs = [spec.seqs[s] for s in self.slots]
+        reqs = [q.req for q in self.seqs]
+        B = len(reqs)
+        forced = None
+        if spec.forced is not None:
+            table, fseeds = spec.forced.table(reqs, sess.max_tokens + 2 * spec.K + 2, dev)
+            forced = (spec.forced, table, fseeds)
+        seeds = torch.tensor([r.gen.initial_seed() & ((1 << 63) - 1) for r in reqs], dtype=torch.int64)
+        self.ctx = _Ctx(torch.tensor(self.slots, dtype=torch.int64).to(dev),
+                        torch.ones(B, dtype=torch.int64, device=dev),
+                        torch.full((B,), 1 + spec.k, dtype=torch.int64, device=dev),
+                        RowParams.of([r.params for r in reqs], dev), seeds.to(dev), forced)
+        self.n = sess.pos[self.slots].tolist()  # positions of the round last read (host)
+        last = torch.tensor([r.out[-1] for r in reqs], dtype=torch.int64)
+        self.state = _DevState(last.to(dev), sess.pos[self.slots].to(dev),
+                               torch.stack([q.draft_logits for q in self.seqs]),
+                               torch.stack([q.draft_z for q in self.seqs]))
+
+    def fits(self, ahead: int) -> bool:
+        """A round queued `ahead` unread rounds after the last read one writes positions < max_tokens."""
+        k = self.spec.k
+        return all(n + ahead * (k + 1) + k < self.sess.max_tokens for n in self.n)
+
+    def run(self) -> Iterator[tuple[int, int]]:
+        reqs = [q.req for q in self.seqs]
+        cur = self.launch(self.state)
+        while True:
+            more = self.fits(1) and any(len(r.out) + 1 < r.max_new for r in reqs)
+            nxt = self.launch(cur.state) if more else None
+            done = yield from self.take(cur)
+            if nxt is None or done:
+                if nxt is not None:  # in flight: keep the tokens of the requests still running
+                    yield from self.take(nxt)
+                    cur = nxt
+                break
+            cur = nxt
+        for i, q in enumerate(self.seqs):  # the next round's first draft, for the requests still running
+            if q.req.finish is None:
+                q.draft_logits, q.draft_z = cur.state.dlogits[i], cur.state.dz[i]
+
+    def take(self, out: _Launched):
+        """Read a round: commit each running request's tokens, positions and counters. -> any finished."""
+        spec, sess, k, T = self.spec, self.sess, self.spec.k, 1 + self.spec.K
+        done = False
+        for i, (q, row) in enumerate(zip(self.seqs, out.read())):
+            r = q.req
+            if r.finish is not None:
+                continue
+            toks, a, refreshed = row[:T], row[T], row[T + 1]
+            n = self.n[i]
+            # the drafts the one-round path would have checked (it drafts fewer near max_new_tokens)
+            kr = max(0, min(k, r.max_new - len(r.out) - 1, sess.max_tokens - 1 - n))
+            q.stats.record(min(a, kr), kr)
+            if spec.forced is None:  # forced drafts say nothing about the model's acceptance
+                spec.observe(r.params.temperature, min(a, kr), kr)
+            self.n[i] = n + a + 1
+            sess.pos[self.slots[i]] = spec.mtp_pos[self.slots[i]] = n + a + 1
+            for tok in toks[: min(a, kr) + 1]:
+                if r.finish is None:
+                    yield from sess._push(r, tok)
+            if r.finish is None:
+                q.stats.fused_rounds += not refreshed
+                q.stats.fallback_refreshes += refreshed
+            done |= r.finish is not None
+        return done
+
+    def launch(self, st: _DevState) -> _Launched:
+        """Queue one round on `st`; nothing here waits for the device."""
+        spec, ctx = self.spec, self.ctx
+        k, K, T, V = spec.k, spec.K, 1 + spec.K, spec.cfg.vocab_size
+        B, dev = st.pos.shape[0], st.pos.device
+        greedy = ctx.rp.all_greedy
+        U = None if greedy else counter_uniforms(ctx.seeds, st.pos, 2 * K + 1)  # [B, 2K+1]
+        lg, z = st.dlogits, st.dz
+        drafts, qs = [], []
+        for j in range(k):  # 1. draft: d_{j+1} from the MTP fed (its own output streams, d_j)
+            if j:
+                h = z.new_zeros((B, T) + tuple(z.shape[1:]))
+                h[:, 0] = z
+                ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
+                ids[:, 0] = drafts[-1]
+                out = spec._run_dev("mtp", ids, ctx, st.pos + (j - 1), ctx.ones, hidden=h, caches=spec.mtp_caches)
+                lg, z = out[0][:, 0], out[1][:, 0]
+            if greedy:
+                drafts.append(lg.argmax(-1))
+            else:
+                qs.append(processed_probs_rows(lg, ctx.rp))
+                drafts.append(draw_rows(qs[-1], U[:, j]))
+        D = torch.stack(drafts, 1) if k else torch.zeros(B, 0, dtype=torch.int64, device=dev)
+        if ctx.forced is not None:
+            f, table, fseeds = ctx.forced
+            forced = f.drafts(table, fseeds, st.pos, k, V)
+            if not greedy:  # a replaced draft counts as drawn from a one-hot
+                qs = [torch.where((forced[:, j] == D[:, j])[:, None], q,
+                                  torch.nn.functional.one_hot(forced[:, j], V).float()) for j, q in enumerate(qs)]
+            D = forced
+        ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
+        ids[:, 0] = st.last
+        ids[:, 1:1 + k] = D
+        logits, hidden, mlogits, mz, mids = spec._run_dev(FUSED, ids, ctx, st.pos, ctx.n_verify,
+                                                          caches=spec.fused_caches)
+        mids = mids.to(torch.int64)
+        ar = torch.arange(B, device=dev)
+        if greedy:  # 3. accept: while d_j is the verify's argmax
+            a = (D == mids[:, :k]).long().cumprod(1).sum(1)
+            y = mids.gather(1, a[:, None])[:, 0]
+        else:
+            P = processed_probs_rows(logits[:, :k + 1], ctx.rp)
+            Q = torch.stack(qs, 1) if k else P[:, :0]
+            a, y = _accept_rows(P, Q, D, U, K)
+        toks = torch.zeros(B, T, dtype=torch.int64, device=dev)
+        toks[:, :k] = D
+        toks.scatter_(1, a[:, None], y[:, None])
+        nxt_logits, nxt_z = mlogits[ar, a], mz[ar, a]  # 5. the fused graph's MTP output at row a
+        if greedy:
+            refreshed = torch.zeros(B, dtype=torch.int64, device=dev)
+        else:  # rows whose committed tokens were not the argmax: the MTP over n..n+a with them
+            cols = torch.arange(T, device=dev)[None]
+            need = ((toks != mids) & (cols <= a[:, None])).any(1)
+            rl, rz = spec._run_dev("mtp", toks, ctx, st.pos, torch.where(need, a + 1, 0), hidden=hidden,
+                                   caches=spec.mtp_caches)
+            nxt_logits = torch.where(need[:, None], rl[ar, a], nxt_logits)
+            nxt_z = torch.where(need.view((B,) + (1,) * (nxt_z.dim() - 1)), rz[ar, a], nxt_z)
+            refreshed = need.long()
+        packed = torch.cat([toks, a[:, None], refreshed[:, None]], 1)
+        return _Launched(_DevState(y, st.pos + a + 1, nxt_logits, nxt_z), packed)
+
+
 def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | None, Callable[[], SpecStats]]:
     """Resolve `mtp` (k = 1..K, or "auto") for one generate/stream call -> (the Speculator, or None for
     plain decoding, and a factory of per-request stats that carry the decision)."""
@@ -427,10 +711,12 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
     """k for `mtp="auto"`: maximise the predicted decode speedup
         S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B)),
         τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
-    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp,
-    with step times measured at batch B (calls with n_real = 0 write nothing) and α measured by a short
-    calibration generation of the first of `prompts` (the request's) at this temperature (cached per
-    session and T bucket).
+    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp
+    at temperature 0 and t_verify_mtp + t_mtp above it (pipelined sampling rounds always run the refresh
+    call), with step times measured at batch B (calls with n_real = 0 write nothing) and α the
+    acceptance observed in earlier rounds at this temperature bucket (`Speculator.observe`, once
+    MIN_OBSERVED_ROUNDS first drafts were checked), else measured by a short calibration generation
+    of the first of `prompts` (the request's) at this temperature (cached per session and T bucket).
     k = 0 (plain decoding) when no k predicts a gain of at least 5 %.
 
     The model counts graph time only. The host work of a round (acceptance, sampling, bookkeeping,
@@ -449,8 +735,13 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         cal[akey] = _measure_alpha(sess, spec, params, prompts[0])
     t = cal[tkey]
     alpha, p_fallback = cal[akey]
-    # verify + the refresh of the next first draft: one fused call, or verify then mtp
-    refresh = t[FUSED] + p_fallback * t["mtp"] if FUSED in t else t["verify"] + t["mtp"]
+    alpha, source = _observed_alpha(spec, params.temperature, alpha)
+    # verify + the refresh of the next first draft: one fused call, or verify then mtp. Pipelined
+    # sampling rounds run the refresh call whenever a row is not greedy (its need is known on the device only)
+    if FUSED in t:
+        refresh = t[FUSED] + (p_fallback if params.temperature == 0 else 1.0) * t["mtp"]
+    else:
+        refresh = t["verify"] + t["mtp"]
     best, pred = 0, {0: 1.0}
     for k in range(1, spec.K + 1):
         tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
@@ -474,13 +765,26 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         else:
             reason += f"; measured {measured:.2f}x"
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
-            "alpha": [round(a, 3) for a in alpha],
+            "alpha": [round(a, 3) for a in alpha], "alpha_source": source,
             "p_fallback": round(p_fallback, 3),
             "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
             "measured_speedup": None if measured is None else round(measured, 3),
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
     return best, info
+
+
+MIN_OBSERVED_ROUNDS = 64  # first-draft checks before the observed acceptance replaces the calibration run's
+
+
+def _observed_alpha(spec: Speculator, temperature: float, calibrated: list[float]) -> tuple[list[float], str]:
+    """Per-position acceptance for the policy: what earlier rounds at this temperature bucket accepted
+    (once MIN_OBSERVED_ROUNDS first drafts were checked; positions never checked keep the calibrated
+    value), else the calibration run's."""
+    acc, prop = spec.observed.get(_temperature_bucket(temperature), ([], []))
+    if not prop or prop[0] < MIN_OBSERVED_ROUNDS:
+        return list(calibrated), "calibration run"
+    return [a / p if p else c for a, p, c in zip(acc, prop, calibrated)], f"observed over {prop[0]} rounds"
 
 
 def _temperature_bucket(temp: float) -> float:

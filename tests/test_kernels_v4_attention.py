@@ -216,3 +216,30 @@ def test_cuda_graph_capture_and_replay():
     want = torch.ops.dsv4c.v4_attention_fused(**{**a, "ring": ring_e})
     assert torch.equal(out, want)
     assert torch.equal(ring_g[:-1], ring_e[:-1])
+
+
+def test_batch_invariant_split_gives_bit_identical_rows():
+    """Batch 1 vs batch 8 (row 0 the same inputs): the default split comes from B·T, so row 0's keys
+    are reduced in other groups and its output differs in the last bits; the batch-invariant split
+    (`BATCH_INVARIANT`, the `fused_det` implementation) gives bit-identical rows."""
+    from dsv4c.kernels.v4_attention import BATCH_INVARIANT, _grid_split
+
+    big = make_case(8, 1, 4, 32, 40, 8, 9, 0, [37, 5, 30, 12, 39, 2, 25, 33], [1] * 8, seed=21, window=40)
+    one = {**big, "q": big["q"][:1], "kv": big["kv"][:1], "slots": big["slots"][:1], "pos0": big["pos0"][:1],
+           "n_real": big["n_real"][:1]}
+    assert BATCH_INVARIANT.batch_invariant
+    cfg = V4AttnConfig(block_n=16, target_programs=16)  # the GPU's regime at these small sizes
+    inv = V4AttnConfig(block_n=16, target_programs=16, batch_invariant=True, invariant_split=3)
+    n_blocks = 3 + 1 + 1  # window 39 keys in blocks of 16, the chunk, the entries
+    assert _grid_split(1, 1, 4, n_blocks, cfg) != _grid_split(8, 1, 4, n_blocks, cfg)
+    assert _grid_split(1, 1, 4, n_blocks, inv) == _grid_split(8, 1, 4, n_blocks, inv)
+    outs = {}
+    for name, c in (("default", cfg), ("invariant", inv)):
+        o8 = v4_attention_fused(**{**big, "ring": big["ring"].clone()}, config=c)
+        o1 = v4_attention_fused(**{**one, "ring": big["ring"].clone()}, config=c)
+        outs[name] = torch.equal(o1[0], o8[0])
+        assert rel_err(o1[0], o8[0]) <= REL_ERR[torch.float32]
+    assert outs == {"default": False, "invariant": True}
+    from dsv4c.passes.select_kernels import implementation_op  # compile --kernel v4_attention=fused_det
+
+    assert implementation_op("v4_attention", "fused_det") is torch.ops.dsv4c.v4_attention_fused_det.default

@@ -154,17 +154,20 @@ def test_greedy_with_forced_rejection_at_every_offset(bundled, unfused, plain, k
 
 
 @torch.no_grad()
-def test_device_greedy_round_equals_host_round(bundled, plain):
-    """All rows greedy on the fused graph: the round that keeps drafts on the device and waits once
-    (`_verify_greedy`) gives the same tokens, acceptance and fused rounds per request as the
-    general round (host distributions and `accept_drafts`), with 5 prompts through 4 slots."""
+def test_device_greedy_round_equals_host_round(bundled, plain, monkeypatch):
+    """All rows greedy on the fused graph: the pipelined rounds (acceptance, next inputs and positions
+    decided on the device, round r+1 queued before round r is read) give the same tokens, acceptance
+    and fused rounds per request as the one-round host path (host distributions and
+    `accept_drafts`), with 5 prompts through 4 slots."""
+    from dsv4c.runtime import speculative as sp
+
     _, sess = bundled
     ps, ref = plain
     spec = speculator(sess)
     keys = ("accept_histogram", "accepted_per_position", "fused_rounds", "fallback_refreshes")
     calls = []
-    device_round = spec._verify_greedy
-    spec._verify_greedy = lambda *a: calls.append(1) or device_round(*a)
+    launch = sp._Pipeline.launch
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: calls.append(1) or launch(self, st))
     runs, device_rounds = {}, {}
     try:
         for host in (False, True):
@@ -175,7 +178,6 @@ def test_device_greedy_round_equals_host_round(bundled, plain):
             device_rounds[host] = len(calls)
     finally:
         spec.host_drafts = False
-        del spec._verify_greedy
     assert device_rounds[False] > 0 and device_rounds[True] == 0
     assert runs[False] == runs[True]
     assert [t for t, _ in runs[False]] == ref
@@ -504,9 +506,10 @@ def test_end_to_end_sampling_distribution_tiny_vocab():
 def test_choose_k_follows_the_measurements(bundled):
     _, sess = bundled
     spec = speculator(sess)
-    saved = dict(spec.calibration)
+    saved, observed = dict(spec.calibration), dict(spec.observed)
     try:
         spec.calibration.clear()
+        spec.observed.clear()  # earlier tests' rounds: the policy would prefer their acceptance
         times = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
         spec.calibration.update({("times", 1): times, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0),
                                  ("times", 64): {"decode": 1.0, "verify": 3.5, "mtp": 0.5},
@@ -533,9 +536,17 @@ def test_choose_k_follows_the_measurements(bundled):
         spec.calibration[("times", 4)] = {"decode": 1.0, "verify": 3.5, "mtp": 0.5}
         k, info = choose_k(sess, spec, SamplingParams(1.0), 4, [[5]])
         assert k == 0 and "no k" in info["reason"]
+        # acceptance observed while running replaces the calibration run's once there are enough rounds
+        spec.calibration[("times", 1)] = {"decode": 1.0, "verify": 1.2, "mtp": 0.1}
+        for _ in range(70):
+            spec.observe(0.0, 0, 3)  # every first draft rejected
+        k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
+        assert k == 0 and info["alpha"][0] == 0 and "observed over 70 rounds" == info["alpha_source"]
     finally:
         spec.calibration.clear()
         spec.calibration.update(saved)
+        spec.observed.clear()
+        spec.observed.update(observed)
 
 
 @torch.no_grad()

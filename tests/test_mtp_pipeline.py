@@ -1,0 +1,312 @@
+"""Pipelined MTP rounds (runtime/speculative.py `Speculator.rounds`, issue 23): batched device
+sampling equals the host rules row by row, rejection sampling on the device keeps the target
+distribution, teacher-forced drafts give exactly the requested acceptance, and auto falls back to
+k = 0 when drafting costs too much. Sessions run the eager model's step functions
+(tests/test_speculative.py `eager_session`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4c import load_model
+from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, processed_probs,
+                                    processed_probs_rows)
+from dsv4c.runtime.speculative import ForcedDrafts, _accept_rows, accept_drafts, choose_k, speculator
+from test_speculative import BUNDLE, chi2_pvalue, eager_session, prompts
+
+PARAMS = [SamplingParams(0.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.9, top_p=0.8),
+          SamplingParams(1.3, top_p=0.5, top_k=5)]
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    model = load_model(BUNDLE, dtype=torch.float32).eval()
+    sess = eager_session(model)
+    ps = prompts(model.config.vocab_size)[:4]  # one batch of the 4 slots (lengths 3..70: the ring wraps)
+    with torch.no_grad():
+        ref = [r.tokens for r in sess.generate(ps, max_new_tokens=12)]
+    return model, sess, ps, ref
+
+
+# ------------------------------------------------------------------------------------------------
+# the batched sampling pieces
+# ------------------------------------------------------------------------------------------------
+def test_processed_probs_rows_equal_the_per_row_rule():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PARAMS), 3, 11, generator=g) * 2  # [B, T, V]
+    got = processed_probs_rows(logits, RowParams.of(PARAMS, "cpu"))
+    for i, p in enumerate(PARAMS):
+        torch.testing.assert_close(got[i], processed_probs(logits[i], p), rtol=1e-6, atol=1e-7)
+    greedy = RowParams.of([SamplingParams(0.0)] * 2, "cpu")
+    assert greedy.all_greedy and torch.equal(processed_probs_rows(logits[:2], greedy),
+                                             processed_probs(logits[:2], SamplingParams(0.0)))
+
+
+def test_counter_uniforms_are_uniform_and_a_function_of_seed_and_counter():
+    seed = torch.arange(4000) % 7 + (1 << 40)  # high seed bits matter too
+    ctr = torch.arange(4000) // 7
+    u = counter_uniforms(seed, ctr, 5)
+    assert u.shape == (4000, 5) and u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    counts = torch.histc(u.float(), bins=20, min=0, max=1)
+    assert chi2_pvalue(counts, torch.full((20,), 0.05)) > 1e-3
+    assert abs(torch.corrcoef(u.T.float())[0, 1]) < 0.05  # draws of one round are not correlated
+    assert torch.equal(counter_uniforms(seed[5:9], ctr[5:9], 5), u[5:9])  # independent of the batch
+    assert not torch.equal(counter_uniforms(seed + (1 << 33), ctr, 5), u)
+
+
+def test_draw_rows_picks_only_tokens_with_mass():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7], [0.0, 0.0, 1.0, 0.0]]).repeat(500, 1)
+    u = counter_uniforms(torch.zeros(1000, dtype=torch.int64), torch.arange(1000), 1)[:, 0]
+    d = draw_rows(probs, u)
+    assert set(d[0::2].tolist()) == {1, 3} and set(d[1::2].tolist()) == {2}
+    assert abs((d[0::2] == 3).double().mean() - 0.7) < 0.08
+
+
+def _host_accept(P, Q, D, U, K):
+    """`accept_drafts`' rule row by row with the round's uniforms in place of the generator."""
+    out = []
+    for b in range(D.shape[0]):
+        a = 0
+        for j, d in enumerate(D[b].tolist()):
+            pj, qj = float(P[b, j, d]), float(Q[b, j, d])
+            ratio = float("inf") if qj <= 0 else pj / qj
+            if not float(U[b, K + j]) < ratio:
+                break
+            a += 1
+        res = (P[b, a] - (Q[b, a] if a < D.shape[1] else 0)).clamp_min(0)
+        res = res if float(res.sum()) > 0 else P[b, a]
+        cdf = res.double().cumsum(0)
+        y = int((cdf > float(U[b, 2 * K]) * float(cdf[-1])).nonzero()[0])
+        out.append((a, y))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_acceptance_equals_the_host_rule_on_every_row(k):
+    """Greedy rows give exactly `accept_drafts`' result; sampling rows give the host rule's (a, y) for
+    the same uniforms, row by row, in a batch mixing greedy and sampling rows."""
+    K, V, B = 3, 9, 40
+    g = torch.Generator().manual_seed(k)
+    params = [PARAMS[i % len(PARAMS)] for i in range(B)]
+    rp = RowParams.of(params, "cpu")
+    P = processed_probs_rows(torch.randn(B, k + 1, V, generator=g) * 2, rp)
+    Q = processed_probs_rows(torch.randn(B, k, V, generator=g) * 2, rp)
+    U = counter_uniforms(torch.full((B,), 5), torch.arange(B), 2 * K + 1)
+    D = torch.stack([draw_rows(Q[:, j], U[:, j]) for j in range(k)], 1)
+    D[::4, 0] = P[::4, 0].argmax(-1)  # some accepted greedy first drafts
+    Q[::4, 0] = torch.nn.functional.one_hot(D[::4, 0], V).float()
+    a, y = _accept_rows(P, Q, D, U, K)
+    got = list(zip(a.tolist(), y.tolist()))
+    assert got == _host_accept(P, Q, D, U, K)
+    for b, p in enumerate(params):
+        if p.temperature == 0:
+            assert got[b] == accept_drafts(P[b], Q[b], D[b].tolist(), True, None)
+    assert len({x for x, _ in got}) > 1  # accepted and rejected rows
+
+
+@pytest.mark.parametrize("temperature,top_p,greedy_drafts", [(0.7, 0.9, False), (1.0, 1.0, True)])
+def test_device_rejection_sampling_matches_target_distribution(temperature, top_p, greedy_drafts):
+    """A Markov target P and draft Q over V = 8 (as tests/test_speculative.py), k = 2, 20000 rows in
+    one batch: the first two tokens emitted by `_accept_rows` rounds follow P(x1) P(x2 | x1)."""
+    V, k, K, n = 8, 2, 2, 20000
+    params = SamplingParams(temperature, top_p)
+    g = torch.Generator().manual_seed(11)
+    P = processed_probs(torch.randn(V, V, generator=g) * 1.5, params)
+    Q = processed_probs(torch.randn(V, V, generator=g) * 1.5, params)
+    seeds = torch.arange(n) + 77
+    ctx, out, rnd = torch.zeros(n, dtype=torch.int64), [[] for _ in range(n)], 0
+    while any(len(o) < 2 for o in out):
+        U = counter_uniforms(seeds, torch.full((n,), rnd), 2 * K + 1)
+        drafts, qs, c = [], [], ctx
+        for j in range(k):
+            d = Q[c].argmax(-1) if greedy_drafts else draw_rows(Q[c], U[:, j])
+            qs.append(torch.nn.functional.one_hot(d, V).float() if greedy_drafts else Q[c])
+            drafts.append(d)
+            c = d
+        D = torch.stack(drafts, 1)
+        a, y = _accept_rows(P[torch.cat([ctx[:, None], D], 1)], torch.stack(qs, 1), D, U, K)
+        for b, (ab, yb, db) in enumerate(zip(a.tolist(), y.tolist(), D.tolist())):
+            out[b] += db[:ab] + [yb]
+        ctx = torch.tensor([o[-1] for o in out])
+        rnd += 1
+    counts = torch.zeros(V, V, dtype=torch.int64)
+    for o in out:
+        counts[o[0], o[1]] += 1
+    assert chi2_pvalue(counts, P[0][:, None] * P) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# pipelined rounds through the Session
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_pipelined_sampling_is_reproducible_and_exact_for_greedy_rows(bundled):
+    """Mixed rows: greedy ones equal plain greedy; sampling ones repeat with the same seed and change
+    with another; every round ran on the device (no separate host round)."""
+    _, sess, ps, ref = bundled
+
+    def run(seed):
+        reqs = sess._requests(ps, 12, 0.0, 1.0, 0, seed, None)
+        for i in (1, 3):
+            reqs[i].params = SamplingParams(0.9, top_p=0.95)
+        list(sess._serve(reqs, 2))
+        return [r.out for r in reqs], [sess._result(r).stats for r in reqs]
+
+    a, st = run(0)
+    b, _ = run(0)
+    c, _ = run(1)
+    assert a == b and [a[i] for i in (1, 3)] != [c[i] for i in (1, 3)]
+    assert [a[i] for i in (0, 2)] == [ref[i] for i in (0, 2)]
+    assert sum(st[i]["fallback_refreshes"] for i in (1, 3)) > 0
+
+
+def _replay_forced(forced: ForcedDrafts, index: int, n: int, max_new: int, k: int):
+    """The acceptance histogram and per-position counts the forced drafts must give one request."""
+    hist, prop, acc, L = [0] * (k + 1), [0] * k, [0] * k, 1
+    while L < max_new:
+        flags = forced.keep_flags(index, n, k)
+        a = next((j for j, f in enumerate(flags) if not f), k)
+        kr = min(k, max_new - L - 1)
+        ae = min(a, kr)
+        hist[ae] += 1
+        for j in range(min(ae + 1, kr)):
+            prop[j] += 1
+            acc[j] += j < ae
+        L += ae + 1
+        n += a + 1
+    return hist, prop, acc
+
+
+@pytest.mark.parametrize("k,alpha", [(1, 0.6), (3, 0.8)])
+@torch.no_grad()
+def test_teacher_forced_drafts_give_exactly_the_requested_acceptance(bundled, k, alpha):
+    model, sess, ps, ref = bundled
+    spec = speculator(sess)
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, ref))}
+    spec.forced = ForcedDrafts(truth, alpha, seed=3)
+    try:
+        out = sess.generate(ps, max_new_tokens=12, mtp=k)
+    finally:
+        spec.forced = None
+    assert [r.tokens for r in out] == ref
+    for i, r in enumerate(out):
+        hist, prop, acc = _replay_forced(ForcedDrafts(truth, alpha, seed=3), i, len(ps[i]), 12, k)
+        assert (r.stats["accept_histogram"], r.stats["proposed_per_position"],
+                r.stats["accepted_per_position"]) == (hist, prop, acc), i
+    assert sum(r.stats["accept_histogram"][0] for r in out) > 0  # rejected and accepted drafts
+    assert sum(r.stats["accepted_draft_tokens"] for r in out) > 0
+    # the keep draws themselves: a Bernoulli(alpha) per draft
+    f = ForcedDrafts({}, alpha, seed=9)
+    keep = counter_uniforms(torch.arange(20000) % 13, torch.arange(20000), 2 * k)[:, :k] < alpha
+    assert abs(keep.double().mean() - alpha) < 4 * (alpha * (1 - alpha) / keep.numel()) ** 0.5
+    seeds, pos = torch.arange(4) + 9, torch.tensor([0, 5, 9, 20])
+    d = f.drafts(torch.arange(64)[None].repeat(4, 1), seeds, pos, k, 50)  # true token at position p: p
+    kept = counter_uniforms(seeds, pos, 2 * k)[:, :k] < alpha
+    assert torch.equal(d == pos[:, None] + 1 + torch.arange(k), kept) and (d < 50).all() and (d >= 0).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# auto
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_auto_picks_k0_when_drafting_costs_too_much(bundled):
+    """Calibrated step times with expensive drafts (each MTP call as costly as a decode step, the fused
+    verify 3x): auto predicts no gain at any k, picks k = 0 and generates through plain decoding."""
+    _, sess, ps, ref = bundled
+    spec = speculator(sess)
+    saved = dict(spec.calibration)
+    try:
+        spec.calibration.clear()
+        spec.observed.clear()
+        costly = {"decode": 1.0, "verify": 3.0, "mtp": 1.0, "verify_mtp": 3.0}
+        spec.calibration.update({("times", 2): costly, ("alpha", 0.0): ([0.9, 0.8, 0.7], 0.0)})
+        k, info = choose_k(sess, spec, SamplingParams(0.0), 2, [ps[0]])
+        assert k == 0 and "no k" in info["reason"] and max(info["predicted_speedup"].values()) == 1.0
+        out = sess.generate(ps[:2], max_new_tokens=12, mtp="auto")
+        assert [r.tokens for r in out] == ref[:2]
+        assert out[0].stats["mtp_policy"]["k"] == 0 and out[0].stats["rounds"] == 0
+        # cheap drafts: the same acceptance predicts a gain
+        spec.calibration[("times", 2)] = {"decode": 1.0, "verify": 1.1, "mtp": 0.1, "verify_mtp": 1.15}
+        spec.calibration[("measured", 2, 0.0)] = {1: 1.5, 2: 1.6, 3: 1.6}
+        k, info = choose_k(sess, spec, SamplingParams(0.0), 2, [ps[0]])
+        assert k >= 1
+    finally:
+        spec.calibration.clear()
+        spec.calibration.update(saved)
+
+
+# ------------------------------------------------------------------------------------------------
+# the benchmark (examples/bench_mtp_forced.py) on the eager session
+# ------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_forced_benchmark_grid_and_roofline(bundled):
+    import sys
+
+    sys.path.insert(0, str(BUNDLE.parents[1]))
+    import bench_mtp_forced as bf
+
+    _, sess, _, _ = bundled
+    saved = dict(sess.manifest["target"])
+    sess.manifest["target"].update({"expert_format": "reference", "dense_format": "reference"})
+    try:
+        rows = bf.run_grid(sess, [2], [0.9], [2], 8, 8, False, log=lambda s: None)
+    finally:
+        sess.manifest["target"].clear()
+        sess.manifest["target"].update(saved)
+    (row,) = rows
+    assert row["equal_to_k0"] and row["tau_requested"] == pytest.approx(1 + 0.9 + 0.81)
+    assert row["speedup"] > 0 and 0 < row["bound"] < row["tau_requested"]
+    # the byte model: one token touches top_k experts; a round reads more than a decode step
+    cfg = sess.config
+    roof = bf.Roofline(cfg, "fp8_block", "fp8_block", 40)
+    assert bf.unique_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, 1) == pytest.approx(cfg.num_experts_per_tok)
+    assert roof.verify(4, 3) > roof.decode(4) and roof.round(4, 2) > roof.verify(4, 3)
+    assert roof.bound(0.8, 2, 4) == pytest.approx(bf.tau(0.8, 2) * roof.decode(4) / roof.round(4, 2))
+    assert roof.bound(0.8, 1, 4, T_graph=4) < roof.bound(0.8, 1, 4)  # padded rows cost bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the bundled model compiled for h200 (bf16, full CUDA graphs)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.runtime import Session
+
+    out = tmp_path_factory.mktemp("h200") / "art"
+    compile_checkpoint(BUNDLE, out, target="h200", max_tokens=160, max_batch=8, mtp_k=3, verify_boundaries=False)
+    return Session.load(out, device="cuda")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_pipelined_rounds_equal_the_host_round_and_plain_decode(h200, monkeypatch):
+    """bf16 on the GPU, batch 8: pipelined greedy rounds give the tokens and acceptance of the one-round
+    host path (same graphs, same argmax), for k = 1..3; sampling repeats with the same seed; a
+    teacher-forced α = 1 run accepts every draft the verify agrees with."""
+    from dsv4c.runtime import speculative as sp
+
+    sess = h200
+    ps = prompts(sess.config.vocab_size, [5, 17, 40, 9, 64, 3, 22, 11], seed=5)
+    spec = speculator(sess)
+    launches = []
+    launch = sp._Pipeline.launch
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: launches.append(1) or launch(self, st))
+    plain = [r.tokens for r in sess.generate(ps, max_new_tokens=48)]
+    for k in (1, 2, 3):
+        runs = {}
+        for host in (False, True):
+            spec.host_drafts = host
+            try:
+                out = sess.generate(ps, max_new_tokens=48, mtp=k)
+            finally:
+                spec.host_drafts = False
+            runs[host] = [(r.tokens, r.stats["accept_histogram"]) for r in out]
+        assert runs[False] == runs[True], k
+    assert launches
+    same = sum(t == p for (t, _), p in zip(runs[False], plain))
+    assert same >= 6, f"only {same}/8 greedy MTP outputs equal k = 0 in bf16"  # near ties may flip a few
+    a = [r.tokens for r in sess.generate(ps, max_new_tokens=32, temperature=0.8, seed=4, mtp=2)]
+    b = [r.tokens for r in sess.generate(ps, max_new_tokens=32, temperature=0.8, seed=4, mtp=2)]
+    assert a == b
