@@ -152,8 +152,9 @@ class PrefixCache:
             cap = cfg.max_bytes if cfg.max_bytes is not None else free_bytes(device) // 4
             n = min(max_batch * (max_tokens // b), cap // max(self.bytes_per_block, 1))
         if n < 1:
-            raise PrefixCacheError(f"prefix cache: no block of {self.bytes_per_block} bytes fits "
-                                   f"(max_bytes={cfg.max_bytes}); pass prefix_cache=False")
+            raise PrefixCacheError(f"prefix cache: no block fits (block_size={b} tokens, {self.bytes_per_block} bytes; "
+                                   f"max_tokens={max_tokens}, max_blocks={cfg.max_blocks}, max_bytes={cfg.max_bytes}); "
+                                   f"pass prefix_cache=False")
         self.n_blocks = n
         self.pool = {f.name: torch.empty((n, f.rows) + tuple(caches[f.name].shape[2:]), dtype=caches[f.name].dtype,
                                          device=device) for f in self.fields}
@@ -334,3 +335,19 @@ class PrefixCache:
         return {"block_size": self.block_size, "blocks_total": self.n_blocks, "bytes_per_block": self.bytes_per_block,
                 "blocks_cached": len(self.table), "blocks_in_use": sum(1 for blk in self.table.values() if blk.refs),
                 "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
+
+
+def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | None:
+    """The Session's prefix cache: False -> None; True -> the default config, or None (noted in
+    sess.cache_info["prefix"]) where a block cannot fit in max_tokens; a PrefixCacheConfig -> as given."""
+    if setting is False or setting is None:
+        return None
+    cfg = PrefixCacheConfig() if setting is True else setting
+    b = cfg.block_size or default_block_size(sess.config)
+    if setting is True and sess.max_tokens < b:
+        sess.cache_info["prefix"] = f"off: max_tokens={sess.max_tokens} is below one block of {b} tokens"
+        return None
+    pc = PrefixCache(sess.config, sess.caches, sess.max_tokens, sess.max_batch, sess.device, cfg)
+    sess.cache_info["prefix"] = {"blocks": pc.n_blocks, "block_size": pc.block_size,
+                                 "bytes": pc.n_blocks * pc.bytes_per_block}
+    return pc

@@ -33,7 +33,7 @@ from dsv4c.export import retarget_device
 from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
-from dsv4c.runtime.prefix_cache import PrefixCache, PrefixCacheConfig
+from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
 from dsv4c.runtime.sampling import SamplingParams, sample
 
 
@@ -86,9 +86,7 @@ class Session:
         # never waits for the GPU; `_run` ships them with the step's other inputs in one copy
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64)
         self._staging = _Staging(self.device) if self.device.type == "cuda" else None
-        self.prefix = None if prefix_cache is False else PrefixCache(  # runtime/prefix_cache.py
-            self.config, self.caches, self.max_tokens, self.max_batch, device,
-            PrefixCacheConfig() if prefix_cache is True else prefix_cache)
+        self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
 
     # ---- loading ----------------------------------------------------------------------------------

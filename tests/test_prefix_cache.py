@@ -147,6 +147,12 @@ def test_a_pool_too_small_for_one_request_is_refused_before_any_work(models):
     assert sess.prefix.stats()["requests"] == 0
     with pytest.raises(PrefixCacheError, match="block_size=6: must be >= 1 and a multiple of every compression"):
         eager_session(models["v4-tiny-a"], 4, PrefixCacheConfig(block_size=6))
+    v4 = models["v4-tiny-a"]
+    assert eager_session(v4, 4, True).prefix.block_size == 16  # the default: lcm(4, 8) rounded up to 16
+    short = eager_session(v4, 4, True, max_tokens=12)  # the default where no block fits: off, and said so
+    assert short.prefix is None and "below one block of 16 tokens" in short.cache_info["prefix"]
+    with pytest.raises(PrefixCacheError, match="no block fits"):
+        eager_session(v4, 4, PrefixCacheConfig(), max_tokens=12)
 
 
 def test_mtp_on_cached_prefixes_equals_plain_greedy(models):
