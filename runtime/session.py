@@ -214,14 +214,17 @@ class Session:
         return ids, dev[:B], dev[B:2 * B], dev[2 * B:3 * B]
 
     def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False) -> list:
-        """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each
-        (`outputs=True`: every graph output of each chunk, batch dim kept; `last_row`: only each chunk's
-        last row, [1, V], so a long prompt does not hold T x V fp32 logits)."""
-        step, outs, i = self.max_num_batched_tokens, [], int(self.pos[slot])  # a restored prefix is skipped
-        ends = self.prefix.chunk_ends(slot, i, len(ids), step) if self.prefix else range(i + step, len(ids) + step, step)
+        """Prefill `ids` into `slot` from its current position, in chunks of max_num_batched_tokens (the prefix
+        cache adds chunk ends at block ends); logits [T_chunk, V] each (`outputs=True`: every graph output of
+        each chunk, batch dim kept; `last_row`: only each chunk's last row, [1, V], so a long prompt does not
+        hold T x V fp32 logits)."""
+        step, outs, p0 = self.max_num_batched_tokens, [], int(self.pos[slot])
+        n = p0 + len(ids)
+        ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
+        i = p0
         for j in ends:
-            j = min(j, len(ids))
-            o = self._run("prefill", torch.tensor([ids[i:j]]), [slot], [j - i], outputs=True)
+            j = min(j, n)
+            o = self._run("prefill", torch.tensor([ids[i - p0:j - p0]]), [slot], [j - i], outputs=True)
             outs.append(o if outputs else o[0][0][-1:].clone() if last_row else o[0][0])  # clone: frees the chunk
             if self.prefix:
                 self.prefix.after_chunk(slot, j)
@@ -229,8 +232,8 @@ class Session:
         return outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
-        """Prefill one prompt; returns the last position's logits [V]."""
-        chunks = self._prefill_chunks(req.ids, req.slot, last_row=True)
+        """Prefill one prompt (past the prefix restored into its slot); returns the last position's logits [V]."""
+        chunks = self._prefill_chunks(req.ids[int(self.pos[req.slot]):], req.slot, last_row=True)
         req.chunks += len(chunks)
         return chunks[-1][-1]
 
