@@ -104,7 +104,7 @@ def cache_fields(config, caches: dict[str, torch.Tensor]) -> list[_Field]:
         if not config.is_v4:
             if f not in ("latent", "kpe", "index_keys"):
                 raise PrefixCacheError(f"prefix cache: no storage rule for the V3 cache tensor {name!r}")
-            out.append(_Field(name, True, 1))  # rows filled in by `plan_fields`
+            out.append(_Field(name, True, 0))  # one row per position (rows per block: set by PrefixCache)
             continue
         m = config.compress_ratios[int(layer)]
         if f == "ring":
@@ -133,9 +133,8 @@ class PrefixCache:
     def __init__(self, config, caches: dict[str, torch.Tensor], max_tokens: int, max_batch: int,
                  device: torch.device, cfg: PrefixCacheConfig = PrefixCacheConfig()):
         b = cfg.block_size or default_block_size(config)
-        ratios = {m for m in config.compress_ratios if m} | ({4} if 4 in config.compress_ratios else set()) \
-            if config.is_v4 else set()
-        bad = [m for m in sorted(ratios) if b % m]
+        ratios = sorted({m for m in config.compress_ratios if m}) if config.is_v4 else []  # CSA's indexer: m = 4 too
+        bad = [m for m in ratios if b % m]
         if b < 1 or bad:
             raise PrefixCacheError(f"PrefixCacheConfig.block_size={b}: must be >= 1 and a multiple of every "
                                    f"compression ratio (not of {bad})")
@@ -195,8 +194,9 @@ class PrefixCache:
         while j < len(keys) and keys[j] in self.table:
             j += 1
         for k in keys[j:]:  # a stored block whose prefix was evicted: unreachable, drop it
-            orphan = self.table.pop(k, None)
-            if orphan is not None:
+            orphan = self.table.get(k)
+            if orphan is not None and orphan.refs == 0:
+                del self.table[k]
                 self.lru.pop(k, None)
                 self.free_rows.append(orphan.row)
         need = len(keys) - j
@@ -264,14 +264,16 @@ class PrefixCache:
     # ---- prefill hooks ----------------------------------------------------------------------------
     def chunk_ends(self, slot: int, start: int, n: int, step: int) -> list[int]:
         """Chunk ends for prefilling positions [start, n) of `slot`: every `step` tokens, plus the ends of
-        the held blocks that would otherwise lack boundary rows: the last full block and the matched prefix."""
+        the held blocks that would otherwise lack boundary rows and where a later prompt may resume: the
+        last full block, the matched prefix's end (where prompts diverge), and the deepest block this very
+        prompt could resume from again (>= 1 token, or W with MTP, left to prefill)."""
         cuts = set(range(start + step, n, step)) | {n}
         hold = self.holds.get(slot)
         if hold is not None and self.has_boundary:
-            for i in {len(hold.blocks), hold.matched}:
-                end = i * self.block_size
-                if i and not hold.blocks[i - 1].boundary and start < end < n:
-                    cuts.add(end)
+            b = self.block_size
+            for i in {len(hold.blocks), hold.matched, (n - 1) // b, max(n - self.window, 0) // b}:
+                if 0 < i <= len(hold.blocks) and not hold.blocks[i - 1].boundary and start < i * b < n:
+                    cuts.add(i * b)
         return sorted(cuts)
 
     def after_chunk(self, slot: int, end: int) -> None:

@@ -107,9 +107,9 @@ def test_cached_prefixes_give_the_logits_of_a_run_from_scratch(models, name):
 
 
 def test_v4_second_request_learns_the_divergence_point(models):
-    """V4's boundary rows exist at chunk ends only: the base stored them at its last block (40); a prompt
-    diverging at 24 resumes from 16 (its deepest block with them) and adds a chunk end at 24, so the next
-    prompt diverging there resumes at 24."""
+    """V4's boundary rows exist at chunk ends only: the base (one chunk of 48 > 40 tokens) stored them at
+    32 and 40; a prompt diverging at 24 cannot resume (no block end <= 24 has them) and adds a chunk end at
+    24, so the next prompt diverging there resumes at 24."""
     model = models["v4-tiny-a"]
     base, _ = prompts_sharing(model.config.vocab_size, seed=1)
     sess = eager_session(model, 48, PrefixCacheConfig(block_size=8))  # one chunk per prompt
@@ -121,6 +121,8 @@ def test_v4_second_request_learns_the_divergence_point(models):
     ref = serve(eager_session(model, 48, False), [p2])
     got = serve(sess, [p2])
     assert sess.prefix.stats()["hit_tokens"] - before == 24
+    serve(sess, [base], max_new=1)  # its first prefill also ended a chunk at 32, where it resumes now
+    assert sess.prefix.stats()["hit_tokens"] - before == 24 + 32
     for a, b in zip(ref[1], got[1]):  # different chunking on the two sides: chunked-prefill rounding
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
 
