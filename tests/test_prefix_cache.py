@@ -169,3 +169,31 @@ def test_mtp_on_cached_prefixes_equals_plain_greedy(models):
     st = sess.prefix.stats()
     assert st["hit_tokens"] == 8 + 16 + 32 + 24 + 16, st  # each resume <= len - W = len - 8
     assert serve(sess, ps, max_new=4, temperature=0.0, mtp=2)[0] == plain  # blocks unchanged by verify rows
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_artifact_on_restored_slots_gives_the_tokens_of_a_run_from_scratch(tmp_path):
+    """On the GPU: the h200 lowering's fused cache kernels (CUDA graphs) decode from slots restored from
+    cached blocks, with the logits and tokens of the same Session without the prefix cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=96, max_batch=3,
+                       dtype=torch.float32, kernels={"moe_experts": "reference"})
+    sess = Session.load(tmp_path / "art", device="cuda", max_num_batched_tokens=8,
+                        prefix_cache=PrefixCacheConfig(block_size=8))
+    pc = sess.prefix
+    base, ps = prompts_sharing(sess.config.vocab_size)
+    sess.prefix = None
+    ref = serve(sess, ps, max_new=6)
+    sess.prefix = pc
+    serve(sess, [base], max_new=1)
+    got = serve(sess, ps, max_new=6)
+    assert pc.stats()["hit_tokens"] == 8 + 16 + 40 + 32 + 16
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):  # the same chunks and batches: equal up to GPU rounding
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == got[0]
