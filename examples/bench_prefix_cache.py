@@ -149,8 +149,9 @@ def main(argv=None) -> int:
     for name, pc in (("off", None), ("on", prefix), ("warm", prefix)):
         t0 = time.perf_counter()
         res[name] = run(sess, ps, a.new, dev, pc)
-        print(f"{name}: TTFT mean {res[name]['ttft_submit_ms_mean']:.1f} ms, all first tokens "
-              f"{res[name]['all_first_tokens_s']:.2f} s, decode {res[name]['decode_tokens_per_s']:.0f} tok/s", flush=True)
+        r = res[name]
+        print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
+              f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
         stage(name, t0)
     t0 = time.perf_counter()
     sess.prefix = None
