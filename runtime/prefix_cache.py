@@ -341,7 +341,8 @@ class PrefixCache:
 
 def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | None:
     """The Session's prefix cache: False -> None; True -> the default config, or None (noted in
-    sess.cache_info["prefix"]) where a block cannot fit in max_tokens; a PrefixCacheConfig -> as given."""
+    sess.cache_info["prefix"]) where a block exceeds max_tokens or the default pool cannot hold one
+    max_tokens prompt; a PrefixCacheConfig -> as given (errors name the limit)."""
     if setting is False or setting is None:
         return None
     cfg = PrefixCacheConfig() if setting is True else setting
@@ -350,6 +351,10 @@ def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | N
         sess.cache_info["prefix"] = f"off: max_tokens={sess.max_tokens} is below one block of {b} tokens"
         return None
     pc = PrefixCache(sess.config, sess.caches, sess.max_tokens, sess.max_batch, sess.device, cfg)
+    if setting is True and pc.n_blocks < sess.max_tokens // b:  # the default must not refuse long prompts
+        sess.cache_info["prefix"] = (f"off: a quarter of the free memory holds {pc.n_blocks} blocks, fewer than "
+                                     f"one max_tokens prompt needs ({sess.max_tokens // b})")
+        return None
     sess.cache_info["prefix"] = {"blocks": pc.n_blocks, "block_size": pc.block_size,
                                  "bytes": pc.n_blocks * pc.bytes_per_block}
     return pc
