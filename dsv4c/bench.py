@@ -90,7 +90,8 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
     from dsv4c.runtime.speculative import merge_spec_stats
 
     t0 = time.perf_counter()
-    sess = Session.load(art, device=device, emulate=emulate, graphs=graphs)
+    # prefix caching off: a warm-up prompt served again from cached blocks would not time its prefill
+    sess = Session.load(art, device=device, emulate=emulate, graphs=graphs, prefix_cache=False)
     load_s = time.perf_counter() - t0
     V = sess.config.vocab_size
     if prompt_len + output_len > sess.max_tokens:

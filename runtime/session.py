@@ -33,6 +33,7 @@ from dsv4c.export import retarget_device
 from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
+from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
 from dsv4c.runtime.sampling import SamplingParams, sample
 
 
@@ -69,7 +70,7 @@ PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot p
 
 class Session:
     def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer,
-                 graph_mode: str = "off"):
+                 graph_mode: str = "off", prefix_cache: bool | PrefixCacheConfig = False):
         self.art, self.manifest, self.device = art, manifest, device
         self.config = ModelConfig.from_dict(manifest["model_config"])
         self.graphs, self.weights, self.tokenizer = graphs, weights, tokenizer
@@ -85,19 +86,22 @@ class Session:
         # never waits for the GPU; `_run` ships them with the step's other inputs in one copy
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64)
         self._staging = _Staging(self.device) if self.device.type == "cuda" else None
+        self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
-             strict_source: bool = False) -> "Session":
+             strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
         a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
         (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
-        dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py)."""
+        dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py).
+        `prefix_cache`: reuse the state of cached prompt prefixes (runtime/prefix_cache.py; exact), a
+        PrefixCacheConfig, or False."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -134,7 +138,7 @@ class Session:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(art / "tokenizer.json"))
-        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs)
+        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
         return sess
@@ -215,19 +219,26 @@ class Session:
         return ids, dev[:B], dev[B:2 * B], dev[2 * B:3 * B]
 
     def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False) -> list:
-        """Prefill one sequence into `slot` in chunks of max_num_batched_tokens; logits [T_chunk, V] each
-        (`outputs=True`: every graph output of each chunk, batch dim kept; `last_row`: only each chunk's
-        last row, [1, V], so a long prompt does not hold T x V fp32 logits)."""
-        step, outs = self.max_num_batched_tokens, []
-        for i in range(0, len(ids), step):
-            o = self._run("prefill", torch.tensor([ids[i : i + step]]), [slot], [len(ids[i : i + step])],
-                          outputs=True)
+        """Prefill `ids` into `slot` from its current position, in chunks of max_num_batched_tokens (the prefix
+        cache adds chunk ends at block ends); logits [T_chunk, V] each (`outputs=True`: every graph output of
+        each chunk, batch dim kept; `last_row`: only each chunk's last row, [1, V], so a long prompt does not
+        hold T x V fp32 logits)."""
+        step, outs, p0 = self.max_num_batched_tokens, [], int(self.pos[slot])
+        n = p0 + len(ids)
+        ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
+        i = p0
+        for j in ends:
+            j = min(j, n)
+            o = self._run("prefill", torch.tensor([ids[i - p0:j - p0]]), [slot], [j - i], outputs=True)
             outs.append(o if outputs else o[0][0][-1:].clone() if last_row else o[0][0])  # clone: frees the chunk
+            if self.prefix:
+                self.prefix.after_chunk(slot, j)
+            i = j
         return outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
-        """Prefill one prompt; returns the last position's logits [V]."""
-        chunks = self._prefill_chunks(req.ids, req.slot, last_row=True)
+        """Prefill one prompt (past the prefix restored into its slot); returns the last position's logits [V]."""
+        chunks = self._prefill_chunks(req.ids[int(self.pos[req.slot]):], req.slot, last_row=True)
         req.chunks += len(chunks)
         return chunks[-1][-1]
 
@@ -270,6 +281,8 @@ class Session:
         reqs = []
         for i, p in enumerate(prompts):
             ids = self._check_prompt(self._encode(p), max_new_tokens)  # every prompt checked before any work
+            if self.prefix:
+                self.prefix.check(ids)
             reqs.append(_Request(i, ids, max_new_tokens, params, stop_ids, stop_strs,
                                  torch.Generator().manual_seed(seed + i)))
         return reqs
@@ -300,17 +313,28 @@ class Session:
             spec, make_stats = plan_speculation(self, mtp, reqs)
         waiting, active = deque(reqs), {}
         free = list(range(self.max_batch))
+        try:
+            yield from self._serve_loop(waiting, active, free, spec, make_stats if mtp else None)
+        finally:
+            if self.prefix:
+                self.prefix.release_all()
+
+    def _serve_loop(self, waiting, active, free, spec, make_stats) -> Iterator[tuple[int, int]]:
+        mtp = make_stats is not None
         while waiting or active:
             while waiting and free:  # admit: prefill into a free slot, sample the first token
-                r = waiting.popleft()
-                r.slot, r.t_start = free.pop(0), time.perf_counter()
-                self._reset_slot(r.slot)
+                r, t0 = waiting[0], time.perf_counter()
+                self._reset_slot(free[0])
+                if self.prefix and not self.prefix.admit(r.ids, free[0], self.pos, mtp):
+                    break  # its prompt's blocks are held by running requests: wait for one to finish
+                waiting.popleft()
+                r.slot, r.t_start = free.pop(0), t0
                 yield from self._emit(r, spec.prefill(r) if spec else self._prefill(r))
                 if mtp:
                     r.spec = make_stats()
                 if spec is not None and r.finish is None:
                     spec.admit(r, r.spec)
-                (active.__setitem__(r.slot, r) if r.finish is None else free.append(r.slot))
+                (active.__setitem__(r.slot, r) if r.finish is None else self._free(r.slot, free))
             if not active:
                 continue
             if spec is not None:  # draft-verify-accept rounds (pipelined) until a request finishes
@@ -318,7 +342,7 @@ class Session:
                 for s in [s for s, r in active.items() if r.finish is not None]:
                     spec.release(s)
                     del active[s]
-                    free.append(s)
+                    self._free(s, free)
                 continue
             if all(r.params.temperature == 0 for r in active.values()):
                 yield from self._greedy_steps(active)
@@ -330,7 +354,12 @@ class Session:
                     yield from self._emit(active[s], rows[i])
             for s in [s for s, r in active.items() if r.finish is not None]:
                 del active[s]
-                free.append(s)
+                self._free(s, free)
+
+    def _free(self, slot: int, free: list[int]) -> None:
+        if self.prefix:
+            self.prefix.release(slot)
+        free.append(slot)
 
     def _greedy_launch(self, ids: torch.Tensor, slots: list[int]) -> "_Inflight":
         """Enqueue one greedy decode step; the tokens stay on the device (argmax there) and are copied

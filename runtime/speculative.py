@@ -209,7 +209,8 @@ class Speculator:
     def prefill(self, r) -> torch.Tensor:
         """Prefill r's prompt into its slot (as Session._prefill), keeping the streams the MTP needs;
         returns the last position's logits [V]."""
-        chunks = self.sess._prefill_chunks(r.ids, r.slot, outputs=True)
+        rest = r.ids[int(self.sess.pos[r.slot]):]  # past the prefix the prefix cache restored
+        chunks = self.sess._prefill_chunks(rest, r.slot, outputs=True)
         r.chunks += len(chunks)
         hidden = torch.cat([c[1][0] for c in chunks])  # [T_prompt, (N,) D]
         keep = self.cfg.sliding_window if self.is_v4 else hidden.shape[0]  # V4's MTP block is SWA

@@ -261,3 +261,25 @@ def test_expert_conversion_on_the_gpu_writes_the_same_bytes(tmp_path):
             assert m["convert_device"] == dev
             files[dev] = {k: v["sha256"] for k, v in m["files"].items() if k.startswith("weights/")}
         assert files["cpu"] and files["cpu"] == files["cuda"], ckpt
+
+
+@torch.no_grad()
+def test_compiled_artifact_serves_shared_prefixes_from_the_prefix_cache(session):
+    """The compiled graphs (decode with the capture-safe cache ops) on slots restored from cached blocks
+    (runtime/prefix_cache.py, on by default): the same tokens as without the cache (both prefill in
+    chunks of one block)."""
+    sess, chunk = session, session.max_num_batched_tokens
+    pc = sess.prefix
+    assert pc is not None and pc.block_size == 16
+    base = torch.randint(2, sess.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ps = [base + [5, 6], base[:20] + [7, 8, 9], base[:33]]
+    try:
+        sess.max_num_batched_tokens, sess.prefix = 16, None
+        ref = [r.tokens for r in sess.generate(ps, max_new_tokens=4)]
+        sess.prefix = pc
+        sess.generate([base], max_new_tokens=1)  # stores blocks [0, 16) and [16, 32)
+        before = pc.stats()["hit_tokens"]
+        assert [r.tokens for r in sess.generate(ps, max_new_tokens=4)] == ref
+    finally:
+        sess.max_num_batched_tokens, sess.prefix = chunk, pc
+    assert pc.stats()["hit_tokens"] - before == 32 + 16 + 32

@@ -1,0 +1,180 @@
+"""Issue 27's benchmark: prefix caching on the v4-flash-slice. R requests share an S-token system prompt
+and each adds its own U-token suffix (default 64 x 4096 + 128); all are submitted at once to one Session.
+
+    python examples/bench_prefix_cache.py --work /tmp/dsv4c_pc --out $OUT/prefix_cache.json      # H200
+    python examples/bench_prefix_cache.py --quick --device cpu --work /tmp/pcq --out pcq.json     # smoke run
+
+Stages (each timed; the JSON is rewritten after every stage):
+  1. the slice built on the device, rounded to the release formats, its checkpoint written, and
+     `dsv4c compile --target h200 --max-batch R --buckets R` (as examples/bench_artifact.py does);
+  2. one Session (graphs=full), a warm-up request, then the same R requests
+       off   prefix caching off (`sess.prefix = None`): every request prefills S + U tokens;
+       on    an empty prefix cache: the first request prefills everything and stores its blocks,
+             the others resume at the system prompt's last block and prefill U tokens;
+       warm  the same requests again: every request resumes from cached blocks.
+Per run: TTFT per request from the submission of all R (`ttft_submit`, what a client waits, queueing
+included) and from its admission (`ttft_admit`, the Session's own ttft_s), the time until every request has
+its first token, and decode tokens/s after that (all rows decoding together through the same slot caches:
+prefix caching must leave it unchanged), the greedy tokens' agreement with the `off` run (bf16 with a
+different chunking may round differently), and the prefix cache's stats.
+
+Legend: R requests, S system-prompt tokens, U suffix tokens, N new tokens per request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_artifact import _run, dsv4c, round_to_release_  # noqa: E402
+from bench_segments import _commit, build  # noqa: E402
+
+from dsv4c.checkpoint import save_checkpoint  # noqa: E402
+
+
+def prompts(V: int, R: int, S: int, U: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(2, V, (S,), generator=g).tolist()
+    return [system + torch.randint(2, V, (U,), generator=g).tolist() for _ in range(R)]
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.no_grad()
+def serve(sess, ps: list[list[int]], new: int, dev) -> dict:
+    """Submit every prompt at once (greedy); TTFT from submission and from admission, decode tokens/s."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    first: dict[int, float] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(ps))}
+    for i, tok in sess.stream(ps, max_new_tokens=new):
+        if i not in first:
+            _sync(dev)
+            first[i] = time.perf_counter() - t0
+        tokens[i].append(tok)
+    _sync(dev)
+    total = time.perf_counter() - t0
+    all_first = max(first.values())
+    ttft = sorted(first.values())
+    return {"ttft_submit_ms_mean": 1e3 * statistics.mean(ttft), "ttft_submit_ms_p50": 1e3 * statistics.median(ttft),
+            "ttft_submit_ms_max": 1e3 * ttft[-1], "all_first_tokens_s": all_first,
+            "decode_s": total - all_first,
+            "decode_tokens_per_s": len(ps) * (new - 1) / max(total - all_first, 1e-9), "total_s": total,
+            "tokens": [tokens[i] for i in range(len(ps))]}
+
+
+@torch.no_grad()
+def admit_ttft(sess, ps: list[list[int]], new: int) -> list[float]:
+    """The Session's own per-request ttft_s (admission to first token) of a generate() over ps."""
+    return [r.stats["ttft_s"] for r in sess.generate(ps, max_new_tokens=new)]
+
+
+def run(sess, ps, new, dev, prefix) -> dict:
+    sess.prefix = prefix
+    before = dict(prefix.counters) if prefix is not None else None
+    res = serve(sess, ps, new, dev)
+    if prefix is not None:
+        res["prefix_stats"] = {**prefix.stats(), "this_run": {k: v - before[k] for k, v in prefix.counters.items()}}
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--system", type=int, default=4096)
+    ap.add_argument("--suffix", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny model, cpu target, 4 x (64 + 8) (a smoke run)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.target, a.requests, a.system, a.suffix, a.new = "v4-tiny-a", "cpu", 4, 64, 8, 4
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a.work.mkdir(parents=True, exist_ok=True)
+    ckpt, art = a.work / "ckpt", a.work / "art"
+    res: dict = {"preset": a.preset, "target": a.target, "requests": a.requests, "system": a.system,
+                 "suffix": a.suffix, "new": a.new, "commit": _commit(), "torch": torch.__version__, "stages_s": {},
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    def stage(name: str, t0: float) -> None:
+        res["stages_s"][name] = round(time.perf_counter() - t0, 1)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
+
+    # 1. model, checkpoint, artifact
+    t0 = time.perf_counter()
+    model = build(a.preset, dev, dtype)
+    round_to_release_(model)
+    save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
+    V = model.config.vocab_size
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    stage("build_and_checkpoint", t0)
+    t0 = time.perf_counter()
+    max_tokens = a.system + a.suffix + a.new + 8
+    cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
+                "--max-tokens", str(max_tokens), "--buckets", str(a.requests))
+    res["compile_command"] = " ".join(cmd[2:])
+    _run(cmd, a.work / "compile.log")
+    stage("compile", t0)
+
+    # 2. one Session; off / on / warm
+    from dsv4c.runtime import Session
+
+    t0 = time.perf_counter()
+    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off")
+    prefix = sess.prefix
+    res["prefix_pool"] = {"blocks": prefix.n_blocks, "block_size": prefix.block_size,
+                          "bytes_per_block": prefix.bytes_per_block,
+                          "pool_GiB": prefix.n_blocks * prefix.bytes_per_block / 2**30}
+    sess.prefix = None
+    sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph replay
+    stage("load_and_warmup", t0)
+    ps = prompts(V, a.requests, a.system, a.suffix)
+    for name, pc in (("off", None), ("on", prefix), ("warm", prefix)):
+        t0 = time.perf_counter()
+        res[name] = run(sess, ps, a.new, dev, pc)
+        r = res[name]
+        print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
+              f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
+        stage(name, t0)
+    t0 = time.perf_counter()
+    sess.prefix = None
+    res["ttft_admit_ms_off"] = 1e3 * statistics.median(admit_ttft(sess, ps[:4], 2))
+    sess.prefix = prefix
+    res["ttft_admit_ms_on"] = 1e3 * statistics.median(admit_ttft(sess, ps[:4], 2))  # all hits by now
+    stage("admission_ttft", t0)
+    off = res["off"]
+    res["summary"] = {
+        f"{k}_ttft_speedup": off["ttft_submit_ms_mean"] / res[k]["ttft_submit_ms_mean"] for k in ("on", "warm")}
+    res["summary"].update({
+        "all_first_tokens_speedup_on": off["all_first_tokens_s"] / res["on"]["all_first_tokens_s"],
+        "admission_ttft_speedup": res["ttft_admit_ms_off"] / res["ttft_admit_ms_on"],
+        "decode_on_vs_off": res["on"]["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+        "decode_warm_vs_off": res["warm"]["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+        "hit_rate_on": res["on"]["prefix_stats"]["this_run"]["hit_tokens"]
+        / max(res["on"]["prefix_stats"]["this_run"]["prompt_tokens"], 1),
+        "tokens_equal_on": sum(x == y for x, y in zip(off["tokens"], res["on"]["tokens"])),
+        "tokens_equal_warm": sum(x == y for x, y in zip(off["tokens"], res["warm"]["tokens"])), "of": a.requests})
+    print(json.dumps(res["summary"], indent=1))
+    a.out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""Exact prefix caching for the Session's slot caches: content-addressed blocks of prompt state.
+
+A prompt is cut into blocks of `block_size` tokens (a multiple of every compression ratio, so a block
+holds whole compressed entries). Block k is keyed by the hash chain h_k = H(h_{k-1}, ids[k·b:(k+1)·b]),
+so a key names the whole prefix up to the block's end. A stored block holds, in a preallocated pool:
+
+  growing rows   the per-sequence state of the block's positions: V4 `entries` / `idx_entries`
+                 (b/m compressed entries per layer), V3/V3.2 `latent`, `kpe`, `index_keys` (b rows);
+  boundary rows  the fixed-size state needed to resume at the block's end P (V4 only): the window
+                 ring's rows of positions [P-W, P) and the compressors' kept rows of [P-(c-1)·m, P)
+                 (CSA's previous group; HCA's open group is empty at a multiple of m, so none).
+
+A request whose prompt starts with cached blocks gets its (reset) slot filled from them: every block's
+growing rows plus the last block's boundary rows. That is the slot's state after prefilling those
+positions: the ops read the ring only at [p-W+1, p) and the compressors only from the current group's
+start minus (c-1)·m, so rows the restore leaves at their reset values are never read (masked, or
+rewritten first). Only the rest of the prompt is prefilled. Logits equal a prefill from scratch up to
+the float rounding of a different chunking (as chunked prefill; the tests hold 1e-6 in fp32).
+
+**Why store the boundary state rather than recompute the window.** The ring at P holds every layer's
+K=V rows of the last W positions. Layer l's row at p depends on layer l-1's attention over
+[p-W+1, p], so recomputing it exactly needs L·(W-1)+1 tokens of full forward (V4-Flash: 5462 tokens,
+more than most prompts; the slice: 509) plus a graph that skips rewriting the stored entries. Storing it
+costs W·d bytes per layer per block (the slice at b = 128: 128 KiB of ring per layer, 0.66 MiB per
+block in all), one copy at restore: microseconds against the milliseconds of a 509-token prefill.
+
+**Snapshots.** Growing rows stay in the slot, but a chunk longer than the ring keeps only its last rows,
+so boundary rows exist only at chunk ends. A block stored at a chunk end gets them; the prefill adds chunk
+ends at the prompt's last full block and at the end of its cached match when that block lacks them (the
+point where prompts sharing a prefix diverge, learnt from the second such request). A request resumes at
+its deepest matched block with boundary rows. Models without boundary state (V3) resume at any block.
+
+**References and eviction.** A request holds a reference on every block of its prompt (matched and newly
+stored) until it finishes. Unreferenced blocks stay cached and are evicted least recently used, the
+deepest of a chain first. A request whose new blocks cannot be had waits for running requests to release
+theirs; a prompt with more full blocks than the pool holds is refused before any work.
+
+**MTP.** The MTP draft of the first round needs the last W prompt positions' streams (V4's MTP block is
+SWA), so with MTP a V4 request resumes no later than W tokens before its end; V3's MTP layer attends to
+every prompt position, so V3 requests with MTP are not restored (their blocks are still stored). The
+verify graph writes past the prompt into the slot only: stored blocks are copies, never written again.
+
+Legend: b block size, P a block end (position), W window, m compress ratio, c overlap (2 for m = 4),
+R kept compressor rows, N pool blocks.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4c.runtime.kv_cache import free_bytes
+
+
+class PrefixCacheError(ValueError):
+    """The prefix cache cannot be built or cannot serve a request; the message names the limit."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """block_size: tokens per block (default: the smallest multiple of every compression ratio that is at
+    least 16). max_blocks: pool size (default: the slot caches' token capacity, max_batch x max_tokens,
+    capped by max_bytes). max_bytes: pool bytes (default: a quarter of the free memory)."""
+    block_size: int | None = None
+    max_blocks: int | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _Field:
+    """How one flat cache tensor ([slots, rows, ...]) is stored per block."""
+    name: str
+    grow: bool  # True: rows of the block's positions (row = position // div); False: boundary rows
+    rows: int   # rows per block
+    div: int = 1  # growing: positions per row (m for compressed entries)
+    ring: int = 0  # boundary: the tensor's rows R (position p at row p mod R)
+
+
+@dataclass
+class _Block:
+    key: bytes
+    row: int  # pool row
+    index: int  # block number k: positions [k·b, (k+1)·b)
+    refs: int = 0
+    boundary: bool = False  # boundary rows stored
+    stored: bool = False  # growing rows stored (a pending block is reserved, not yet in the table)
+
+
+@dataclass
+class _Hold:
+    """What one slot's request holds: its prompt's full blocks in order (matched, then new)."""
+    matched: int  # blocks found in the table at admission
+    blocks: list[_Block] = field(default_factory=list)
+
+
+def cache_fields(config, caches: dict[str, torch.Tensor]) -> list[_Field]:
+    """The per-block storage plan of every cache tensor (names "{layer}.{field}", runtime/kv_cache.py)."""
+    out = []
+    for name, t in caches.items():
+        layer, f = name.split(".", 1)
+        if not config.is_v4:
+            if f not in ("latent", "kpe", "index_keys"):
+                raise PrefixCacheError(f"prefix cache: no storage rule for the V3 cache tensor {name!r}")
+            out.append(_Field(name, True, 0))  # one row per position (rows per block: set by PrefixCache)
+            continue
+        m = config.compress_ratios[int(layer)]
+        if f == "ring":
+            out.append(_Field(name, False, config.sliding_window, ring=t.shape[1]))
+        elif f in ("comp_kv", "comp_score", "idx_kv", "idx_score"):
+            mm = 4 if f.startswith("idx") else m
+            n = mm if mm == 4 else 0  # (c-1)·m rows: CSA's previous group; none for HCA
+            if n:
+                out.append(_Field(name, False, n, ring=t.shape[1]))
+        elif f in ("entries", "idx_entries"):
+            out.append(_Field(name, True, 0, div=4 if f == "idx_entries" else m))
+        else:
+            raise PrefixCacheError(f"prefix cache: no storage rule for the V4 cache tensor {name!r}")
+    return out
+
+
+def default_block_size(config) -> int:
+    ratios = [m for m in config.compress_ratios if m] if config.is_v4 else []
+    base = math.lcm(*ratios) if ratios else 1
+    return base * -(-16 // base)
+
+
+class PrefixCache:
+    """The block pool, the hash-chain table, per-slot references and LRU eviction (module docstring)."""
+
+    def __init__(self, config, caches: dict[str, torch.Tensor], max_tokens: int, max_batch: int,
+                 device: torch.device, cfg: PrefixCacheConfig = PrefixCacheConfig()):
+        b = cfg.block_size or default_block_size(config)
+        ratios = sorted({m for m in config.compress_ratios if m}) if config.is_v4 else []  # CSA's indexer: m = 4 too
+        bad = [m for m in ratios if b % m]
+        if b < 1 or bad:
+            raise PrefixCacheError(f"PrefixCacheConfig.block_size={b}: must be >= 1 and a multiple of every "
+                                   f"compression ratio (not of {bad})")
+        self.block_size, self.device = b, device
+        self.fields = [_Field(f.name, f.grow, b // f.div if f.grow else f.rows, f.div, f.ring)
+                       for f in cache_fields(config, caches)]
+        self.has_boundary = any(not f.grow for f in self.fields)
+        self.window = config.sliding_window if config.is_v4 else 0
+        self.is_v4 = config.is_v4
+        row_bytes = {f.name: caches[f.name][0, 0].numel() * caches[f.name].dtype.itemsize for f in self.fields}
+        self.bytes_per_block = sum(f.rows * row_bytes[f.name] for f in self.fields)
+        n = cfg.max_blocks
+        if n is None:
+            cap = cfg.max_bytes if cfg.max_bytes is not None else free_bytes(device) // 4
+            n = min(max_batch * (max_tokens // b), cap // max(self.bytes_per_block, 1))
+        if n < 1:
+            raise PrefixCacheError(f"prefix cache: no block fits (block_size={b} tokens, {self.bytes_per_block} bytes; "
+                                   f"max_tokens={max_tokens}, max_blocks={cfg.max_blocks}, max_bytes={cfg.max_bytes}); "
+                                   f"pass prefix_cache=False")
+        self.n_blocks = n
+        self.pool = {f.name: torch.empty((n, f.rows) + tuple(caches[f.name].shape[2:]), dtype=caches[f.name].dtype,
+                                         device=device) for f in self.fields}
+        self.caches = caches
+        self.table: dict[bytes, _Block] = {}
+        self.lru: OrderedDict[bytes, _Block] = OrderedDict()  # unreferenced stored blocks, oldest first
+        self.free_rows = list(range(n))
+        self.holds: dict[int, _Hold] = {}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
+                         "waits": 0}
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def keys(self, ids: list[int]) -> list[bytes]:
+        """The hash chain of ids' full blocks."""
+        b, out, h = self.block_size, [], b""
+        for k in range(len(ids) // b):
+            h = hashlib.blake2b(h + torch.tensor(ids[k * b:(k + 1) * b], dtype=torch.int64).numpy().tobytes(),
+                                digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def check(self, ids: list[int]) -> None:
+        """Refuse, before any work, a prompt with more full blocks than the pool holds."""
+        need = len(ids) // self.block_size
+        if need > self.n_blocks:
+            raise PrefixCacheError(f"prefix cache pool too small: a {len(ids)}-token prompt needs {need} blocks of "
+                                   f"{self.block_size} tokens, the pool holds {self.n_blocks} "
+                                   f"({self.bytes_per_block} bytes each); raise PrefixCacheConfig.max_blocks "
+                                   f"(or max_bytes) or pass prefix_cache=False")
+
+    # ---- admission --------------------------------------------------------------------------------
+    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False) -> bool:
+        """Take the cached blocks of ids' prefix and reserve rows for its other full blocks; restore the
+        (reset) `slot` from the deepest resumable block and set pos[slot]. False: the rows are held by
+        running requests (wait for them)."""
+        keys = self.keys(ids)
+        j = 0
+        while j < len(keys) and keys[j] in self.table:
+            j += 1
+        for k in keys[j:]:  # a stored block whose prefix was evicted: unreachable, drop it
+            orphan = self.table.get(k)
+            if orphan is not None and orphan.refs == 0:
+                del self.table[k]
+                self.lru.pop(k, None)
+                self.free_rows.append(orphan.row)
+        need = len(keys) - j
+        matched = set(keys[:j])
+        avail = len(self.free_rows) + sum(1 for k in self.lru if k not in matched)
+        if need > avail:
+            if not any(blk.refs for blk in self.table.values()):
+                self.check(ids)
+                raise PrefixCacheError(f"prefix cache: {need} free blocks needed, {avail} can be had")
+            self.counters["waits"] += 1
+            return False
+        hold = _Hold(matched=j)
+        for k in keys[:j]:
+            blk = self.table[k]
+            blk.refs += 1
+            self.lru.pop(k, None)
+            hold.blocks.append(blk)
+        for k in range(j, len(keys)):
+            hold.blocks.append(_Block(keys[k], self._take_row(), k, refs=1))
+        self.holds[slot] = hold
+        r = self._resume_blocks(hold, j, len(ids), mtp)
+        if r:
+            self._restore(hold.blocks[:r], slot)
+        pos[slot] = r * self.block_size
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+        self.counters["hit_tokens"] += r * self.block_size
+        return True
+
+    def _resume_blocks(self, hold: _Hold, matched: int, n: int, mtp: bool) -> int:
+        """How many blocks to restore: at most the matched ones, leaving >= 1 token to prefill (>= W
+        with V4 MTP, none restored with V3 MTP), ending at a block with boundary rows."""
+        if mtp and not self.is_v4:
+            return 0
+        keep = self.window if mtp else 1
+        r = min(matched, max(n - keep, 0) // self.block_size)
+        while r and self.has_boundary and not hold.blocks[r - 1].boundary:
+            r -= 1
+        return r
+
+    def _take_row(self) -> int:
+        if not self.free_rows:
+            key, blk = self.lru.popitem(last=False)
+            del self.table[key]
+            self.counters["evictions"] += 1
+            self.free_rows.append(blk.row)
+        return self.free_rows.pop()
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` finished: drop its references (pending rows go back to the pool)."""
+        hold = self.holds.pop(slot, None)
+        if hold is None:
+            return
+        for blk in reversed(hold.blocks):  # the deepest first: evicted before its prefix
+            blk.refs -= 1
+            if not blk.stored:
+                self.free_rows.append(blk.row)
+            elif blk.refs == 0:
+                self.lru[blk.key] = blk
+
+    def release_all(self) -> None:
+        for s in list(self.holds):
+            self.release(s)
+
+    # ---- prefill hooks ----------------------------------------------------------------------------
+    def chunk_ends(self, slot: int, start: int, n: int, step: int) -> list[int]:
+        """Chunk ends for prefilling positions [start, n) of `slot`: every `step` tokens, plus the ends of
+        the held blocks that would otherwise lack boundary rows and where a later prompt may resume: the
+        last full block, the matched prefix's end (where prompts diverge), and the deepest block this very
+        prompt could resume from again (>= 1 token, or W with MTP, left to prefill)."""
+        cuts = set(range(start + step, n, step)) | {n}
+        hold = self.holds.get(slot)
+        if hold is not None and self.has_boundary:
+            b = self.block_size
+            for i in {len(hold.blocks), hold.matched, (n - 1) // b, max(n - self.window, 0) // b}:
+                if 0 < i <= len(hold.blocks) and not hold.blocks[i - 1].boundary and start < i * b < n:
+                    cuts.add(i * b)
+        return sorted(cuts)
+
+    def after_chunk(self, slot: int, end: int) -> None:
+        """Positions [.., end) of `slot` are prefilled: store the held blocks that ended by then (their
+        growing rows stay in the slot), and the boundary rows of the block ending at `end`."""
+        hold = self.holds.get(slot)
+        if hold is None:
+            return
+        b = self.block_size
+        new = [blk for blk in hold.blocks if not blk.stored and (blk.index + 1) * b <= end]
+        if new:
+            self._store_growing(new, slot)
+            for blk in new:
+                blk.stored = True
+                other = self.table.get(blk.key)
+                if other is None:
+                    self.table[blk.key] = blk
+                    continue
+                # another request stored the same prefix meanwhile: share its block, return this row
+                other.refs += 1
+                self.lru.pop(blk.key, None)
+                self.free_rows.append(blk.row)
+                hold.blocks[blk.index] = other
+            self.counters["stored_blocks"] += len(new)
+        if self.has_boundary and end % b == 0 and 0 < end // b <= len(hold.blocks):
+            last = hold.blocks[end // b - 1]
+            if not last.boundary:
+                self._store_boundary(last, slot, end)
+                last.boundary = True
+
+    # ---- copies -----------------------------------------------------------------------------------
+    def _store_growing(self, blocks: list[_Block], slot: int) -> None:
+        rows = torch.tensor([blk.row for blk in blocks], device=self.device)
+        for f in self.fields:
+            if f.grow:
+                src = torch.cat([torch.arange(blk.index * f.rows, (blk.index + 1) * f.rows) for blk in blocks])
+                self.pool[f.name][rows] = self.caches[f.name][slot, src.to(self.device)].unflatten(0, (len(blocks),
+                                                                                                     f.rows))
+
+    def _store_boundary(self, blk: _Block, slot: int, end: int) -> None:
+        for f in self.fields:
+            if not f.grow:
+                idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
+                self.pool[f.name][blk.row] = self.caches[f.name][slot, idx]
+
+    def _restore(self, blocks: list[_Block], slot: int) -> None:
+        rows = torch.tensor([blk.row for blk in blocks], device=self.device)
+        P = len(blocks) * self.block_size
+        for f in self.fields:
+            dst = self.caches[f.name][slot]
+            if f.grow:
+                dst[: len(blocks) * f.rows] = self.pool[f.name][rows].flatten(0, 1)
+            else:
+                lo = max(P - f.rows, 0)
+                idx = torch.arange(lo, P, device=self.device)
+                dst[idx.remainder(f.ring)] = self.pool[f.name][blocks[-1].row, lo - (P - f.rows):]
+
+    # ---- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        return {"block_size": self.block_size, "blocks_total": self.n_blocks, "bytes_per_block": self.bytes_per_block,
+                "blocks_cached": len(self.table), "blocks_in_use": sum(1 for blk in self.table.values() if blk.refs),
+                "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
+
+
+def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | None:
+    """The Session's prefix cache: False -> None; True -> the default config, or None (noted in
+    sess.cache_info["prefix"]) where a block exceeds max_tokens or the default pool cannot hold one
+    max_tokens prompt; a PrefixCacheConfig -> as given (errors name the limit)."""
+    if setting is False or setting is None:
+        return None
+    cfg = PrefixCacheConfig() if setting is True else setting
+    b = cfg.block_size or default_block_size(sess.config)
+    if setting is True and sess.max_tokens < b:
+        sess.cache_info["prefix"] = f"off: max_tokens={sess.max_tokens} is below one block of {b} tokens"
+        return None
+    pc = PrefixCache(sess.config, sess.caches, sess.max_tokens, sess.max_batch, sess.device, cfg)
+    if setting is True and pc.n_blocks < sess.max_tokens // b:  # the default must not refuse long prompts
+        sess.cache_info["prefix"] = (f"off: a quarter of the free memory holds {pc.n_blocks} blocks, fewer than "
+                                     f"one max_tokens prompt needs ({sess.max_tokens // b})")
+        return None
+    sess.cache_info["prefix"] = {"blocks": pc.n_blocks, "block_size": pc.block_size,
+                                 "bytes": pc.n_blocks * pc.bytes_per_block}
+    return pc

@@ -1,0 +1,199 @@
+"""Prefix caching (runtime/prefix_cache.py, issue 27): a request served from cached blocks gives the
+logits of a run from scratch, for V4 (SWA, CSA, HCA layers), V3 and V3.2; shared prefixes that then
+diverge; eviction under a tiny pool; a pool too small for one request; MTP on top.
+
+The Sessions run the eager model's traceable `step` as their graphs (as tests/test_speculative.py does),
+which keeps the tests fast. Both sides prefill in chunks of one block, so the cached run and the run from
+scratch do the same float operations: a wrong restore (a missing ring row, compressor row or entry) shows
+as an error of order 1, the tolerance is 1e-6 of max |logit| (fp32)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import VerifyMTPStepModule, unflat_caches
+from dsv4c.model import build_model, randomize_
+from dsv4c.runtime import Session
+from dsv4c.runtime.prefix_cache import PrefixCacheConfig, PrefixCacheError
+
+
+def eager_session(model, block: int, prefix: PrefixCacheConfig | bool, max_batch: int = 3, max_tokens: int = 96,
+                  mtp_k: int = 0) -> Session:
+    """A Session whose graphs are the eager model's step functions; prefill chunks of one block."""
+    cache = model.new_cache(1, max_len=1)
+    cls, n_layers = type(cache.layers[0]), len(cache.layers)
+
+    def main(ids, slots, pos0, n_real, caches, weights):
+        return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
+
+    def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
+        return model.mtp_step(hidden, ids, slots, pos0, n_real, unflat_caches(caches, cls, 1)[0])
+
+    kinds = {"prefill": None, "decode": 1}
+    graphs = {"prefill": main, "decode": main}
+    if mtp_k:
+        fused = VerifyMTPStepModule(model, cls, n_layers)
+        kinds.update(verify=1 + mtp_k, mtp=1 + mtp_k, verify_mtp=1 + mtp_k)
+        graphs.update(verify=main, mtp=mtp, verify_mtp=lambda *a: fused(*a[:-1]))
+    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": mtp_k, "buckets": [],
+                "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
+                "target": {"name": "cpu"},
+                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
+    sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None, prefix_cache=prefix)
+    sess.max_num_batched_tokens = block
+    return sess
+
+
+def serve(sess: Session, prompts, max_new: int = 4, **kw):
+    """generate(), recording every logits row a request samples from (sampling: one step at a time)."""
+    rec: dict[int, list[torch.Tensor]] = {}
+    emit = sess._emit
+
+    def recording(r, logits):
+        rec.setdefault(r.index, []).append(logits.float().cpu().clone())
+        yield from emit(r, logits)
+
+    sess._emit = recording
+    try:
+        with torch.no_grad():
+            out = sess.generate(prompts, max_new_tokens=max_new, temperature=kw.pop("temperature", 1.0), seed=5, **kw)
+    finally:
+        del sess._emit
+    return [r.tokens for r in out], [torch.stack(rec[i]) for i in range(len(prompts))]
+
+
+def assert_same(ref, got, decode_tol: float = 1e-6) -> None:
+    """Equal logits: the first token's (prefill) within 1e-6, the decode steps' within `decode_tol`."""
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert a.shape == b.shape, i
+        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).tolist()
+        assert err[0] <= 1e-6 and max(err) <= decode_tol, f"request {i}: rel err {err}"
+    assert ref[0] == got[0]
+
+
+def prompts_sharing(V: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """A 40-token base and prompts that share 13 of it (inside a compression group), 16 (on a block and
+    group boundary) and 40 (past the window), then diverge."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(2, V, (40,), generator=g).tolist()
+    tail = lambda n: torch.randint(2, V, (n,), generator=g).tolist()  # noqa: E731
+    return base, [base[:13] + tail(6), base[:16] + tail(9), base + tail(7), base[:37], base[:24]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {}
+    for i, name in enumerate(("v4-tiny-a", "v3-tiny", "v32-tiny")):
+        out[name] = randomize_(build_model(ModelConfig.preset(name), dtype=torch.float32), seed=11 + i).eval()
+    return out
+
+
+@pytest.mark.parametrize("name", ["v4-tiny-a", "v3-tiny", "v32-tiny"])
+def test_cached_prefixes_give_the_logits_of_a_run_from_scratch(models, name):
+    model, block = models[name], 8
+    base, ps = prompts_sharing(model.config.vocab_size)
+    ref = serve(eager_session(model, block, False), ps, max_new=3)
+    sess = eager_session(model, block, PrefixCacheConfig(block_size=block))
+    serve(sess, [base], max_new=1)  # a miss: stores 5 blocks
+    got = serve(sess, ps, max_new=3)
+    assert_same(ref, got)
+    st = sess.prefix.stats()
+    # the matched full blocks, leaving >= 1 token to prefill: 19 tokens sharing 13 resume at 8, ...
+    assert st["hit_tokens"] == 8 + 16 + 40 + 32 + 16 and st["blocks_in_use"] == 0, st
+    assert st["blocks_cached"] == 5 + 1 + 1 and st["hit_rate"] == st["hit_tokens"] / sum(map(len, [base, *ps])), st
+
+
+def test_v4_second_request_learns_the_divergence_point(models):
+    """V4's boundary rows exist at chunk ends only: the base (one chunk of 48 > 40 tokens) stored them at
+    32 and 40; a prompt diverging at 24 cannot resume (no block end <= 24 has them) and adds a chunk end at
+    24, so the next prompt diverging there resumes at 24."""
+    model = models["v4-tiny-a"]
+    base, _ = prompts_sharing(model.config.vocab_size, seed=1)
+    sess = eager_session(model, 48, PrefixCacheConfig(block_size=8))  # one chunk per prompt
+    serve(sess, [base])
+    before = sess.prefix.stats()["hit_tokens"]
+    serve(sess, [base[:24] + [7, 8, 9]])
+    assert sess.prefix.stats()["hit_tokens"] - before == 0  # only block 5 (end 40) had boundary rows
+    p2 = base[:24] + [9, 9, 9, 9]
+    ref = serve(eager_session(model, 48, False), [p2])
+    got = serve(sess, [p2])
+    assert sess.prefix.stats()["hit_tokens"] - before == 24
+    serve(sess, [base], max_new=1)  # its first prefill also ended a chunk at 32, where it resumes now
+    assert sess.prefix.stats()["hit_tokens"] - before == 24 + 32
+    for a, b in zip(ref[1], got[1]):  # different chunking on the two sides: chunked-prefill rounding
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+
+
+def test_eviction_under_a_tiny_pool_keeps_every_answer_exact(models):
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=2)
+    ps = ps[:4] + [base[::-1], base[::-1][:30] + [3, 4]]  # up to 5 full blocks each
+    ref = serve(eager_session(model, 8, False), ps, max_new=3)
+    sess = eager_session(model, 8, PrefixCacheConfig(block_size=8, max_blocks=6))
+    # waiting changes which requests decode together: batched rows round differently (as in test_batching)
+    assert_same(ref, serve(sess, ps, max_new=3), decode_tol=1e-5)
+    st = sess.prefix.stats()
+    assert st["evictions"] > 0 and st["waits"] > 0 and st["hit_tokens"] > 0 and st["blocks_in_use"] == 0, st
+    assert st["blocks_cached"] <= 6
+
+
+def test_a_pool_too_small_for_one_request_is_refused_before_any_work(models):
+    model = models["v3-tiny"]
+    sess = eager_session(model, 4, PrefixCacheConfig(block_size=4, max_blocks=3))
+    with pytest.raises(PrefixCacheError, match=r"pool too small: a 17-token prompt needs 4 blocks of 4 tokens, "
+                                                r"the pool holds 3"):
+        sess.generate([[5] * 3, [6] * 17])
+    assert sess.prefix.stats()["requests"] == 0
+    with pytest.raises(PrefixCacheError, match="block_size=6: must be >= 1 and a multiple of every compression"):
+        eager_session(models["v4-tiny-a"], 4, PrefixCacheConfig(block_size=6))
+    v4 = models["v4-tiny-a"]
+    assert eager_session(v4, 4, True).prefix.block_size == 16  # the default: lcm(4, 8) rounded up to 16
+    short = eager_session(v4, 4, True, max_tokens=12)  # the default where no block fits: off, and said so
+    assert short.prefix is None and "below one block of 16 tokens" in short.cache_info["prefix"]
+    with pytest.raises(PrefixCacheError, match="no block fits"):
+        eager_session(v4, 4, PrefixCacheConfig(), max_tokens=12)
+
+
+def test_mtp_on_cached_prefixes_equals_plain_greedy(models):
+    """V4 with MTP resumes >= W tokens before the prompt's end (the first draft needs the last W streams);
+    the verify graph's writes past the prompt go to the slot, never to stored blocks."""
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=3)
+    plain = serve(eager_session(model, 8, False), ps, max_new=4, temperature=0.0)[0]
+    sess = eager_session(model, 8, PrefixCacheConfig(block_size=8), mtp_k=2)
+    serve(sess, [base], max_new=4, temperature=0.0, mtp=2)
+    assert serve(sess, ps, max_new=4, temperature=0.0, mtp=2)[0] == plain
+    st = sess.prefix.stats()
+    assert st["hit_tokens"] == 8 + 16 + 32 + 24 + 16, st  # each resume <= len - W = len - 8
+    assert serve(sess, ps, max_new=4, temperature=0.0, mtp=2)[0] == plain  # blocks unchanged by verify rows
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_artifact_on_restored_slots_gives_the_tokens_of_a_run_from_scratch(tmp_path):
+    """On the GPU: the h200 lowering's fused cache kernels (CUDA graphs) decode from slots restored from
+    cached blocks, with the logits and tokens of the same Session without the prefix cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=96, max_batch=3,
+                       dtype=torch.float32, kernels={"moe_experts": "reference"})
+    sess = Session.load(tmp_path / "art", device="cuda", max_num_batched_tokens=8,
+                        prefix_cache=PrefixCacheConfig(block_size=8))
+    pc = sess.prefix
+    base, ps = prompts_sharing(sess.config.vocab_size)
+    sess.prefix = None
+    ref = serve(sess, ps, max_new=6)
+    sess.prefix = pc
+    serve(sess, [base], max_new=1)
+    got = serve(sess, ps, max_new=6)
+    assert pc.stats()["hit_tokens"] == 8 + 16 + 40 + 32 + 16
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):  # the same chunks and batches: equal up to GPU rounding
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == got[0]
