@@ -335,6 +335,9 @@ def read_manifest(art: str | Path, verify: bool = True) -> dict:
     for key in ("target", "model_config", "graphs", "weights", "files", "limits", "checksum"):
         if key not in m:
             raise ArtifactError(f"{path}: field {key!r} is missing")
+    from dsv4c.artifact_safety import check_manifest_paths
+
+    check_manifest_paths(art, m)  # every path stays inside the artifact folder
     if verify and manifest_checksum(m) != m["checksum"]:
         raise ArtifactError(f"{path}: checksum does not match its contents (the manifest was edited)")
     if verify:

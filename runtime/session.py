@@ -27,6 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dsv4c.artifact_safety import inside, load_program
 from dsv4c.compile import ArtifactError, read_manifest
 from dsv4c.config import ModelConfig
 from dsv4c.export import retarget_device
@@ -116,11 +117,12 @@ class Session:
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs: expected one of {sorted(GRAPH_MODES)}, got {graphs!r}")
         register_ops()
-        graph_modules = {kind: retarget_device(torch.export.load(str(art / g["file"])).module(), device)
+        # checked archives only: loading never unpickles or evals anything from the artifact (artifact_safety)
+        graph_modules = {kind: retarget_device(load_program(art, g["file"], f"graphs.{kind}.file").module(), device)
                          for kind, g in manifest["graphs"].items()}
         weights = {}
         for f in sorted({w["file"] for w in manifest["weights"].values()}):
-            weights.update(load_file(str(art / f), device=str(device)))
+            weights.update(load_file(str(inside(art, f, "weights file")), device=str(device)))
         missing = set(manifest["weights"]) - set(weights)
         if missing:
             raise ArtifactError(f"{art}: weights missing from the weight files: {sorted(missing)[:5]}")
@@ -128,7 +130,7 @@ class Session:
         if (art / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
-            tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+            tok = Tokenizer.from_file(str(inside(art, "tokenizer.json", "tokenizer")))
         sess = cls(art, manifest, graph_modules, weights, device, tok, graphs)
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
