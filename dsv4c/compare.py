@@ -84,8 +84,9 @@ def _run(gm, case: _Case) -> torch.Tensor:
 
 @torch.no_grad()
 def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: int = 0, skip=(),
-                   seed: int = 0, passes=None) -> list[dict]:
-    """One row per (graph kind, step): export first, then each pass of the pipeline."""
+                   seed: int = 0, passes=None, on_step=None) -> list[dict]:
+    """One row per (graph kind, step): export first, then each pass of the pipeline. `on_step(kind,
+    name, metrics)` is called as each step finishes (progress; metrics are empty on `meta`)."""
     cfg = model.config
     meta = next(model.parameters()).is_meta
     rows = []
@@ -106,13 +107,21 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
             prev[0] = out
             return m
 
+        def step_done(name, graph, kind=kind, snapshots=None):
+            m = metrics(graph)
+            if snapshots is not None:
+                snapshots[name] = m
+            if on_step is not None:
+                on_step(kind, name, m)
+            return m
+
         rows.append({"graph": kind, "name": "export", "changed": False, "stats": {"nodes": len(gm.graph.nodes)},
                      "seconds": eg.seconds, "snr_db": None, "max_abs_err": None, "cosine": None,
-                     "snr_prev_db": None, **metrics(gm)})
+                     "snr_prev_db": None, **step_done("export", gm)})
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
-                                   after_each=lambda name, g, snapshots=snapshots: snapshots.__setitem__(name, metrics(g)))
+                                   after_each=lambda name, g, snapshots=snapshots: step_done(name, g, snapshots=snapshots))
         for r in records:
             row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
                    "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None, "snr_prev_db": None}

@@ -19,6 +19,7 @@ The caches hold one slot more than `max_batch`: the last is the capture-safe ops
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -252,6 +253,9 @@ class Session:
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            from dsv4c.validate import check_utf8
+
+            check_utf8(prompt, "prompt")  # lone surrogates (bytes that were not UTF-8) fail in the tokenizer
             if self.tokenizer is None:
                 raise ValueError(f"{self.art}: no tokenizer.json in the artifact; pass token ids")
             bos = [self.config.bos_token_id] if self.config.bos_token_id is not None else []
@@ -259,6 +263,10 @@ class Session:
         return [int(t) for t in prompt]
 
     def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[_Request]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+        if isinstance(prompts, str):
+            prompts = [prompts]  # one prompt, not one per character
         params = SamplingParams(temperature, top_p, top_k)
         stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
         stop_strs = []
