@@ -272,12 +272,17 @@ def _sympy_node(n: ast.AST) -> bool:
 
 
 # ---- loading ----------------------------------------------------------------------------------------
-def load_program(art: Path, rel: str, field: str = "graph file"):
-    """`torch.export.load` of the checked bytes of `art / rel` (read once, so the file cannot change
-    between the check and the load)."""
-    import torch
-
+def checked_bytes(art: Path, rel: str, field: str = "graph file") -> bytes:
+    """The bytes of the graph archive `art / rel`, read once and checked (`check_pt2`): load these, not
+    the file, so it cannot change between the check and the load."""
     path = inside(art, rel, field)
     data = path.read_bytes()
     check_pt2(data, path)
+    return data
+
+
+def load_program(data: bytes):
+    """`torch.export.load` of archive bytes that passed `check_pt2` (`checked_bytes`)."""
+    import torch
+
     return torch.export.load(io.BytesIO(data))

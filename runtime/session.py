@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dsv4c.artifact_safety import inside, load_program
+from dsv4c.artifact_safety import checked_bytes, inside, load_program
 from dsv4c.compile import ArtifactError, read_manifest
 from dsv4c.config import ModelConfig
 from dsv4c.export import retarget_device
@@ -118,9 +118,11 @@ class Session:
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs: expected one of {sorted(GRAPH_MODES)}, got {graphs!r}")
         register_ops()
-        # checked archives only: loading never unpickles or evals anything from the artifact (artifact_safety)
-        graph_modules = {kind: retarget_device(load_program(art, g["file"], f"graphs.{kind}.file").module(), device)
-                         for kind, g in manifest["graphs"].items()}
+        # every graph archive checked before any is loaded: loading never unpickles or evals anything from
+        # the artifact (dsv4c/artifact_safety.py)
+        archives = {kind: checked_bytes(art, g["file"], f"graphs.{kind}.file") for kind, g in manifest["graphs"].items()}
+        graph_modules = {kind: retarget_device(load_program(data).module(), device) for kind, data in archives.items()}
+        del archives
         weights = {}
         for f in sorted({w["file"] for w in manifest["weights"].values()}):
             weights.update(load_file(str(inside(art, f, "weights file")), device=str(device)))
