@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
     s.add_argument("artifact", type=Path)
-    s.add_argument("--batch", type=int_at_least(1, "--batch"), nargs="+", default=[1, 8], help="batch sizes (sequences)")
+    s.add_argument("--batch", type=int_at_least(1, "--batch"), nargs="+", default=[1, 8],
+                   help="batch sizes (sequences)")
     s.add_argument("--prompt-len", type=int_at_least(1, "--prompt-len"), default=128, help="prompt tokens")
     s.add_argument("--output-len", type=int_at_least(1, "--output-len"), default=32, help="generated tokens")
     s.add_argument("--device", type=device_arg, default=_default_device(),

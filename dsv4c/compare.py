@@ -121,7 +121,7 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
-                                   after_each=lambda name, g, snapshots=snapshots: step_done(name, g, snapshots=snapshots))
+                                   after_each=lambda name, g, snaps=snapshots: step_done(name, g, snapshots=snaps))
         for r in records:
             row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
                    "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None, "snr_prev_db": None}

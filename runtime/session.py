@@ -120,7 +120,8 @@ class Session:
         register_ops()
         # every graph archive checked before any is loaded: loading never unpickles or evals anything from
         # the artifact (dsv4c/artifact_safety.py)
-        archives = {kind: checked_bytes(art, g["file"], f"graphs.{kind}.file") for kind, g in manifest["graphs"].items()}
+        archives = {kind: checked_bytes(art, g["file"], f"graphs.{kind}.file")
+                    for kind, g in manifest["graphs"].items()}
         graph_modules = {kind: retarget_device(load_program(data).module(), device) for kind, data in archives.items()}
         del archives
         weights = {}
