@@ -16,7 +16,7 @@ same entries; weights are lifted, so a graph holds no state):
     data/constants/model_constants_config.json       JSON, empty config (no constants inside)
     data/sample_inputs/model.pt                      empty (torch writes a pickle when non-empty)
 
-and checks the graph JSON: every op target in an allowed namespace, node and argument names plain
+and checks the graph JSON: every op target in an allowed namespace (OP_NAMESPACES), node and argument names plain
 identifiers, symbolic expressions and guards in a small grammar (parsed with `ast`, never evaluated),
 no custom objects, no control characters that could end a line of generated code. The file is read
 once; the checked bytes are what is loaded. `inside` keeps manifest paths inside the artifact folder.

@@ -212,7 +212,8 @@ def _boundary_check(out: Path, manifest: dict, verify: bool | None, progress: bo
         return _skipped(f"{fmt} experts quantise activations to FP4; in the CPU emulation a last-bit "
                         f"{manifest['dtype']} difference between batch shapes can move an activation by a whole FP4 "
                         f"step, more than the check's tolerance, so padding is not checkable here (it is in "
-                        f"float32): run dsv4c.runtime.segments.verify_artifact_boundaries(ART) on the device",
+                        f"float32): check it on the target's GPU with "
+                        f"dsv4c.runtime.segments.verify_artifact_boundaries(ART, device='cuda')",
                         progress)
     from dsv4c.runtime.segments import verify_artifact_boundaries
 
