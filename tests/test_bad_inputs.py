@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -27,9 +28,9 @@ BUNDLE = ROOT / "examples" / "models" / "v4-tiny-pystdlib"
 def cli(*argv, stdin: bytes | None = None) -> tuple[int, str, str]:
     """`dsv4c.cli.main` in process: (exit code, stdout, stderr); argparse's SystemExit becomes the code."""
     out, err = io.StringIO(), io.StringIO()
-    old_stdin = os.sys.stdin
+    old_stdin = sys.stdin
     if stdin is not None:
-        os.sys.stdin = io.TextIOWrapper(io.BytesIO(stdin))
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin))
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -37,7 +38,7 @@ def cli(*argv, stdin: bytes | None = None) -> tuple[int, str, str]:
             except SystemExit as e:
                 rc = e.code
     finally:
-        os.sys.stdin = old_stdin
+        sys.stdin = old_stdin
     return rc, out.getvalue(), err.getvalue()
 
 
