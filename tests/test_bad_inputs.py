@@ -1,8 +1,8 @@
 """Bad inputs, table-driven: every one exits with code 2 and a one-line message naming the file, field or
 limit (no traceback), before any heavy work, and leaves nothing lost or half-written on disk. Also the
 malicious artifact: a pickle planted in a graph archive (manifest hashes recomputed) is refused by name
-and never runs. One compile of the bundled model serves the module (`--max-batch 1`: single-stream
-artifacts compile and run)."""
+and never runs. One compile (the bundled model's config and tokenizer, 2 layers) serves the module
+(`--max-batch 1`: single-stream artifacts compile and run)."""
 from __future__ import annotations
 
 import contextlib
@@ -71,10 +71,21 @@ def rehash(art: Path) -> None:
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bad") / "art"
-    rc, _, err = cli("compile", BUNDLE, "--target", "cpu", "-o", out, "--max-tokens", "64", "--max-batch", "1")
+    """The bundled model's config cut to 2 layers (a third of the compile time), random weights, its
+    tokenizer; compiled once through the CLI with --max-batch 1."""
+    import dataclasses
+
+    from dsv4c import ModelConfig, write_random_checkpoint
+
+    d = tmp_path_factory.mktemp("bad")
+    cfg = ModelConfig.from_pretrained(BUNDLE)
+    cfg = dataclasses.replace(cfg, num_hidden_layers=2, compress_ratios=(0, 4, 0), quantization_config=None)
+    write_random_checkpoint(cfg, d / "ckpt", seed=0)
+    shutil.copyfile(BUNDLE / "tokenizer.json", d / "ckpt" / "tokenizer.json")
+    rc, _, err = cli("compile", d / "ckpt", "--target", "cpu", "-o", d / "art", "--max-tokens", "64",
+                     "--max-batch", "1")
     assert rc == 0, err
-    return out
+    return d / "art"
 
 
 @pytest.fixture(scope="module")
