@@ -12,6 +12,8 @@ import torch
 
 from dsv4c.config import ConfigError, ModelConfig
 from dsv4c.targets import TargetError
+from dsv4c.validate import (check_mtp, device_arg, int_at_least, mtp_arg, plan_dir_outside, read_prompt_file,
+                            utf8_text)
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -152,13 +154,21 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from dsv4c.compare import json_rows
 
     rows = compare_passes(model, target=a.target, kinds=kinds, k=a.k, skip=tuple(a.skip_pass), seed=a.seed,
-                          pin_routing=a.pin_routing)
+                          pin_routing=a.pin_routing, on_step=_print_step)
     if a.json:
         # strict JSON has no Infinity: identical logits report snr_db "inf"
         print(json.dumps(json_rows(rows), indent=2, default=str))
     else:
         print(format_table(rows))
     return 0
+
+
+def _print_step(kind: str, name: str, m: dict) -> None:
+    """compare's progress: one line per pass as it finishes (stderr; the table or JSON follows on stdout)."""
+    snr = m.get("snr_db")
+    err = "" if snr is None else (f": SNR {'inf' if snr == float('inf') else f'{snr:.1f}'} dB vs eager, max abs err "
+                                  f"{m['max_abs_err']:.2e}")
+    print(f"{kind} {name} done{err}", file=sys.stderr, flush=True)
 
 
 def _buckets(s: str) -> tuple[int, ...]:
@@ -169,8 +179,9 @@ def _buckets(s: str) -> tuple[int, ...]:
 
 
 def cmd_compile(a: argparse.Namespace) -> int:
-    from dsv4c.compile import compile_checkpoint, describe_artifact
+    from dsv4c.compile import check_output, compile_checkpoint, describe_artifact
 
+    check_output(a.output, a.force)  # before any work: a file, or a non-empty folder without --force
     t0 = time.perf_counter()
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
@@ -184,24 +195,28 @@ def cmd_compile(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     from dsv4c.compile import describe_artifact, read_manifest, write_plan
 
+    # the plan goes to the current folder or --plan-dir, never into the artifact (checked before any output)
+    plan_dir = plan_dir_outside(a.artifact, a.plan_dir or Path(f"{Path(a.artifact).resolve().name}.plan"))
     print(describe_artifact(a.artifact))
     if a.plan:
         for name, p in (read_manifest(a.artifact, verify=False).get("segment_plan") or {}).items():
             print(f"\n{name}:\n{p['table']}")
-        for f in write_plan(a.artifact, a.plan_dir or Path(a.artifact) / "plan"):
+        for f in write_plan(a.artifact, plan_dir):
             print(f"wrote {f}")
     return 0
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    from dsv4c.compile import read_manifest
     from dsv4c.runtime import Session
 
-    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
-    prompts = a.prompt or []
+    prompts = (a.prompt or []) + [read_prompt_file(f) for f in a.prompt_file or []]
     if not prompts:
-        raise ValueError("run: give at least one --prompt")
+        raise ValueError("run: give at least one --prompt or --prompt-file")
+    check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
+    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, mtp=a.mtp if a.mtp == "auto" else int(a.mtp))
+                            top_k=a.top_k, seed=a.seed, mtp=a.mtp)
     for p, r in zip(prompts, results):
         print(p + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
         if a.stats:
@@ -218,9 +233,11 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from dsv4c.bench import bench_artifact, format_table, write_json
+    from dsv4c.compile import read_manifest
 
+    check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
-                         emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed)
+                         emulate=a.emulate, mtp=a.mtp, seed=a.seed)
     print(format_table(res))
     if a.json:
         write_json(res, a.json)
@@ -234,9 +251,35 @@ def _kernel(s: str) -> tuple[str, str]:
     return op, impl
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in --help, except None/False ones and where the help text already explains its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command shows its defaults in --help (also options added without a help text)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and args and args[0].startswith("-") and kwargs.get("default") not in (None, False):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4c", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    import dsv4c
+
+    p = _Parser(prog="dsv4c", description=__doc__)
+    p.add_argument("--version", action="version", version=f"dsv4c {dsv4c.__version__} (torch {torch.__version__})")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     s = sub.add_parser("init", help="write a seeded random checkpoint for a preset or config.json")
     s.add_argument("config", help="preset name (e.g. v4-tiny-a, v4-flash) or a config.json / checkpoint folder")
@@ -275,10 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", required=True, choices=("b200", "h200", "h100", "cpu"))
     s.add_argument("-o", "--output", required=True, type=Path)
     s.add_argument("--skip-pass", action="append", default=[], metavar="NAME")
-    s.add_argument("--max-tokens", type=int, default=4096, help="positions per sequence the caches hold")
-    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (cache slots)")
+    s.add_argument("--max-tokens", type=int_at_least(1, "--max-tokens"), default=4096,
+                   help="positions per sequence the caches hold")
+    s.add_argument("--max-batch", type=int_at_least(1, "--max-batch"), default=8,
+                   help="sequences decoded together (cache slots)")
     s.add_argument("--buckets", type=_buckets, default=None, help="CUDA-graph batch buckets (sequences per decode step), e.g. 1,2,4,8")
-    s.add_argument("--mtp", type=int, default=0, help="speculative tokens k of the decode graph (1 + k per step)")
+    s.add_argument("--mtp", type=int_at_least(0, "--mtp"), default=0,
+                   help="speculative tokens k of the decode graph (1 + k per step)")
     s.add_argument("--dtype", type=_dtype, default=None, help="activation dtype (default: the target's; cpu fp32)")
     s.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     s.add_argument("--kernel", type=_kernel, action="append", default=[], metavar="OP=IMPL",
@@ -296,37 +342,43 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")
     s.add_argument("artifact", type=Path)
     s.add_argument("--plan", action="store_true", help="print the router-split plan; write DOT (+PNG) files")
-    s.add_argument("--plan-dir", type=Path, default=None, help="where --plan writes (default ART/plan)")
+    s.add_argument("--plan-dir", type=Path, default=None,
+                   help="where --plan writes (default: ./NAME.plan in the current folder, never inside the artifact)")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("run", help="load an artifact in a Session and generate")
     s.add_argument("artifact", type=Path)
-    s.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch)")
-    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--prompt", action="append", type=utf8_text("--prompt"), help="prompt text (repeatable: one batch)")
+    s.add_argument("--prompt-file", action="append", metavar="PATH",
+                   help="a file whose whole UTF-8 text is one prompt; - reads standard input (repeatable)")
+    s.add_argument("--max-new-tokens", type=int_at_least(1, "--max-new-tokens"), default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
+    s.add_argument("--device", type=device_arg, default=_default_device(),
+                   help="cpu or cuda (default: cuda when a GPU is present)")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"),
                    help="CUDA graphs for the decode steps (default: auto on a GPU, i.e. each graph captured whole "
                         "when all its segments can be, else piecewise; off on a CPU)")
     s.add_argument("--stats", action="store_true", help="per-request time to first token and tokens/s "
                    "(and MTP acceptance with --mtp)")
-    s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
+    s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
     s.add_argument("artifact", type=Path)
-    s.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (sequences)")
-    s.add_argument("--prompt-len", type=int, default=128)
-    s.add_argument("--output-len", type=int, default=32)
-    s.add_argument("--device", default=_default_device(), help="default: cuda when a GPU is present, else cpu")
+    s.add_argument("--batch", type=int_at_least(1, "--batch"), nargs="+", default=[1, 8],
+                   help="batch sizes (sequences)")
+    s.add_argument("--prompt-len", type=int_at_least(1, "--prompt-len"), default=128, help="prompt tokens")
+    s.add_argument("--output-len", type=int_at_least(1, "--output-len"), default=32, help="generated tokens")
+    s.add_argument("--device", type=device_arg, default=_default_device(),
+                   help="cpu or cuda (default: cuda when a GPU is present)")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
-    s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
+    s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0, k, or auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     s.set_defaults(fn=cmd_bench)
@@ -335,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", type=Path)
     s.add_argument("--ids", default="", help="comma-separated prompt token ids")
     s.add_argument("--prompt", default=None, help="prompt text, encoded with the checkpoint's tokenizer.json")
-    s.add_argument("--max-new-tokens", type=int, default=16)
+    s.add_argument("--max-new-tokens", type=int_at_least(1, "--max-new-tokens"), default=16)
     s.add_argument("--dtype", type=_dtype, default=torch.float32)
     s.set_defaults(fn=cmd_generate)
     return p
@@ -345,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError, TargetError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+            KeyError, ValueError, TargetError) as e:
         print(f"dsv4c {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

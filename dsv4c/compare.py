@@ -122,10 +122,11 @@ def case_metrics(gm, case: _Case, pin_routing: bool) -> dict:
 @torch.no_grad()
 def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: int = 0, skip=(),
                    seed: int = 0, passes=None, pin_routing: bool = False,
-                   prompt_len: int | None = None) -> list[dict]:
+                   prompt_len: int | None = None, on_step=None) -> list[dict]:
     """One row per (graph kind, step): export first, then each pass of the pipeline. `pin_routing`:
     also run each graph with eager's routing decisions (module docstring). `prompt_len`: tokens per
-    prefill row (and of the prompt before a decode step); default the window + 9 (V4), 13 (V3)."""
+    prefill row (and of the prompt before a decode step); default the window + 9 (V4), 13 (V3).
+    `on_step(kind, name, metrics)` is called as each step finishes (progress; metrics are empty on `meta`)."""
     cfg = model.config
     meta = next(model.parameters()).is_meta
     rows = []
@@ -146,14 +147,22 @@ def compare_passes(model, target: str = "cpu", kinds=("prefill", "decode"), k: i
             prev[0] = out
             return m
 
+        def step_done(name, graph, kind=kind, snapshots=None):
+            m = metrics(graph)
+            if snapshots is not None:
+                snapshots[name] = m
+            if on_step is not None:
+                on_step(kind, name, m)
+            return m
+
         rows.append({"graph": kind, "name": "export", "changed": False, "stats": {"nodes": len(gm.graph.nodes)},
                      "seconds": eg.seconds, "snr_db": None, "max_abs_err": None, "cosine": None,
-                     "snr_prev_db": None, **metrics(gm),
+                     "snr_prev_db": None, **step_done("export", gm),
                      **({"margins": margin_summary(case.routing)} if case is not None else {})})
         ctx = PassContext(cfg, target=target, graph_kind=kind)
         snapshots = {}
         gm, records = run_pipeline(gm, ctx, passes=passes, skip=skip,
-                                   after_each=lambda name, g, snapshots=snapshots: snapshots.__setitem__(name, metrics(g)))
+                                   after_each=lambda name, g, snaps=snapshots: step_done(name, g, snapshots=snaps))
         for r in records:
             row = {"graph": kind, "name": r.name, "changed": r.changed, "stats": r.stats, "seconds": r.seconds,
                    "skipped": r.skipped, "snr_db": None, "max_abs_err": None, "cosine": None, "snr_prev_db": None}

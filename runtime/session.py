@@ -19,6 +19,7 @@ The caches hold one slot more than `max_batch`: the last is the capture-safe ops
 """
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from dsv4c.artifact_safety import checked_bytes, inside, load_program
 from dsv4c.compile import ArtifactError, read_manifest
 from dsv4c.config import ModelConfig
 from dsv4c.export import retarget_device
@@ -125,11 +127,15 @@ class Session:
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs: expected one of {sorted(GRAPH_MODES)}, got {graphs!r}")
         register_ops()
-        graph_modules = {kind: retarget_device(torch.export.load(str(art / g["file"])).module(), device)
-                         for kind, g in manifest["graphs"].items()}
+        # every graph archive checked before any is loaded: loading never unpickles or evals anything from
+        # the artifact (dsv4c/artifact_safety.py)
+        archives = {kind: checked_bytes(art, g["file"], f"graphs.{kind}.file")
+                    for kind, g in manifest["graphs"].items()}
+        graph_modules = {kind: retarget_device(load_program(data).module(), device) for kind, data in archives.items()}
+        del archives
         weights = {}
         for f in sorted({w["file"] for w in manifest["weights"].values()}):
-            weights.update(load_file(str(art / f), device=str(device)))
+            weights.update(load_file(str(inside(art, f, "weights file")), device=str(device)))
         missing = set(manifest["weights"]) - set(weights)
         if missing:
             raise ArtifactError(f"{art}: weights missing from the weight files: {sorted(missing)[:5]}")
@@ -137,7 +143,7 @@ class Session:
         if (art / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 
-            tok = Tokenizer.from_file(str(art / "tokenizer.json"))
+            tok = Tokenizer.from_file(str(inside(art, "tokenizer.json", "tokenizer")))
         sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
@@ -266,6 +272,9 @@ class Session:
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            from dsv4c.validate import check_utf8
+
+            check_utf8(prompt, "prompt")  # lone surrogates (bytes that were not UTF-8) fail in the tokenizer
             if self.tokenizer is None:
                 raise ValueError(f"{self.art}: no tokenizer.json in the artifact; pass token ids")
             bos = [self.config.bos_token_id] if self.config.bos_token_id is not None else []
@@ -273,6 +282,10 @@ class Session:
         return [int(t) for t in prompt]
 
     def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[_Request]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+        if isinstance(prompts, str):
+            prompts = [prompts]  # one prompt, not one per character
         params = SamplingParams(temperature, top_p, top_k)
         stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
         stop_strs = []
