@@ -60,8 +60,8 @@ class Rule:
 
 # Order matters: the first matching rule wins (the indexer's wq_b is not the attention's).
 RULES: tuple[Rule, ...] = (
-    Rule(r"(^|\.)embed\.weight$", ((0, "tp"),), "vocab_embed"),
-    Rule(r"(^|\.)(head|embed_tokens)\.weight$", ((0, "tp"),), "vocab_head"),
+    Rule(r"(^|\.)(embed|embed_tokens)\.weight$", ((0, "tp"),), "vocab_embed"),
+    Rule(r"(^|\.)(head|lm_head)\.weight$", ((0, "tp"),), "vocab_head"),
     Rule(r"\.indexer\.", (), "replicated"),
     # V4 attention: heads of q, sinks, output groups
     Rule(r"\.attn\.wq_b\.weight$", ((0, "tp"),), "heads"),
@@ -77,8 +77,8 @@ RULES: tuple[Rule, ...] = (
     Rule(r"\.(mlp|shared_experts)\.(gate_proj|up_proj)\.weight$", ((0, "tp"),), "heads"),
     Rule(r"\.(mlp|shared_experts)\.down_proj\.weight$", ((1, "tp"),), "partial_tp"),
     # routed experts (stacked): experts over ep, intermediate columns over tp
-    Rule(r"\.experts\.(w1|w3)$", ((0, "ep"), (1, "tp")), "experts"),
-    Rule(r"\.experts\.w2$", ((0, "ep"), (2, "tp")), "experts"),
+    Rule(r"\.experts\.(w1|w3|gate_proj|up_proj)$", ((0, "ep"), (1, "tp")), "experts"),
+    Rule(r"\.experts\.(w2|down_proj)$", ((0, "ep"), (2, "tp")), "experts"),
 )
 
 
@@ -429,6 +429,8 @@ def _repropagate(gm: GraphModule, old: dict, mode) -> list[str]:
                     fixed = _rescale_expand(n, o_in, n_in)
                 if fixed:
                     rescaled.append(n.name)
+        if n.target is aten.cat.default and not new_node:
+            rescaled += _match_cat_expands(n, dirty, mode)
         if n.target is aten._assert_tensor_metadata.default:
             _drop_size_check(n)
             continue
@@ -443,6 +445,31 @@ def _repropagate(gm: GraphModule, old: dict, mode) -> list[str]:
         if not new_node and _shapes_differ(old.get(n), val):
             dirty.add(n)
     return rescaled
+
+
+def _match_cat_expands(n: Node, dirty: set, mode) -> list[str]:
+    """cat([a, expand(b, [.., H, ..])]) where a's heads were split: the broadcast copy (V3's shared
+    rope key, expanded to every head) gets the local head count too."""
+    parts, dim = n.args[0], (n.args[1] if len(n.args) > 1 else 0)
+    ref = next((p for p in parts if p in dirty), None)
+    if ref is None:
+        return []
+    shape = _shape(ref.meta["val"])
+    dim = dim % len(shape)
+    out = []
+    for p in parts:
+        if p in dirty or p.target is not aten.expand.default:
+            continue
+        sizes = list(p.args[1])
+        new = [s if (k == dim or not isinstance(s, int) or s == -1) else shape[k] for k, s in enumerate(sizes)]
+        if new != sizes:
+            p.args = (p.args[0], new, *p.args[2:])
+            args = torch.fx.node.map_arg(p.args, lambda a: a.meta.get("val"))
+            with mode:
+                p.meta["val"] = p.target(*args)
+            dirty.add(p)
+            out.append(p.name)
+    return out
 
 
 def _shapes_differ(a, b) -> bool:
