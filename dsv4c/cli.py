@@ -195,13 +195,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     from dsv4c.runtime import Session
 
     sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
-    prompts = a.prompt or []
+    prompts = (a.prompt or []) + [[int(t) for t in p.split(",")] for p in (a.prompt_ids or [])]
     if not prompts:
-        raise ValueError("run: give at least one --prompt")
+        raise ValueError("run: give at least one --prompt or --prompt-ids")
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, mtp=a.mtp if a.mtp == "auto" else int(a.mtp))
     for p, r in zip(prompts, results):
-        print(p + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
+        head = p if isinstance(p, str) else ",".join(map(str, p))
+        print(head + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
         if a.stats:
             print(f"  [{r.finish_reason}; {len(r.tokens)} tokens; ttft {r.stats['ttft_s'] * 1e3:.0f} ms; "
                   f"{r.stats['tokens_per_s']:.1f} tok/s; prefill chunks {r.stats['prefill_chunks']}]")
@@ -297,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("run", help="load an artifact in a Session and generate")
     s.add_argument("artifact", type=Path)
     s.add_argument("--prompt", action="append", help="prompt text (repeatable: one batch)")
+    s.add_argument("--prompt-ids", action="append", metavar="IDS", help="a prompt as comma-separated token ids "
+                   "(repeatable; for artifacts without a tokenizer)")
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
@@ -311,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(and MTP acceptance with --mtp)")
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
+    s.add_argument("--worker-timeout", type=float, default=3600.0,
+                   help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
@@ -324,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    s.add_argument("--worker-timeout", type=float, default=3600.0,
+                   help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
@@ -336,8 +343,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parallel(a: argparse.Namespace, fn) -> int | None:
+    """`run`/`bench` of a sharded artifact: start one worker per rank (or, inside a worker or under
+    torchrun, be one). None: a single-process artifact, run here as before."""
+    from dsv4c.compile import read_manifest
+    from dsv4c.runtime import distributed as D
+
+    world = read_manifest(a.artifact, verify=False).get("parallel", {}).get("world_size", 1)
+    if not D.torchrun_env():
+        if world == 1:
+            return None
+        return D.launch_workers(a.argv, world, timeout_s=a.worker_timeout)
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(D.os.environ.get("LOCAL_RANK", "0")))
+        a.device = str(dev)
+    rank = D.init_from_env(dev.type)
+    try:
+        if rank == 0:
+            try:
+                return fn(a)
+            finally:
+                D.send_stop(dev)
+        from dsv4c.runtime import Session
+
+        D.serve_follower(Session.load(a.artifact, device=dev, emulate=a.emulate, graphs=a.graphs))
+        return 0
+    finally:
+        D.dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.cmd in ("run", "bench"):
+        rc = _parallel(args, args.fn)
+        if rc is not None:
+            return rc
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError, TargetError) as e:
