@@ -173,10 +173,31 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
-                       convert_device=a.convert_device)
+                       convert_device=a.convert_device, plan=_compile_plan(a))
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _compile_plan(a: argparse.Namespace):
+    """--tp/--ep; both omitted: the memory planner's choice (`dsv4c.planner.choose_plan`) when that
+    module exists, else one rank."""
+    from dsv4c.parallel import ParallelPlan
+
+    if a.tp is not None or a.ep is not None:
+        return ParallelPlan(tp=a.tp or 1, ep=a.ep or 1)
+    try:
+        from dsv4c.planner import choose_plan
+    except ImportError:
+        return ParallelPlan()
+    import inspect
+
+    known = {"config": ModelConfig.from_pretrained(a.checkpoint), "target": a.target, "expert_format": a.expert_format,
+             "gpus": max(torch.cuda.device_count(), 1), "max_tokens": a.max_tokens, "max_batch": a.max_batch}
+    params = inspect.signature(choose_plan).parameters
+    got = choose_plan(**{k: v for k, v in known.items() if k in params})
+    plan = getattr(got, "plan", got)
+    return plan if isinstance(plan, ParallelPlan) else ParallelPlan(tp=plan.tp, ep=plan.ep)
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -284,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("reference", "bf16", "fp8_block", "mxfp4_w4a16", "nvfp4_w4a16", "nvfp4_w4a4"),
                    help="routed-expert format instead of the target's (h200/h100: fp8_block; b200: nvfp4_w4a4); "
                         "a format the target's GPU cannot run fails with the capability it needs")
+    s.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (heads, vocabulary, expert columns)")
+    s.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (routed experts)")
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")
