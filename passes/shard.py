@@ -150,15 +150,15 @@ def shard(gm: GraphModule, ctx: PassContext, plan: ParallelPlan, rank: int) -> P
         if n.op != "get_attr":
             continue
         full = get_param(gm, n.target)
-        rec = weight_recipe(n.target, tuple(full.shape), plan, rank)
+        first = n.target not in recipes  # several get_attr nodes may read one weight: slice it once
+        rec = weight_recipe(n.target, tuple(old[n].shape), plan, rank) if first else recipes[n.target]
         if not rec:
             continue
-        shape = local_shape(tuple(full.shape), rec)
+        shape = local_shape(tuple(old[n].shape), rec)
         recipes[n.target] = rec
         roles[n] = rule_for(n.target).role
-        if n.target not in _done_attrs(gm):
+        if first:
             set_param(gm, n.target, torch.empty(shape, dtype=full.dtype, device="meta"))
-            _done_attrs(gm).add(n.target)
         with mode:
             n.meta["val"] = torch.empty(shape, dtype=full.dtype, device=old[n].device)
     counts = {"all_reduce_tp": 0, "all_reduce_world": 0, "all_gather_tp": 0, "vocab_embed": 0, "expert_remap": 0}
@@ -189,13 +189,6 @@ def shard(gm: GraphModule, ctx: PassContext, plan: ParallelPlan, rank: int) -> P
              "slices": {k: [list(s) for s in v] for k, v in sorted(recipes.items())},
              "collectives": counts, "rescaled_shapes": rescaled}
     return PassResult(gm, True, stats)
-
-
-def _done_attrs(gm: GraphModule) -> set:
-    # several get_attr nodes may read one attribute; replace it once
-    if not hasattr(gm, "_dsv4c_sharded_attrs"):
-        gm._dsv4c_sharded_attrs = set()
-    return gm._dsv4c_sharded_attrs
 
 
 def _fake_mode(gm: GraphModule):

@@ -61,7 +61,7 @@ def test_sharded_layout_and_manifest(arts):
 
 
 def test_sharded_artifact_refuses_a_single_process(arts):
-    with pytest.raises(ArtifactError, match=r"tp=2.*2 rank\(s\), but this run has 1 process"):
+    with pytest.raises(ArtifactError, match=r"tp=2.*\(2 rank\(s\)\), but this run has 1 process"):
         Session.load(arts / "tp2")
 
 
