@@ -3,6 +3,10 @@ full-size config on the meta device (no weights).
 
 Run: python examples/export_full_size.py v4-flash decode
      python examples/export_full_size.py v4-flash decode --tp 8 --ep 1 --ranks 0,7 --target h200
+
+Recorded (2-core CPU shared by other jobs, load ~13; 2026-12-02): v4-flash decode --tp 8 --ranks 0
+(cpu target): build 5.8 s, export 231 s (25 000 nodes), rank 0 shard 12.9 s, shard + lower 139 s,
+442 weights sliced, 86 tp all-reduces + 43 world all-reduces + 1 all-gather, peak RSS 888 MB.
 """
 from __future__ import annotations
 
