@@ -186,10 +186,31 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
-                       convert_device=a.convert_device)
+                       convert_device=a.convert_device, plan=_compile_plan(a))
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _compile_plan(a: argparse.Namespace):
+    """--tp/--ep; both omitted: the memory planner's choice (`dsv4c.planner.choose_plan`) when that
+    module exists, else one rank."""
+    from dsv4c.parallel import ParallelPlan
+
+    if a.tp is not None or a.ep is not None:
+        return ParallelPlan(tp=a.tp or 1, ep=a.ep or 1)
+    try:
+        from dsv4c.planner import choose_plan
+    except ImportError:
+        return ParallelPlan()
+    import inspect
+
+    known = {"config": ModelConfig.from_pretrained(a.checkpoint), "target": a.target, "expert_format": a.expert_format,
+             "gpus": max(torch.cuda.device_count(), 1), "max_tokens": a.max_tokens, "max_batch": a.max_batch}
+    params = inspect.signature(choose_plan).parameters
+    got = choose_plan(**{k: v for k, v in known.items() if k in params})
+    plan = getattr(got, "plan", got)
+    return plan if isinstance(plan, ParallelPlan) else ParallelPlan(tp=plan.tp, ep=plan.ep)
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -211,14 +232,16 @@ def cmd_run(a: argparse.Namespace) -> int:
     from dsv4c.runtime import Session
 
     prompts = (a.prompt or []) + [read_prompt_file(f) for f in a.prompt_file or []]
+    prompts += [[int(t) for t in p.split(",")] for p in (a.prompt_ids or [])]
     if not prompts:
-        raise ValueError("run: give at least one --prompt or --prompt-file")
+        raise ValueError("run: give at least one --prompt, --prompt-file or --prompt-ids")
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, mtp=a.mtp)
     for p, r in zip(prompts, results):
-        print(p + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
+        head = p if isinstance(p, str) else ",".join(map(str, p))
+        print(head + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
         if a.stats:
             print(f"  [{r.finish_reason}; {len(r.tokens)} tokens; ttft {r.stats['ttft_s'] * 1e3:.0f} ms; "
                   f"{r.stats['tokens_per_s']:.1f} tok/s; prefill chunks {r.stats['prefill_chunks']}]")
@@ -334,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("reference", "bf16", "fp8_block", "mxfp4_w4a16", "nvfp4_w4a16", "nvfp4_w4a4"),
                    help="routed-expert format instead of the target's (h200/h100: fp8_block; b200: nvfp4_w4a4); "
                         "a format the target's GPU cannot run fails with the capability it needs")
+    s.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (heads, vocabulary, expert columns)")
+    s.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (routed experts)")
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")
@@ -351,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", action="append", type=utf8_text("--prompt"), help="prompt text (repeatable: one batch)")
     s.add_argument("--prompt-file", action="append", metavar="PATH",
                    help="a file whose whole UTF-8 text is one prompt; - reads standard input (repeatable)")
+    s.add_argument("--prompt-ids", action="append", metavar="IDS", help="a prompt as comma-separated token ids "
+                   "(repeatable; for artifacts without a tokenizer)")
     s.add_argument("--max-new-tokens", type=int_at_least(1, "--max-new-tokens"), default=32)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
@@ -366,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(and MTP acceptance with --mtp)")
     s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
+    s.add_argument("--worker-timeout", type=float, default=3600.0,
+                   help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
@@ -381,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0, k, or auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    s.add_argument("--worker-timeout", type=float, default=3600.0,
+                   help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
@@ -393,8 +424,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parallel(a: argparse.Namespace, fn) -> int | None:
+    """`run`/`bench` of a sharded artifact: start one worker per rank (or, inside a worker or under
+    torchrun, be one). None: a single-process artifact, run here as before."""
+    from dsv4c.compile import read_manifest
+    from dsv4c.runtime import distributed as D
+
+    world = read_manifest(a.artifact, verify=False).get("parallel", {}).get("world_size", 1)
+    if not D.torchrun_env():
+        if world == 1:
+            return None
+        return D.launch_workers(a.argv, world, timeout_s=a.worker_timeout)
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(D.os.environ.get("LOCAL_RANK", "0")))
+        a.device = str(dev)
+    rank = D.init_from_env(dev.type)
+    try:
+        if rank == 0:
+            try:
+                return fn(a)
+            finally:
+                D.send_stop(dev)
+        from dsv4c.runtime import Session
+
+        D.serve_follower(Session.load(a.artifact, device=dev, emulate=a.emulate, graphs=a.graphs))
+        return 0
+    finally:
+        D.dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.cmd in ("run", "bench"):
+        rc = _parallel(args, args.fn)
+        if rc is not None:
+            return rc
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,

@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,12 +32,17 @@ from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted,
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
 from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
+from dsv4c.passes.shard import slice_weight
 from dsv4c.provenance import describe_source, source_hashes
 from dsv4c.targets import get_target
+
+if TYPE_CHECKING:
+    from dsv4c.parallel import ParallelPlan
 
 FORMAT_VERSION = 3  # 2: caches carry one scratch slot (limits.cache_slots = max_batch + 1)
 #                    3: V4 compressors keep c·m + K rows by position (v4_compress), not the open group
 MANIFEST = "manifest.json"
+SHARD_RECIPE = "shard"  # a rank's slice of one checkpoint weight (passes/shard.py's recipe)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -86,13 +92,20 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                        progress: bool = False, kernels: dict[str, str] | None = None,
                        verify_boundaries: bool | None = None, expert_format: str | None = None,
-                       fused_mtp: bool = True, convert_device: str | None = None) -> dict:
+                       fused_mtp: bool = True, convert_device: str | None = None,
+                       plan: "ParallelPlan | None" = None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
     records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
     `verify_mtp` graph (speculation then refreshes the MTP with separate `mtp` calls).
     `convert_device` is where routed experts are converted (default: a GPU when there is one; the
-    conversions are exact, so the bytes written do not depend on it)."""
+    conversions are exact, so the bytes written do not depend on it).
+    `plan`: a `ParallelPlan` with more than one rank writes a sharded artifact (`compile_sharded`);
+    None or tp = ep = 1 writes the single-GPU layout."""
+    if plan is not None and not plan.is_single:
+        return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
+                               max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
+                               progress=progress, expert_format=expert_format, fused_mtp=fused_mtp)
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -367,6 +380,10 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     def value(name: str, shape, dtype) -> torch.Tensor:
         if name in recipes:
             kind, src = recipes[name]
+            if kind == SHARD_RECIPE:  # passes/shard.py: this rank's slice of a checkpoint weight
+                canon = name[len("model."):]
+                meta = get_param(model, canon)
+                return slice_weight(read_param(reader, canon, tuple(meta.shape), meta.dtype), src)
             if kind == EXPERTS_RECIPE:
                 return experts(src)
             if kind == "cat":
@@ -402,6 +419,126 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
         table[n]["file"] = f"weights/{weight_map[n]}"
     reader.close()
     return table
+
+
+# ---- sharded artifacts (tensor/expert parallel) -------------------------------------------------
+def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", target: str = "cpu",
+                    skip: tuple[str, ...] = (), max_tokens: int = 4096, max_batch: int = 8,
+                    buckets: tuple[int, ...] | None = None, mtp_k: int = 0, dtype: torch.dtype | None = None,
+                    force: bool = False, progress: bool = False, expert_format: str | None = None,
+                    fused_mtp: bool = True) -> dict:
+    """A sharded artifact: every graph exported once on `meta`, then per rank the shard pass
+    (passes/shard.py) and the default pipeline; each rank's weights streamed from the checkpoint one
+    tensor at a time and sliced by the shard pass's recipes.
+
+        ART/manifest.json                 `parallel` (the plan), `ranks[r]` {graphs, weights, segment_plan},
+                                          `files` (every file's sha256); `graphs`/`weights` = rank 0's
+        ART/rank{r}/graphs/{kind}.pt2     ART/rank{r}/weights/*.safetensors
+
+    Not yet: quantised routed experts (the expert streaming reads whole layers; a format that
+    quantises fails naming it) and V3/V3.2 (absorb_mla reads the global head count)."""
+    t0 = time.perf_counter()
+    ckpt, out = Path(ckpt), Path(out)
+    tgt = get_target(target)
+    if expert_format is not None and expert_format != tgt.expert_format:
+        tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
+                                  expert_format_reason=f"--expert-format {expert_format}")
+    check_format(tgt)
+    dtype = dtype if dtype is not None else getattr(torch, tgt.dtype)
+    model = load_model(ckpt, device="meta", dtype=dtype)
+    cfg = model.config
+    if not cfg.is_v4:
+        raise ArtifactError(f"--tp/--ep: sharded compile of {cfg.model_type} is not implemented yet (absorb_mla "
+                            f"reads the global head count); the shard pass itself handles V3/V3.2 graphs")
+    check_limits(max_tokens=max_tokens, max_batch=max_batch, mtp_k=mtp_k, buckets=buckets)
+    check_output(out, force)
+    tmp = _staging(out)  # written beside `out`, renamed into place once complete (as compile_checkpoint)
+    try:
+        manifest = _compile_sharded_into(tmp, ckpt, model, cfg, plan, tgt, target, skip, max_tokens, max_batch,
+                                         buckets, mtp_k, dtype, fused_mtp, progress, t0)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: "ParallelPlan", tgt, target: str,
+                          skip, max_tokens: int, max_batch: int, buckets, mtp_k: int, dtype: torch.dtype,
+                          fused_mtp: bool, progress: bool, t0: float) -> dict:
+    """compile_sharded's work, written into the staging folder `out`."""
+    from dsv4c.passes import default_pipeline
+    from dsv4c.passes.shard import shard_pass
+
+    for r in range(plan.world_size):
+        (out / f"rank{r}" / "graphs").mkdir(parents=True)
+        (out / f"rank{r}" / "weights").mkdir()
+    exported = []
+    for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
+        spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
+                         extra_ring_slots=mtp_k if cfg.is_v4 else 0)
+        exported.append((name, kind, k, spec, export_graph(model, spec)))
+    ranks = []
+    for r in range(plan.world_size):
+        rank_dir = out / f"rank{r}"
+        graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
+        for name, kind, k, spec, eg in exported:
+            ctx = PassContext(cfg, target, kind, (), tgt.expert_format)
+            gm, records = run_pipeline(eg.module(), ctx, passes=[("shard", shard_pass(plan, r)), *default_pipeline()],
+                                       skip=skip)
+            found = _recipes(records)
+            if any(v[0] == EXPERTS_RECIPE for v in found.values()):
+                raise ArtifactError(f"--tp/--ep with expert format {tgt.expert_format}: sharded quantised routed "
+                                    f"experts are not implemented yet (use --expert-format reference)")
+            recipes.update(found)
+            for w, rec in records[0].stats.get("slices", {}).items():
+                recipes[w] = (SHARD_RECIPE, [tuple(x) for x in rec])
+            merge_quant_map(quant_map, records, name)
+            weights = lift_weights(gm)
+            program = export_lifted(gm, spec, example_inputs(model, spec, torch.device("meta")), weights)
+            if kind != "prefill":
+                plans[name] = _plan_summary(program.module(), cfg, target, kind)
+            rel = f"rank{r}/graphs/{name}.pt2"
+            torch.export.save(program, str(out / rel))
+            weight_specs.update({n: (tuple(t.shape), t.dtype) for n, t in weights.items()})
+            graphs[name] = {"file": rel, "kind": kind, "k": k, "tokens_per_seq": spec.tokens,
+                            "export_seconds": round(eg.seconds, 2), "weights": sorted(weights),
+                            "passes": [_record(x) for x in records]}
+        table = _write_weights(ckpt, cfg, model, weight_specs, recipes, rank_dir, progress, quant_map)
+        for v in table.values():
+            v["file"] = f"rank{r}/{v['file']}"
+        ranks.append({"rank": r, "coords": list(plan.coords(r)), "graphs": graphs, "weights": table,
+                      "segment_plan": plans, "quant_map": quant_map})
+        if progress:
+            print(f"rank {r}: {len(graphs)} graphs, {len(table)} weights")
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
+        "target": tgt.to_dict(), "model_config": cfg.to_dict(), "dtype": str(dtype).replace("torch.", ""),
+        "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
+        "buckets": list(buckets if buckets is not None else tgt.buckets), "mtp_k": mtp_k,
+        "source": source_hashes(),  # sha256 of every module that built it (dsv4c/provenance.py)
+        "parallel": plan.to_dict(), "ranks": ranks,
+        "graphs": ranks[0]["graphs"], "segment_plan": ranks[0]["segment_plan"], "quant_map": ranks[0]["quant_map"],
+        "weights": ranks[0]["weights"],
+        "compile_seconds": round(time.perf_counter() - t0, 2),
+        "boundary_check": {"ok": None, "skipped": "sharded artifact: the padding check needs every rank running"},
+    }
+    manifest["files"] = _file_table(out)
+    _write_manifest(out, manifest)
+    return manifest
+
+
+def rank_manifest(m: dict, rank: int) -> dict:
+    """The manifest as rank `rank` of a sharded artifact sees it (its graphs, weights and segment plans)."""
+    if "parallel" not in m:
+        return m
+    r = m["ranks"][rank]
+    return {**m, "graphs": r["graphs"], "weights": r["weights"], "segment_plan": r["segment_plan"],
+            "quant_map": r["quant_map"]}
 
 
 # ---- reading --------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Process-group names the shard pass writes into graphs (functional collectives resolve groups by
+# name); the runtime registers this process's groups under them (runtime/distributed.py).
+TP_GROUP = "dsv4c_tp"  # the tp ranks of this rank's row of the mesh
+WORLD_GROUP = "dsv4c_world"  # every rank (routed-expert partial sums)
+
 
 class PlanError(ValueError):
     """A plan that does not fit the model or the world; `.field` names what is wrong."""

@@ -34,6 +34,7 @@ from dsv4c.config import ModelConfig
 from dsv4c.export import retarget_device
 from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
+from dsv4c.runtime.distributed import Leader, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
 from dsv4c.runtime.sampling import SamplingParams, sample
@@ -90,6 +91,7 @@ class Session:
         self._staging = _Staging(self.device) if self.device.type == "cuda" else None
         self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
+        self.rank, self.mirror = 0, None  # runtime/distributed.py: rank 0's Leader on a sharded artifact
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -109,7 +111,7 @@ class Session:
         from dsv4c.provenance import check_source
 
         art = Path(art)
-        manifest = read_manifest(art, verify=True)
+        manifest, rank = rank_view(art, read_manifest(art, verify=True))  # runtime/distributed.py
         check_source(manifest, str(art), strict=strict_source)
         limit = manifest["limits"]["max_tokens"]
         if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
@@ -145,6 +147,8 @@ class Session:
 
             tok = Tokenizer.from_file(str(inside(art, "tokenizer.json", "tokenizer")))
         sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
+        if rank is not None:  # a sharded artifact: rank 0 schedules and mirrors, the others replay
+            sess.rank, sess.mirror = rank, (Leader(sess) if rank == 0 else None)
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
         return sess
@@ -164,6 +168,8 @@ class Session:
         for k, t in self.caches.items():
             t[slot].fill_(fill_value(k))
         self.pos[slot] = 0
+        if self.mirror is not None:
+            self.mirror.reset("main", slot)
 
     def _executors(self, mode: str) -> dict:
         """One SegmentExecutor per fixed-shape graph (none when `mode` is "off")."""
@@ -204,6 +210,8 @@ class Session:
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
         lead = () if hidden is None else (hidden.to(self.device),)
+        if self.mirror is not None:
+            self.mirror.run(kind, ids, s, pos0, n, lead[0] if lead else None, caches)
         out = run(*lead, ids, s, pos0, n, caches, self._graph_weights(kind))
         pos.numpy()[slots] += n_real  # slots are distinct
         return out if outputs else out[0]

@@ -224,6 +224,8 @@ class Speculator:
         s, n = r.slot, len(r.ids)
         for name, t in self.mtp_caches.items():
             t[s].fill_(fill_value(name))
+        if self.sess.mirror is not None:  # a sharded run: the followers reset theirs too
+            self.sess.mirror.reset("mtp", s)
         hidden = self._prompt_hidden.pop(s)
         start = n - hidden.shape[0]
         nxt = torch.tensor(r.ids[start + 1:] + [r.out[-1]])
