@@ -262,6 +262,39 @@ def _add_plan_parser(sub) -> None:
     s.set_defaults(fn=cmd_plan)
 
 
+def cmd_export_onnx(a: argparse.Namespace) -> int:
+    """Export the artifact's dense pieces as ONNX (+ index.json); with --verify, exit 1 if one misses 1e-5."""
+    from dsv4c.onnx_export import OnnxExportError, export_onnx, format_index
+
+    try:
+        index = export_onnx(a.artifact, a.output, segments=a.segments, opset=a.opset, verify=a.verify)
+    except (OnnxExportError, ImportError) as e:
+        print(f"dsv4c export-onnx: error: {e}", file=sys.stderr)
+        return 2
+    print(format_index(index))
+    print(f"wrote {Path(a.output) / 'index.json'}")
+    if a.verify:
+        bad = [(k, e["piece"]) for k, g in index["graphs"].items() for e in g["pieces"]
+               if e.get("verify") and not e["verify"]["ok"]]
+        if bad:
+            print(f"dsv4c export-onnx: verification failed for {bad}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _add_export_onnx_parser(sub) -> None:
+    s = sub.add_parser("export-onnx", help="export an artifact's dense segments (between MoE and cache ops) as "
+                                           "ONNX models with an index; --verify checks them in onnxruntime")
+    s.add_argument("artifact", type=Path, help="an fp32 artifact (dsv4c compile ... --target cpu)")
+    s.add_argument("-o", "--output", required=True, type=Path)
+    s.add_argument("--segments", choices=("dense", "all"), default="dense",
+                   help="all: also list each torch piece with why it is not ONNX")
+    s.add_argument("--opset", type=int, default=18)
+    s.add_argument("--verify", action="store_true", help="onnxruntime (CPU) vs torch on the same recorded "
+                   "inputs, max relative error <= 1e-5 per piece")
+    s.set_defaults(fn=cmd_export_onnx)
+
+
 def _kernel(s: str) -> tuple[str, str]:
     op, sep, impl = s.partition("=")
     if not sep or not op or not impl:
@@ -372,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_generate)
 
     _add_plan_parser(sub)
+    _add_export_onnx_parser(sub)
     return p
 
 
