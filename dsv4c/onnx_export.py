@@ -20,8 +20,8 @@ graph, every piece in order: dense pieces with their file, inputs, outputs and r
 torch pieces between them with the op, what it mutates and why it stays in torch. A dense piece whose
 export fails is recorded as not exportable with torch.onnx's error.
 
-Verification (`verify=True`): one prefill and one decode step of the artifact's Session on the CPU with
-the split graphs record every dense piece's real inputs; onnxruntime (CPUExecutionProvider) runs each
+Verification (`verify=True`): two short greedy requests through the artifact's Session on the CPU (prefills
+of 7 and 5 tokens, decode steps of 2 rows) with the split graphs record every piece's first real inputs; onnxruntime (CPUExecutionProvider) runs each
 file on them and the max relative error (max |ort - torch| / max |torch|) must be <= 1e-5 (fp32).
 `compose(session, index_dir)` swaps the dense pieces for onnxruntime sessions inside the Session's
 graphs, so the Session's own generate loop runs ONNX for the dense parts and torch for the rest
