@@ -267,6 +267,76 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Print every candidate ParallelPlan's per-GPU bytes and step roofline; exit 2 naming the shortfall
+    when none fits."""
+    import json
+
+    from dsv4c.planner import PlanRefused, choose_plan
+
+    try:
+        _, report = choose_plan(a.config, a.gpus, a.target, a.expert_format, a.max_tokens, a.max_batch, mtp_k=a.mtp)
+        refused = None
+    except PlanRefused as e:
+        report, refused = e.report, str(e)
+    print(json.dumps(report.to_dict(), indent=2) if a.json else report.format())
+    if refused:
+        print(f"dsv4c plan: refused: {refused}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    from dsv4c.passes.quantize_experts import KERNEL_FORMAT
+
+    s = sub.add_parser("plan", help="memory planner: per-GPU bytes of each tensor/expert-parallel plan, the "
+                                    "fastest that fits (exit 2 naming the shortfall when none does)")
+    s.add_argument("config", help="preset name (v4-flash, v4-pro, v3, ...) or a config.json / checkpoint folder")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs (tp x ep = this)")
+    s.add_argument("--target", required=True, choices=("h200", "h100", "b200"))
+    s.add_argument("--expert-format", default=None, choices=sorted(KERNEL_FORMAT),
+                   help="routed-expert format (default: the target's)")
+    s.add_argument("--max-tokens", type=int, default=4096, help="positions per sequence the caches hold (L)")
+    s.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (B; B + 1 cache slots)")
+    s.add_argument("--mtp", type=int, default=0, help="plan for an artifact compiled with --mtp K (MTP weights "
+                   "and caches)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(fn=cmd_plan)
+
+
+def cmd_export_onnx(a: argparse.Namespace) -> int:
+    """Export the artifact's dense pieces as ONNX (+ index.json); with --verify, exit 1 if one misses 1e-5."""
+    from dsv4c.onnx_export import OnnxExportError, export_onnx, format_index
+
+    try:
+        index = export_onnx(a.artifact, a.output, segments=a.segments, opset=a.opset, verify=a.verify)
+    except (OnnxExportError, ImportError) as e:
+        print(f"dsv4c export-onnx: error: {e}", file=sys.stderr)
+        return 2
+    print(format_index(index))
+    print(f"wrote {Path(a.output) / 'index.json'}")
+    if a.verify:
+        bad = [(k, e["piece"]) for k, g in index["graphs"].items() for e in g["pieces"]
+               if e.get("verify") and not e["verify"]["ok"]]
+        if bad:
+            print(f"dsv4c export-onnx: verification failed for {bad}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _add_export_onnx_parser(sub) -> None:
+    s = sub.add_parser("export-onnx", help="export an artifact's dense segments (between MoE and cache ops) as "
+                                           "ONNX models with an index; --verify checks them in onnxruntime")
+    s.add_argument("artifact", type=Path, help="an fp32 artifact (dsv4c compile ... --target cpu)")
+    s.add_argument("-o", "--output", required=True, type=Path)
+    s.add_argument("--segments", choices=("dense", "all"), default="dense",
+                   help="all: also list each torch piece with why it is not ONNX")
+    s.add_argument("--opset", type=int, default=18)
+    s.add_argument("--verify", action="store_true", help="onnxruntime (CPU) vs torch on the same recorded "
+                   "inputs, max relative error <= 1e-5 per piece")
+    s.set_defaults(fn=cmd_export_onnx)
+
+
 def _kernel(s: str) -> tuple[str, str]:
     op, sep, impl = s.partition("=")
     if not sep or not op or not impl:
@@ -421,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int_at_least(1, "--max-new-tokens"), default=16)
     s.add_argument("--dtype", type=_dtype, default=torch.float32)
     s.set_defaults(fn=cmd_generate)
+
+    _add_plan_parser(sub)
+    _add_export_onnx_parser(sub)
     return p
 
 
