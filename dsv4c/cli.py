@@ -193,24 +193,22 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def _compile_plan(a: argparse.Namespace):
-    """--tp/--ep; both omitted: the memory planner's choice (`dsv4c.planner.choose_plan`) when that
-    module exists, else one rank."""
+    """--tp/--ep; both omitted: on a GPU target with GPUs here, the memory planner's choice for this
+    machine's GPU count (`dsv4c.planner.choose_plan`, which refuses naming the shortfall when nothing
+    fits); else one rank."""
     from dsv4c.parallel import ParallelPlan
+    from dsv4c.targets import get_target
 
     if a.tp is not None or a.ep is not None:
         return ParallelPlan(tp=a.tp or 1, ep=a.ep or 1)
-    try:
-        from dsv4c.planner import choose_plan
-    except ImportError:
+    gpus = torch.cuda.device_count()
+    if get_target(a.target).device != "cuda" or gpus == 0:
         return ParallelPlan()
-    import inspect
+    from dsv4c.planner import choose_plan
 
-    known = {"config": ModelConfig.from_pretrained(a.checkpoint), "target": a.target, "expert_format": a.expert_format,
-             "gpus": max(torch.cuda.device_count(), 1), "max_tokens": a.max_tokens, "max_batch": a.max_batch}
-    params = inspect.signature(choose_plan).parameters
-    got = choose_plan(**{k: v for k, v in known.items() if k in params})
-    plan = getattr(got, "plan", got)
-    return plan if isinstance(plan, ParallelPlan) else ParallelPlan(tp=plan.tp, ep=plan.ep)
+    plan, _ = choose_plan(ModelConfig.from_pretrained(a.checkpoint), gpus, a.target, a.expert_format,
+                          max_tokens=a.max_tokens, max_batch=a.max_batch, mtp_k=a.mtp)
+    return plan
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
