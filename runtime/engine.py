@@ -71,6 +71,18 @@ class Handle:
     outcome: str | None = None  # stop | length | aborted | error
 
 
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is reading any more
+        pass
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class Observer(Protocol):
     def admitted(self, h: Handle) -> None: ...
     def finished(self, h: Handle, stats: dict | None) -> None: ...
@@ -165,8 +177,11 @@ class Engine:
                         self._finish(h, "error", None, RequestFailed(f"the engine step failed: {e.cause!r}"))
                 continue
             self.steps += 1
+            batch: dict[asyncio.AbstractEventLoop, list] = {}
             for o in outs:
-                self._deliver(o)
+                self._deliver(o, batch)
+            for loop, items in batch.items():  # one wake-up of each event loop per step
+                _call(loop, _put_all, items)
             self._gauges()
 
     def _take_intake(self) -> None:
@@ -192,9 +207,9 @@ class Engine:
                 self._by_sid.pop(h.session_id, None)
             if h.t_admitted is None:
                 self._unwait(h)
-            self._finish(h, "aborted", None, None)
+            self._finish(h, "aborted", None, RequestFailed("the request was aborted (the client went away)", 499))
 
-    def _deliver(self, o: StepOutput) -> None:
+    def _deliver(self, o: StepOutput, batch: dict) -> None:
         h = self._by_sid.get(o.request_id)
         if h is None:
             return
@@ -208,7 +223,7 @@ class Engine:
             h.t_first = h.t_first or now
             h.t_last = now
             h.n_generated += len(o.tokens)
-        h.loop.call_soon_threadsafe(h.queue.put_nowait, o)
+        batch.setdefault(h.loop, []).append((h.queue, o))
         if o.finish_reason is not None:
             del self._by_sid[o.request_id]
             self._finish(h, o.finish_reason, o.stats, None)
@@ -216,7 +231,7 @@ class Engine:
     def _finish(self, h: Handle, outcome: str, stats: dict | None, error: Exception | None) -> None:
         h.outcome = outcome
         if error is not None:
-            h.loop.call_soon_threadsafe(h.queue.put_nowait, error)
+            _call(h.loop, h.queue.put_nowait, error)
         if self.observer is not None:
             self.observer.finished(h, stats)
 

@@ -192,8 +192,11 @@ class Metrics:
 
     def gauges(self, running: int, waiting: int, slots_in_use: int) -> None:
         self.running.labels(**self._lab).set(running)
-        self.waiting.labels(**self._lab).set(waiting)
         self.slots_in_use.labels(**self._lab).set(slots_in_use)
+
+    def watch(self, engine: Engine) -> None:
+        """The waiting gauge reads the engine's count at scrape time: it changes on the event loop too."""
+        self.waiting.labels(**self._lab).set_function(lambda: engine.waiting)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,8 +303,10 @@ def create_app(cfg: ServeConfig, session=None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        if st.metrics is not None and e.status < 500:
-            st.metrics.outcome("queue_full" if e.status == 503 else "rejected")
+        if st.metrics is not None and e.code == "queue_full":
+            st.metrics.outcome("queue_full")
+        elif st.metrics is not None and e.status < 500 and e.status != 499:  # 499: counted as aborted
+            st.metrics.outcome("rejected")
         return e.response()
 
     @app.exception_handler(RequestValidationError)
@@ -488,16 +493,14 @@ async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, e
     watch = asyncio.create_task(_watch_disconnect(request, st.engine, h))
     try:
         first = await anext(stream)  # errors before the first token still get their status code
-    except RequestFailed as e:
-        raise APIError(e.status, str(e), type_="server_error" if e.status >= 500 else "invalid_request_error",
-                       code="step_failed" if e.status >= 500 else None) from None
-    except (StopAsyncIteration, asyncio.CancelledError):
+    except BaseException as e:
+        watch.cancel()
         await stream.aclose()
+        if isinstance(e, RequestFailed):
+            raise _failed(e) from None
         raise
-    finally:
-        if body.stream:
-            watch.cancel()  # from here StreamingResponse watches for the client going away
     if body.stream:
+        watch.cancel()  # from here StreamingResponse watches for the client going away
         return StreamingResponse(_sse(st, out, first, stream), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -505,11 +508,17 @@ async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, e
         async for o in stream:
             out.add(o)
     except RequestFailed as e:
-        raise APIError(e.status, str(e), type_="server_error", code="step_failed") from None
+        raise _failed(e) from None
     finally:
         watch.cancel()
         await stream.aclose()
     return out.response()
+
+
+def _failed(e: RequestFailed) -> APIError:
+    if e.status >= 500:
+        return APIError(e.status, str(e), type_="server_error", code="step_failed")
+    return APIError(e.status, str(e), code="aborted" if e.status == 499 else None)
 
 
 async def _watch_disconnect(request: Request, engine: Engine, h: Handle) -> None:
@@ -531,7 +540,7 @@ async def _sse(st: _State, out: "_Output", first, stream):
         if out.include_usage:
             yield _event(out.usage_chunk())
     except RequestFailed as e:
-        yield _event(APIError(e.status, str(e), type_="server_error", code="step_failed").body())
+        yield _event(_failed(e).body())
     finally:
         await stream.aclose()  # a client gone away: closes the engine stream, which aborts the request
     yield "data: [DONE]\n\n"
@@ -676,6 +685,7 @@ def _ready(st: _State, sess) -> None:
     st.chat, st.chat_missing = _chat_template(cfg.artifact, sess)
     st.metrics = Metrics(cfg.model_name, sess.max_batch)
     st.engine = Engine(sess, cfg.max_waiting, st.metrics)
+    st.metrics.watch(st.engine)
     st.engine.start()
     st.ready = True
     log.info("ready: %s (max_tokens %d, max_batch %d, mtp k=%d%s)", cfg.model_name, sess.max_tokens, sess.max_batch,

@@ -1,9 +1,11 @@
 """`dsv4c serve` (runtime/serve.py, runtime/engine.py; issue 26): a real uvicorn server in a subprocess,
-serving the bundled model's artifact, driven by the official `openai` client and httpx.
+driven by the official `openai` client and httpx.
 
-The artifact is compiled once for the module (cpu target, max_tokens 64, max_batch 8); the test process
-loads it too, for `Session.generate` references (while the server loads). The in-process tests at the
-end serve that session through the ASGI app itself: a failing step, a missing chat template."""
+The model is the bundled one cut to its first two layers (its trained weights, tokenizer and chat
+template; the whole model compiles in ~50 s of CPU, two layers in ~20 s), compiled once for the module
+(cpu target, max_tokens 64, max_batch 8). The test process loads the artifact too, for `Session.generate`
+references, while the server loads. The in-process tests at the end serve that session through the
+ASGI app itself (a failing step, a missing chat template) and drive Session's incremental API."""
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +41,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bundle_cut(dst: Path, layers: int) -> Path:
+    """The bundled checkpoint's first `layers` layers (and its MTP block), tokenizer and chat template."""
+    from dsv4c import load_model, save_checkpoint
+    from dsv4c.model import build_model
+
+    full = load_model(BUNDLE, dtype=torch.bfloat16)
+    cfg = full.config
+    cut = build_model(cfg.replace(num_hidden_layers=layers,
+                                  compress_ratios=cfg.compress_ratios[:layers] + cfg.compress_ratios[-1:]), device="meta")
+    names = set(cut.state_dict())
+    cut.load_state_dict({k: v for k, v in full.state_dict().items() if k in names}, strict=True, assign=True)
+    save_checkpoint(cut, dst, quant="release")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / f).write_bytes((BUNDLE / f).read_bytes())
+    return dst
+
+
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "art"
-    compile_checkpoint(BUNDLE, out, target="cpu", max_tokens=LIMIT, max_batch=SLOTS)
-    return out
+    d = tmp_path_factory.mktemp("serve")
+    compile_checkpoint(_bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=LIMIT, max_batch=SLOTS)
+    return d / "art"
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +154,16 @@ def test_completion_chat_and_stream_through_the_openai_client(url, sess):
     want = sess.generate([_chat_ids(sess, "<|bos|># Read a file.\n")], max_new_tokens=4)[0]
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts) == want.text
+
+    # a stop string ends the text before it (the tokens that made it were generated) and finishes with "stop"
+    ref = sess.generate(["import os\n"], max_new_tokens=8)[0]
+    stop = sess.tokenizer.decode(ref.tokens[2:4])  # what greedy writes as its 3rd and 4th tokens
+    want = ref.text[: ref.text.index(stop)]
+    r = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=8, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop") and r.usage.completion_tokens <= 4
+    s = list(c.completions.create(model=MODEL, prompt="import os\n", max_tokens=8, temperature=0, stop=stop,
+                                  stream=True))
+    assert "".join(x.choices[0].text for x in s) == want and s[-1].choices[0].finish_reason == "stop"
 
     # logprobs: the sampled token's log-probability and the top-n, from the logits' log-softmax
     lp = c.completions.create(model=MODEL, prompt=[0, 788, 733, 201], max_tokens=3, temperature=0, logprobs=2)
@@ -269,6 +298,7 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(url, sess):
     assert full and all(s[1] == "1" for s in full), seen
     assert json.loads(full[0][2])["error"]["code"] == "queue_full"
     assert {s[0] for s in seen} <= {200, 503}
+    assert _m(_metrics(url), "dsv4c_requests_total", outcome="queue_full") == len(full)
     deadline = time.time() + 60
     while time.time() < deadline:
         m = _metrics(url)
@@ -300,10 +330,11 @@ def test_metrics_parse_and_count_what_was_sent(url, sess):
     assert _m(m, "dsv4c_requests_total", outcome="rejected") >= 1  # the bad-request test's
 
 
-def test_the_server_listens_on_loopback_only(url, server):
-    from dsv4c.cli import build_parser
+def test_the_server_listens_on_loopback_only(url, server, tmp_path, capsys):
+    from dsv4c.cli import build_parser, main
 
     assert build_parser().parse_args(["serve", "ART"]).host == "127.0.0.1"
+    assert main(["serve", str(tmp_path)]) == 2 and "manifest.json" in capsys.readouterr().err
     port = int(url.rsplit(":", 1)[1])
     listening = []
     for f in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -370,7 +401,19 @@ def _metrics_text(st) -> str:
 def test_incremental_session_api_equals_generate_with_aborts_and_late_arrivals(sess):
     """Session.add_request / step / abort (the engine's API): requests arriving while others run, a mix of
     greedy and sampled, one aborted, get generate's tokens; the aborted one's slot is reused."""
-    specs = [(PROMPTS[i % 8], 0.0 if i % 2 else 0.8, 3 + i % 4, 40 + i) for i in range(12)]
+    _check_incremental(sess)
+
+
+@pytest.mark.gpu
+def test_incremental_api_on_the_gpu_with_cuda_graphs(tmp_path):
+    """The same on an H200 with the h200 lowering and CUDA graphs: greedy steps stay in flight across
+    `step` calls (pipelined), and admissions / aborts read them first."""
+    compile_checkpoint(BUNDLE, tmp_path / "art", target="h200", max_tokens=LIMIT, max_batch=SLOTS)
+    _check_incremental(Session.load(tmp_path / "art", device="cuda"), temperature=0.0)
+
+
+def _check_incremental(sess: Session, temperature: float = 0.8) -> None:
+    specs = [(PROMPTS[i % 8], 0.0 if i % 2 else temperature, 3 + i % 4, 40 + i) for i in range(10)]
     want = [sess.generate([p], max_new_tokens=n, temperature=t, seed=s)[0].tokens for p, t, n, s in specs]
     got: dict[int, list[int]] = {}
     ids: dict[int, int] = {}
