@@ -1,10 +1,9 @@
 """Issue 26's load benchmark: `dsv4c serve` under Poisson arrivals, and `Session.generate` on the same
 requests for the saturation comparison.
 
-    # H200: the v4-flash-slice (random weights, token-id prompts), compiled for h200
-    dsv4c init v4-flash-slice -o /tmp/slice --quant release
-    dsv4c compile /tmp/slice --target h200 -o /tmp/slice.h200 --max-batch 64 --max-tokens 1024
-    python examples/bench_serve.py --artifact /tmp/slice.h200 --launch --rates 4,16,64,inf \
+    # H200: the v4-flash-slice (seeded random weights in the release formats, token-id prompts), built
+    # on the GPU as bench_artifact.py builds it, compiled for h200 (--build-slice; skipped if ART exists)
+    python examples/bench_serve.py --build-slice --artifact /tmp/slice.h200 --launch --rates 4,16,64,inf \
         --num-prompts 256 --input-len 256 --output-len 128 --baseline --out $OUT/serve
     # CPU smoke run with the bundled model
     python examples/bench_serve.py --artifact ART --launch --rates 2,inf --num-prompts 16 --input-len 16 \
@@ -181,6 +180,33 @@ def baseline(art: str, reqs: list[Req], temperature: float, seed: int, device: s
             "request_throughput": len(reqs) / seconds}
 
 
+def build_slice(art: Path, preset: str, max_batch: int, max_tokens: int, out: Path) -> dict:
+    """The preset built on the GPU with seeded random weights rounded to the release formats, written as
+    a release checkpoint next to ART, then `dsv4c compile --target h200` (bench_artifact.py's recipe)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_artifact import round_to_release_
+    from bench_segments import build
+
+    from dsv4c.checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    ckpt = art.with_name(art.name + ".ckpt")
+    model = build(preset, torch.device("cuda"), torch.bfloat16)
+    round_to_release_(model)
+    save_checkpoint(model, ckpt, quant="release", overwrite=True)
+    del model
+    torch.cuda.empty_cache()
+    t1 = time.perf_counter()
+    cmd = [sys.executable, "-m", "dsv4c", "compile", str(ckpt), "--target", "h200", "-o", str(art), "--force",
+           "--max-batch", str(max_batch), "--max-tokens", str(max_tokens)]
+    with open(out / "compile.log", "w") as f:
+        if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed: see {out / 'compile.log'}")
+    return {"build_and_write_s": t1 - t0, "compile_s": time.perf_counter() - t1, "compile_command": " ".join(cmd[2:])}
+
+
 def launch(art: str, port: int, args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dsv4c", "serve", art, "--port", str(port), "--max-waiting",
            str(args.max_waiting), "--mtp", args.mtp, "--log-level", "warning"]
@@ -225,6 +251,8 @@ def plot(runs: list[dict], base: dict | None, path: Path) -> None:
             ax[i].plot(xs, [(r[key][p] or 0) * 1e3 for r in finite], "o-", label=p)
         ax[i].set(xlabel="request rate (req/s)", ylabel="ms", title=key.split("_")[0].upper())
     for a in ax:
+        if len(xs) > 1 and max(xs) / min(xs) >= 8:
+            a.set_xscale("log")
         a.grid(alpha=0.3)
         a.legend()
     fig.tight_layout()
@@ -255,8 +283,17 @@ def main() -> int:
     ap.add_argument("--mtp", default="0")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--build-slice", action="store_true", help="build and compile --preset into --artifact first "
+                    "(GPU; skipped when the artifact exists)")
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--max-batch", type=int, default=64, help="--build-slice: the artifact's max_batch")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="--build-slice: the artifact's max_tokens")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    built = None
+    if a.build_slice and not (Path(a.artifact) / "manifest.json").is_file():
+        built = build_slice(Path(a.artifact), a.preset, a.max_batch, a.max_tokens, a.out)
+        print(f"built and compiled {a.preset}: {built}", flush=True)
 
     m = json.loads((Path(a.artifact) / "manifest.json").read_text())
     vocab, limit = m["model_config"]["vocab_size"], m["limits"]["max_tokens"]
@@ -268,7 +305,8 @@ def main() -> int:
                          f"over the artifact's max_tokens={limit}")
     model = a.model or Path(a.artifact).resolve().name
     rates = [float(x) for x in a.rates.split(",")]
-    res = {"args": {k: str(v) for k, v in vars(a).items()}, "artifact_limits": m["limits"], "runs": []}
+    res = {"args": {k: str(v) for k, v in vars(a).items()}, "artifact_limits": m["limits"], "runs": [],
+           "built": built}
     proc, url = None, a.url
     if a.launch:
         with socket.socket() as s:
