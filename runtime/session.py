@@ -5,7 +5,9 @@ device), loads the stateless graphs and binds the weights by name, then allocate
 (`max_batch` sequence slots of `max_tokens` positions). Generation is batched with continuous batching:
 prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, and
 then decode together, one token per sequence per step, through the one decode graph. A finished
-sequence frees its slot for the next prompt at once.
+sequence frees its slot for the next prompt at once. `generate`/`stream` run that scheduler (`_Scheduler`)
+to the end; the incremental API (`add_request`, `step`, `abort`; runtime/engine.py serves HTTP with it)
+runs the same scheduler one step per call.
 
 The fixed-shape graphs (decode, verify, MTP) run through a `SegmentExecutor`
 (`dsv4c.runtime.segments`): split at the MoE routers by the plan `split_at_routers` makes, padded to
