@@ -232,7 +232,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from dsv4c.runtime.serve import ServeConfig, serve
 
     if not (Path(a.artifact) / "manifest.json").is_file():
-        raise FileNotFoundError(f"{a.artifact}: not an artifact folder (no manifest.json); compile one with dsv4c compile")
+        raise FileNotFoundError(f"{a.artifact}: not an artifact folder (no manifest.json); make one with "
+                                f"dsv4c compile")
     mtp = a.mtp if a.mtp == "auto" else _int_arg("--mtp", a.mtp)
     if a.max_waiting < 1:
         raise ValueError(f"--max-waiting: must be >= 1, got {a.max_waiting}")

@@ -143,7 +143,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         lab = {"model_name": model_name}
         self.requests = Counter("dsv4c_requests", "Requests by outcome: stop, length, aborted (client gone), error "
-                                "(failed step), rejected (4xx), queue_full (503)", ["model_name", "outcome"], registry=r)
+                                "(failed step), rejected (4xx), queue_full (503)", ["model_name", "outcome"],
+                                registry=r)
         self.prompt_tokens = Counter("dsv4c_prompt_tokens", "Prompt tokens prefilled", ["model_name"], registry=r)
         self.generation_tokens = Counter("dsv4c_generation_tokens", "Tokens generated", ["model_name"], registry=r)
         self.ttft = Histogram("dsv4c_time_to_first_token_seconds", "Arrival to first token", ["model_name"],

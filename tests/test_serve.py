@@ -48,8 +48,8 @@ def _bundle_cut(dst: Path, layers: int) -> Path:
 
     full = load_model(BUNDLE, dtype=torch.bfloat16)
     cfg = full.config
-    cut = build_model(cfg.replace(num_hidden_layers=layers,
-                                  compress_ratios=cfg.compress_ratios[:layers] + cfg.compress_ratios[-1:]), device="meta")
+    ratios = cfg.compress_ratios[:layers] + cfg.compress_ratios[-1:]  # the last: the MTP block's
+    cut = build_model(cfg.replace(num_hidden_layers=layers, compress_ratios=ratios), device="meta")
     names = set(cut.state_dict())
     cut.load_state_dict({k: v for k, v in full.state_dict().items() if k in names}, strict=True, assign=True)
     save_checkpoint(cut, dst, quant="release")
@@ -279,7 +279,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(url, sess):
     async def one(c, i):
         body = {"model": MODEL, "prompt": PROMPTS[i % 8], "max_tokens": 40, "temperature": 0, "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as r:
-            seen.append((r.status_code, r.headers.get("retry-after"), (await r.aread()) if r.status_code != 200 else b""))
+            body = (await r.aread()) if r.status_code != 200 else b""
+            seen.append((r.status_code, r.headers.get("retry-after"), body))
             await asyncio.sleep(60)
 
     async def run():
