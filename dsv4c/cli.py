@@ -1,5 +1,6 @@
 """The `dsv4c` command line: `init` writes a random checkpoint, `info` describes a model, `compare`
-reports what each lowering pass does to the logits, `generate` runs the eager reference."""
+reports what each lowering pass does to the logits, `generate` runs the eager reference, `serve` runs an
+OpenAI-compatible HTTP server over a compiled artifact."""
 from __future__ import annotations
 
 import argparse
@@ -335,6 +336,31 @@ def _add_export_onnx_parser(sub) -> None:
     s.set_defaults(fn=cmd_export_onnx)
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from dsv4c.runtime.serve import ServeConfig, serve
+
+    if not (Path(a.artifact) / "manifest.json").is_file():
+        raise FileNotFoundError(f"{a.artifact}: not an artifact folder (no manifest.json); make one with "
+                                f"dsv4c compile")
+    mtp = a.mtp if a.mtp == "auto" else _int_arg("--mtp", a.mtp)
+    if a.max_waiting < 1:
+        raise ValueError(f"--max-waiting: must be >= 1, got {a.max_waiting}")
+    cfg = ServeConfig(Path(a.artifact), served_model_name=a.served_model_name,
+                      api_key=a.api_key or os.environ.get("DSV4C_API_KEY") or None, max_waiting=a.max_waiting,
+                      mtp=mtp, device=a.device, graphs=a.graphs)
+    serve(cfg, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def _int_arg(name: str, v: str) -> int:
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer or 'auto', got {v!r}") from None
+
+
 def _kernel(s: str) -> tuple[str, str]:
     op, sep, impl = s.partition("=")
     if not sep or not op or not impl:
@@ -481,6 +507,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-timeout", type=float, default=3600.0,
                    help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
+    s.add_argument("artifact", type=Path)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 exposes it)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                   "$DSV4C_API_KEY, else none)")
+    s.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a cache slot before 503")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                   "artifact folder's name)")
+    s.add_argument("--mtp", default="auto", help="MTP speculative decoding: 0, k = 1..K, or auto (decided at "
+                   "startup; plain decoding when the artifact has no MTP)")
+    s.add_argument("--device", default=None, help="default: cuda when a GPU is present, else cpu")
+    s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")
     s.add_argument("checkpoint", type=Path)

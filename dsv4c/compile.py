@@ -5,7 +5,7 @@
                                records, buckets, limits, quant map, weight table, sha256 + size of every file
       graphs/{kind}.pt2        torch.export programs with no state (weights lifted to a `weights` input)
       weights/weights-XXXXX.safetensors   every tensor the graphs read, by graph name
-      tokenizer.json ...       copied from the checkpoint
+      tokenizer.json ...       copied from the checkpoint (tokenizer_config.json and chat_template.jinja: the chat template)
 
 The model is traced on the `meta` device (no weights in memory). Weights are then streamed: each
 graph weight is read from the checkpoint one tensor at a time, transformed by the passes' recipes
@@ -43,7 +43,8 @@ FORMAT_VERSION = 3  # 2: caches carry one scratch slot (limits.cache_slots = max
 #                    3: V4 compressors keep c·m + K rows by position (v4_compress), not the open group
 MANIFEST = "manifest.json"
 SHARD_RECIPE = "shard"  # a rank's slice of one checkpoint weight (passes/shard.py's recipe)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")  # the chat template: in tokenizer_config.json or this file
 
 
 class ArtifactError(ValueError):

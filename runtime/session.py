@@ -5,7 +5,9 @@ device), loads the stateless graphs and binds the weights by name, then allocate
 (`max_batch` sequence slots of `max_tokens` positions). Generation is batched with continuous batching:
 prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, and
 then decode together, one token per sequence per step, through the one decode graph. A finished
-sequence frees its slot for the next prompt at once.
+sequence frees its slot for the next prompt at once. `generate`/`stream` run that scheduler (`_Scheduler`)
+to the end; the incremental API (`add_request`, `step`, `abort`; runtime/engine.py serves HTTP with it)
+runs the same scheduler one step per call.
 
 The fixed-shape graphs (decode, verify, MTP) run through a `SegmentExecutor`
 (`dsv4c.runtime.segments`): split at the MoE routers by the plan `split_at_routers` makes, padded to
@@ -63,8 +65,33 @@ class _Request:
     t_start: float = 0.0
     t_first: float | None = None
     chunks: int = 0
-    finish: str | None = None
+    finish: str | None = None  # "stop" | "length" ("abort" | "error": the incremental API)
     spec: object = None  # speculative.SpecStats when generated with mtp != 0
+    logprobs: int | None = None  # the incremental API: log-probability of each token and its top-n alternatives
+    lps: list = field(default_factory=list)  # (logprob, [(token, logprob)] * n) per token when logprobs is set
+
+
+@dataclass
+class StepOutput:
+    """What one `Session.step` produced for one request: its new tokens (and their log-probabilities when
+    asked for), and how it finished (None while it runs). `admitted`: perf_counter time at which it got its
+    cache slot, when that happened in this step; `stats`: GenerationResult.stats, once finished."""
+
+    request_id: int
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    logprobs: list | None = None  # per new token: (logprob, [(token, logprob), ...top-n])
+    admitted: float | None = None
+    stats: dict | None = None
+
+
+class StepError(RuntimeError):
+    """A `Session.step` failed. The requests it was running (`request_ids`) are finished with "error" and
+    their slots are free; waiting requests are kept, so the next step can go on."""
+
+    def __init__(self, request_ids: list[int], cause: BaseException):
+        super().__init__(f"step failed for requests {request_ids}: {type(cause).__name__}: {cause}")
+        self.request_ids, self.cause = request_ids, cause
 
 
 PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot prefill of the slice needs
@@ -92,6 +119,7 @@ class Session:
         self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
         self.rank, self.mirror = 0, None  # runtime/distributed.py: rank 0's Leader on a sharded artifact
+        self._live: _Scheduler | None = None  # the incremental API's scheduler (add_request / step / abort)
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -327,55 +355,105 @@ class Session:
         return [self._result(r) for r in reqs]
 
     def _serve(self, reqs: list[_Request], mtp: int | str = 0) -> Iterator[tuple[int, int]]:
-        spec = None
-        if mtp:
-            from dsv4c.runtime.speculative import plan_speculation
-
-            spec, make_stats = plan_speculation(self, mtp, reqs)
-        waiting, active = deque(reqs), {}
-        free = list(range(self.max_batch))
+        if self._live is not None and self._live.busy():
+            raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
+                               "this session's cache slots; finish or abort them first")
+        sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
+        sched.waiting.extend(reqs)
         try:
-            yield from self._serve_loop(waiting, active, free, spec, make_stats if mtp else None)
+            while sched.busy():
+                yield from sched.iterate()
         finally:
             if self.prefix:
                 self.prefix.release_all()
 
-    def _serve_loop(self, waiting, active, free, spec, make_stats) -> Iterator[tuple[int, int]]:
-        mtp = make_stats is not None
-        while waiting or active:
-            while waiting and free:  # admit: prefill into a free slot, sample the first token
-                r, t0 = waiting[0], time.perf_counter()
-                self._reset_slot(free[0])
-                if self.prefix and not self.prefix.admit(r.ids, free[0], self.pos, mtp):
-                    break  # its prompt's blocks are held by running requests: wait for one to finish
-                waiting.popleft()
-                r.slot, r.t_start = free.pop(0), t0
-                yield from self._emit(r, spec.prefill(r) if spec else self._prefill(r))
-                if mtp:
-                    r.spec = make_stats()
-                if spec is not None and r.finish is None:
-                    spec.admit(r, r.spec)
-                (active.__setitem__(r.slot, r) if r.finish is None else self._free(r.slot, free))
-            if not active:
-                continue
-            if spec is not None:  # draft-verify-accept rounds (pipelined) until a request finishes
-                yield from spec.rounds(active)
-                for s in [s for s, r in active.items() if r.finish is not None]:
-                    spec.release(s)
-                    del active[s]
-                    self._free(s, free)
-                continue
-            if all(r.params.temperature == 0 for r in active.values()):
-                yield from self._greedy_steps(active)
-            else:
-                slots = sorted(active)
-                last = torch.tensor([[active[s].out[-1]] for s in slots])
-                rows = self._run("decode", last, slots, [1] * len(slots))[:, -1].float().cpu()  # one copy
-                for i, s in enumerate(slots):
-                    yield from self._emit(active[s], rows[i])
-            for s in [s for s, r in active.items() if r.finish is not None]:
-                del active[s]
-                self._free(s, free)
+    def _speculation(self, mtp: int | str, reqs: list[_Request]) -> tuple:
+        """(the Speculator or None, a per-request SpecStats factory or None) for `mtp` (see generate)."""
+        if not mtp:
+            return None, None
+        from dsv4c.runtime.speculative import plan_speculation
+
+        return plan_speculation(self, mtp, reqs)
+
+    # ---- the incremental API --------------------------------------------------------------------
+    # add_request / step / abort drive one long-lived scheduler, the same one generate() runs to the end:
+    # what a request gets does not depend on which API ran it (greedy: the argmax; sampling: its own
+    # seeded generator, and decode rows do not depend on each other). Not thread-safe: one caller.
+    def set_mtp(self, mtp: int | str = 0, prompt=None) -> dict:
+        """MTP speculative decoding for the incremental API: 0, k = 1..K, or "auto", decided now (auto:
+        calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one). Only while
+        no incremental request runs. -> the decision (k, and the auto policy's reasoning)."""
+        if self._live is not None and self._live.busy():
+            raise RuntimeError("set_mtp: incremental requests are running")
+        if prompt is None:
+            prompt = "def main():\n" if self.tokenizer is not None else [self.config.bos_token_id or 0] * 8
+        spec, make_stats = (None, None)
+        if mtp:
+            reqs = self._requests([prompt] * self.max_batch, 16, 0.0, 1.0, 0, 0, None)
+            spec, make_stats = self._speculation(mtp, reqs)
+        policy = make_stats().policy if make_stats is not None else None
+        k = 0 if spec is None else spec.k
+        if spec is None:
+            make_stats = None  # auto chose plain decoding
+        self._live = _Scheduler(self, spec, make_stats)
+        return {"k": k, "policy": policy}
+
+    def add_request(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                    top_k: int = 0, seed: int = 0, stop=None, logprobs: int | None = None) -> int:
+        """Queue one request (text or token ids) for `step`; returns its id. Checked at once (ValueError
+        naming the field); the sampling generator is seeded with `seed` (generate's request i: seed + i).
+        `logprobs`: report each token's log-probability (log-softmax of the logits) and its top-n."""
+        live = self._live if self._live is not None else self._new_live()
+        if logprobs is not None and (logprobs < 0 or live.spec is not None):
+            raise ValueError("logprobs: must be >= 0" if logprobs < 0 else
+                             "logprobs: not available with MTP speculative decoding (set_mtp(0))")
+        (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)
+        r.index, r.logprobs = live.next_id, logprobs
+        live.next_id += 1
+        live.waiting.append(r)
+        return r.index
+
+    def step(self) -> list[StepOutput]:
+        """One scheduling step of the incremental API: admit waiting requests into free cache slots
+        (prefill, first token), then one decode step (or MTP round) for every running request. Returns
+        the requests that got tokens or finished. A failure raises StepError naming the requests it ran."""
+        live = self._live if self._live is not None else self._new_live()
+        outs: dict[int, StepOutput] = {}
+        admitted = dict.fromkeys(r.index for r in live.waiting)
+        try:
+            with torch.no_grad():
+                for i, tok in live.iterate():
+                    outs.setdefault(i, StepOutput(i, [])).tokens.append(tok)
+        except Exception as e:
+            raise StepError(live.fail_running(), e) from e
+        for i, o in outs.items():
+            r = live.by_id[i]
+            if r.logprobs is not None:
+                o.logprobs = r.lps[len(r.out) - len(o.tokens):]
+            if i in admitted:
+                o.admitted = r.t_start
+            if r.finish is not None:
+                o.finish_reason, o.stats = r.finish, self._result(r).stats
+        live.forget_finished()
+        return list(outs.values())
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request of the incremental API; its slot is free for the next step. False when it is
+        unknown or already finished."""
+        return self._live is not None and self._live.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self._live is not None and self._live.busy()
+
+    def live_counts(self) -> tuple[int, int]:
+        """(waiting, running) requests of the incremental API."""
+        if self._live is None:
+            return 0, 0
+        return len(self._live.waiting), sum(r.finish is None for r in self._live.active.values())
+
+    def _new_live(self) -> "_Scheduler":
+        self._live = _Scheduler(self, None, None)
+        return self._live
 
     def _free(self, slot: int, free: list[int]) -> None:
         if self.prefix:
@@ -388,36 +466,14 @@ class Session:
         logits = self._run("decode", ids, slots, [1] * len(slots))           # [B, 1, V] fp32
         return _Inflight(slots, logits[:, -1].argmax(-1, keepdim=True))       # [B, 1] int64
 
-    def _greedy_steps(self, active: dict) -> Iterator[tuple[int, int]]:
-        """Greedy decode steps for `active` until one of them finishes. Step t+1 is enqueued with step t's
-        tokens still on the device, before the host reads them, so the GPU runs the steps back to back while
-        the host does the previous step's bookkeeping. Each request's tokens equal one-step-at-a-time
-        greedy decoding (argmax of the same fp32 logits; decode rows do not depend on each other). When a
-        request finishes at step t, step t+1 is already in flight: its tokens are used by the requests
-        still running, and dropped for the finished ones (their slot holds one more cache row, which
-        `_reset_slot` clears before the slot is reused). So a request admitted into a freed slot starts
-        one step later than without the pipeline, and `stream()` yields the running requests' step-t+1
-        tokens before its first one; each request's own token order is unchanged."""
-        slots = sorted(active)
-        cur = self._greedy_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots)
-        while True:
-            more = any(len(active[s].out) + 1 < active[s].max_new for s in slots)
-            nxt = self._greedy_launch(cur.tokens, slots) if more else None
-            done = False
-            for s, tok in zip(slots, cur.read()):
-                yield from self._push(active[s], tok)
-                done |= active[s].finish is not None
-            if nxt is None:
-                return
-            if done:  # the step in flight: keep the tokens of the requests still running
-                for s, tok in zip(slots, nxt.read()):
-                    if active[s].finish is None:
-                        yield from self._push(active[s], tok)
-                return
-            cur = nxt
-
     def _emit(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[int, int]]:
-        yield from self._push(r, sample(logits.float().cpu(), r.params, r.gen))
+        logits = logits.float().cpu()
+        tok = sample(logits, r.params, r.gen)
+        if r.logprobs is not None:
+            lsm = logits.log_softmax(-1)
+            top = lsm.topk(r.logprobs) if r.logprobs else None
+            r.lps.append((float(lsm[tok]), [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))))
+        yield from self._push(r, tok)
 
     def _push(self, r: _Request, tok: int) -> Iterator[tuple[int, int]]:
         """Append one token to r's output and check the stop conditions."""
@@ -440,6 +496,138 @@ class Session:
         if r.spec is not None:  # MTP: acceptance per draft position, mean accepted length, histogram, policy
             stats.update(r.spec.as_dict())
         return GenerationResult(r.ids, r.out, text, r.finish or "length", stats)
+
+
+class _Scheduler:
+    """Continuous batching over one session's cache slots: requests wait for a free slot, are prefilled
+    into it (their first token sampled), then decode together; a finished request frees its slot at
+    once. `generate`/`stream` run one to the end; the incremental API keeps one across `step` calls.
+
+    `iterate()` is one scheduling step: admit what fits, then one MTP round (with a speculator) or one
+    decode step for every active request. Greedy steps are pipelined: step t+1 is enqueued with step t's
+    tokens still on the device, before the host reads them, so the GPU runs the steps back to back while
+    the host does the previous step's bookkeeping; the step in flight is carried into the next
+    `iterate()`. Each request's tokens equal one-step-at-a-time greedy decoding (argmax of the same fp32
+    logits; decode rows do not depend on each other). When a request finishes at step t, step t+1 is
+    already in flight: its tokens are used by the requests still running and dropped for the finished
+    ones (their slot holds one more cache row, which `_reset_slot` clears before the slot is reused). So
+    a request admitted into a freed slot starts one step later than without the pipeline, and `stream()`
+    yields the running requests' step-t+1 tokens before its first one; each request's own token order is
+    unchanged."""
+
+    def __init__(self, sess: Session, spec=None, make_stats=None, pipelined_rounds: bool = False):
+        self.sess, self.spec, self.make_stats = sess, spec, make_stats
+        self.pipelined_rounds = pipelined_rounds  # MTP: rounds until a request finishes (generate), else one
+        self.waiting: deque[_Request] = deque()
+        self.active: dict[int, _Request] = {}  # by slot
+        self.free = list(range(sess.max_batch))
+        self.inflight: _Inflight | None = None  # a greedy step enqueued, its tokens not read yet
+        self.next_id = 0  # the incremental API's request ids
+        self.by_id: dict[int, _Request] = {}  # its requests until finished and reported
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def iterate(self) -> Iterator[tuple[int, int]]:
+        sess, spec = self.sess, self.spec
+        if self.inflight is not None and ((self.waiting and self.free)
+                                          or any(r.finish is not None for r in self.active.values())):
+            yield from self._drain()  # the active set changes: read the step in flight first
+        self._retire()
+        while self.waiting and self.free:  # admit: prefill into a free slot, sample the first token
+            r, t0 = self.waiting[0], time.perf_counter()
+            sess._reset_slot(self.free[0])
+            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, self.make_stats is not None):
+                break  # its prompt's blocks are held by running requests: wait for one to finish
+            self.waiting.popleft()
+            r.slot, r.t_start = self.free.pop(0), t0
+            self.active[r.slot] = r
+            self.by_id[r.index] = r
+            yield from sess._emit(r, spec.prefill(r) if spec else sess._prefill(r))
+            if self.make_stats is not None:
+                r.spec = self.make_stats()
+            if spec is not None and r.finish is None:
+                spec.admit(r, r.spec)
+            if r.finish is not None:
+                self._retire()
+        if not self.active:
+            return
+        if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
+            yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
+        elif all(r.params.temperature == 0 and r.logprobs is None for r in self.active.values()):
+            yield from self._greedy_step()
+        else:
+            slots = sorted(self.active)
+            last = torch.tensor([[self.active[s].out[-1]] for s in slots])
+            rows = sess._run("decode", last, slots, [1] * len(slots))[:, -1].float().cpu()  # one copy
+            for i, s in enumerate(slots):
+                yield from sess._emit(self.active[s], rows[i])
+        self._retire()
+
+    def _greedy_step(self) -> Iterator[tuple[int, int]]:
+        """One greedy decode step for the active requests (see the class docstring)."""
+        sess, active = self.sess, self.active
+        slots = sorted(active)
+        if self.inflight is not None and self.inflight.slots != slots:
+            yield from self._drain()
+        cur = self.inflight or sess._greedy_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots)
+        self.inflight = None
+        more = any(len(active[s].out) + 1 < active[s].max_new for s in slots)
+        nxt = sess._greedy_launch(cur.tokens, slots) if more else None
+        done = False
+        for s, tok in zip(slots, cur.read()):
+            yield from sess._push(active[s], tok)
+            done |= active[s].finish is not None
+        self.inflight = nxt
+        if done:  # the step in flight: keep the tokens of the requests still running
+            yield from self._drain()
+
+    def _drain(self) -> Iterator[tuple[int, int]]:
+        cur, self.inflight = self.inflight, None
+        if cur is None:
+            return
+        for s, tok in zip(cur.slots, cur.read()):
+            r = self.active.get(s)
+            if r is not None and r.finish is None:
+                yield from self.sess._push(r, tok)
+
+    def _retire(self) -> None:
+        for s in [s for s, r in self.active.items() if r.finish is not None]:
+            if self.spec is not None:
+                self.spec.release(s)
+            del self.active[s]
+            self.sess._free(s, self.free)
+
+    def abort(self, request_id: int) -> bool:
+        r = self.by_id.get(request_id)
+        if r is None:
+            r = next((w for w in self.waiting if w.index == request_id), None)
+            if r is None:
+                return False
+            self.waiting.remove(r)
+            return True
+        if r.finish is not None:
+            return False
+        r.finish = "abort"  # the next iterate() reads the step in flight and frees the slot
+        if self.inflight is None:
+            self._retire()
+        self.by_id.pop(request_id)
+        return True
+
+    def fail_running(self) -> list[int]:
+        """After a failed step: finish every admitted request with "error" and free its slot."""
+        self.inflight = None
+        failed = [r.index for r in self.active.values() if r.finish is None]
+        for r in self.active.values():
+            r.finish = r.finish or "error"
+        self._retire()
+        for i in failed:
+            self.by_id.pop(i, None)
+        return failed
+
+    def forget_finished(self) -> None:
+        for i in [i for i, r in self.by_id.items() if r.finish is not None]:
+            del self.by_id[i]
 
 
 class _Inflight:

@@ -282,6 +282,8 @@ class Speculator:
         sess = self.sess
         run = sess.executors[kind].run if kind in sess.executors else sess.graphs[kind]
         lead = () if hidden is None else (hidden,)
+        if sess.mirror is not None:  # a sharded artifact: the other ranks replay the same call
+            sess.mirror.run(kind, ids, ctx.slots, pos, n_real, hidden, caches)
         return run(*lead, ids, ctx.slots, pos, n_real, caches, sess._graph_weights(kind))
 
     # ---- one round --------------------------------------------------------------------------------

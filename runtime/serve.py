@@ -1,0 +1,722 @@
+"""`dsv4c serve ART`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) for one compiled artifact.
+
+    POST /v1/completions        prompt (text or token ids) -> text; stream=true: server-sent events
+    POST /v1/chat/completions   messages rendered with the artifact's chat template (jinja2)
+    GET  /v1/models             the served model
+    GET  /health                200 once the artifact is loaded and its graphs are captured, else 503
+    GET  /metrics               Prometheus text format, `dsv4c_` metrics
+
+Requests go to an `Engine` (runtime/engine.py): continuous batching over the session's cache slots,
+the steps in a worker thread. A client that goes away aborts its request. Errors are OpenAI error
+objects, `{"error": {"message", "type", "param", "code"}}`, naming the field: 400 invalid request
+(bad JSON, wrong types, out-of-range values, prompt + max_tokens over the artifact's max_tokens), 401
+without the API key, 404 unknown model, 503 + Retry-After when the waiting queue is full or the model
+is still loading, 500 when the step running the request failed (the server keeps serving).
+
+Extensions: `top_k` (0 or -1: off) and `return_token_ids` (each choice carries `token_ids`, and
+`prompt_token_ids` in the response / first chunk), as vLLM has them.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
+
+log = logging.getLogger("dsv4c.serve")
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration and errors
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeConfig:
+    artifact: Path
+    served_model_name: str | None = None  # default: the artifact folder's name
+    api_key: str | None = None
+    max_waiting: int = 256
+    mtp: int | str = "auto"
+    device: str | None = None  # default: cuda when present
+    graphs: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.artifact).resolve().name
+
+
+class APIError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ------------------------------------------------------------------------------------------------
+# request bodies (strict: a string is not a number, 1.0 is not an int, "yes" is not a bool)
+# ------------------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    return_token_ids: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------------
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class Metrics:
+    """The server's Prometheus metrics (own registry) and the engine's observer."""
+
+    def __init__(self, model_name: str, cache_slots: int = 0):
+        r = self.registry = CollectorRegistry()
+        lab = {"model_name": model_name}
+        self.requests = Counter("dsv4c_requests", "Requests by outcome: stop, length, aborted (client gone), error "
+                                "(failed step), rejected (4xx), queue_full (503)", ["model_name", "outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("dsv4c_prompt_tokens", "Prompt tokens prefilled", ["model_name"], registry=r)
+        self.generation_tokens = Counter("dsv4c_generation_tokens", "Tokens generated", ["model_name"], registry=r)
+        self.ttft = Histogram("dsv4c_time_to_first_token_seconds", "Arrival to first token", ["model_name"],
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("dsv4c_time_per_output_token_seconds", "Mean time per output token after the first",
+                              ["model_name"], buckets=_TPOT, registry=r)
+        self.e2e = Histogram("dsv4c_e2e_request_latency_seconds", "Arrival to finish", ["model_name"],
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("dsv4c_request_queue_time_seconds", "Arrival to a cache slot", ["model_name"],
+                               buckets=_LATENCY, registry=r)
+        self.running = Gauge("dsv4c_requests_running", "Requests holding a cache slot", ["model_name"], registry=r)
+        self.waiting = Gauge("dsv4c_requests_waiting", "Requests waiting for a cache slot", ["model_name"], registry=r)
+        self.slots_in_use = Gauge("dsv4c_cache_slots_in_use", "Cache slots holding a sequence", ["model_name"],
+                                  registry=r)
+        self.slots = Gauge("dsv4c_cache_slots", "Cache slots for sequences (the artifact's max_batch)", ["model_name"],
+                           registry=r)
+        self.mtp_drafted = Counter("dsv4c_mtp_draft_tokens", "MTP draft tokens checked by verification",
+                                   ["model_name"], registry=r)
+        self.mtp_accepted = Counter("dsv4c_mtp_accepted_tokens", "MTP draft tokens accepted", ["model_name"],
+                                    registry=r)
+        self._lab = lab
+        self.slots.labels(**lab).set(cache_slots)
+        for m in (self.prompt_tokens, self.generation_tokens, self.mtp_drafted, self.mtp_accepted):
+            m.labels(**lab)  # present (at 0) from the start
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome, **self._lab).inc()
+
+    # the engine's Observer (called from its worker thread; prometheus_client is thread-safe)
+    def admitted(self, h: Handle) -> None:
+        self.queue.labels(**self._lab).observe(h.t_admitted - h.t_arrival)
+        self.prompt_tokens.labels(**self._lab).inc(len(h.spec.prompt_ids))
+
+    def finished(self, h: Handle, stats: dict | None) -> None:
+        lab = self._lab
+        self.outcome(h.outcome)
+        self.generation_tokens.labels(**lab).inc(h.n_generated)
+        self.e2e.labels(**lab).observe(time.perf_counter() - h.t_arrival)
+        if h.t_first is not None:
+            self.ttft.labels(**lab).observe(h.t_first - h.t_arrival)
+            if h.n_generated > 1:
+                self.tpot.labels(**lab).observe((h.t_last - h.t_first) / (h.n_generated - 1))
+        if stats and "proposed_per_position" in stats:
+            self.mtp_drafted.labels(**lab).inc(sum(stats["proposed_per_position"]))
+            self.mtp_accepted.labels(**lab).inc(stats["accepted_draft_tokens"])
+
+    def gauges(self, running: int, waiting: int, slots_in_use: int) -> None:
+        self.running.labels(**self._lab).set(running)
+        self.slots_in_use.labels(**self._lab).set(slots_in_use)
+
+    def watch(self, engine: Engine) -> None:
+        """The waiting gauge reads the engine's count at scrape time: it changes on the event loop too."""
+        self.waiting.labels(**self._lab).set_function(lambda: engine.waiting)
+
+
+# ------------------------------------------------------------------------------------------------
+# chat template
+# ------------------------------------------------------------------------------------------------
+def load_chat_template(art: Path) -> str | None:
+    """The artifact's chat template: `chat_template.jinja`, else tokenizer_config.json's `chat_template`
+    (a string, or a list of {name, template}: the one named "default")."""
+    art = Path(art)
+    if (art / "chat_template.jinja").is_file():
+        return (art / "chat_template.jinja").read_text()
+    cfg = art / "tokenizer_config.json"
+    if not cfg.is_file():
+        return None
+    t = json.loads(cfg.read_text()).get("chat_template")
+    if isinstance(t, list):
+        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+    return t
+
+
+class ChatTemplate:
+    """A chat template rendered with jinja2's sandbox, as Hugging Face tokenizers render theirs."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                                    add_generation_prompt=add_generation_prompt)
+
+
+# ------------------------------------------------------------------------------------------------
+# text
+# ------------------------------------------------------------------------------------------------
+class _Detokenizer:
+    """Incremental text of a growing token list: holds back a possibly incomplete UTF-8 character and
+    the tail that could still become a stop string; the text ends before the first stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = self.tok.decode(self.ids)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:
+            text, final = text[: min(cuts)], True
+        end = len(text)
+        if not final:
+            end = max(self.sent, len(text.rstrip("\ufffd")) - self.hold)
+        delta = text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return delta
+
+
+# ------------------------------------------------------------------------------------------------
+# the app
+# ------------------------------------------------------------------------------------------------
+class _State:
+    """What the routes need: filled in by the loader thread (or at once for a given session)."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.ready = False
+        self.load_error: str | None = None
+        self.sess = None
+        self.engine: Engine | None = None
+        self.chat: ChatTemplate | None = None
+        self.chat_missing = ""
+        self.mtp: dict = {"k": 0, "policy": None}
+        self.metrics: Metrics | None = None
+        self.created = int(time.time())
+
+
+def create_app(cfg: ServeConfig, session=None) -> FastAPI:
+    """The FastAPI app. Without `session` it loads cfg.artifact in a thread when the app starts (GET
+    /health answers 503 until then); with one (tests, embedding) it serves that session at once."""
+    st = _State(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if session is None:
+            threading.Thread(target=_load, args=(st,), name="dsv4c-load", daemon=True).start()
+        yield
+        if st.engine is not None:
+            st.engine.stop()
+
+    app = FastAPI(title="dsv4c", lifespan=lifespan)
+    app.state.dsv4c = st
+    if session is not None:
+        _ready(st, session)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if st.metrics is not None and e.code == "queue_full":
+            st.metrics.outcome("queue_full")
+        elif st.metrics is not None and e.status < 500 and e.status != 499:  # 499: counted as aborted
+            st.metrics.outcome("rejected")
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = _validation_error(e.errors())
+        if st.metrics is not None:
+            st.metrics.outcome("rejected")
+        return err.response()
+
+    def auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", None,
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if st.ready:
+            return {"status": "ok"}
+        status = f"error: {st.load_error}" if st.load_error else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if st.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [_model_card(st)]}
+
+    @app.get("/v1/models/{name}", dependencies=[Depends(auth)])
+    async def model(name: str):
+        _check_model(st, name)
+        return _model_card(st)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(body: CompletionRequest, request: Request):
+        _check_ready(st)
+        _check_model(st, body.model)
+        ids, prompt_text = _completion_prompt(st, body)
+        return await _run(st, request, body, ids, chat=False, echo_text=prompt_text if body.echo else None)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat(body: ChatRequest, request: Request):
+        _check_ready(st)
+        _check_model(st, body.model)
+        return await _run(st, request, body, _chat_prompt(st, body), chat=True)
+
+    return app
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+    if e.get("type") == "model_attributes_type" or not loc:
+        return APIError(400, f"the body must be a JSON object: {e.get('msg')}")
+    param = loc[0]
+    msg = e.get("msg", "invalid value")
+    return APIError(400, f"{'.'.join(loc)}: {msg}" + (f" (got {e['input']!r})" if "input" in e and
+                                                       not isinstance(e["input"], (dict, list)) else ""), param)
+
+
+def _model_card(st: _State) -> dict:
+    card = {"id": st.cfg.model_name, "object": "model", "created": st.created, "owned_by": "dsv4c"}
+    if st.sess is not None:
+        card["max_model_len"] = st.sess.max_tokens
+    return card
+
+
+def _check_ready(st: _State) -> None:
+    if not st.ready:
+        raise APIError(503, "the model is still loading" if st.load_error is None else
+                       f"the model failed to load: {st.load_error}", type_="server_error",
+                       code="model_loading", headers={"Retry-After": "5"})
+
+
+def _check_model(st: _State, name: str) -> None:
+    if name != st.cfg.model_name:
+        raise APIError(404, f"model: the model {name!r} does not exist; this server serves {st.cfg.model_name!r}",
+                       "model", code="model_not_found")
+
+
+def _completion_prompt(st: _State, body: CompletionRequest) -> tuple[list[int], str | None]:
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise APIError(400, f"prompt: one prompt per request (got a batch of {len(p)}); send concurrent "
+                                f"requests instead", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "prompt: is empty", "prompt")
+        if st.sess.tokenizer is None:
+            raise APIError(400, "prompt: this artifact has no tokenizer.json; send token ids", "prompt")
+        return st.sess._encode(p), p
+    ids = list(p)
+    V = st.sess.config.vocab_size
+    if not ids:
+        raise APIError(400, "prompt: is empty", "prompt")
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary (vocab_size={V})", "prompt")
+    text = st.sess.tokenizer.decode(ids) if st.sess.tokenizer is not None else None
+    return ids, text
+
+
+def _chat_prompt(st: _State, body: ChatRequest) -> list[int]:
+    if st.chat is None:
+        raise APIError(400, f"messages: this model has no chat template ({st.chat_missing}); use /v1/completions",
+                       "messages", code="chat_template_missing")
+    msgs = []
+    for m in body.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(part.text for part in m.content)
+        msgs.append({"role": m.role, "content": content or ""})
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text = st.chat.render(msgs, add_generation_prompt=True)
+    except TemplateError as e:
+        raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+    ids = st.sess.tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise APIError(400, "messages: the rendered prompt is empty", "messages")
+    return ids
+
+
+def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestSpec:
+    limit = st.sess.max_tokens
+    if body.n != 1:
+        raise APIError(400, f"n: only n=1 is supported (got {body.n}); send concurrent requests instead", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}: not supported (only 0)", name)
+    max_tokens = body.max_tokens
+    name = "max_tokens"
+    if chat and body.max_completion_tokens is not None:
+        max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:  # chat default: the rest of the context
+        max_tokens = limit - len(ids)
+        if max_tokens < 1:
+            raise APIError(400, f"messages: the prompt is {len(ids)} tokens, and this model's maximum context length "
+                                f"(the artifact's max_tokens) is {limit}", "messages")
+    if len(ids) + max_tokens > limit:
+        raise APIError(400, f"{name}: this model's maximum context length is {limit} tokens (the artifact's "
+                            f"max_tokens); you asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, "
+                            f"{max_tokens} for the completion)", name, code="context_length_exceeded")
+    lp = None
+    if chat and body.logprobs:
+        lp = body.top_logprobs or 0
+    elif chat and body.top_logprobs is not None:
+        raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+    elif not chat and body.logprobs is not None:
+        lp = body.logprobs
+        if body.echo:
+            raise APIError(400, "echo: with logprobs it needs the prompt's log-probabilities, which this server "
+                                "does not compute", "echo")
+    if lp is not None and st.mtp["k"]:
+        raise APIError(400, f"logprobs: not available with MTP speculative decoding (this server runs k="
+                            f"{st.mtp['k']}; serve with --mtp 0)", "logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    return RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
+                       tuple(stop), lp)
+
+
+async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None):
+    spec = _sampling(st, body, ids, chat)
+    try:
+        h = st.engine.submit(spec)
+    except QueueFull as e:
+        raise APIError(503, f"{e}; retry later", type_="server_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    out = _Output(st, body, h, rid, chat, echo_text)
+    stream = st.engine.stream(h)
+    watch = asyncio.create_task(_watch_disconnect(request, st.engine, h))
+    try:
+        first = await anext(stream)  # errors before the first token still get their status code
+    except BaseException as e:
+        watch.cancel()
+        await stream.aclose()
+        if isinstance(e, RequestFailed):
+            raise _failed(e) from None
+        raise
+    if body.stream:
+        watch.cancel()  # from here StreamingResponse watches for the client going away
+        return StreamingResponse(_sse(st, out, first, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        out.add(first)
+        async for o in stream:
+            out.add(o)
+    except RequestFailed as e:
+        raise _failed(e) from None
+    finally:
+        watch.cancel()
+        await stream.aclose()
+    return out.response()
+
+
+def _failed(e: RequestFailed) -> APIError:
+    if e.status >= 500:
+        return APIError(e.status, str(e), type_="server_error", code="step_failed")
+    return APIError(e.status, str(e), code="aborted" if e.status == 499 else None)
+
+
+async def _watch_disconnect(request: Request, engine: Engine, h: Handle) -> None:
+    """Abort `h` when the client goes away while it has no response yet."""
+    while h.outcome is None:
+        if await request.is_disconnected():
+            engine.abort(h)
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _sse(st: _State, out: "_Output", first, stream):
+    try:
+        for chunk in out.chunks(first):
+            yield _event(chunk)
+        async for o in stream:
+            for chunk in out.chunks(o):
+                yield _event(chunk)
+        if out.include_usage:
+            yield _event(out.usage_chunk())
+    except RequestFailed as e:
+        yield _event(_failed(e).body())
+    finally:
+        await stream.aclose()  # a client gone away: closes the engine stream, which aborts the request
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Output:
+    """Builds one request's response (or its stream chunks) from its StepOutputs."""
+
+    def __init__(self, st: _State, body, h: Handle, rid: str, chat: bool, echo_text: str | None):
+        self.st, self.body, self.h, self.id, self.chat = st, body, h, rid, chat
+        self.model, self.created = st.cfg.model_name, int(time.time())
+        self.detok = _Detokenizer(st.sess.tokenizer, list(h.spec.stop)) if st.sess.tokenizer is not None else None
+        self.echo = echo_text
+        self.offset = len(echo_text or "")  # text_offset of the next token (completions logprobs)
+        self.text, self.tokens, self.lps = "", [], []
+        self.finish: str | None = None
+        self.started = False
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def _delta(self, o) -> str:
+        if self.detok is None:
+            return ""
+        return self.detok.push(o.tokens, o.finish_reason is not None)
+
+    def add(self, o) -> None:
+        self.tokens += o.tokens
+        self.lps += o.logprobs or []
+        self.text += self._delta(o)
+        self.finish = o.finish_reason or self.finish
+
+    def _usage(self) -> dict:
+        p, c = len(self.h.spec.prompt_ids), len(self.tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _finish_reason(self) -> str | None:
+        return None if self.finish is None else ("length" if self.finish == "length" else "stop")
+
+    def _choice(self, text: str, tokens: list[int], lps: list, finish: str | None, stream: bool) -> dict:
+        if self.chat:
+            key = "delta" if stream else "message"
+            msg = {"role": "assistant", "content": text} if not stream or not self.started else \
+                {"content": text}
+            c = {"index": 0, key: msg, "logprobs": self._chat_logprobs(tokens, lps), "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": text, "logprobs": self._completion_logprobs(tokens, lps), "finish_reason": finish}
+        if self.body.return_token_ids:
+            c["token_ids"] = list(tokens)
+            if not self.started:
+                c["prompt_token_ids"] = list(self.h.spec.prompt_ids)
+        return c
+
+    def _tok_text(self, t: int) -> str:
+        tok = self.st.sess.tokenizer
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+    def _completion_logprobs(self, tokens, lps):
+        if self.h.spec.logprobs is None:
+            return None
+        texts = [self._tok_text(t) for t in tokens]
+        offsets = []
+        for t in texts:  # offsets into the echoed prompt + completion, counted per token's own text
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": texts, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{self._tok_text(t): v for t, v in top} for _, top in lps], "text_offset": offsets}
+
+    def _chat_logprobs(self, tokens, lps):
+        if self.h.spec.logprobs is None:
+            return None
+
+        def entry(t, v):
+            s = self._tok_text(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for t, (lp, top) in zip(tokens, lps)]}
+
+    def _envelope(self, choices: list, stream: bool) -> dict:
+        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunks(self, o) -> list[dict]:
+        delta = self._delta(o)
+        if self.echo and not self.started:
+            delta = self.echo + delta
+        self.tokens += o.tokens
+        self.finish = o.finish_reason or self.finish
+        chunk = self._envelope([self._choice(delta, o.tokens, o.logprobs or [], self._finish_reason(), True)], True)
+        if self.include_usage:
+            chunk["usage"] = None
+        self.started = True
+        return [chunk]
+
+    def usage_chunk(self) -> dict:
+        c = self._envelope([], True)
+        c["usage"] = self._usage()
+        return c
+
+    def response(self) -> dict:
+        text = (self.echo or "") + self.text
+        r = self._envelope([self._choice(text, self.tokens, self.lps, self._finish_reason(), False)], False)
+        r["usage"] = self._usage()
+        return r
+
+
+# ------------------------------------------------------------------------------------------------
+# loading and the command
+# ------------------------------------------------------------------------------------------------
+def _load(st: _State) -> None:
+    """Load the artifact, warm up (captures the graphs on a GPU), decide MTP, start the engine."""
+    from dsv4c.runtime import Session
+
+    try:
+        import torch
+
+        cfg = st.cfg
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        sess = Session.load(cfg.artifact, device=device, graphs=cfg.graphs)
+        log.info("loaded %s in %.1fs", cfg.artifact, time.perf_counter() - t0)
+        _ready(st, sess)
+    except Exception as e:  # /health reports it; the process keeps answering
+        log.exception("loading %s failed", st.cfg.artifact)
+        st.load_error = f"{type(e).__name__}: {e}"
+
+
+def _ready(st: _State, sess) -> None:
+    cfg = st.cfg
+    st.sess = sess
+    warm = [sess.config.bos_token_id or 0] * 4
+    sess.generate([warm] * min(2, sess.max_batch), max_new_tokens=2)  # captures decode on a GPU
+    mtp = cfg.mtp
+    if mtp == "auto" and not int(sess.manifest.get("mtp_k", 0)):
+        mtp = 0
+    st.mtp = sess.set_mtp(mtp)
+    if st.mtp["k"]:
+        sess.generate([warm], max_new_tokens=4, mtp=st.mtp["k"])  # captures verify / mtp
+    st.chat, st.chat_missing = _chat_template(cfg.artifact, sess)
+    st.metrics = Metrics(cfg.model_name, sess.max_batch)
+    st.engine = Engine(sess, cfg.max_waiting, st.metrics)
+    st.metrics.watch(st.engine)
+    st.engine.start()
+    st.ready = True
+    log.info("ready: %s (max_tokens %d, max_batch %d, mtp k=%d%s)", cfg.model_name, sess.max_tokens, sess.max_batch,
+             st.mtp["k"], f": {st.mtp['policy']['reason']}" if st.mtp.get("policy") else "")
+
+
+def _chat_template(art: Path, sess) -> tuple[ChatTemplate | None, str]:
+    src = load_chat_template(art)
+    if src is None:
+        return None, f"{art}: neither chat_template.jinja nor a chat_template in tokenizer_config.json"
+    if sess.tokenizer is None:
+        return None, f"{art}: a chat template but no tokenizer.json"
+    extra = json.loads((Path(art) / "tokenizer_config.json").read_text()) \
+        if (Path(art) / "tokenizer_config.json").is_file() else {}
+
+    def token(key: str, tid: int | None) -> str:
+        v = extra.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if v is None and tid is not None:
+            v = sess.tokenizer.id_to_token(tid)
+        return v or ""
+
+    return ChatTemplate(src, token("bos_token", sess.config.bos_token_id),
+                        token("eos_token", sess.config.eos_token_id)), ""
+
+
+def serve(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
