@@ -2,6 +2,8 @@
 
     python examples/accuracy_slice.py --out-dir $OUT/acc                    # H200, <= 6 minutes
     python examples/accuracy_slice.py --quick --device cpu --out-dir /tmp/acc   # v4-tiny-a smoke run
+    python examples/accuracy_slice.py --out-dir $OUT/acc --parts passes,formats,floor,fp8 --graphs prefill \
+        --formats fp8_block --budget-s 280                                     # issue 22's causes only
 
 The slice is built on the GPU with seeded random weights rounded to the release formats (as
 examples/bench_artifact.py does: MXFP4 routed experts, so the mxfp4 container holds them exactly).
@@ -17,6 +19,13 @@ for the artifact part is kept back until it runs; decode and MTP per-pass rows c
      pinned and free (`dsv4c.compare.artifact_logits`);
   4. top-k margins per layer (eager, unpinned): the slice's, and the bundled trained model's
      (examples/models/v4-tiny-pystdlib, on text) for contrast.
+  5. `floor`: two valid bf16 evaluations of the eager model (one prompt in one forward vs in chunks,
+     routing pinned): the spread a fusion pass that only moves bf16 roundings cannot beat;
+  6. `fp8`: per MoE layer, the Triton fp8_block kernels vs their reference on identical quantised
+     inputs, the format's own error (ue8m0 and fp32 activation scales) vs fp32 math, and how it
+     compounds to the logits (eager with fp8 experts emulated, every layer / one layer, pinned).
+  Parts 5 and 6 end in a "cause" paragraph generated from their numbers. `--parts` picks parts
+  (passes, formats, floor, fp8, margins, artifact).
 Per MoE layer, the share of tokens whose top-k expert set differs from eager's: free (cascading) and
 pinned (the graph's own router on eager-routed inputs). Targets (issue 22): fusion passes >= 38 dB or
 bit-exact, mxfp4/nvfp4 >= 35 dB, fp8_block >= 25 dB, the artifact as its format; pinned.
@@ -212,11 +221,13 @@ def _act_fp8(v: torch.Tensor, ue8m0: bool) -> torch.Tensor:
 
 
 def fp8_moe_emulated(u: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1, w3, w2, limit: float,
-                     ue8m0: bool = True) -> torch.Tensor:
+                     ue8m0: bool = True, lossless: dict | None = None) -> torch.Tensor:
     """The routed experts in fp8_block W8A8, emulated in fp32 one expert at a time (no fp32 copy of the
     stack): weights as quantize_experts converts them (dsv4c.convert.quantize_stack), x and h quantised
     per 1x128 with `ue8m0` (spec) or fp32 scales, routing weight before w2. u [T, D]; idx, weight [T, K];
-    w1, w3 [E, I, D], w2 [E, D, I] -> [T, D] in u's dtype. With ue8m0 it is moe_grouped_ref's function."""
+    w1, w3 [E, I, D], w2 [E, D, I] -> [T, D] in u's dtype. With ue8m0 it is moe_grouped_ref's function.
+    `lossless` (a dict kept across calls): experts whose conversion was found exact, used as they are
+    (the slice's MXFP4 values convert exactly; this skips re-converting them on every forward)."""
     from dsv4c.convert import ALIGN, padded, quantize_stack
     from dsv4c.kernels.moe_grouped import experts_from_tensors
 
@@ -229,8 +240,16 @@ def fp8_moe_emulated(u: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w
     out = torch.zeros(t, dp, dtype=torch.float32, device=u.device)
     for e in flat.unique().tolist():
         sel = (flat == e).nonzero()[:, 0]
-        f = quantize_stack("fp8_block", w1[e:e + 1], w3[e:e + 1], w2[e:e + 1], ip, dp)
-        q1, q3, q2 = (w[0] for w in experts_from_tensors("fp8_block", **f).dequantize())
+        key = (w1.data_ptr(), e)
+        if lossless is not None and lossless.get(key):
+            q1, q3, q2 = (torch.nn.functional.pad(w[e].float(), (0, c - w.shape[2], 0, r - w.shape[1]))
+                          for w, r, c in ((w1, ip, dp), (w3, ip, dp), (w2, dp, ip)))
+        else:
+            f = quantize_stack("fp8_block", w1[e:e + 1], w3[e:e + 1], w2[e:e + 1], ip, dp)
+            q1, q3, q2 = (w[0] for w in experts_from_tensors("fp8_block", **f).dequantize())
+            if lossless is not None:
+                lossless[key] = all(torch.equal(q[:w.shape[1], :w.shape[2]], w[e].float())
+                                    for q, w in ((q1, w1), (q3, w3), (q2, w2)))
         xs = xa[tok[sel]]
         g, up = xs @ q1.t(), xs @ q3.t()
         if limit > 0:
@@ -310,7 +329,7 @@ def fp8_kernel_check(model, prompt: int, dev, tokens: int = 8) -> list[dict]:
     return out
 
 
-def _fp8_forward(ue8m0: bool):
+def _fp8_forward(ue8m0: bool, lossless: dict):
     """A MoE.forward (dsv4c/model/v4.py) whose routed experts are `fp8_moe_emulated`."""
     from dsv4c.model.common import swiglu
 
@@ -319,7 +338,7 @@ def _fp8_forward(ue8m0: bool):
         u = u.reshape(-1, shape[-1])
         idx, w = self.gate(u, ids.reshape(-1))
         ex, se = self.experts, self.shared_experts
-        y = fp8_moe_emulated(u, idx, w, ex.w1, ex.w3, ex.w2, self.limit, ue8m0)
+        y = fp8_moe_emulated(u, idx, w, ex.w1, ex.w3, ex.w2, self.limit, ue8m0, lossless)
         y = y + swiglu(u, se.w1.weight, se.w3.weight, se.w2.weight, self.limit)
         return y.reshape(shape)
     return forward
@@ -336,6 +355,7 @@ def fp8_compounding(model, prompt: int, dev) -> dict:
 
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(7)).to(dev)
     layers = _moe_layers(model)
+    lossless: dict = {}
 
     def run(fp8_layers, ue8m0=True, table=None):
         outs = {}
@@ -343,7 +363,7 @@ def fp8_compounding(model, prompt: int, dev) -> dict:
                  for name, ffn in layers]
         for name, ffn in layers:
             if name in fp8_layers:
-                ffn.forward = types.MethodType(_fp8_forward(ue8m0), ffn)
+                ffn.forward = types.MethodType(_fp8_forward(ue8m0, lossless), ffn)
         try:
             with record_routing(model, pin=table) as rec:
                 logits = model(ids)
@@ -366,6 +386,7 @@ def fp8_compounding(model, prompt: int, dev) -> dict:
            "single": {n: measured((n,))["logits"]["snr_db"] for n in names}}
     noise = sum(10 ** (-s / 10) for s in res["single"].values() if not math.isinf(s))
     res["predicted_all_db"] = math.inf if noise == 0 else -10 * math.log10(noise)
+    res["experts_converted_exactly"] = f"{sum(lossless.values())}/{len(lossless)}"
     return res
 
 

@@ -85,3 +85,15 @@ def test_the_cause_paragraphs_follow_the_numbers():
                    acc.fusion_cause(_res(30.0, 30.0, 40.0)))
     assert "a kernel defect" in bad and "beyond the format" in bad
     assert "below the spread" in bad
+
+
+def test_fp8_emulation_reuses_only_exact_conversions(case):
+    x, idx, w, w1, w3, w2, _ = case
+    lossless: dict = {}
+    first = acc.fp8_moe_emulated(x.float(), idx, w, w1, w3, w2, 0.5, lossless=lossless)
+    assert lossless and all(lossless.values())  # MXFP4 values convert to fp8_block exactly
+    assert torch.equal(acc.fp8_moe_emulated(x.float(), idx, w, w1, w3, w2, 0.5, lossless=lossless), first)
+    off = w1 + 1e-3 * torch.randn(w1.shape, generator=torch.Generator().manual_seed(1))  # not fp8-exact
+    lossy: dict = {}
+    acc.fp8_moe_emulated(x.float(), idx, w, off, w3, w2, 0.5, lossless=lossy)
+    assert lossy and not any(lossy.values())
