@@ -234,7 +234,8 @@ def fp8_moe_emulated(u: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w
     t, d = u.shape
     i = w1.shape[1]
     ip, dp = padded(i, ALIGN["fp8_block"]), padded(d, ALIGN["fp8_block"])
-    xa = _act_fp8(torch.nn.functional.pad(u.float(), (0, dp - d)), ue8m0)             # [T, Dp]
+    xb = u.to(torch.bfloat16).float()                                                  # the op's input is bf16
+    xa = _act_fp8(torch.nn.functional.pad(xb, (0, dp - d)), ue8m0)                     # [T, Dp]
     flat, wf = idx.reshape(-1), weight.reshape(-1).float()
     tok = torch.arange(t, device=u.device).repeat_interleave(idx.shape[1])           # [T·K]
     out = torch.zeros(t, dp, dtype=torch.float32, device=u.device)
@@ -345,15 +346,17 @@ def _fp8_forward(ue8m0: bool, lossless: dict):
 
 
 def fp8_compounding(model, prompt: int, dev) -> dict:
-    """Eager, one prompt, routing pinned to the bf16 run's: the logits (and each MoE layer's output) with
-    fp8_block experts (emulated, ue8m0) in every layer, in one layer at a time, and with fp32 scales.
-    `predicted_all_db` adds the single-layer noise powers (independent errors)."""
+    """Eager, on the per-pass/per-format part's prompts (2 rows), routing pinned to the unquantised run's:
+    the logits (and each MoE layer's output) with fp8_block experts (emulated, ue8m0) in every layer, in
+    one layer at a time, and with fp32 scales. `predicted_all_db` adds the single-layer noise powers
+    (independent errors). The all-layer figure is the one the graph's pinned fp8_block row should match."""
     import types
 
-    from dsv4c.compare import error_metrics
+    from dsv4c.compare import _cases, error_metrics
     from dsv4c.routing import record_routing
 
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(7)).to(dev)
+    (case,) = _cases(model, ["prefill"], 0, seed=0, prompt_len=prompt)
+    ids = case.args[0]
     layers = _moe_layers(model)
     lossless: dict = {}
 
