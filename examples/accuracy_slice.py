@@ -491,10 +491,14 @@ def fp8_cause(res: dict) -> list[str]:
         L.append("")
     kern = [_snr(r.get(k)) for r in rows for k in ("kernel_vs_ref", "prefill_kernel_vs_ref") if r.get(k)]
     if kern:
-        kmin = min(kern)
-        kv = (f"the Triton kernels match their reference to >= {_db(kmin)} dB on identical quantised inputs, so they "
-              "are right" if kmin >= 50 else f"the Triton kernels match their reference only to {_db(kmin)} dB "
-              "on identical quantised inputs (< 50 dB): a kernel defect")
+        # Two right fp32 implementations of the quantised function differ where h sits on an e4m3 rounding
+        # boundary (other summation orders): the emulation vs the reference shows how much that is here.
+        emu = min((_snr(r["emulated_vs_ref"]) for r in rows if r.get("emulated_vs_ref")), default=math.inf)
+        kmin, bar = min(kern), min(50.0, emu - 6.0)
+        kv = (f"the Triton kernels match their reference to >= {_db(kmin)} dB on identical quantised inputs (bar "
+              f"{_db(bar)} dB: 50, or 6 dB under the {_db(emu)} dB between two fp32 implementations), so they are "
+              "right" if kmin >= bar else f"the Triton kernels match their reference only to {_db(kmin)} dB on "
+              f"identical quantised inputs (bar {_db(bar)} dB): a kernel defect")
     else:
         kv = "the Triton kernels were not run (CPU)"
     fmt = [_snr(r["fp8_ue8m0_vs_exact"]) for r in rows]

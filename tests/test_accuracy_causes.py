@@ -62,7 +62,7 @@ def _pinned(db):
 
 def _res(kernel_db, fusion_db, floor_db, graph_fp8_db=20.0):
     row = {"layer": "layers.1", "tokens": 8, "experts": 40, "kernel_vs_ref": {"snr_db": kernel_db},
-           "prefill_kernel_vs_ref": {"snr_db": "inf"}, "fp8_ue8m0_vs_exact": {"snr_db": 27.0},
+           "prefill_kernel_vs_ref": {"snr_db": "inf"}, "emulated_vs_ref": {"snr_db": 55.0}, "fp8_ue8m0_vs_exact": {"snr_db": 27.0},
            "fp8_fp32_scales_vs_exact": {"snr_db": 27.4}, "weights_only_vs_exact": {"snr_db": "inf"},
            "eager_bf16_vs_exact": {"snr_db": 45.0}}
     comp = {"all_ue8m0": {"logits": {"snr_db": 20.5}, "moe_out_db": {"layers.1": 27.0}},
@@ -83,7 +83,7 @@ def test_the_cause_paragraphs_follow_the_numbers():
     assert "within the spread" in good and "35.0 dB (fuse_hc)" in good
     bad = " ".join(acc.fp8_cause(_res(30.0, 30.0, 40.0, graph_fp8_db=12.0)) +
                    acc.fusion_cause(_res(30.0, 30.0, 40.0)))
-    assert "a kernel defect" in bad and "beyond the format" in bad
+    assert "a kernel defect" in bad and "beyond the format" in bad and "bar 49.0 dB" in bad
     assert "below the spread" in bad
 
 
