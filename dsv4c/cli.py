@@ -175,7 +175,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
-                       convert_device=a.convert_device)
+                       convert_device=a.convert_device, deterministic=a.deterministic)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -196,7 +196,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     from dsv4c.runtime import Session
 
-    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
+    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs,
+                        deterministic=a.deterministic)
     prompts = a.prompt or []
     if not prompts:
         raise ValueError("run: give at least one --prompt")
@@ -220,7 +221,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from dsv4c.bench import bench_artifact, format_table, write_json
 
     res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
-                         emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed)
+                         emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed,
+                         deterministic=a.deterministic)
     print(format_table(res))
     if a.json:
         write_json(res, a.json)
@@ -291,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: each row's logits do not depend on the rows sharing a step "
+                        "(unquantised experts; refuses what it cannot make invariant, naming the kernel)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")
@@ -316,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(and MTP acceptance with --mtp)")
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0 (off), k = 1..K (the artifact's "
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
+    s.add_argument("--deterministic", action="store_true", help="require an artifact compiled with "
+                   "--deterministic (batch-invariant kernels); refuses any other")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
@@ -329,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mtp", default="0", help="MTP speculative decoding: 0, k, or auto")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    s.add_argument("--deterministic", action="store_true", help="require an artifact compiled with "
+                   "--deterministic (batch-invariant kernels); refuses any other")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("generate", help="greedy-decode with the eager reference model (text or token ids)")

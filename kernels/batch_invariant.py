@@ -193,3 +193,49 @@ def moe_experts_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
 @moe_experts_bi.register_fake
 def _moe_experts_bi_fake(x, idx, weight, w1, w3, w2, swiglu_limit):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("dsv4c::grouped_linear_bi", mutates_args=())
+def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`dsv4c::grouped_linear` (z [B, T, G, R] = einsum('btgi,gri->btgr', x.to(w.dtype), w)) as one
+    `bi_matmul` per group: the same path for any token count (the default op switches to the einsum
+    above 16 rows). CPU tensors run the reference."""
+    xw = x.to(w.dtype)
+    if x.device.type == "cpu":
+        return torch.einsum("btgi,gri->btgr", xw, w)
+    return torch.stack([bi_matmul(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
+
+
+@grouped_linear_bi.register_fake
+def _grouped_linear_bi_fake(x, w):
+    return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("dsv4c::sum_bi", mutates_args=())
+def sum_bi(x: torch.Tensor, dim: int, keepdim: bool, mean: bool) -> torch.Tensor:
+    """x.sum(dim) (or .mean) in a fixed order: over the last dim as a `bi_matmul` with a ones row
+    (fp32 accumulation, fixed K walk), over another dim by adding its slices in index order (elementwise
+    adds). A torch reduction may split one row over several blocks when few rows share the call."""
+    d = dim % x.dim()
+    n = x.shape[d]
+    if d == x.dim() - 1 and x.device.type != "cpu":
+        s = bi_matmul(x, x.new_ones((1, n)), None, torch.float32)[..., 0]
+    else:
+        s = x.select(d, 0).float() if n else x.sum(d).float()
+        for i in range(1, n):
+            s = s + x.select(d, i).float()
+    if mean:
+        s = s / n
+    s = s.to(x.dtype)
+    return s.unsqueeze(d) if keepdim else s
+
+
+@sum_bi.register_fake
+def _sum_bi_fake(x, dim, keepdim, mean):
+    d = dim % x.dim()
+    shape = list(x.shape)
+    if keepdim:
+        shape[d] = 1
+    else:
+        shape.pop(d)
+    return x.new_empty(shape)

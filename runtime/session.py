@@ -91,13 +91,15 @@ class Session:
     @classmethod
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
-             strict_source: bool = False) -> "Session":
+             strict_source: bool = False, deterministic: bool = False) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
         a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
         (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
-        dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py)."""
+        dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py).
+        `deterministic=True` requires an artifact compiled with `--deterministic` (the kernels are chosen
+        at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -105,6 +107,9 @@ class Session:
         art = Path(art)
         manifest = read_manifest(art, verify=True)
         check_source(manifest, str(art), strict=strict_source)
+        if deterministic and not manifest.get("deterministic"):
+            raise ArtifactError(f"{art}: deterministic=True needs an artifact compiled with --deterministic "
+                                f"(manifest field 'deterministic' is {manifest.get('deterministic')!r})")
         limit = manifest["limits"]["max_tokens"]
         if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
             raise ValueError(f"max_num_batched_tokens: between 1 and the artifact's max_tokens ({limit}), "
