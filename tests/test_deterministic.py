@@ -30,7 +30,9 @@ GEMM_OPS = ("aten.linear", "aten.matmul", "aten.mm", "aten.addmm", "aten.bmm", "
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     d = tmp_path_factory.mktemp("det")
-    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), d / "ckpt", seed=3, dtype=torch.float32)
+    cfg = ModelConfig.preset("v4-tiny-a")  # cut to 2 layers (a CSA layer among them) to keep the compile short
+    cfg = cfg.replace(num_hidden_layers=2, compress_ratios=(0, 4, 0), num_hash_layers=1)
+    write_random_checkpoint(cfg, d / "ckpt", seed=3, dtype=torch.float32)
     m = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=32, max_batch=3, mtp_k=2,
                            dtype=torch.float32, fused_mtp=False, deterministic=True, verify_boundaries=False)
     return d / "art", m
@@ -40,7 +42,8 @@ def test_deterministic_artifact_has_only_invariant_reductions(art):
     path, m = art
     assert m["deterministic"]["enabled"] and m["deterministic"]["blockers"] == {}
     assert "not proven" in m["deterministic"]["note"]  # the CPU target says what it does not prove
-    for name, g in m["graphs"].items():
+    for name in ("decode", "mtp"):
+        g = m["graphs"][name]
         ep = torch.export.load(str(path / g["file"]))
         targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
         assert not [t for t in targets if t.startswith(GEMM_OPS)], name
