@@ -153,7 +153,7 @@ def moe_experts_bi_impl(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor
     from dsv4c.model.common import swiglu_act
 
     T, C = idx.shape
-    rows = torch.arange(T, device=x.device).repeat_interleave(C)              # [P]
+    rows = torch.arange(T * C, device=x.device) // C                           # [P] token of each pair
     experts = idx.reshape(-1)                                                  # [P]
     g = gemv(x, rows, experts, w1)                                             # [P, I]
     u = gemv(x, rows, experts, w3)
