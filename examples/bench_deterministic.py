@@ -54,9 +54,10 @@ def lower(model, n_slots: int, max_len: int, mode: str):
     kernels, no_quant, det = MODES[mode]
     ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), None, deterministic=det)
     gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
-    gm, _ = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
+    gm, records = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
+    blockers = [b for r in records if r.name == "make_batch_invariant" for b in r.stats.get("blockers", [])]
     plan = plan_segments(gm, ctx)
-    return plan, apply_plan(gm, plan)
+    return plan, apply_plan(gm, plan), blockers
 
 
 @torch.no_grad()
@@ -106,7 +107,7 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
     res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__}
     for mode in modes:
-        plan, split = lower(model, n_slots, max_len, mode)
+        plan, split, blockers = lower(model, n_slots, max_len, mode)
         ex = SegmentExecutor(split, plan, dev, buckets=buckets, mode="full" if dev.type == "cuda" else "eager",
                              pad_slot=n_slots - 1)
         out = {b: greedy(ex, flat, snap, pos0, ids0, b, steps) for b in batches}
@@ -114,6 +115,7 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
         r = {"step_ms": {b: statistics.median(o[2][3:]) if len(o[2]) > 3 else None for b, o in out.items()},
              "rows_identical": all(torch.equal(o[0], big_first[:b]) for b, o in out.items()),
              "tokens_identical": all(torch.equal(o[1], big_toks[:, :b]) for b, o in out.items()),
+             "blockers": blockers,  # deterministic mode: ops make_batch_invariant could not vouch for
              "max_logit_diff_vs_largest_batch": {b: float((o[0] - big_first[:b]).abs().max()) for b, o in out.items()}}
         res[mode] = r
         print(f"{mode:14} " + "  ".join(f"B={b}: {ms:.3f} ms" for b, ms in r["step_ms"].items() if ms is not None)
