@@ -58,6 +58,49 @@ def test_bi_gemv_and_experts_rows_do_not_depend_on_token_count():
     assert (out8.float() - ref).abs().max() <= 3e-2 * ref.abs().max()
 
 
+def test_hc_pre_rows_and_sum_rows_do_not_depend_on_m():
+    """hc_pre with one row per program (`dsv4c::hc_pre_rows`'s CUDA path) under the interpreter, and
+    sum_bi's CPU path (slices added in index order)."""
+    from dsv4c.kernels.batch_invariant import sum_bi
+    from dsv4c.kernels.mhc import hc_pre
+
+    N, D, mix = 4, 40, 24
+    X = _rand(8, N, D, dtype=torch.float32)
+    fn = _rand(mix, N * D, dtype=torch.float32, seed=1) / (N * D) ** 0.5
+    base, scale = 0.3 * _rand(mix, dtype=torch.float32, seed=2), 0.5 + torch.rand(3)
+    full = hc_pre(X, fn, base, scale, 1e-6, 1e-6, 20, chunk=64, rows=True)
+    for i in (0, 7):
+        one = hc_pre(X[i:i + 1], fn, base, scale, 1e-6, 1e-6, 20, chunk=64, rows=True)
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(one, full))
+    s8 = sum_bi(X, -2, False, False)
+    assert torch.equal(sum_bi(X[2:3], -2, False, False), s8[2:3])
+    assert torch.allclose(s8, X.sum(-2), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(sum_bi(X, -1, True, True), X.mean(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_invariant_ops_rows_on_gpu():
+    """The custom ops' CUDA paths: rows at M = 1 and 8 equal rows of M = 64, bit for bit."""
+    ops = torch.ops.dsv4c
+    x = _rand(64, 1, 512, dtype=torch.bfloat16, device="cuda")
+    s = ops.sum_bi(x.float(), -1, True, True)
+    assert torch.equal(ops.sum_bi(x[:1].float(), -1, True, True), s[:1])
+    xg, wg = _rand(64, 1, 4, 256, dtype=torch.bfloat16, device="cuda"), _rand(4, 64, 256, dtype=torch.bfloat16,
+                                                                              device="cuda", seed=1)
+    z = ops.grouped_linear_bi(xg, wg)
+    assert torch.equal(ops.grouped_linear_bi(xg[:8], wg), z[:8])
+    E, I, D, C = 16, 128, 512, 6
+    w1, w3 = _rand(E, I, D, dtype=torch.bfloat16, device="cuda", seed=2), _rand(E, I, D, dtype=torch.bfloat16,
+                                                                                device="cuda", seed=3)
+    w2 = _rand(E, D, I, dtype=torch.bfloat16, device="cuda", seed=4)
+    xe = x[:, 0]
+    idx = torch.stack([torch.randperm(E)[:C] for _ in range(64)]).cuda()
+    wt = torch.rand(64, C, device="cuda")
+    y = ops.moe_experts_bi(xe, idx, wt, w1, w3, w2, 7.0)
+    for m in (1, 8):
+        assert torch.equal(ops.moe_experts_bi(xe[:m], idx[:m], wt[:m], w1, w3, w2, 7.0), y[:m])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bi_matmul_rows_on_gpu(dtype):
