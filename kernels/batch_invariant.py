@@ -201,9 +201,8 @@ def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     `bi_matmul` per group: the same path for any token count (the default op switches to the einsum
     above 16 rows). CPU tensors run the reference."""
     xw = x.to(w.dtype)
-    if x.device.type == "cpu":
-        return torch.einsum("btgi,gri->btgr", xw, w)
-    return torch.stack([bi_matmul(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
+    mm = bi_matmul_ref if x.device.type == "cpu" else bi_matmul
+    return torch.stack([mm(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
 
 
 @grouped_linear_bi.register_fake

@@ -61,6 +61,27 @@ def test_greedy_identical_across_batch_and_mtp(art):
     assert all(len(t) == 8 for t in together)
 
 
+def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypatch):
+    """The whole deterministic decode graph (2-layer tiny V4, h200 lowering) with the batch-invariant
+    ops' CPU paths pointed at their Triton kernels under the interpreter: row 0's logits are the same
+    bits at batch 1 and 3. (The other ops run their CPU references here; on the GPU the gpu tests and
+    examples/bench_deterministic.py check the real kernels.)"""
+    import sys
+
+    import dsv4c.kernels.batch_invariant as bi
+    import dsv4c.kernels.mhc as mhc
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import bench_deterministic
+
+    monkeypatch.setattr(bi, "bi_matmul_ref", lambda x, w, b=None, o=None: bi.bi_matmul(x.contiguous(), w, b, o))
+    monkeypatch.setattr(bi, "bi_gemv_gathered_ref", bi.bi_gemv_gathered)
+    monkeypatch.setattr(mhc, "hc_pre_ref", lambda *a: mhc.hc_pre(*a, rows=True))
+    res = bench_deterministic.run(layers=2, batches=[1, 3], prompt=12, steps=2, modes=("deterministic",),
+                                  device="cpu", preset="v4-tiny-a")["deterministic"]
+    assert res["blockers"] == [] and res["rows_identical"] and res["tokens_identical"], res
+
+
 def test_session_refuses_an_artifact_not_compiled_deterministic(art, monkeypatch):
     import dsv4c.runtime.session as session_mod
 
