@@ -3,10 +3,12 @@
 CPU: a tiny V4 model with an MTP block compiled for the cpu target in deterministic mode. The test
 checks the plumbing: every GEMM, expert, hc-mix and reduction node is the batch-invariant op, the
 manifest records the mode, and greedy tokens are identical at batch 1 and 3 and with MTP k = 0 and 2.
-What it does NOT prove: on the CPU those ops run their torch references (fp32), whose batch
-invariance is not guaranteed by construction; the Triton kernels' invariance is checked under the
-interpreter in test_kernels_batch_invariant.py, and on the GPU by the `gpu` tests below and
-examples/bench_deterministic.py (bit-identical logits rows at batch 1/8/64 at Flash dimensions).
+What that does NOT prove: on the CPU those ops run their torch references (fp32), whose batch
+invariance is not guaranteed by construction. `test_decode_rows_bit_identical_with_the_triton_kernels_
+interpreted` points them at their Triton kernels (interpreter) and checks bit-identical rows of the
+whole decode graph; the interpreter runs the kernels' program structure and K order, not the GPU's
+MMA units or the other ops' GPU kernels: the `gpu` tests below and examples/bench_deterministic.py
+check those (bit-identical logits rows at batch 1/8/64 at Flash dimensions).
 """
 from __future__ import annotations
 
