@@ -85,13 +85,14 @@ class _Timer:
 
 def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_len: int, device: str = "cpu",
                    graphs: str | None = None, emulate: bool = False, mtp=0, seed: int = 0,
-                   warmup: bool = True) -> dict:
+                   warmup: bool = True, deterministic: bool = False) -> dict:
     from dsv4c.runtime import Session
     from dsv4c.runtime.speculative import merge_spec_stats
 
     t0 = time.perf_counter()
     # prefix caching off: a warm-up prompt served again from cached blocks would not time its prefill
-    sess = Session.load(art, device=device, emulate=emulate, graphs=graphs, prefix_cache=False)
+    sess = Session.load(art, device=device, emulate=emulate, graphs=graphs, prefix_cache=False,
+                        deterministic=deterministic)
     load_s = time.perf_counter() - t0
     V = sess.config.vocab_size
     if prompt_len + output_len > sess.max_tokens:

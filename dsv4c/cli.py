@@ -187,7 +187,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
-                       convert_device=a.convert_device, plan=_compile_plan(a))
+                       convert_device=a.convert_device, plan=_compile_plan(a), deterministic=a.deterministic)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -235,7 +235,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("run: give at least one --prompt, --prompt-file or --prompt-ids")
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
-    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs)
+    sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs,
+                        deterministic=a.deterministic)
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, mtp=a.mtp)
     for p, r in zip(prompts, results):
@@ -259,7 +260,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
-                         emulate=a.emulate, mtp=a.mtp, seed=a.seed)
+                         emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed,
+                         deterministic=a.deterministic)
     print(format_table(res))
     if a.json:
         write_json(res, a.json)
@@ -456,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")
+    s.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: each row's logits do not depend on the rows sharing a step "
+                        "(unquantised experts; refuses what it cannot make invariant, naming the kernel)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")
@@ -489,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--mtp K), or auto; exact (greedy output and sampling distribution unchanged)")
     s.add_argument("--worker-timeout", type=float, default=3600.0,
                    help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
+    s.add_argument("--deterministic", action="store_true", help="require an artifact compiled with "
+                   "--deterministic (batch-invariant kernels); refuses any other")
     s.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("bench", help="throughput and latency percentiles of an artifact (JSON with --json)")
@@ -506,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     s.add_argument("--worker-timeout", type=float, default=3600.0,
                    help="a sharded artifact's workers: seconds before a run that has not ended is stopped")
+    s.add_argument("--deterministic", action="store_true", help="require an artifact compiled with "
+                   "--deterministic (batch-invariant kernels); refuses any other")
     s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")

@@ -94,7 +94,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        progress: bool = False, kernels: dict[str, str] | None = None,
                        verify_boundaries: bool | None = None, expert_format: str | None = None,
                        fused_mtp: bool = True, convert_device: str | None = None,
-                       plan: "ParallelPlan | None" = None) -> dict:
+                       plan: "ParallelPlan | None" = None, deterministic: bool = False) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
     records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
@@ -102,14 +102,21 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     `convert_device` is where routed experts are converted (default: a GPU when there is one; the
     conversions are exact, so the bytes written do not depend on it).
     `plan`: a `ParallelPlan` with more than one rank writes a sharded artifact (`compile_sharded`);
-    None or tp = ep = 1 writes the single-GPU layout."""
+    None or tp = ep = 1 writes the single-GPU layout.
+    `deterministic`: batch-invariant kernels (`deterministic_target`, passes/make_batch_invariant.py);
+    on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant."""
     if plan is not None and not plan.is_single:
+        if deterministic:
+            raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")
         return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
                                max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
                                progress=progress, expert_format=expert_format, fused_mtp=fused_mtp)
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
+    if deterministic:
+        tgt, kernels = deterministic_target(tgt, expert_format, kernels, mtp_k)
+        expert_format = None
     if expert_format is not None and expert_format != tgt.expert_format:
         tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
                                   expert_format_reason=f"--expert-format {expert_format} (the target's own choice is "
@@ -137,7 +144,8 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                                  overrides=overrides, skip=skip, max_tokens=max_tokens, max_batch=max_batch,
                                  buckets=buckets, mtp_k=mtp_k, dtype=dtype, fused_mtp=fused_mtp,
                                  convert_device=convert_device, progress=progress,
-                                 verify_boundaries=verify_boundaries, t0=t0)
+                                 verify_boundaries=verify_boundaries, t0=t0,
+                                 deterministic=deterministic)
         _move_into_place(tmp, out)
     except BaseException:  # a failed or interrupted compile leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,15 +155,22 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
 
 def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig, tgt, target: str, overrides,
                   skip, max_tokens: int, max_batch: int, buckets, mtp_k: int, dtype: torch.dtype, fused_mtp: bool,
-                  convert_device: str | None, progress: bool, verify_boundaries: bool | None, t0: float) -> dict:
+                  convert_device: str | None, progress: bool, verify_boundaries: bool | None, t0: float,
+                  deterministic: bool = False) -> dict:
     """compile_checkpoint's work, written into the staging folder `out` (`final`: where it will be)."""
-    graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
+    graphs, weight_specs, recipes, plans, quant_map, blockers = {}, {}, {}, {}, {}, {}
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
-        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides, tgt.expert_format), skip=skip)
+        ctx = PassContext(cfg, target, kind, overrides, tgt.expert_format, deterministic=deterministic)
+        gm, records = run_pipeline(eg.module(), ctx, skip=skip)
+        if deterministic:
+            blockers[name] = _blockers(records)
+            if blockers[name] and tgt.device == "cuda":
+                raise DeterminismError(f"--deterministic: graph {name!r} keeps ops whose kernels are not "
+                                       f"batch-invariant: {blockers[name][:6]} ({len(blockers[name])} in all)")
         recipes.update(_recipes(records))
         merge_quant_map(quant_map, records, name)
         weights = lift_weights(gm)
@@ -194,12 +209,55 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
         "weights": weights_table,
         "compile_seconds": round(time.perf_counter() - t0, 2),
         "convert_device": str(convert_device),
+        "deterministic": _determinism_record(tgt, blockers) if deterministic else False,
     }
     manifest["files"] = _file_table(out)
     _write_manifest(out, manifest)  # the boundary check loads (and hash-checks) the artifact
     manifest["boundary_check"] = _boundary_check(out, manifest, verify_boundaries, progress, final)
     _write_manifest(out, manifest)
     return manifest
+
+
+class DeterminismError(ValueError):
+    """`--deterministic` asked for something this compiler cannot make batch-invariant; the message
+    names the op or kernel."""
+
+
+def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, mtp_k: int):
+    """The target and kernel overrides of the deterministic mode: unquantised routed experts (the
+    quantised expert kernels pick a path and tile by token count; make_batch_invariant swaps in
+    `moe_experts_bi`) and `v4_attention=fused_det` where the target runs the fused attention.
+    Raises DeterminismError for what it cannot make invariant."""
+    if expert_format not in (None, "reference"):
+        raise DeterminismError(f"--deterministic with --expert-format {expert_format}: the quantised expert kernels "
+                               f"(kernels/moe_grouped.py, moe_fp4_gemv.py, moe_fp8_prefill.py) choose their path by "
+                               f"token count; the deterministic mode runs unquantised experts (moe_experts_bi)")
+    kernels = dict(kernels or {})
+    if tgt.kernels.get("v4_attention") == "fused" and kernels.get("v4_attention", "fused_det") == "fused":
+        raise DeterminismError("--deterministic with --kernel v4_attention=fused: its split count depends on B·T")
+    if tgt.kernels.get("v4_attention") == "fused":
+        kernels["v4_attention"] = "fused_det"
+        if mtp_k:
+            raise DeterminismError(f"--deterministic with --mtp {mtp_k}: kernel v4_attention_fused_det keeps the "
+                                   f"step's own keys in a block segment of their own, so a row's sum depends on the "
+                                   f"tokens per row (decode T=1 vs verify T=1+k); not invariant yet")
+    tgt = dataclasses.replace(tgt, expert_format="reference", expert_format_tokens=None,
+                              expert_format_reason="--deterministic: unquantised experts, one kernel path "
+                                                   "(kernels/batch_invariant.py moe_experts_bi)")
+    return tgt, kernels
+
+
+def _blockers(records) -> list[str]:
+    for r in records:
+        if r.name == "make_batch_invariant":
+            return list(r.stats.get("blockers", []))
+    return ["make_batch_invariant did not run (skipped?)"]
+
+
+def _determinism_record(tgt, blockers: dict) -> dict:
+    note = ("CUDA: batch-invariant kernels in every graph (compile refuses otherwise)" if tgt.device == "cuda" else
+            "CPU target: the invariant ops run their torch references, whose batch invariance is not proven")
+    return {"enabled": True, "note": note, "blockers": {k: v for k, v in blockers.items() if v}}
 
 
 VERIFY_LIMIT_BYTES = 1 << 30  # boundary check by default only for artifacts whose weights fit comfortably

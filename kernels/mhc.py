@@ -420,3 +420,20 @@ def hc_post_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch
 @hc_post_op.register_fake
 def _hc_post_fake(y, X, post, comb):
     return torch.empty_like(X)
+
+
+@torch.library.custom_op("dsv4c::hc_pre_rows", mutates_args=())
+def hc_pre_rows_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                   hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` with the one-row-per-program first launch at every token count (the deterministic mode:
+    the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in another order).
+    CPU: the model's function, as `dsv4c::hc_pre`."""
+    if X.device.type == "cpu":
+        _check_pre(X, fn, base, scale, iters)
+        return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True)
+
+
+@hc_pre_rows_op.register_fake
+def _hc_pre_rows_fake(X, fn, base, scale, eps, hc_eps, iters):
+    return _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters)

@@ -28,6 +28,7 @@ class PassContext:
     graph_kind: str = "decode"  # prefill | decode | mtp
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
     expert_format: str | None = None  # routed-expert format override (`compile --expert-format`)
+    deterministic: bool = False  # batch-invariant kernels (`compile --deterministic`, passes/make_batch_invariant.py)
 
 
 @dataclass
@@ -65,6 +66,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_swiglu import fuse_swiglu
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
+    from dsv4c.passes.make_batch_invariant import make_batch_invariant
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
 
@@ -80,6 +82,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_router", fuse_router),
         ("fuse_swiglu", fuse_swiglu),
         ("lower_grouped_linear", lower_grouped_linear),
+        ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic
         ("quantize_experts", quantize_experts),
         ("select_kernels", select_kernels),
     ]

@@ -50,7 +50,7 @@ from dsv4c.passes import PassContext, PassResult
 
 MOE_OP = "dsv4c.moe_experts"
 # every implementation of the routed experts: a router boundary whichever one the target chose
-MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered", "dsv4c.moe_experts_q"})
+MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered", "dsv4c.moe_experts_q", "dsv4c.moe_experts_bi"})
 META_INPUTS = ("slots", "pos0", "n_real")
 CACHE_PREFIX = "caches_"
 
@@ -80,6 +80,13 @@ OP_CAPTURE: dict[str, str | None] = {
     # fixed by shapes (worst-case M-blocks), no host sync. Its CPU fallback (reference math, with an
     # int() range check) is not what this entry claims; tests/test_quantize_experts.py checks the CUDA path.
     "dsv4c.moe_experts_q": None,
+    # kernels/batch_invariant.py, mhc.py (passes/make_batch_invariant.py, deterministic mode): Triton grids
+    # fixed by the shapes, no host sync
+    "dsv4c.linear_bi": None,
+    "dsv4c.grouped_linear_bi": None,
+    "dsv4c.moe_experts_bi": None,
+    "dsv4c.sum_bi": None,
+    "dsv4c.hc_pre_rows": None,
     # kernels/mhc.py (passes/fuse_sinkhorn.py): one Triton launch, grid fixed by the shape
     "dsv4c.sinkhorn": None,
     # kernels/mhc.py, norm.py, rope.py (passes/fuse_hc.py, fuse_rmsnorm.py, fuse_rope.py): Triton launches,

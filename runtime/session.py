@@ -125,7 +125,8 @@ class Session:
     @classmethod
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
-             strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True) -> "Session":
+             strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
+             deterministic: bool = False) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -133,7 +134,9 @@ class Session:
         (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
         dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py).
         `prefix_cache`: reuse the state of cached prompt prefixes (runtime/prefix_cache.py; exact), a
-        PrefixCacheConfig, or False."""
+        PrefixCacheConfig, or False..
+        `deterministic=True` requires an artifact compiled with `--deterministic` (the kernels are chosen
+        at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -141,6 +144,9 @@ class Session:
         art = Path(art)
         manifest, rank = rank_view(art, read_manifest(art, verify=True))  # runtime/distributed.py
         check_source(manifest, str(art), strict=strict_source)
+        if deterministic and not manifest.get("deterministic"):
+            raise ArtifactError(f"{art}: deterministic=True needs an artifact compiled with --deterministic "
+                                f"(manifest field 'deterministic' is {manifest.get('deterministic')!r})")
         limit = manifest["limits"]["max_tokens"]
         if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
             raise ValueError(f"max_num_batched_tokens: between 1 and the artifact's max_tokens ({limit}), "

@@ -1,0 +1,240 @@
+"""Batch-invariant matmuls for the deterministic mode (`compile --deterministic`).
+
+Public API::
+
+    bi_matmul(x, w, bias=None, out_dtype=None) -> Tensor   # Triton: y = x @ w^T (+ bias), fixed tiles
+    bi_matmul_ref(x, w, bias=None, out_dtype=None) -> Tensor  # the same function through torch
+    bi_gemv_gathered(x, rows, experts, w) -> Tensor        # Triton: y[p] = x[rows[p]] @ w[experts[p]]^T
+    bi_gemv_gathered_ref(...)                              # the same through torch
+
+Custom ops (targets of passes/lower_invariant_linears.py and select_kernels' `moe_experts=invariant`;
+CPU tensors run the reference)::
+
+    dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32) -> Tensor
+    dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
+
+Legend: M token rows, N output features, K input features, P (token, expert choice) pairs,
+E experts.
+
+Why: cuBLAS (and the other GEMM paths: split-K, tile sizes chosen from M, MoE paths chosen by token
+count) may sum one row's products in an order that depends on how many rows share the call, so a
+row's bf16 output (and a greedy argmax at a near tie) depends on the batch. Here one program computes
+one [BLOCK_M, BLOCK_N] tile and walks K in BLOCK_K steps from 0 upward, accumulating in fp32; the tile
+sizes are constants, never chosen from M, and there is no split-K. An MMA's row i depends only on
+row i of its A operand, so each row's result is the same bits whatever M is (tests:
+test_kernels_batch_invariant.py, 1 vs 8 rows). The experts' GEMV computes one pair per program with a
+fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
+the same at 1 token and at 64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
+BLOCK_N = 64
+BLOCK_K = 64
+GEMV_BLOCK_N = 64
+GEMV_BLOCK_K = 128
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    mm, nm = m < M, n < N
+    x_rows = x_ptr + m[:, None].to(tl.int64) * sxm     # [BLOCK_M, 1]
+    w_rows = w_ptr + n[:, None].to(tl.int64) * swn     # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fixed order: k0 = 0, BLOCK_K, ... whatever M is
+        km = (k0 + k) < K
+        a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if INTERPRET:  # the interpreter's low-precision dot is not exact: multiply the same values in fp32
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        elif F32:  # fp32 operands: IEEE products, not TF32
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + m[:, None].to(tl.int64) * sym + n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"bi_matmul: x and w must share one float dtype of {_DTYPES}, got {x.dtype}, {w.dtype}")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"bi_matmul: x [..., K] and w [N, K] expected, got {list(x.shape)}, {list(w.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]):
+        raise ValueError(f"bi_matmul: bias [N = {w.shape[0]}] expected, got {list(bias.shape)}")
+
+
+def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w [N, K]^T (+ bias) with fixed tiles and K order (batch-invariant),
+    fp32 accumulation, one rounding to `out_dtype` (default x's). CPU tensors run under the interpreter."""
+    _check(x, w, bias)
+    N, K = w.shape
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    wc = w if w.stride(-1) == 1 else w.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    if M:
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, M, N, K, x2.stride(0), wc.stride(0),
+                                y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                BLOCK_K=BLOCK_K, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
+                                num_warps=4)
+    return y.view(*x.shape[:-1], N)
+
+
+def bi_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The function `bi_matmul` computes: an fp32 product of the stored values, rounded once."""
+    y = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+    return y.to(out_dtype or x.dtype)
+
+
+@triton.jit
+def _bi_gemv_kernel(x_ptr, rows_ptr, e_ptr, w_ptr, y_ptr, N, K: tl.constexpr, sxm, swe, swn,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    nm = n < N
+    row = tl.load(rows_ptr + p).to(tl.int64)
+    e = tl.load(e_ptr + p).to(tl.int64)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fixed order
+        km = (k0 + k) < K
+        a = tl.load(x_ptr + row * sxm + k0 + k, mask=km, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + e * swe + n[:, None].to(tl.int64) * swn + k0 + k[None, :],
+                    mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(b * a[None, :], axis=1)
+    tl.store(y_ptr + p.to(tl.int64) * N + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def bi_gemv_gathered(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [P, N] = x[rows[p]] [K] @ w[experts[p]] [N, K]^T, one (pair, N-block) per program, fp32
+    accumulation in a fixed K order, rounded to x's dtype. x [M, K], rows/experts [P] int, w [E, N, K]."""
+    if w.dim() != 3 or x.dim() != 2 or x.shape[1] != w.shape[2] or x.dtype != w.dtype:
+        raise ValueError(f"bi_gemv_gathered: x [M, K] and w [E, N, K] of one dtype expected, got "
+                         f"{list(x.shape)} {x.dtype}, {list(w.shape)} {w.dtype}")
+    E, N, K = w.shape
+    xc, wc = x.contiguous(), w.contiguous()
+    P = rows.shape[0]
+    y = torch.empty((P, N), dtype=x.dtype, device=x.device)
+    if P:
+        _bi_gemv_kernel[(P, triton.cdiv(N, GEMV_BLOCK_N))](xc, rows.contiguous(), experts.contiguous(), wc, y, N, K,
+                                                           xc.stride(0), wc.stride(0), wc.stride(1),
+                                                           BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4)
+    return y
+
+
+def bi_gemv_gathered_ref(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("pk,pnk->pn", x[rows].float(), w[experts].float()).to(x.dtype)
+
+
+def moe_experts_bi_impl(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor,
+                        w3: torch.Tensor, w2: torch.Tensor, swiglu_limit: float, gemv=bi_gemv_gathered) -> torch.Tensor:
+    """The routed experts with one path for any token count: each (token, choice) pair's gate/up/down
+    GEMVs (`gemv`), then the choices combined per token in choice order in fp32, rounded once.
+    x [T, D], idx/weight [T, C] -> [T, D]. (The reference sums choices in bf16 in expert order via
+    index_add_; the sum here differs by rounding only.)"""
+    from dsv4c.model.common import swiglu_act
+
+    T, C = idx.shape
+    rows = torch.arange(T * C, device=x.device) // C                           # [P] token of each pair
+    experts = idx.reshape(-1)                                                  # [P]
+    g = gemv(x, rows, experts, w1)                                             # [P, I]
+    u = gemv(x, rows, experts, w3)
+    h = swiglu_act(g, u, swiglu_limit).to(x.dtype)                             # [P, I]
+    pairs = torch.arange(T * C, device=x.device)
+    y = gemv(h, pairs, experts, w2).float().view(T, C, -1)                     # [T, C, D]
+    wt = weight.float()
+    out = y[:, 0] * wt[:, 0, None]
+    for c in range(1, C):  # fixed order, elementwise: no reduction kernel that could reorder
+        out = out + y[:, c] * wt[:, c, None]
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("dsv4c::linear_bi", mutates_args=())
+def linear_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_f32: bool) -> torch.Tensor:
+    """`bi_matmul` on CUDA tensors (output fp32 with `out_f32`, else x's dtype); CPU tensors run the
+    reference (torch's CPU GEMM: not proven batch-invariant, see ARCHITECTURE.md, deterministic mode)."""
+    out = torch.float32 if out_f32 else x.dtype
+    if x.device.type == "cpu":
+        return bi_matmul_ref(x, w, bias, out)
+    return bi_matmul(x, w, bias, out)
+
+
+@linear_bi.register_fake
+def _linear_bi_fake(x, w, bias, out_f32):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32 if out_f32 else x.dtype)
+
+
+@torch.library.custom_op("dsv4c::moe_experts_bi", mutates_args=())
+def moe_experts_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    """`moe_experts` with one fixed path (`moe_experts_bi_impl`); CPU tensors use the torch GEMV."""
+    gemv = bi_gemv_gathered_ref if x.device.type == "cpu" else bi_gemv_gathered
+    return moe_experts_bi_impl(x, idx, weight, w1, w3, w2, swiglu_limit, gemv)
+
+
+@moe_experts_bi.register_fake
+def _moe_experts_bi_fake(x, idx, weight, w1, w3, w2, swiglu_limit):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dsv4c::grouped_linear_bi", mutates_args=())
+def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`dsv4c::grouped_linear` (z [B, T, G, R] = einsum('btgi,gri->btgr', x.to(w.dtype), w)) as one
+    `bi_matmul` per group: the same path for any token count (the default op switches to the einsum
+    above 16 rows). CPU tensors run the reference."""
+    xw = x.to(w.dtype)
+    mm = bi_matmul_ref if x.device.type == "cpu" else bi_matmul
+    return torch.stack([mm(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
+
+
+@grouped_linear_bi.register_fake
+def _grouped_linear_bi_fake(x, w):
+    return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("dsv4c::sum_bi", mutates_args=())
+def sum_bi(x: torch.Tensor, dim: int, keepdim: bool, mean: bool) -> torch.Tensor:
+    """x.sum(dim) (or .mean) in a fixed order: over the last dim as a `bi_matmul` with a ones row
+    (fp32 accumulation, fixed K walk), over another dim by adding its slices in index order (elementwise
+    adds). A torch reduction may split one row over several blocks when few rows share the call."""
+    d = dim % x.dim()
+    n = x.shape[d]
+    if d == x.dim() - 1 and x.device.type != "cpu":
+        s = bi_matmul(x, x.new_ones((1, n)), None, torch.float32)[..., 0]
+    else:
+        s = x.select(d, 0).float() if n else x.sum(d).float()
+        for i in range(1, n):
+            s = s + x.select(d, i).float()
+    if mean:
+        s = s / n
+    s = s.to(x.dtype)
+    return s.unsqueeze(d) if keepdim else s
+
+
+@sum_bi.register_fake
+def _sum_bi_fake(x, dim, keepdim, mean):
+    d = dim % x.dim()
+    shape = list(x.shape)
+    if keepdim:
+        shape[d] = 1
+    else:
+        shape.pop(d)
+    return x.new_empty(shape)

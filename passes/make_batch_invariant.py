@@ -1,0 +1,136 @@
+"""Deterministic mode (`compile --deterministic`): give every row's reductions a fixed order.
+
+Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
+
+    before:  y = linear(x, w, b)             z = dsv4c.linear_f32(x, w)      y = matmul(h, t(w))
+             o = dsv4c.grouped_linear(x, w)  e = dsv4c.moe_experts(x, idx, wt, W1, W3, W2, L)
+             u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
+    after:   y = dsv4c.linear_bi(x, w, b, False)   z = dsv4c.linear_bi(x, w, None, True)
+             y = dsv4c.linear_bi(h, w, None, False)
+             o = dsv4c.grouped_linear_bi(x, w)     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
+             u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
+
+Why it is valid: each replacement computes the same function up to the order of its fp32 sums
+(kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by
+how many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M, one expert path
+for any token count, row-at-a-time hc mix, reductions as fixed-order sums.
+
+What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
+reduction ATen ops it did not match, quantised expert ops (their kernels pick a path by token count),
+and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an artifact with any
+blocker, naming them (dsv4c/compile.py). On the CPU target the ops run their torch references, whose
+batch invariance is not proven; the manifest says so.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv4c.passes import PassContext, PassResult, erase_unused
+from dsv4c.passes.split_at_routers import op_name
+
+aten = torch.ops.aten
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+# ATen ops whose CUDA kernels may reduce in an order that depends on the number of rows
+_UNSAFE_ATEN = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear", "aten.einsum",
+                "aten.sum", "aten.mean", "aten.var", "aten.var_mean", "aten.norm", "aten.linalg_vector_norm",
+                "aten._softmax", "aten.softmax", "aten.log_softmax", "aten.logsumexp", "aten.cumsum",
+                "aten.index_add", "aten.index_add_", "aten.scatter_add", "aten.scatter_add_"}
+# dsv4c ops whose default kernels choose a reduction path from the token count
+_UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the token count, index_add_ combine",
+                 "dsv4c.moe_experts_gathered": "batched GEMMs sized by the token count",
+                 "dsv4c.moe_experts_q": "kernels/moe_grouped.py / moe_fp4_gemv.py / moe_fp8_prefill.py pick a path "
+                                        "and tile by token count",
+                 "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
+                 "dsv4c.grouped_linear": "kernels/grouped_linear.py runs the einsum above MAX_M rows",
+                 "dsv4c.linear_f32": "cuBLAS"}
+
+
+def _val(n) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _transposed_weight(n) -> Node | None:
+    """w when n = t(w) (or permute(w, [1, 0])) of a 2-D value, else None."""
+    if not (isinstance(n, Node) and n.op == "call_function"):
+        return None
+    if n.target is aten.t.default or (n.target is aten.permute.default and list(n.args[1]) == [1, 0]):
+        w = n.args[0]
+        return w if _val(w) is not None and _val(w).dim() == 2 else None
+    return None
+
+
+def _replacement(n: Node):
+    """(op, args) computing n's value batch-invariantly, or None when n is not a pattern of the pass."""
+    ops = torch.ops.dsv4c
+    t = n.target
+    if t is aten.linear.default:
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        vx, vw = _val(x), _val(w)
+        if vx is not None and vw is not None and vx.dtype == vw.dtype and vx.dtype in _FLOAT and vw.dim() == 2:
+            return ops.linear_bi.default, (x, w, b, False)
+    elif t is aten.matmul.default:
+        x, w = n.args[0], _transposed_weight(n.args[1])
+        vx = _val(x)
+        if w is not None and vx is not None and vx.dtype == _val(w).dtype and vx.dtype in _FLOAT:
+            return ops.linear_bi.default, (x, w, None, False)
+    elif t is ops.linear_f32.default:
+        return ops.linear_bi.default, (n.args[0], n.args[1], None, True)
+    elif t is ops.grouped_linear.default:
+        return ops.grouped_linear_bi.default, tuple(n.args)
+    elif t in (ops.moe_experts.default, ops.moe_experts_gathered.default):
+        return ops.moe_experts_bi.default, tuple(n.args)
+    elif t is ops.hc_pre.default:
+        return ops.hc_pre_rows.default, tuple(n.args)
+    elif t in (aten.mean.dim, aten.sum.dim_IntList) and not n.kwargs:
+        dims = n.args[1]
+        if isinstance(dims, (list, tuple)) and len(dims) == 1:
+            keep = bool(n.args[2]) if len(n.args) > 2 else False
+            return ops.sum_bi.default, (n.args[0], int(dims[0]), keep, t is aten.mean.dim)
+    return None
+
+
+def batch_invariance_blockers(gm: GraphModule) -> list[str]:
+    """The nodes whose kernels may sum a row in an order that depends on the rows sharing the call."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = op_name(n.target)
+        if name in _UNSAFE_DSV4C:
+            out.append(f"{n.name} ({name}: {_UNSAFE_DSV4C[name]})")
+        elif ".".join(name.split(".")[:2]) in _UNSAFE_ATEN:
+            out.append(f"{n.name} ({name}: not matched by make_batch_invariant)")
+    return out
+
+
+def make_batch_invariant(gm: GraphModule, ctx: PassContext) -> PassResult:
+    if not ctx.deterministic:
+        return PassResult(gm, False, {"skipped": "not deterministic mode"})
+    from dsv4c.model import register_ops
+
+    register_ops()
+    swapped: Counter = Counter()
+    dead = []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        r = _replacement(n)
+        if r is None:
+            continue
+        op, args = r
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(op, args)
+        new.meta = dict(n.meta)  # same value (shape, dtype)
+        n.replace_all_uses_with(new)
+        dead += [a for a in n.args if isinstance(a, Node)]
+        swapped[f"{op_name(n.target)} -> {op_name(op)}"] += 1
+        gm.graph.erase_node(n)
+    erase_unused(gm, dead)
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult(gm, bool(swapped), {"swapped": dict(swapped), "blockers": batch_invariance_blockers(gm)})

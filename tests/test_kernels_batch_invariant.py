@@ -1,0 +1,117 @@
+"""Batch-invariant kernels of the deterministic mode (dsv4c.kernels.batch_invariant).
+
+CPU: the Triton kernels under the interpreter (TRITON_INTERPRET=1, tests/conftest.py), small shapes:
+each row is bit-identical whether it is computed alone or among 8 rows, and equals the torch reference
+to fp32 rounding. (The interpreter runs the kernel's program structure and K order, not the GPU's MMA
+units: the GPU tests below repeat the row check on the device at M = 1/8/64.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4c.kernels.batch_invariant import (
+    bi_gemv_gathered,
+    bi_gemv_gathered_ref,
+    bi_matmul,
+    bi_matmul_ref,
+    moe_experts_bi_impl,
+)
+
+
+def _rand(*shape, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bi_matmul_rows_do_not_depend_on_m(dtype):
+    K, N = 200, 70  # K not a multiple of BLOCK_K, N not of BLOCK_N: the masked tails are exercised
+    x, w, b = _rand(8, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
+    y8 = bi_matmul(x, w, b)
+    for i in (0, 5, 7):
+        assert torch.equal(bi_matmul(x[i:i + 1], w, b), y8[i:i + 1])
+    ref = bi_matmul_ref(x, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (y8.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    y32 = bi_matmul(x, w, None, torch.float32)  # the linear_f32 form: bf16 operands, fp32 out
+    assert y32.dtype == torch.float32 and torch.equal(bi_matmul(x[3:4], w, None, torch.float32), y32[3:4])
+
+
+def test_bi_gemv_and_experts_rows_do_not_depend_on_token_count():
+    E, N, K, T, C = 5, 24, 150, 8, 3
+    x, w = _rand(T, K, dtype=torch.bfloat16), _rand(E, N, K, dtype=torch.bfloat16, seed=1)
+    rows = torch.arange(T).repeat_interleave(C)
+    experts = torch.randint(0, E, (T * C,), generator=torch.Generator().manual_seed(3))
+    y = bi_gemv_gathered(x, rows, experts, w)
+    assert (y.float() - bi_gemv_gathered_ref(x, rows, experts, w).float()).abs().max() <= 2e-2 * y.float().abs().max()
+    I, D = 16, K
+    w1, w3, w2 = _rand(E, I, D, dtype=torch.bfloat16, seed=4), _rand(E, I, D, dtype=torch.bfloat16, seed=5), \
+        _rand(E, D, I, dtype=torch.bfloat16, seed=6)
+    idx = experts.view(T, C)
+    wt = torch.rand(T, C, generator=torch.Generator().manual_seed(7))
+    out8 = moe_experts_bi_impl(x, idx, wt, w1, w3, w2, 7.0)
+    for i in (0, 6):
+        assert torch.equal(moe_experts_bi_impl(x[i:i + 1], idx[i:i + 1], wt[i:i + 1], w1, w3, w2, 7.0), out8[i:i + 1])
+    from dsv4c.model.moe import moe_experts_loop
+    ref = moe_experts_loop(x.float(), idx, wt, w1.float(), w3.float(), w2.float(), 7.0)
+    assert (out8.float() - ref).abs().max() <= 3e-2 * ref.abs().max()
+
+
+def test_hc_pre_rows_and_sum_rows_do_not_depend_on_m():
+    """hc_pre with one row per program (`dsv4c::hc_pre_rows`'s CUDA path) under the interpreter, and
+    sum_bi's CPU path (slices added in index order)."""
+    from dsv4c.kernels.batch_invariant import sum_bi
+    from dsv4c.kernels.mhc import hc_pre
+
+    N, D, mix = 4, 40, 24
+    X = _rand(8, N, D, dtype=torch.float32)
+    fn = _rand(mix, N * D, dtype=torch.float32, seed=1) / (N * D) ** 0.5
+    base, scale = 0.3 * _rand(mix, dtype=torch.float32, seed=2), 0.5 + torch.rand(3)
+    full = hc_pre(X, fn, base, scale, 1e-6, 1e-6, 20, chunk=64, rows=True)
+    for i in (0, 7):
+        one = hc_pre(X[i:i + 1], fn, base, scale, 1e-6, 1e-6, 20, chunk=64, rows=True)
+        assert all(torch.equal(a, b[i:i + 1]) for a, b in zip(one, full))
+    s8 = sum_bi(X, -2, False, False)
+    assert torch.equal(sum_bi(X[2:3], -2, False, False), s8[2:3])
+    assert torch.allclose(s8, X.sum(-2), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(sum_bi(X, -1, True, True), X.mean(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_invariant_ops_rows_on_gpu():
+    """The custom ops' CUDA paths: rows at M = 1 and 8 equal rows of M = 64, bit for bit."""
+    ops = torch.ops.dsv4c
+    x = _rand(64, 1, 512, dtype=torch.bfloat16, device="cuda")
+    s = ops.sum_bi(x.float(), -1, True, True)
+    assert torch.equal(ops.sum_bi(x[:1].float(), -1, True, True), s[:1])
+    xg, wg = _rand(64, 1, 4, 256, dtype=torch.bfloat16, device="cuda"), _rand(4, 64, 256, dtype=torch.bfloat16,
+                                                                              device="cuda", seed=1)
+    z = ops.grouped_linear_bi(xg, wg)
+    assert torch.equal(ops.grouped_linear_bi(xg[:8], wg), z[:8])
+    E, I, D, C = 16, 128, 512, 6
+    w1, w3 = _rand(E, I, D, dtype=torch.bfloat16, device="cuda", seed=2), _rand(E, I, D, dtype=torch.bfloat16,
+                                                                                device="cuda", seed=3)
+    w2 = _rand(E, D, I, dtype=torch.bfloat16, device="cuda", seed=4)
+    xe = x[:, 0]
+    idx = torch.stack([torch.randperm(E)[:C] for _ in range(64)]).cuda()
+    wt = torch.rand(64, C, device="cuda")
+    y = ops.moe_experts_bi(xe, idx, wt, w1, w3, w2, 7.0)
+    for m in (1, 8):
+        assert torch.equal(ops.moe_experts_bi(xe[:m], idx[:m], wt[:m], w1, w3, w2, 7.0), y[:m])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bi_matmul_rows_on_gpu(dtype):
+    K, N = 4096, 1536  # a Flash q_a-like projection
+    x, w = _rand(64, K, dtype=dtype, device="cuda"), _rand(N, K, dtype=dtype, device="cuda", seed=1)
+    y64 = bi_matmul(x, w)
+    for m in (1, 8):
+        assert torch.equal(bi_matmul(x[:m], w), y64[:m])
+    ref = bi_matmul_ref(x, w)
+    assert (y64.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+    rows = torch.arange(64, device="cuda")
+    e = torch.zeros(64, dtype=torch.int64, device="cuda")
+    g64 = bi_gemv_gathered(x, rows, e, w[None])
+    assert torch.equal(bi_gemv_gathered(x[:1], rows[:1], e[:1], w[None]), g64[:1])
