@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_COLUMNS = ["what", "ratio", "accuracy", "date", "commit", "GPU", "command", "status"]
-README_COLUMNS = ["what", "ratio", "date", "commit", "GPU"]
+README_COLUMNS = ["what", "ratio", "accuracy", "date", "commit", "GPU"]
 COMMIT = re.compile(r"`[0-9a-f]{7,40}`( / `[0-9a-f]{7,40}`)*")
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -74,9 +74,10 @@ def test_readme_results_rows_match_the_current_state_page():
     for r in readme:
         assert r["what"] in page, f"README Results row not on BENCHMARKS.md's current-state page: {r['what']!r}"
         p = page[r["what"]]
-        for col in ("ratio", "date", "commit", "GPU"):
+        for col in ("ratio", "accuracy", "date", "commit", "GPU"):
             assert r[col] == p[col], f"{r['what']!r}: README {col} {r[col]!r} != BENCHMARKS.md {p[col]!r}"
-        assert not p["status"].startswith("stale"), f"{r['what']!r} is marked stale on the page: {p['status']}"
+        assert p["status"].startswith("current"), f"{r['what']!r} is not current on the page: {p['status']}"
+        assert r["accuracy"] not in ("", "-", "–"), f"{r['what']!r}: a speed figure needs its accuracy"
 
 
 def test_docs_name_every_pass_and_link_nothing_outside_the_repository():
