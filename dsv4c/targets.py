@@ -6,8 +6,10 @@ never branch on GPU names.
 
 `expert_format` is live: passes/quantize_experts.py rewrites the routed experts into it (Triton
 grouped kernels, kernels/moe_grouped.py); `expert_format_reason` and `expert_format_tokens` record why
-(the measured figures) and for which tokens-per-step range. `dense_format` is still a plan: attention,
-shared experts and dense linears stay unquantised; `status` says so.
+(the measured figures) and for which tokens-per-step range. `dense_format` is live too:
+passes/quantize_dense.py runs the linears whose checkpoint weights are FP8 blocks (attention, indexer
+wq_b, shared experts, MTP projections) on the stored FP8 weights: `fp8_block` = W8A8 (1x128 activation
+scales), `fp8_block_w8a16` = FP8 weights x bf16 activations; `reference` / `bf16` rewrite nothing.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ class Target:
     device: str  # "cuda" or "cpu"
     capability: tuple[int, int] | None  # minimum CUDA compute capability
     expert_format: str  # planned routed-expert weight format
-    dense_format: str  # planned format of attention / shared-expert / dense linears
+    dense_format: str  # format of the FP8-stored dense linears (passes/quantize_dense.py)
     kernels: dict = field(default_factory=dict)  # custom op -> implementation
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     dtype: str = "bfloat16"  # activation dtype the artifact is compiled in unless --dtype says otherwise
-    status: str = "routed experts in expert_format; dense linears unquantised (dense_format planned)"
+    status: str = "routed experts in expert_format; FP8-stored dense linears in dense_format"
     expert_format_reason: str = ""  # why this expert format (measured figures), as data
     expert_format_tokens: tuple[int, int] | None = None  # tokens per MoE call the choice is best for
 

@@ -28,6 +28,7 @@ class PassContext:
     graph_kind: str = "decode"  # prefill | decode | mtp
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
     expert_format: str | None = None  # routed-expert format override (`compile --expert-format`)
+    dense_format: str | None = None  # dense-linear format override (`compile --dense-format`)
 
 
 @dataclass
@@ -65,6 +66,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_swiglu import fuse_swiglu
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
+    from dsv4c.passes.quantize_dense import quantize_dense
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
 
@@ -81,6 +83,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_swiglu", fuse_swiglu),
         ("lower_grouped_linear", lower_grouped_linear),
         ("quantize_experts", quantize_experts),
+        ("quantize_dense", quantize_dense),
         ("select_kernels", select_kernels),
     ]
 
