@@ -30,6 +30,8 @@ from dsv4c.convert import CheckpointExperts, check_format
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
+from dsv4c.passes.quantize_dense import RECIPE as DENSE_RECIPE
+from dsv4c.passes.quantize_dense import describe_dense, merge_dense_quant_map, with_dense_format
 from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
 from dsv4c.provenance import describe_source, source_hashes
 from dsv4c.targets import get_target
@@ -86,13 +88,15 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        mtp_k: int = 0, dtype: torch.dtype | None = None, force: bool = False,
                        progress: bool = False, kernels: dict[str, str] | None = None,
                        verify_boundaries: bool | None = None, expert_format: str | None = None,
-                       fused_mtp: bool = True, convert_device: str | None = None) -> dict:
+                       fused_mtp: bool = True, convert_device: str | None = None,
+                       dense_format: str | None = None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
     records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
     `verify_mtp` graph (speculation then refreshes the MTP with separate `mtp` calls).
     `convert_device` is where routed experts are converted (default: a GPU when there is one; the
-    conversions are exact, so the bytes written do not depend on it)."""
+    conversions are exact, so the bytes written do not depend on it). `dense_format` overrides the target's
+    format of the FP8-stored dense linears (passes/quantize_dense.py: bf16, fp8_block, fp8_block_w8a16)."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -100,6 +104,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
                                   expert_format_reason=f"--expert-format {expert_format} (the target's own choice is "
                                                        f"{tgt.expert_format}: {tgt.expert_format_reason})")
+    tgt = with_dense_format(tgt, dense_format)
     check_format(tgt)  # an expert format the target's GPU cannot run fails before any work
     if kernels:  # --kernel OP=IMPL overrides, checked before any work
         from dsv4c.model import register_ops
@@ -124,9 +129,11 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
-        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides, tgt.expert_format), skip=skip)
+        gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides, tgt.expert_format,
+                                                                tgt.dense_format), skip=skip)
         recipes.update(_recipes(records))
         merge_quant_map(quant_map, records, name)
+        merge_dense_quant_map(quant_map, records, name)
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
@@ -264,6 +271,9 @@ def _recipes(records) -> dict[str, tuple]:
         for lay in r.stats.get("layers", []) if r.name == "quantize_experts" else []:
             for field, name in lay["tensors"].items():
                 out[name] = (EXPERTS_RECIPE, {**lay, "field": field})
+        for lin in r.stats.get("linears", []) if r.name == "quantize_dense" else []:
+            for field, name in lin["tensors"].items():
+                out[name] = (DENSE_RECIPE, {**lin, "field": field})
     return out
 
 
@@ -273,6 +283,7 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     the W4A4 activation scales the streaming chose in `quant_map`)."""
     reader = CheckpointReader(ckpt, cfg)
     experts = CheckpointExperts(reader, device)  # quantised routed experts, one layer at a time
+    dense = _DenseFP8(reader)  # the FP8 dense weights as stored
     writer = _ShardWriter(out / "weights", 2 << 30)
 
     def value(name: str, shape, dtype) -> torch.Tensor:
@@ -280,6 +291,8 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
             kind, src = recipes[name]
             if kind == EXPERTS_RECIPE:
                 return experts(src)
+            if kind == DENSE_RECIPE:
+                return dense(src)
             if kind == "cat":
                 return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
             W = value(src, None, dtype)
@@ -307,12 +320,51 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     files = writer.close()
     if quant_map is not None:
         experts.annotate(quant_map)
+        dense.annotate(quant_map)
     weight_map = json.loads((out / "weights" / "model.safetensors.index.json").read_text())["weight_map"] \
         if len(files) > 1 else {n: files[0] for n in table}
     for n in table:
         table[n]["file"] = f"weights/{weight_map[n]}"
     reader.close()
     return table
+
+
+class _DenseFP8:
+    """The weights of passes/quantize_dense.py's recipes: each fused or single weight's FP8 rows and
+    scale rows, the members' stored bytes concatenated (no requantisation). A member the checkpoint
+    stores unquantised (a bf16 checkpoint) is quantised to FP8 blocks here, and the quant map says so."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.sources, self._last = reader, {}, (None, None)
+
+    def __call__(self, rec: dict) -> torch.Tensor:
+        if self._last[0] != rec["weight"]:
+            self._last = (rec["weight"], self._build(rec))
+        return self._last[1][rec["field"]]
+
+    def _build(self, rec: dict) -> dict[str, torch.Tensor]:
+        from dsv4c import quant as Q
+        from dsv4c.checkpoint import read_fp8_block
+
+        e8m0 = rec["scale"] == "uint8"  # ue8m0 bytes (passes/quantize_dense.py: scale_dtype)
+        names = [m[len("model."):] if m.startswith("model.") else m for m in rec["members"]]
+        stored = [read_fp8_block(self.reader, n, torch.float8_e8m0fnu if e8m0 else torch.float32) for n in names]
+        if all(s is not None for s in stored):
+            self.sources[rec["weight"]] = "checkpoint fp8 bytes"
+            w_s = torch.cat([s for _, s in stored])
+            return {"w_q": torch.cat([q for q, _ in stored]), "w_s": w_s.view(torch.uint8) if e8m0 else w_s}
+        floats = [read_param(self.reader, n, tuple(self.reader.shape(n)), torch.float32) for n in names]
+        q, s = Q.quant_fp8_block(torch.cat(floats), scale_fmt="ue8m0" if e8m0 else "fp32")
+        s = s.view(torch.uint8) if e8m0 else s
+        kinds = sorted({str(self.reader.get(n).dtype).replace("torch.", "") for n, st in zip(names, stored) if st is None})
+        self.sources[rec["weight"]] = f"quantised at compile from {'/'.join(kinds)}"
+        return {"w_q": q, "w_s": s}
+
+    def annotate(self, qmap: dict) -> dict:
+        for name, src in self.sources.items():
+            if name in qmap.get("dense", {}).get("modules", {}):
+                qmap["dense"]["modules"][name]["source"] = src
+        return qmap
 
 
 # ---- reading --------------------------------------------------------------------------------------
@@ -377,6 +429,7 @@ def describe_artifact(art: str | Path) -> str:
         lines.append(f"segments   {name}: {len(p['segments'])} segments, {p['boundaries']} router boundaries, "
                      f"{p['capturable']} capturable (the Session replays the capturable ones as CUDA graphs per bucket)")
     lines.append(f"quant map  {describe_quant_map(m['quant_map'])}")
+    lines.append(f"dense      {describe_dense(m['quant_map'])}")
     return "\n".join(lines)
 
 

@@ -129,11 +129,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()                                   # [M, K]
 
 
+def _scale(w_s: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales travel through graphs as uint8 bytes (torch 2.11's export serialiser has no e8m0)."""
+    return w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s
+
+
 @torch.library.custom_op("dsv4c::fp8_linear_w8a8", mutates_args=())
 def fp8_linear_w8a8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """y = linear(x, dequant(w_q, w_s)) with x quantised per token and 128-wide K block (1x128,
-    ue8m0 scales, kernels/act_quant.py) first; K % 128 == 0."""
-    a = _rows(x)
+    ue8m0 scales, kernels/act_quant.py) first; K % 128 == 0. w_s: e8m0 (or its uint8 bytes) / fp32."""
+    a, w_s = _rows(x), _scale(w_s)
     if x.device.type == "cpu":
         from dsv4c.kernels.act_quant import act_quant_fp8_ref
 
@@ -154,7 +159,7 @@ def _fp8_linear_w8a8_fake(x, w_q, w_s):
 def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """y = linear(x, dequant(w_q, w_s)), weights FP8 and activations unquantised (bf16 into the
     CUDA kernel; the CPU reference computes in fp32)."""
-    a = _rows(x)
+    a, w_s = _rows(x), _scale(w_s)
     if x.device.type == "cpu":
         y = fp8_gemm_w8a16_ref(a, w_q, w_s)
     else:

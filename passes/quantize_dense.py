@@ -60,9 +60,10 @@ def check_dense_format(fmt: str, where: str = "dense_format") -> None:
 
 
 def scale_dtype(cfg) -> torch.dtype:
-    """The FP8 weight scales' dtype: ue8m0 bytes for V4 and ue8m0 V3 checkpoints, else fp32 (V3 weight_scale_inv)."""
+    """The FP8 weight scales' graph dtype: ue8m0 as uint8 bytes (V4, ue8m0 V3 checkpoints; torch 2.11's
+    export serialiser has no float8_e8m0fnu), else fp32 (V3 weight_scale_inv)."""
     qc = cfg.quantization_config
-    return torch.float8_e8m0fnu if cfg.is_v4 or (qc is not None and qc.scale_fmt == "ue8m0") else torch.float32
+    return torch.uint8 if cfg.is_v4 or (qc is not None and qc.scale_fmt == "ue8m0") else torch.float32
 
 
 def _canonical(name: str) -> str:
@@ -121,7 +122,8 @@ def _quantized(cfg, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.is_meta:
         return (torch.empty((n, k), dtype=torch.float8_e4m3fn, device="meta"),
                 torch.empty((-(-n // B), -(-k // B)), dtype=sdt, device="meta"))
-    return Q.quant_fp8_block(w.detach().float(), scale_fmt="ue8m0" if sdt == torch.float8_e8m0fnu else "fp32")
+    q, s = Q.quant_fp8_block(w.detach().float(), scale_fmt="ue8m0" if sdt == torch.uint8 else "fp32")
+    return q, s.view(torch.uint8) if sdt == torch.uint8 else s
 
 
 def _attr(gm: GraphModule, ref: Node, name: str, value: torch.Tensor) -> Node:
@@ -157,7 +159,7 @@ def _rewrite(gm: GraphModule, n: Node, x: Node, w: Node, kernel: str, ctx: PassC
 
 def quant_map_entry(rec: dict, fmt: str, graph_kind: str) -> dict:
     """The manifest's view of one rewritten weight."""
-    return {"format": fmt, "kernel": rec["kernel"], "scale": rec["scale"], "shape": rec["shape"],
+    return {"dense_format": fmt, "kernel": rec["kernel"], "scale": rec["scale"], "shape": rec["shape"],
             "members": [_canonical(m) for m in rec["members"]], "tensors": sorted(rec["tensors"].values()),
             "graphs": [graph_kind], **({"why": rec["why"]} if "why" in rec else {})}
 
@@ -209,11 +211,11 @@ def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
 # ---- the artifact's quant map (dsv4c/compile.py) ----------------------------------------------
 def merge_dense_quant_map(qmap: dict, records, graph: str) -> dict:
     """Add one graph's quantize_dense record to the artifact quant map's `dense` section:
-    {"format", "modules": {weight: entry}}."""
+    {"dense_format", "modules": {weight: entry}} (not "format": that key names expert formats)."""
     for r in records:
         if r.name != "quantize_dense" or not r.stats.get("quant_map"):
             continue
-        dense = qmap.setdefault("dense", {"format": r.stats["format"], "modules": {}})
+        dense = qmap.setdefault("dense", {"dense_format": r.stats["format"], "modules": {}})
         for name, entry in r.stats["quant_map"].items():
             mods = dense["modules"]
             if name in mods:
@@ -232,7 +234,7 @@ def describe_dense(qmap: dict) -> str:
     kernels = sorted({m["kernel"] for m in mods})
     params = sum(m["shape"][0] * m["shape"][1] for m in mods)
     src = sorted({m.get("source", "in-memory weights") for m in mods})
-    return (f"dense linears {dense['format']} in {len(dense['modules'])} weights ({params / 1e6:.1f} M params, "
+    return (f"dense linears {dense['dense_format']} in {len(dense['modules'])} weights ({params / 1e6:.1f} M params, "
             f"kernels {', '.join(kernels)}, scales {sorted({m['scale'] for m in mods})}); source: {'; '.join(src)}")
 
 
