@@ -224,6 +224,11 @@ class CheckpointReader:
                 shape[0] = len(range(shape[0])[e.part[1]])
         return tuple(shape)
 
+    def fp8_names(self) -> frozenset[str]:
+        """The tensors stored as float8_e4m3fn (from the safetensors headers; nothing is read)."""
+        return frozenset(n for n, e in self.entries.items()
+                         if self._handle(e.file).get_slice(e.key).get_dtype() == "F8_E4M3")
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")

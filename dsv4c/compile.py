@@ -124,13 +124,14 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     cfg = model.config
     _prepare(out, force)
     graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
+    fp8_stored = _fp8_stored(ckpt, cfg)  # quantize_dense rewrites only what the checkpoint stores in FP8
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
         gm, records = run_pipeline(eg.module(), PassContext(cfg, target, kind, overrides, tgt.expert_format,
-                                                                tgt.dense_format), skip=skip)
+                                                                tgt.dense_format, fp8_stored), skip=skip)
         recipes.update(_recipes(records))
         merge_quant_map(quant_map, records, name)
         merge_dense_quant_map(quant_map, records, name)
@@ -329,10 +330,18 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     return table
 
 
+def _fp8_stored(ckpt: Path, cfg: ModelConfig) -> frozenset[str]:
+    reader = CheckpointReader(ckpt, cfg)
+    try:
+        return reader.fp8_names()
+    finally:
+        reader.close()
+
+
 class _DenseFP8:
     """The weights of passes/quantize_dense.py's recipes: each fused or single weight's FP8 rows and
-    scale rows, the members' stored bytes concatenated (no requantisation). A member the checkpoint
-    stores unquantised (a bf16 checkpoint) is quantised to FP8 blocks here, and the quant map says so."""
+    scale rows, the members' stored bytes concatenated (no requantisation; the pass only rewrites
+    weights the checkpoint stores in FP8)."""
 
     def __init__(self, reader: CheckpointReader):
         self.reader, self.sources, self._last = reader, {}, (None, None)
@@ -343,22 +352,17 @@ class _DenseFP8:
         return self._last[1][rec["field"]]
 
     def _build(self, rec: dict) -> dict[str, torch.Tensor]:
-        from dsv4c import quant as Q
         from dsv4c.checkpoint import read_fp8_block
 
         e8m0 = rec["scale"] == "uint8"  # ue8m0 bytes (passes/quantize_dense.py: scale_dtype)
         names = [m[len("model."):] if m.startswith("model.") else m for m in rec["members"]]
         stored = [read_fp8_block(self.reader, n, torch.float8_e8m0fnu if e8m0 else torch.float32) for n in names]
-        if all(s is not None for s in stored):
-            self.sources[rec["weight"]] = "checkpoint fp8 bytes"
-            w_s = torch.cat([s for _, s in stored])
-            return {"w_q": torch.cat([q for q, _ in stored]), "w_s": w_s.view(torch.uint8) if e8m0 else w_s}
-        floats = [read_param(self.reader, n, tuple(self.reader.shape(n)), torch.float32) for n in names]
-        q, s = Q.quant_fp8_block(torch.cat(floats), scale_fmt="ue8m0" if e8m0 else "fp32")
-        s = s.view(torch.uint8) if e8m0 else s
-        kinds = sorted({str(self.reader.get(n).dtype).replace("torch.", "") for n, st in zip(names, stored) if st is None})
-        self.sources[rec["weight"]] = f"quantised at compile from {'/'.join(kinds)}"
-        return {"w_q": q, "w_s": s}
+        missing = [n for n, st in zip(names, stored) if st is None]
+        if missing:  # the pass saw them in the headers as FP8 (ctx.fp8_stored): a changed checkpoint
+            raise ArtifactError(f"{rec['weight']}: members {missing} are not stored as FP8 in {self.reader.path}")
+        self.sources[rec["weight"]] = "checkpoint fp8 bytes"
+        w_s = torch.cat([s for _, s in stored])
+        return {"w_q": torch.cat([q for q, _ in stored]), "w_s": w_s.view(torch.uint8) if e8m0 else w_s}
 
     def annotate(self, qmap: dict) -> dict:
         for name, src in self.sources.items():

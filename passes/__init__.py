@@ -29,6 +29,9 @@ class PassContext:
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
     expert_format: str | None = None  # routed-expert format override (`compile --expert-format`)
     dense_format: str | None = None  # dense-linear format override (`compile --dense-format`)
+    # disk-canonical names of the weights the checkpoint stores as FP8 blocks (compile reads the headers);
+    # None: the release layout's (dsv4c.checkpoint.release_format), for graphs holding in-memory weights
+    fp8_stored: frozenset[str] | None = None
 
 
 @dataclass

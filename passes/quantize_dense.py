@@ -28,6 +28,9 @@ Weights: the pass does not convert checkpoints. With real weights in the graph (
 compare`) it quantises them to FP8 blocks now (exact for FP8-block values); on the meta device
 (`dsv4c compile`) it records a recipe per new weight (`RECIPE`, with the member weights) and
 compile streams the checkpoint's stored FP8 bytes and scales (dsv4c.checkpoint.read_fp8_block).
+Compile passes `ctx.fp8_stored`, the weights this checkpoint really stores in FP8 (its headers): a
+bf16 checkpoint gets no rewrite, since there are no FP8 bytes to keep; without it (in-memory
+weights) the release layout's FP8 weights are the candidates.
 
 Stats: `linears` (one record per rewrite), `kept` (FP8-eligible linears left alone, with the
 reason) and `quant_map` {weight: entry}, which compile merges into manifest["quant_map"]["dense"].
@@ -99,10 +102,14 @@ def _members(w: Node) -> tuple[list[str], list[int]]:
     return [w.target], [None]
 
 
-def _why_not(cfg, members: list[str], sizes: list, users: int) -> str | None:
+def _why_not(cfg, members: list[str], sizes: list, users: int, fp8_stored: frozenset[str] | None = None) -> str | None:
     from dsv4c.checkpoint import release_format
 
-    not_fp8 = [m for m in members if release_format(cfg, _canonical(m)) != "fp8"]
+    def is_fp8(name: str) -> bool:
+        c = _canonical(name)
+        return c in fp8_stored if fp8_stored is not None else release_format(cfg, c) == "fp8"
+
+    not_fp8 = [m for m in members if not is_fp8(m)]
     if len(not_fp8) == len(members):
         return ""  # not an FP8 weight at all: not a candidate
     if not_fp8:
@@ -195,7 +202,7 @@ def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
             continue
         x, w = site
         members, sizes = _members(w)
-        why = _why_not(ctx.config, members, sizes, len(w.users))
+        why = _why_not(ctx.config, members, sizes, len(w.users), ctx.fp8_stored)
         if why == "":
             continue
         if why is not None:
