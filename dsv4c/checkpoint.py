@@ -224,6 +224,11 @@ class CheckpointReader:
                 shape[0] = len(range(shape[0])[e.part[1]])
         return tuple(shape)
 
+    def fp8_names(self) -> frozenset[str]:
+        """The tensors stored as float8_e4m3fn (from the safetensors headers; nothing is read)."""
+        return frozenset(n for n, e in self.entries.items()
+                         if self._handle(e.file).get_slice(e.key).get_dtype() == "F8_E4M3")
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.entries:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
@@ -291,6 +296,37 @@ def _scale(reader: CheckpointReader, name: str, used: set[str]) -> torch.Tensor:
     sname = _scale_name(reader, name)
     used.add(sname)
     return reader.get(sname)
+
+
+def read_fp8_block(reader: CheckpointReader, name: str, scale_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The stored FP8 block form of one disk-canonical weight, not dequantised: (w_q float8_e4m3fn
+    [N, K], scale [ceil(N/128), ceil(K/128)] in `scale_dtype`), or None when the checkpoint stores
+    the weight unquantised. A scale stored in another dtype is converted only when that is exact
+    (fp32 powers of two <-> ue8m0); otherwise CheckpointError names the tensor."""
+    if name not in reader:
+        raise CheckpointError(f"{reader.path}: missing tensor {name!r}")
+    q = reader.get(name)
+    if q.dtype != torch.float8_e4m3fn:
+        return None
+    where = reader.where(name)
+    s = _scale(reader, name, set())
+    want = tuple(-(-d // Q.FP8_BLOCK) for d in q.shape)
+    if q.dim() != 2 or tuple(s.shape) != want:
+        raise CheckpointError(f"{where}: FP8 tensor {name!r} {list(q.shape)} has scale shape {list(s.shape)}, "
+                              f"expected {list(want)} (128x128 tiles)")
+    if s.dtype != scale_dtype:
+        f = Q.e8m0_to_float(s) if s.dtype == torch.float8_e8m0fnu else s.float()
+        try:
+            conv = Q.float_to_e8m0(f) if scale_dtype == torch.float8_e8m0fnu else f.to(scale_dtype)
+        except ValueError:  # not powers of two
+            conv = None
+        back = None if conv is None else (Q.e8m0_to_float(conv) if conv.dtype == torch.float8_e8m0fnu else conv.float())
+        if back is None or not torch.equal(back, f):
+            raise CheckpointError(f"{where}: scale of {name!r} is {s.dtype} and not exactly representable as "
+                                  f"{scale_dtype}")
+        s = conv
+    return q.contiguous(), s.contiguous()
 
 
 def _mtp_in_checkpoint(cfg: ModelConfig, reader: CheckpointReader) -> bool:

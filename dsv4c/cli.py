@@ -187,7 +187,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
     compile_checkpoint(a.checkpoint, a.output, target=a.target, skip=tuple(a.skip_pass), max_tokens=a.max_tokens,
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
-                       convert_device=a.convert_device, plan=_compile_plan(a), deterministic=a.deterministic)
+                       convert_device=a.convert_device, plan=_compile_plan(a), deterministic=a.deterministic,
+                       dense_format=a.dense_format)
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -455,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a format the target's GPU cannot run fails with the capability it needs")
     s.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (heads, vocabulary, expert columns)")
     s.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (routed experts)")
+    s.add_argument("--dense-format", default=None, choices=("reference", "bf16", "fp8_block", "fp8_block_w8a16"),
+                   help="format of the dense linears the checkpoint stores in FP8 (attention, shared experts) instead "
+                        "of the target's (h200/h100/b200: fp8_block = W8A8; fp8_block_w8a16 = FP8 weights x bf16 "
+                        "activations; bf16 = widened as before)")
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")

@@ -31,6 +31,8 @@ from dsv4c.convert import CheckpointExperts, check_format
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
+from dsv4c.passes.quantize_dense import RECIPE as DENSE_RECIPE
+from dsv4c.passes.quantize_dense import describe_dense, merge_dense_quant_map, with_dense_format
 from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
 from dsv4c.passes.shard import slice_weight
 from dsv4c.provenance import describe_source, source_hashes
@@ -94,13 +96,15 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        progress: bool = False, kernels: dict[str, str] | None = None,
                        verify_boundaries: bool | None = None, expert_format: str | None = None,
                        fused_mtp: bool = True, convert_device: str | None = None,
-                       plan: "ParallelPlan | None" = None, deterministic: bool = False) -> dict:
+                       plan: "ParallelPlan | None" = None, deterministic: bool = False,
+                       dense_format: str | None = None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
     records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
     `verify_mtp` graph (speculation then refreshes the MTP with separate `mtp` calls).
     `convert_device` is where routed experts are converted (default: a GPU when there is one; the
-    conversions are exact, so the bytes written do not depend on it).
+    conversions are exact, so the bytes written do not depend on it). `dense_format` overrides the target's
+    format of the FP8-stored dense linears (passes/quantize_dense.py: bf16, fp8_block, fp8_block_w8a16).
     `plan`: a `ParallelPlan` with more than one rank writes a sharded artifact (`compile_sharded`);
     None or tp = ep = 1 writes the single-GPU layout.
     `deterministic`: batch-invariant kernels (`deterministic_target`, passes/make_batch_invariant.py);
@@ -108,6 +112,9 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     if plan is not None and not plan.is_single:
         if deterministic:
             raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")
+        if dense_format not in (None, "reference", "bf16"):
+            raise ArtifactError(f"--dense-format {dense_format} with --tp/--ep: sharded FP8 dense linears are not "
+                                f"implemented yet")
         return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
                                max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
                                progress=progress, expert_format=expert_format, fused_mtp=fused_mtp)
@@ -121,6 +128,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
                                   expert_format_reason=f"--expert-format {expert_format} (the target's own choice is "
                                                        f"{tgt.expert_format}: {tgt.expert_format_reason})")
+    tgt = with_dense_format(tgt, dense_format)
     check_format(tgt)  # an expert format the target's GPU cannot run fails before any work
     if kernels:  # --kernel OP=IMPL overrides, checked before any work
         from dsv4c.model import register_ops
@@ -159,12 +167,14 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
                   deterministic: bool = False) -> dict:
     """compile_checkpoint's work, written into the staging folder `out` (`final`: where it will be)."""
     graphs, weight_specs, recipes, plans, quant_map, blockers = {}, {}, {}, {}, {}, {}
+    fp8_stored = _fp8_stored(ckpt, cfg)  # quantize_dense rewrites only what the checkpoint stores in FP8
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
                          extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
         eg = export_graph(model, spec)
-        ctx = PassContext(cfg, target, kind, overrides, tgt.expert_format, deterministic=deterministic)
+        ctx = PassContext(cfg, target, kind, overrides, tgt.expert_format, dense_format=tgt.dense_format,
+                          fp8_stored=fp8_stored, deterministic=deterministic)
         gm, records = run_pipeline(eg.module(), ctx, skip=skip)
         if deterministic:
             blockers[name] = _blockers(records)
@@ -173,6 +183,7 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
                                        f"batch-invariant: {blockers[name][:6]} ({len(blockers[name])} in all)")
         recipes.update(_recipes(records))
         merge_quant_map(quant_map, records, name)
+        merge_dense_quant_map(quant_map, records, name)
         weights = lift_weights(gm)
         args = example_inputs(model, spec, torch.device("meta"))
         program = export_lifted(gm, spec, args, weights)
@@ -425,6 +436,9 @@ def _recipes(records) -> dict[str, tuple]:
         for lay in r.stats.get("layers", []) if r.name == "quantize_experts" else []:
             for field, name in lay["tensors"].items():
                 out[name] = (EXPERTS_RECIPE, {**lay, "field": field})
+        for lin in r.stats.get("linears", []) if r.name == "quantize_dense" else []:
+            for field, name in lin["tensors"].items():
+                out[name] = (DENSE_RECIPE, {**lin, "field": field})
     return out
 
 
@@ -434,6 +448,7 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     the W4A4 activation scales the streaming chose in `quant_map`)."""
     reader = CheckpointReader(ckpt, cfg)
     experts = CheckpointExperts(reader, device)  # quantised routed experts, one layer at a time
+    dense = _DenseFP8(reader)  # the FP8 dense weights as stored
     writer = _ShardWriter(out / "weights", 2 << 30)
 
     def value(name: str, shape, dtype) -> torch.Tensor:
@@ -445,6 +460,8 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
                 return slice_weight(read_param(reader, canon, tuple(meta.shape), meta.dtype), src)
             if kind == EXPERTS_RECIPE:
                 return experts(src)
+            if kind == DENSE_RECIPE:
+                return dense(src)
             if kind == "cat":
                 return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
             W = value(src, None, dtype)
@@ -472,6 +489,7 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
     files = writer.close()
     if quant_map is not None:
         experts.annotate(quant_map)
+        dense.annotate(quant_map)
     weight_map = json.loads((out / "weights" / "model.safetensors.index.json").read_text())["weight_map"] \
         if len(files) > 1 else {n: files[0] for n in table}
     for n in table:
@@ -600,6 +618,47 @@ def rank_manifest(m: dict, rank: int) -> dict:
             "quant_map": r["quant_map"]}
 
 
+def _fp8_stored(ckpt: Path, cfg: ModelConfig) -> frozenset[str]:
+    reader = CheckpointReader(ckpt, cfg)
+    try:
+        return reader.fp8_names()
+    finally:
+        reader.close()
+
+
+class _DenseFP8:
+    """The weights of passes/quantize_dense.py's recipes: each fused or single weight's FP8 rows and
+    scale rows, the members' stored bytes concatenated (no requantisation; the pass only rewrites
+    weights the checkpoint stores in FP8)."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.sources, self._last = reader, {}, (None, None)
+
+    def __call__(self, rec: dict) -> torch.Tensor:
+        if self._last[0] != rec["weight"]:
+            self._last = (rec["weight"], self._build(rec))
+        return self._last[1][rec["field"]]
+
+    def _build(self, rec: dict) -> dict[str, torch.Tensor]:
+        from dsv4c.checkpoint import read_fp8_block
+
+        e8m0 = rec["scale"] == "uint8"  # ue8m0 bytes (passes/quantize_dense.py: scale_dtype)
+        names = [m[len("model."):] if m.startswith("model.") else m for m in rec["members"]]
+        stored = [read_fp8_block(self.reader, n, torch.float8_e8m0fnu if e8m0 else torch.float32) for n in names]
+        missing = [n for n, st in zip(names, stored) if st is None]
+        if missing:  # the pass saw them in the headers as FP8 (ctx.fp8_stored): a changed checkpoint
+            raise ArtifactError(f"{rec['weight']}: members {missing} are not stored as FP8 in {self.reader.path}")
+        self.sources[rec["weight"]] = "checkpoint fp8 bytes"
+        w_s = torch.cat([s for _, s in stored])
+        return {"w_q": torch.cat([q for q, _ in stored]), "w_s": w_s.view(torch.uint8) if e8m0 else w_s}
+
+    def annotate(self, qmap: dict) -> dict:
+        for name, src in self.sources.items():
+            if name in qmap.get("dense", {}).get("modules", {}):
+                qmap["dense"]["modules"][name]["source"] = src
+        return qmap
+
+
 # ---- reading --------------------------------------------------------------------------------------
 def read_manifest(art: str | Path, verify: bool = True) -> dict:
     """Load and check an artifact's manifest: format version, and every file's size and sha256."""
@@ -665,6 +724,7 @@ def describe_artifact(art: str | Path) -> str:
         lines.append(f"segments   {name}: {len(p['segments'])} segments, {p['boundaries']} router boundaries, "
                      f"{p['capturable']} capturable (the Session replays the capturable ones as CUDA graphs per bucket)")
     lines.append(f"quant map  {describe_quant_map(m['quant_map'])}")
+    lines.append(f"dense      {describe_dense(m['quant_map'])}")
     return "\n".join(lines)
 
 

@@ -6,8 +6,12 @@ never branch on GPU names.
 
 `expert_format` is live: passes/quantize_experts.py rewrites the routed experts into it (Triton
 grouped kernels, kernels/moe_grouped.py); `expert_format_reason` and `expert_format_tokens` record why
-(the measured figures) and for which tokens-per-step range. `dense_format` is still a plan: attention,
-shared experts and dense linears stay unquantised; `status` says so.
+(the measured figures) and for which tokens-per-step range. `dense_format` is live too:
+passes/quantize_dense.py runs the linears whose checkpoint weights are FP8 blocks (attention, indexer
+wq_b, shared experts, MTP projections) on the stored FP8 weights: `fp8_block` = W8A8 (1x128 activation
+scales), `fp8_block_w8a16` = FP8 weights x bf16 activations; `reference` / `bf16` rewrite nothing.
+The GPU targets keep `bf16` (the dense weights widened, as before) until the FP8 dense kernels have
+been measured on the device: `compile --dense-format fp8_block|fp8_block_w8a16` opts in.
 """
 from __future__ import annotations
 
@@ -26,11 +30,11 @@ class Target:
     device: str  # "cuda" or "cpu"
     capability: tuple[int, int] | None  # minimum CUDA compute capability
     expert_format: str  # planned routed-expert weight format
-    dense_format: str  # planned format of attention / shared-expert / dense linears
+    dense_format: str  # format of the FP8-stored dense linears (passes/quantize_dense.py)
     kernels: dict = field(default_factory=dict)  # custom op -> implementation
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     dtype: str = "bfloat16"  # activation dtype the artifact is compiled in unless --dtype says otherwise
-    status: str = "routed experts in expert_format; dense linears unquantised (dense_format planned)"
+    status: str = "routed experts in expert_format; FP8-stored dense linears in dense_format"
     expert_format_reason: str = ""  # why this expert format (measured figures), as data
     expert_format_tokens: tuple[int, int] | None = None  # tokens per MoE call the choice is best for
 
@@ -63,11 +67,11 @@ _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us a
                   "for weights quantised from bf16; for the released MXFP4 experts, mxfp4_w4a16 keeps the "
                   "checkpoint's exact values. One format per artifact (graphs share weights), so fp8_block; "
                   "--expert-format mxfp4_w4a16 for latency-bound decode at batch <= 8 (and half the expert memory).")
-_HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block", "kernels": _CUDA,
+_HOPPER = {"expert_format": "fp8_block", "dense_format": "bf16", "kernels": _CUDA,
            "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
 
 TARGETS: dict[str, Target] = {
-    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="fp8_block", kernels=_CUDA,
+    "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="bf16", kernels=_CUDA,
                    expert_format_reason="NVFP4 W4A4 via tl.dot_scaled (sm_100): 4-bit weights and activations; "
                                         "not measured yet (no B200 on the team's device)"),
     "h200": Target("h200", "cuda", (9, 0), **_HOPPER),

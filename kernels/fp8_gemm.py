@@ -117,3 +117,56 @@ def fp8_gemm_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
 def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
     """fp32 reference of `fp8_gemm_w8a16`: a @ dequant_fp8_block(w_q, w_s)^T."""
     return a.float() @ Q.dequant_fp8_block(w_q, w_s).T
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops for passes/quantize_dense.py: a linear on FP8 block weights, any leading dims
+# (x [..., K] -> y [..., N], y in x's dtype). CUDA: Triton launches with grids from shapes only and
+# no host sync (capture safe); CPU (artifacts with emulate=True, tests): the `*_ref` math in fp32.
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()                                   # [M, K]
+
+
+def _scale(w_s: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales travel through graphs as uint8 bytes (torch 2.11's export serialiser has no e8m0)."""
+    return w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s
+
+
+@torch.library.custom_op("dsv4c::fp8_linear_w8a8", mutates_args=())
+def fp8_linear_w8a8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """y = linear(x, dequant(w_q, w_s)) with x quantised per token and 128-wide K block (1x128,
+    ue8m0 scales, kernels/act_quant.py) first; K % 128 == 0. w_s: e8m0 (or its uint8 bytes) / fp32."""
+    a, w_s = _rows(x), _scale(w_s)
+    if x.device.type == "cpu":
+        from dsv4c.kernels.act_quant import act_quant_fp8_ref
+
+        y = fp8_gemm_w8a8_ref(*act_quant_fp8_ref(a), w_q, w_s)
+    else:
+        from dsv4c.kernels.act_quant import act_quant_fp8
+
+        y = fp8_gemm_w8a8(*act_quant_fp8(a), w_q, w_s)
+    return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
+
+
+@fp8_linear_w8a8.register_fake
+def _fp8_linear_w8a8_fake(x, w_q, w_s):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+@torch.library.custom_op("dsv4c::fp8_linear_w8a16", mutates_args=())
+def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """y = linear(x, dequant(w_q, w_s)), weights FP8 and activations unquantised (bf16 into the
+    CUDA kernel; the CPU reference computes in fp32)."""
+    a, w_s = _rows(x), _scale(w_s)
+    if x.device.type == "cpu":
+        y = fp8_gemm_w8a16_ref(a, w_q, w_s)
+    else:
+        y = fp8_gemm_w8a16(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
+    return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
+
+
+@fp8_linear_w8a16.register_fake
+def _fp8_linear_w8a16_fake(x, w_q, w_s):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))

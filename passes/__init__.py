@@ -28,6 +28,10 @@ class PassContext:
     graph_kind: str = "decode"  # prefill | decode | mtp
     kernels: tuple[tuple[str, str], ...] = ()  # (op, implementation) overrides of the target's kernels
     expert_format: str | None = None  # routed-expert format override (`compile --expert-format`)
+    dense_format: str | None = None  # dense-linear format override (`compile --dense-format`)
+    # disk-canonical names of the weights the checkpoint stores as FP8 blocks (compile reads the headers);
+    # None: the release layout's (dsv4c.checkpoint.release_format), for graphs holding in-memory weights
+    fp8_stored: frozenset[str] | None = None
     deterministic: bool = False  # batch-invariant kernels (`compile --deterministic`, passes/make_batch_invariant.py)
 
 
@@ -67,6 +71,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
     from dsv4c.passes.make_batch_invariant import make_batch_invariant
+    from dsv4c.passes.quantize_dense import quantize_dense
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
 
@@ -84,6 +89,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("lower_grouped_linear", lower_grouped_linear),
         ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic
         ("quantize_experts", quantize_experts),
+        ("quantize_dense", quantize_dense),
         ("select_kernels", select_kernels),
     ]
 

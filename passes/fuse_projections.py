@@ -142,6 +142,7 @@ def _fuse(gm: GraphModule, group: list[Node]) -> dict:
     with gm.graph.inserting_before(group[0]):
         w_node = gm.graph.get_attr(fname)
         w_node.meta["val"] = fake_value(x, lambda t: t, fused)
+        w_node.meta["fused_members"] = (tuple(names), tuple(sizes))  # passes/quantize_dense.py reads it
         if stored != dtype:  # keep the upcast in the graph: lower_f32_linears then reads the weight once in bf16
             w_node = gm.graph.call_function(aten.to.dtype, (w_node, dtype))
             w_node.meta["val"] = fake_value(x, lambda t: t.to(dtype), fused)

@@ -103,6 +103,9 @@ OP_CAPTURE: dict[str, str | None] = {
     # passes/select_kernels.py): Triton launches, grids fixed by the shapes, no host sync
     "dsv4c.head_rms_rope_fused": None,
     "dsv4c.grouped_linear": None,  # kernels/grouped_linear.py (passes/lower_grouped_linear.py): one launch or the einsum
+    # kernels/fp8_gemm.py (passes/quantize_dense.py): act_quant + GEMM launches, grids from shapes, no host sync
+    "dsv4c.fp8_linear_w8a8": None,
+    "dsv4c.fp8_linear_w8a16": None,
     "dsv4c.v4_attention_fused": None,
     "dsv4c.v4_attention_fused_det": None,  # the same launches with the batch-invariant split
     "dsv4c.v4_compress_fused": None,

@@ -96,7 +96,7 @@ def pipeline_pair(pass_name: str):
     from dsv4c.passes import PassContext, run_pipeline
 
     ctx = PassContext(model("v4").config, "h200", graph_kind="decode")
-    skip = ("quantize_experts",)
+    skip = ("quantize_experts", "quantize_dense")
     unfused, _ = run_pipeline(exported("v4", "decode"), ctx, skip=skip + (pass_name,))
     gm, recs = run_pipeline(exported("v4", "decode"), ctx, skip=skip)
     args = inputs("v4", "decode")

@@ -250,7 +250,8 @@ def artifacts(tmp_path_factory):
         ck, art = d / f"{preset}-ck", d / f"{preset}-{target}"
         write_random_checkpoint(ModelConfig.preset(preset), ck, seed=3, quant=quant, dtype=torch.float32)
         man = compile_checkpoint(ck, art, target=target, max_tokens=32, max_batch=2, mtp_k=mtp, buckets=(1, 2),
-                                 verify_boundaries=False)  # tests/test_boundary_check.py covers the check
+                                 verify_boundaries=False,  # tests/test_boundary_check.py covers the check
+                                 dense_format="fp8_block" if target == "h200" else None)  # FP8 dense: opt-in
         out[target] = (ck, art, man)
     return out
 
@@ -274,6 +275,35 @@ def test_manifest_quant_map_lists_every_moe_layer(artifacts, target):
     dtypes = {man["weights"][t]["dtype"] for q in qm["modules"].values() for t in q["tensors"]}
     assert dtypes == ({"float8_e4m3fn", "float32"} if fmt == "fp8_block" else {"uint8", "float8_e4m3fn", "float32"})
     assert f"routed experts {fmt} in {len(qm['modules'])} modules" in describe_artifact(art)
+
+
+def test_dense_fp8_weights_are_the_checkpoint_bytes(artifacts):
+    """passes/quantize_dense.py on the h200 artifact: the FP8 dense weights the graphs read are the
+    release checkpoint's stored e4m3 bytes and ue8m0 scale bytes (members concatenated), not a requantisation."""
+    from safetensors import safe_open
+
+    from dsv4c.checkpoint import scale_names
+
+    ck, art, man = artifacts["h200"]
+    cfg = ModelConfig.from_dict(man["model_config"])
+    dense = man["quant_map"]["dense"]
+    assert dense["dense_format"] == "fp8_block"
+    kinds = {"wq_b", "wo_b", "shared_experts.w2", "e_proj", "h_proj"}  # K = 32 / 64 here: W8A16 (W8A8 needs 128)
+    assert {k for k in kinds if any(k in n for n in dense["modules"])} == kinds
+    reader = CheckpointReader(ck, cfg)
+    for name, q in dense["modules"].items():
+        assert q["source"] == "checkpoint fp8 bytes" and q["kernel"] == "w8a16" and "K = " in q["why"], name
+        got = {}
+        for t in q["tensors"]:
+            with safe_open(str(art / man["weights"][t]["file"]), framework="pt") as f:
+                got[t.rsplit(".", 1)[1]] = f.get_tensor(t)
+        w = [reader.get(m) for m in q["members"]]
+        s = [reader.get(next(n for n in scale_names(cfg, m) if n in reader)) for m in q["members"]]
+        assert got["w_q"].dtype == torch.float8_e4m3fn == w[0].dtype
+        assert torch.equal(got["w_q"].view(torch.uint8), torch.cat(w).view(torch.uint8)), name
+        assert got["w_s"].dtype == torch.uint8 and torch.equal(got["w_s"], torch.cat(s).view(torch.uint8)), name
+        assert not any(n == name for n in man["weights"])  # the bf16 widening is gone
+    assert f"dense linears fp8_block in {len(dense['modules'])} weights" in describe_artifact(art)
 
 
 @torch.no_grad()

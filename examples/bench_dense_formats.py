@@ -1,0 +1,188 @@
+"""Issue 28 item 1: the v4-flash-slice's decode step with its FP8-stored dense linears widened to bf16
+(as before), on W8A8 FP8 GEMMs and on W8A16 FP8 GEMMs (passes/quantize_dense.py), one run.
+
+    python examples/bench_dense_formats.py --work /tmp/dense --out $OUT/dense_formats.json    # H200
+    python examples/bench_dense_formats.py --quick --device cpu --work /tmp/q --out q.json     # a smoke run
+
+Stages (the JSON is rewritten after each, so a timeout keeps what was measured):
+  1. copy bandwidth; the slice built on the GPU (seeded random), rounded to the release formats in
+     place (bench_artifact.round_to_release_) and written as a release checkpoint (FP8 128x128
+     attention / shared expert, MXFP4 experts);
+  2. one eager decode step per batch counts the unique routed experts (the roofline's expert bytes);
+     eager's routing and logits of one prompt are kept for the accuracy check;
+  3. per dense format: `dsv4c compile --target h200 --dense-format F` (the artifact is deleted after its
+     stage: three slice artifacts do not fit the disk), `dsv4c bench --graphs full`, and the pinned-routing
+     SNR of the artifact's logits against eager (bench_artifact.artifact_accuracy).
+Rooflines (bench_segments.step_bytes, over the measured copy bandwidth): `bf16_counted` counts every
+non-expert weight in bf16 (the figure issue 28 starts from); `stored` counts the weights the release
+stores in FP8 at 1 byte + one ue8m0 byte per 128x128 tile (V4's grouped wo_a included, which the
+artifacts still read in bf16: `stored_wo_a_bf16` is the bound for what they read).
+
+Legend: B batch rows, P prompt tokens, S decode steps.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_artifact import _cache_tensors, _run, artifact_accuracy, dsv4c, round_to_release_, time_steps  # noqa: E402
+from bench_segments import _commit, build, copy_bandwidth, prefill, step_bytes  # noqa: E402
+
+from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
+from dsv4c.model.generate import greedy  # noqa: E402
+
+FORMATS = ("bf16", "fp8_block", "fp8_block_w8a16")
+
+
+def stored_bytes_saved(model) -> dict:
+    """Bytes a decode step reads less when the release's FP8 non-expert weights are read as stored
+    (2 bytes -> 1 byte + 1 scale byte per 128x128 tile), in total and for the grouped wo_a alone."""
+    saved = wo_a = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or ".ffn.experts." in name or release_format(model.config, name) != "fp8":
+            continue
+        n = p.numel()
+        d = n * p.element_size() - (n + n // (128 * 128))
+        saved += d
+        wo_a += d if ".attn.wo_a." in name else 0
+    return {"saved": saved, "wo_a_saved": wo_a}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per batch; the first are warm-up")
+    ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifacts")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.batches, a.prompt, a.steps = "v4-tiny-b", [1, 3], 40, 6
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a.work.mkdir(parents=True, exist_ok=True)
+    ckpt = a.work / "ckpt"
+    res: dict = {"preset": a.preset, "target": a.target, "batches": a.batches, "prompt": a.prompt, "steps": a.steps,
+                 "commit": _commit(), "torch": torch.__version__, "stages_s": {}, "formats": {},
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    def stage(name: str, t0: float) -> None:
+        res["stages_s"][name] = round(time.perf_counter() - t0, 1)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
+
+    # 1. model, release rounding, checkpoint
+    t0 = time.perf_counter()
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else None
+    res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
+    model = build(a.preset, dev, dtype)
+    res["rounded"] = round_to_release_(model)
+    save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
+    stage("build_and_checkpoint", t0)
+
+    # 2. unique experts per batch (roofline), eager's answer for the accuracy check
+    t0 = time.perf_counter()
+    n_slots, max_len = max(a.batches), a.prompt + a.steps + 8
+    cache = prefill(model, n_slots + 1, a.prompt, max_len, chunk_rows=8, seed=0)
+    snapshot = [t.clone() for t in _cache_tensors(cache)]
+    saved = stored_bytes_saved(model)
+    res["roofline"] = {}
+    for B in a.batches:
+        r = time_steps(model.step, model, cache, snapshot, B, 2, count_experts=True)
+        by = step_bytes(model, B, a.prompt, r["unique_experts"])
+        bf16 = by["total_fp8_experts"]  # FP8 routed experts as the artifact stores them, bf16 elsewhere
+        stored = bf16 - saved["saved"]
+        res["roofline"][B] = {**by, "dense_fp8_saved_bytes": saved["saved"], "wo_a_saved_bytes": saved["wo_a_saved"],
+                              "bf16_counted_ms": bf16 / bw * 1e3 if bw else None,
+                              "stored_ms": stored / bw * 1e3 if bw else None,
+                              "stored_wo_a_bf16_ms": (stored + saved["wo_a_saved"]) / bw * 1e3 if bw else None}
+    chk = torch.randint(0, model.config.vocab_size, (min(64, a.prompt),), generator=torch.Generator().manual_seed(11))
+    from dsv4c.compare import eager_routing
+
+    with torch.no_grad():
+        full, routing = eager_routing(model, chk.tolist())
+        check = (chk.tolist(), full[-1].cpu(), greedy(model, chk[None].to(dev), 4)[0].tolist(), full.cpu(), routing)
+    del model, cache, snapshot
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    stage("eager_experts", t0)
+
+    # 3. per format: compile, bench, accuracy; then free the disk
+    graphs = "full" if dev.type == "cuda" else "off"
+    target = a.target if dev.type == "cuda" else "cpu"
+    for fmt in a.formats:
+        t0 = time.perf_counter()
+        art, rec = a.work / f"art_{fmt}", {}
+        res["formats"][fmt] = rec
+        try:
+            cmd = dsv4c("compile", str(ckpt), "--target", target, "--dense-format", fmt, "-o", str(art), "--force",
+                        "--max-batch", str(max(a.batches)), "--max-tokens", str(a.prompt + a.steps + 8),
+                        "--buckets", ",".join(map(str, sorted(set(a.batches)))))
+            rec["compile_s"] = round(_run(cmd, a.work / f"compile_{fmt}.log"), 1)
+            m = json.loads((art / "manifest.json").read_text())
+            dense = m["quant_map"].get("dense", {}).get("modules", {})
+            rec["artifact_bytes"] = sum(f["size"] for f in m["files"].values())
+            rec["dense_weights"] = len(dense)
+            rec["dense_kernels"] = sorted({d["kernel"] for d in dense.values()})
+            js = a.work / f"bench_{fmt}.json"
+            cmd = dsv4c("bench", str(art), "--batch", *map(str, a.batches), "--prompt-len", str(a.prompt),
+                        "--output-len", str(a.steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
+            _run(cmd, a.work / f"bench_{fmt}.log")
+            rec["bench"] = json.loads(js.read_text())
+            rec["accuracy"] = artifact_accuracy(art, dev, check)
+        except Exception as e:  # the other formats still get measured
+            rec["failed"] = f"{type(e).__name__}: {str(e)[:600]}"
+            print(f"{fmt} failed: {rec['failed']}", flush=True)
+        shutil.rmtree(art, ignore_errors=True)
+        stage(f"format_{fmt}", t0)
+    res["summary"] = summarize(res)
+    print(table(res["summary"]))
+    a.out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def summarize(res: dict) -> list[dict]:
+    rows = []
+    for fmt, rec in res["formats"].items():
+        snr = (rec.get("accuracy") or {}).get("pinned_snr_db")
+        for r in (rec.get("bench") or {}).get("rows", []):
+            roof = res["roofline"].get(r["batch"]) or res["roofline"].get(str(r["batch"])) or {}
+            ms = r["step_ms_p50"]
+            rows.append({"format": fmt, "batch": r["batch"], "step_ms_p50": ms,
+                         "bf16_counted_roofline_ms": roof.get("bf16_counted_ms"),
+                         "stored_roofline_ms": roof.get("stored_ms"),
+                         "vs_bf16_counted": roof["bf16_counted_ms"] / ms if roof.get("bf16_counted_ms") else None,
+                         "vs_stored": roof["stored_ms"] / ms if roof.get("stored_ms") else None,
+                         "pinned_snr_db": snr})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def f(v, spec):
+        return "–" if v is None else format(v, spec)
+
+    out = ["| dense format | batch | ms/step | roofline bf16-counted | vs it | roofline stored | vs it | pinned SNR dB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['format']} | {r['batch']} | {f(r['step_ms_p50'], '.3f')} | "
+                   f"{f(r['bf16_counted_roofline_ms'], '.3f')} | {f(r['vs_bf16_counted'], '.1%')} | "
+                   f"{f(r['stored_roofline_ms'], '.3f')} | {f(r['vs_stored'], '.1%')} | {f(r['pinned_snr_db'], '.1f')} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
