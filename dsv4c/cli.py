@@ -458,8 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (routed experts)")
     s.add_argument("--dense-format", default=None, choices=("reference", "bf16", "fp8_block", "fp8_block_w8a16"),
                    help="format of the dense linears the checkpoint stores in FP8 (attention, shared experts) instead "
-                        "of the target's (h200/h100/b200: fp8_block = W8A8; fp8_block_w8a16 = FP8 weights x bf16 "
-                        "activations; bf16 = widened as before)")
+                        "of the target's (bf16 = widened, the GPU targets' default until measured; fp8_block = "
+                        "W8A8; fp8_block_w8a16 = FP8 weights x bf16 activations)")
     s.add_argument("--convert-device", default=None, metavar="DEVICE",
                    help="where routed experts are converted/quantised (default: cuda when a GPU is present, "
                         "else cpu); exact, so the weight files' bytes do not depend on it")
