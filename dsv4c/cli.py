@@ -584,11 +584,11 @@ def _parallel(a: argparse.Namespace, fn) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.cmd in ("run", "bench"):
-        rc = _parallel(args, args.fn)
-        if rc is not None:
-            return rc
     try:
+        if args.cmd in ("run", "bench"):
+            rc = _parallel(args, args.fn)  # a sharded artifact: one worker per rank
+            if rc is not None:
+                return rc
         return args.fn(args)
     except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
             KeyError, ValueError, TargetError) as e:

@@ -65,6 +65,7 @@ def test_sharded_artifact_refuses_a_single_process(arts):
         Session.load(arts / "tp2")
 
 
+@pytest.mark.long  # two worker launches of ~30-60 s each: `pytest -m long`
 @pytest.mark.parametrize("mtp", [0, 1])
 def test_workers_generate_the_single_process_tokens(arts, mtp, capfd):
     want = _single_tokens(arts / "single", mtp)

@@ -15,7 +15,7 @@ from tests.shard_cases import run_sharded, scenario
 TOL = 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.long  # `pytest -m long`
 def test_v32_plan_2x2_equals_single_process(tmp_path):
     model = build_model(ModelConfig.preset("v32-tiny"))
     graphs = {k: export_graph(model, GraphSpec(k, n_slots=3, max_len=32)).module() for k in ("prefill", "decode", "mtp")}
