@@ -201,19 +201,9 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
         convert_device = "cuda" if torch.cuda.is_available() else "cpu"
     weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress, quant_map,
                                    torch.device(convert_device))
-    for name in TOKENIZER_FILES:
-        if (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, out / name)
+    _copy_tokenizer(ckpt, out)
     manifest = {
-        "format_version": FORMAT_VERSION,
-        "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
-        "source": source_hashes(),  # sha256 of every module that built it (dsv4c/provenance.py)
-        "target": tgt.to_dict(),
-        "model_config": cfg.to_dict(),
-        "dtype": str(dtype).replace("torch.", ""),
-        "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
-        "buckets": list(buckets if buckets is not None else tgt.buckets),
-        "mtp_k": mtp_k,
+        **_manifest_head(tgt, cfg, dtype, max_tokens, max_batch, buckets, mtp_k),
         "graphs": graphs,
         "segment_plan": plans,  # the router split of every fixed-T graph (Session re-plans and checks it)
         "quant_map": quant_map,  # per quantised module: format, scales, layer, MTP (passes/quantize_experts.py)
@@ -588,16 +578,9 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
                       "segment_plan": plans, "quant_map": quant_map})
         if progress:
             print(f"rank {r}: {len(graphs)} graphs, {len(table)} weights")
-    for name in TOKENIZER_FILES:
-        if (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, out / name)
+    _copy_tokenizer(ckpt, out)
     manifest = {
-        "format_version": FORMAT_VERSION,
-        "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
-        "target": tgt.to_dict(), "model_config": cfg.to_dict(), "dtype": str(dtype).replace("torch.", ""),
-        "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
-        "buckets": list(buckets if buckets is not None else tgt.buckets), "mtp_k": mtp_k,
-        "source": source_hashes(),  # sha256 of every module that built it (dsv4c/provenance.py)
+        **_manifest_head(tgt, cfg, dtype, max_tokens, max_batch, buckets, mtp_k),
         "parallel": plan.to_dict(), "ranks": ranks,
         "graphs": ranks[0]["graphs"], "segment_plan": ranks[0]["segment_plan"], "quant_map": ranks[0]["quant_map"],
         "weights": ranks[0]["weights"],
@@ -607,6 +590,29 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
     manifest["files"] = _file_table(out)
     _write_manifest(out, manifest)
     return manifest
+
+
+def _copy_tokenizer(ckpt: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, out / name)
+
+
+def _manifest_head(tgt, cfg: ModelConfig, dtype: torch.dtype, max_tokens: int, max_batch: int, buckets,
+                   mtp_k: int) -> dict:
+    """The manifest entries every artifact has, single-GPU or sharded: versions, source hashes, target,
+    model, dtype, limits, buckets, MTP depth."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "versions": {"dsv4c": dsv4c.__version__, "torch": torch.__version__, "triton": _triton_version()},
+        "source": source_hashes(),  # sha256 of every module that built it (dsv4c/provenance.py)
+        "target": tgt.to_dict(),
+        "model_config": cfg.to_dict(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
+        "buckets": list(buckets if buckets is not None else tgt.buckets),
+        "mtp_k": mtp_k,
+    }
 
 
 def rank_manifest(m: dict, rank: int) -> dict:
