@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
+from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_w8a8, fp8_gemv_w8a16
 
 from dsv4c import quant as Q
 
@@ -122,7 +123,9 @@ def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) ->
 # ---------------------------------------------------------------------------------------------
 # custom ops for passes/quantize_dense.py: a linear on FP8 block weights, any leading dims
 # (x [..., K] -> y [..., N], y in x's dtype). CUDA: Triton launches with grids from shapes only and
-# no host sync (capture safe); CPU (artifacts with emulate=True, tests): the `*_ref` math in fp32.
+# no host sync (capture safe): up to MAX_M = 64 token rows the decode kernels of kernels/fp8_gemv.py
+# (split over N and K), above them the tile GEMMs here; CPU (artifacts with emulate=True, tests):
+# the `*_ref` math in fp32.
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +149,8 @@ def fp8_linear_w8a8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> to
     else:
         from dsv4c.kernels.act_quant import act_quant_fp8
 
-        y = fp8_gemm_w8a8(*act_quant_fp8(a), w_q, w_s)
+        gemm = fp8_gemv_w8a8 if a.shape[0] <= MAX_M else fp8_gemm_w8a8
+        y = gemm(*act_quant_fp8(a), w_q, w_s)
     return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
 
 
@@ -163,7 +167,8 @@ def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> t
     if x.device.type == "cpu":
         y = fp8_gemm_w8a16_ref(a, w_q, w_s)
     else:
-        y = fp8_gemm_w8a16(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
+        gemm = fp8_gemv_w8a16 if a.shape[0] <= MAX_M else fp8_gemm_w8a16
+        y = gemm(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
     return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
 
 

@@ -1,14 +1,23 @@
-"""Dense FP8 block GEMM kernels vs their references (CPU interpreter; GPU with -m gpu)."""
+"""Dense FP8 block GEMM kernels (tile GEMMs, decode GEMVs) vs their references (CPU interpreter;
+GPU with -m gpu)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from dsv4c.kernels.fp8_gemm import (
     fp8_gemm_w8a8,
     fp8_gemm_w8a8_ref,
     fp8_gemm_w8a16,
     fp8_gemm_w8a16_ref,
+)
+from dsv4c.kernels.fp8_gemv import (
+    Fp8GemvConfig,
+    fp8_gemv_w8a8,
+    fp8_gemv_w8a8_ref,
+    fp8_gemv_w8a16,
+    fp8_gemv_w8a16_ref,
 )
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 
@@ -54,3 +63,97 @@ def test_fp8_gemms_gpu(m):
     a_q, a_s = Q.quant_act_fp8(a)
     assert rel_err(fp8_gemm_w8a8(a_q, a_s, w_q, w_s), fp8_gemm_w8a8_ref(a_q, a_s, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8"]
     assert rel_err(fp8_gemm_w8a16(a, w_q, w_s), fp8_gemm_w8a16_ref(a, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"]
+
+
+# ---- decode kernels (kernels/fp8_gemv.py) -----------------------------------------------------
+GEMV_CASES = [  # (M, N, K, weight scale, config): CUDA-core row, tensor-core tiles, K splits, ragged N and K
+    (1, 48, 200, "ue8m0", Fp8GemvConfig(1, 16, 128, split=2)),
+    (1, 64, 512, "fp32", Fp8GemvConfig(1, 32, 256, split=1)),
+    (3, 130, 384, "ue8m0", Fp8GemvConfig(16, 32, 128, split=4)),
+    (20, 96, 256, "fp32", Fp8GemvConfig(32, 64, 128, split=2)),
+]
+
+
+@pytest.mark.parametrize("m, n, k, fmt, cfg", GEMV_CASES)
+def test_gemv_w8a16_matches_ref(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=2)
+    ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+    y = fp8_gemv_w8a16(a, w_q, w_s, config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y, ref) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"]
+    # fp32 out: only the summation order differs, so a dropped or doubled split / scale block shows
+    assert rel_err(fp8_gemv_w8a16(a, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+    torch.testing.assert_close(ref, fp8_gemm_w8a16_ref(a, w_q, w_s), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m, n, k, fmt, cfg", [c for c in GEMV_CASES if c[2] % 128 == 0])
+def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=3)
+    a_q, a_s = Q.quant_act_fp8(a)
+    ref = fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)
+    assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, config=cfg), ref) < KERNEL_REL_ERR["gemm_fp8"]
+    assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+
+
+def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
+    from dsv4c.kernels.fp8_gemv import default_config
+
+    # v4-flash-slice: wq_a ‖ wkv, wq_b, wo_b, indexer wq_b, shared w1 ‖ w3, shared w2
+    shapes = [(1536, 4096), (32768, 1024), (4096, 8192), (8192, 1024), (4096, 4096), (4096, 2048)]
+    for m in (1, 8, 64):
+        for n, k in shapes:
+            c = default_config(m, n, k, 132)
+            c.check()
+            programs = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) * c.split
+            steps = triton.cdiv(k, c.block_k)
+            assert (c.block_m == 1) == (m == 1) and c.block_m >= min(m, 16)
+            assert c.split * m * n * 4 <= n * k / 4, (m, n, k, c)  # partials stay small against the weight
+            # two programs per SM, unless another bound stopped the split
+            assert (programs >= 264 or steps < 2 * c.split or 2 * c.split * m * n * 4 > n * k / 4), (m, n, k, c)
+    assert default_config(1, 1536, 4096, 132).split > 1  # the 12-program case of the tile GEMM
+
+
+def test_gemv_rejects_bad_contracts():
+    a, w_q, w_s = operands(2, 128, 256, "ue8m0")
+    with pytest.raises(ValueError, match="block_m = 1 takes one token"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(1, 32))
+    with pytest.raises(ValueError, match="Fp8GemvConfig.block_n"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(16, 48))
+    with pytest.raises(ValueError, match="Fp8GemvConfig.split"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(16, 32, split=3))
+    with pytest.raises(ValueError, match="w_s: expected"):
+        fp8_gemv_w8a16(a, w_q, w_s[:, :1])
+    with pytest.raises(ValueError, match="a: expected"):
+        fp8_gemv_w8a16(a.float(), w_q, w_s)
+    with pytest.raises(ValueError, match="a_s: expected"):
+        fp8_gemv_w8a8(*Q.quant_act_fp8(a)[:1], torch.ones(2, 1), w_q, w_s)
+    assert fp8_gemv_w8a16(a[:0], w_q, w_s).shape == (0, 128)
+
+
+SLICE_SHAPES = [(1536, 4096), (32768, 1024), (4096, 8192), (8192, 1024), (4096, 4096), (4096, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_gemv_gpu_slice_shapes(m):
+    for n, k in SLICE_SHAPES:
+        a, w_q, w_s = operands(m, n, k, "ue8m0", seed=n + k, device="cuda")
+        ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+        y = fp8_gemv_w8a16(a, w_q, w_s)
+        assert rel_err(y, ref) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"], (n, k)
+        assert torch.equal(fp8_gemv_w8a16(a, w_q, w_s), y), (n, k)  # the split reduction is ordered
+        a_q, a_s = Q.quant_act_fp8(a)
+        y8 = fp8_gemv_w8a8(a_q, a_s, w_q, w_s)
+        assert rel_err(y8, fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8"], (n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, fmt, cfg", GEMV_CASES)
+def test_gemv_gpu_configs(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=4, device="cuda")
+    ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+    assert rel_err(fp8_gemv_w8a16(a, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+    if k % 128 == 0:
+        a_q, a_s = Q.quant_act_fp8(a)
+        ref8 = fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)
+        assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref8) < 1e-5
