@@ -75,22 +75,92 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
-    """Tiles for an [m, k] x [n, k]^T product on `sm_count` SMs.
+    """Tiles for an [m, k] x [n, k]^T product on `sm_count` SMs (sm_90 register and shared-memory
+    counts from ptxas in the comments; the H200 sweep of examples/bench_dense_kernels.py decides).
 
-    block_n grows with m so that the activation tile (re-read by every N program, from L2) stays
-    small against the weight tile: 2*m*K bytes per program against block_n*K. The K split doubles
-    until the programs reach two per SM, while each program keeps at least one K step and the fp32
-    partials (split * m * n * 4 bytes, written and read once) stay under a quarter of the weight bytes."""
-    bm = 1 if m == 1 else min(MAX_M, max(16, triton.next_power_of_2(m)))
-    bn = 32 if m <= 16 else 64
-    bk = 256 if k >= 512 else _B
+    One token: 32 rows x 512 columns per step on 8 warps (120 registers, 16 KB of the next step in
+    flight per program). Up to 16 tokens: 32 x 256 on tensor cores (75 registers, 48 KB of shared
+    memory for 4 stages). Above: 64 x 128 (166 registers, 88 KB). block_n grows with m so that the
+    activation tile, re-read from L2 by every N program, stays small against the weight tile
+    (2*m bytes per weight column against block_n). The K split doubles until the programs reach
+    two per SM, while each split keeps a K step and the fp32 partials (split * m * n * 4 bytes,
+    written and read once) stay under a quarter of the weight bytes."""
+    if m == 1:
+        bm, bn, bk, warps = 1, 32, 512 if k >= 1024 else _B, 8
+    elif m <= 16:
+        bm, bn, bk, warps = 16, 32, 256 if k >= 512 else _B, 4
+    else:
+        bm, bn, bk, warps = min(MAX_M, triton.next_power_of_2(m)), 64, _B, 4
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
     split = 1
     while (tiles * split < 2 * sm_count and steps >= 2 * split
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
-    return Fp8GemvConfig(bm, bn, bk, split)
+    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps)
+
+
+@triton.jit
+def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
+             WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr):
+    """Tensor cores: acc [BN, BM] = sum over 128-wide K blocks of (w_blk @ a_blk^T) * scales.
+    Loads feed the dot, so Triton's pipeliner keeps num_stages steps in flight."""
+    KB: tl.constexpr = (K + 127) // 128
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(K_SPLIT // BLOCK_K):
+        for j in tl.static_range(BLOCK_K // 128):
+            k0 = k_lo + i * BLOCK_K + j * 128
+            ks = k0 + tl.arange(0, 128)
+            k_ok = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, 128] e4m3
+            a = tl.load(a_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, 128]
+            kb = tl.minimum(k0 // 128, KB - 1)  # a step past K (the last split's padding) reads zeros of w
+            ws = tl.load(ws_row + kb)
+            if WS_E8M0:
+                ws = U.e8m0_value(ws.to(tl.int32))
+            if A_FP8:
+                part = U.mma(w, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
+                a_s = tl.load(as_rows + kb, mask=m_ok, other=0.0)                                # [BM]
+                acc += part * (a_s * ws)[None, :]
+            else:
+                part = U.mma(w.to(a.dtype), a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
+                acc += part * ws
+    return acc
+
+
+@triton.jit
+def _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr,
+              WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of one token (columns k0.. below min(k_hi, K)): (w e4m3 [BN, BK], its scales fp32 [BK],
+    a fp32 [BK], times its scales for FP8 activations)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = (ks < K) & (ks < k_hi)
+    kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)                                   # [BK]
+    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    ws = tl.load(ws_row + kb)
+    a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if WS_E8M0:
+        ws = U.e8m0_value(ws.to(tl.int32))
+    if A_FP8:
+        a = a * tl.load(as_row + kb)
+    return w, ws, a
+
+
+@triton.jit
+def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
+              WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr):
+    """CUDA cores, one token: acc [BN, 1]. The next K step is loaded before the current one is
+    multiplied (the pipeliner only serves loads that feed a dot); products and sums in fp32."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_hi = k_lo + K_SPLIT
+    w, ws, a = _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k_lo, k_hi, K, A_FP8, WS_E8M0, BLOCK_K)
+    for i in range(K_SPLIT // BLOCK_K):
+        w1, ws1, a1 = _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k_lo + (i + 1) * BLOCK_K, k_hi, K, A_FP8,
+                                WS_E8M0, BLOCK_K)
+        acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
+        w, ws, a = w1, ws1, a1
+    return acc[:, None]
 
 
 @triton.jit
@@ -103,39 +173,20 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
-    SUB: tl.constexpr = BLOCK_K // 128
-    KB: tl.constexpr = (K + 127) // 128
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                                  # [BN]
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                  # [BM]
     n_ok = n_idx < N
     m_ok = m_idx < M
     w_rows = w_ptr + n_idx.to(tl.int64)[:, None] * stride_wn                         # [BN, 1]
-    a_rows = a_ptr + m_idx.to(tl.int64)[:, None] * stride_am                         # [BM, 1]
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_s * K_SPLIT
-    for i in range(K_SPLIT // BLOCK_K):
-        for j in tl.static_range(SUB):
-            k0 = k_lo + i * BLOCK_K + j * 128
-            ks = k0 + tl.arange(0, 128)
-            k_ok = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, 128] e4m3
-            a = tl.load(a_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, 128]
-            kb = tl.minimum(k0 // 128, KB - 1)  # a step past K (the last split's padding) reads zeros of w
-            ws = tl.load(ws_row + kb)
-            if WS_E8M0:
-                ws = U.e8m0_value(ws.to(tl.int32))
-            if BLOCK_M == 1:
-                part = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[:, None]     # [BN, 1]
-            elif A_FP8:
-                part = U.mma(w, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
-            else:
-                part = U.mma(w.to(a.dtype), a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
-            if A_FP8:
-                a_s = tl.load(as_ptr + m_idx * stride_asm + kb, mask=m_ok, other=0.0)   # [BM]
-                acc += part * (a_s * ws)[None, :]
-            else:
-                acc += part * ws
+    if BLOCK_M == 1:
+        row = pid_m.to(tl.int64)
+        acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, K, A_FP8,
+                        WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT)
+    else:
+        acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
+                       n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT)
     y_ptrs = y_ptr + m_idx[None, :] * stride_ym + n_idx[:, None]                     # [BN, BM]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
