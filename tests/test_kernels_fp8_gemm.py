@@ -2,10 +2,12 @@
 GPU with -m gpu)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from dsv4c.kernels.fp8_gemv import (
 )
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 
+from dsv4c import ModelConfig
 from dsv4c import quant as Q
 
 
@@ -196,3 +199,20 @@ def test_gemv_compiles_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("kernel")]
     assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"]], res.stdout
+
+
+def test_bench_dense_kernels_quick_run(tmp_path):
+    """examples/bench_dense_kernels.py on the interpreter: every kernel's error against the fp32 product
+    of the same operands, the JSON and the table (no timing on the CPU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_dense_kernels as bench
+
+    out = tmp_path / "q.json"
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(out), "--md", str(tmp_path / "q.md")]) == 0
+    res = json.loads(out.read_text())
+    assert {r["kernel"] for r in res["rows"]} == set(bench.KERNELS) and len(res["rows"]) == 2 * 2 * len(bench.KERNELS)
+    for r in res["rows"]:  # bf16 outputs; W8A8 also rounds its input to e4m3
+        assert r["rel_err"] < (KERNEL_REL_ERR["dense_w8a8"] if "w8a8" in r["kernel"] else KERNEL_REL_ERR["gemm_fp8"]), r
+    assert "| attn.wq_a‖wkv [" in (tmp_path / "q.md").read_text()
+    shapes = {name: (n, k) for name, n, k in bench.dense_shapes(ModelConfig.preset("v4-flash-slice"))}
+    assert shapes["attn.wq_a‖wkv"] == (1536, 4096) and shapes["attn.wo_b"] == (4096, 8192)
