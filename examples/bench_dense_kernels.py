@@ -4,9 +4,9 @@
     python examples/bench_dense_kernels.py --sweep --budget-s 240 --out $OUT/dense_sweep.json # + GEMV tiles
     python examples/bench_dense_kernels.py --device cpu --quick --out q.json                  # interpreter smoke run
 
-For each FP8-stored dense linear of the preset's decoder layer (wq_a ‖ wkv as fused by
-passes/fuse_projections.py, wq_b, wo_b, the indexer's wq_b, the shared expert's w1 ‖ w3 and w2) and
-each token count M:
+For each FP8-stored dense linear of the preset's decoder layers as the decode graph runs them (fused
+by passes/fuse_projections.py: wq_a ‖ wkv, wq_b, wq_b ‖ the indexer's wq_b in CSA layers, wo_b, the
+shared expert's w1 ‖ w3 and w2) and each token count M:
   * `bf16 linear`: F.linear on the weight widened to bf16 (cuBLAS; what the bf16 artifacts run);
   * `w8a16 gemv` / `w8a8 gemv+quant`: kernels/fp8_gemv.py (the dense ops' path up to 64 tokens; W8A8
     includes its activation-quantisation launch, kernels/act_quant.py);
@@ -50,8 +50,9 @@ def dense_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """(name, N, K) of the FP8-stored dense linears of one V4 decoder layer, as the decode graph runs them."""
     D, Qr, H, d = cfg.hidden_size, cfg.q_lora_rank, cfg.num_attention_heads, cfg.head_dim
     I = cfg.moe_intermediate_size * cfg.n_shared_experts
-    return [("attn.wq_a‖wkv", Qr + d, D), ("attn.wq_b", H * d, Qr), ("attn.wo_b", D, cfg.o_groups * cfg.o_lora_rank),
-            ("indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, Qr), ("shared.w1‖w3", 2 * I, D), ("shared.w2", D, I)]
+    return [("attn.wq_a‖wkv", Qr + d, D), ("attn.wq_b", H * d, Qr),
+            ("attn.wq_b‖indexer.wq_b", H * d + cfg.index_n_heads * cfg.index_head_dim, Qr),  # CSA layers
+            ("attn.wo_b", D, cfg.o_groups * cfg.o_lora_rank), ("shared.w1‖w3", 2 * I, D), ("shared.w2", D, I)]
 
 
 def weight_bytes(kernel: str, n: int, k: int, m: int) -> int:

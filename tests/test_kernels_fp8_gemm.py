@@ -106,8 +106,8 @@ def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
 def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
     from dsv4c.kernels.fp8_gemv import default_config
 
-    # v4-flash-slice: wq_a ‖ wkv, wq_b, wo_b, indexer wq_b, shared w1 ‖ w3, shared w2
-    shapes = [(1536, 4096), (32768, 1024), (4096, 8192), (8192, 1024), (4096, 4096), (4096, 2048)]
+    # v4-flash-slice: wq_a ‖ wkv, wq_b, wq_b ‖ indexer wq_b, wo_b, shared w1 ‖ w3, shared w2
+    shapes = [(1536, 4096), (32768, 1024), (40960, 1024), (4096, 8192), (4096, 4096), (4096, 2048)]
     for m in (1, 8, 64):
         for n, k in shapes:
             c = default_config(m, n, k, 132)
@@ -138,7 +138,7 @@ def test_gemv_rejects_bad_contracts():
     assert fp8_gemv_w8a16(a[:0], w_q, w_s).shape == (0, 128)
 
 
-SLICE_SHAPES = [(1536, 4096), (32768, 1024), (4096, 8192), (8192, 1024), (4096, 4096), (4096, 2048)]
+SLICE_SHAPES = [(1536, 4096), (32768, 1024), (40960, 1024), (4096, 8192), (4096, 4096), (4096, 2048)]
 
 
 @pytest.mark.gpu
