@@ -6,6 +6,9 @@
 * `fp8_gemm_w8a16(a, w_q, w_s)`: bf16 activations times the same FP8 weights; the weight
   scale is applied to each K block's fp32 partial product. Ref: `fp8_gemm_w8a16_ref`.
 
+These tile GEMMs give each program 128 output rows and all of K; the decode shapes (up to 64
+tokens) run on kernels/fp8_gemv.py instead (the custom ops below choose by M).
+
 Weight scales may be float8_e8m0fnu (V4, decoded in the kernel) or fp32 (V3 weight_scale_inv).
 Shapes: M tokens, N output features, K reduction; Kb = K/128 blocks. K is a constexpr (one
 compile per layer width; the Triton interpreter cannot loop to a runtime bound under numpy 2).

@@ -7,7 +7,8 @@ groups of those from passes/fuse_projections.py):
 After (`fp8_block`: W8A8, x quantised per token and 128-wide K block; `fp8_block_w8a16`: W8A16):
     y = dsv4c.fp8_linear_w8a8(x, W.w_q [N, K] e4m3, W.w_s [ceil(N/128), ceil(K/128)] scale)
     y = dsv4c.fp8_linear_w8a16(x, W.w_q, W.w_s)
-Both ops keep x's dtype and leading dims (kernels/fp8_gemm.py). W leaves the graph.
+Both ops keep x's dtype and leading dims (kernels/fp8_gemm.py; on CUDA up to 64 token rows the
+split-K decode kernels of kernels/fp8_gemv.py). W leaves the graph.
 
 Why it is valid: the ops compute x @ dequant(w_q, w_s)^T. When W's values are FP8-block values (a
 model loaded from the release checkpoint, whose stored bytes these are), dequant(w_q, w_s) == W
