@@ -132,7 +132,9 @@ def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) ->
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()                                   # [M, K]
+    """x as [M, K] rows; a copy only when K is not unit-stride (the kernels take any row stride)."""
+    r = x.reshape(-1, x.shape[-1])                                                   # [M, K]
+    return r if r.stride(-1) == 1 else r.contiguous()
 
 
 def _scale(w_s: torch.Tensor) -> torch.Tensor:

@@ -216,3 +216,20 @@ def test_bench_dense_kernels_quick_run(tmp_path):
     assert "| attn.wq_a‖wkv [" in (tmp_path / "q.md").read_text()
     shapes = {name: (n, k) for name, n, k in bench.dense_shapes(ModelConfig.preset("v4-flash-slice"))}
     assert shapes["attn.wq_a‖wkv"] == (1536, 4096) and shapes["attn.wo_b"] == (4096, 8192)
+
+
+def test_ops_take_strided_rows_without_a_copy():
+    """A split of a fused projection's output (row stride > K) goes to the kernels as a view."""
+    from dsv4c.kernels.fp8_gemm import _rows
+
+    base = torch.randn(2, 3, 384)
+    x = base[..., 128:256]                                   # [2, 3, 128], row stride 384
+    r = _rows(x)
+    assert r.shape == (6, 128) and r.data_ptr() == x.data_ptr() and r.stride() == (384, 1)
+    a, w_q, w_s = operands(6, 32, 128, "ue8m0", seed=5)
+    wide = torch.zeros(6, 256, dtype=torch.bfloat16)
+    wide[:, 64:192] = a
+    view = wide[:, 64:192]
+    torch.testing.assert_close(fp8_gemv_w8a16(view, w_q, w_s, torch.float32), fp8_gemv_w8a16(a, w_q, w_s, torch.float32),
+                               rtol=0, atol=0)
+    assert _rows(x.transpose(0, 1)).is_contiguous()          # not reshapeable as a view: copied
