@@ -9,7 +9,7 @@ One format per call (each fits in about 2.5 minutes on the H200 once the checkpo
 `--reuse` keeps stages 1-2 from an earlier call on the same machine (the checkpoint and `prep.pt` in
 --work: roofline, eager's logits and routing), takes an artifact already in --work instead of
 compiling it (the kernels are not in the artifact; recompile after changing a pass: drop `--reuse`
-or delete `art_<format>`), and merges the formats of an earlier --out. `--keep-artifacts` leaves the
+or delete `art_<format>`), and merges the formats measured by earlier calls (`results.json` in --work). `--keep-artifacts` leaves the
 artifacts in --work for the next call (one slice artifact plus the checkpoint fit the disk; three do
 not). `--skip-accuracy` times only.
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
     ap.add_argument("--reuse", action="store_true",
-                    help="reuse the checkpoint, prep.pt and artifacts in --work, merge an earlier --out")
+                    help="reuse the checkpoint, prep.pt and artifacts in --work, merge earlier calls' formats")
     ap.add_argument("--keep-artifacts", action="store_true", help="leave each artifact in --work")
     ap.add_argument("--skip-accuracy", action="store_true", help="time only (no pinned-routing SNR)")
     a = ap.parse_args(argv)
@@ -163,9 +163,12 @@ def main(argv=None) -> int:
                  "commit": _commit(), "torch": torch.__version__, "stages_s": {}, "formats": {},
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
+    last = a.work / "results.json"  # every call's results, for --reuse's merge ($OUT may be a fresh folder)
+
     def stage(name: str, t0: float) -> None:
         res["stages_s"][name] = round(time.perf_counter() - t0, 1)
         a.out.write_text(json.dumps(res, indent=1, default=str))
+        last.write_text(json.dumps(res, indent=1, default=str))
         print(f"[{name}] {res['stages_s'][name]}s", flush=True)
 
     prep_path = a.work / "prep.pt"
@@ -174,8 +177,11 @@ def main(argv=None) -> int:
         res.update(prep[0])
         check = prep[1]
         res["reused_prep"] = str(prep_path)
-        if a.out.exists():
-            res["formats"] = json.loads(a.out.read_text()).get("formats", {})
+        for prev in (last, a.out):
+            if prev.exists():
+                res["formats"] = json.loads(prev.read_text()).get("formats", {})
+                res["merged_from"] = str(prev)
+                break
         stage("reused_prep", time.perf_counter())
     else:
         check = build_and_prep(a, dev, dtype, ckpt, res, stage)
@@ -218,6 +224,7 @@ def main(argv=None) -> int:
     res["summary"] = summarize(res)
     print(table(res["summary"]))
     a.out.write_text(json.dumps(res, indent=1, default=str))
+    last.write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 
