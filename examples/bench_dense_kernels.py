@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_segments import _commit, copy_bandwidth  # noqa: E402
+
 from dsv4c import ModelConfig  # noqa: E402
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.kernels.act_quant import act_quant_fp8  # noqa: E402
@@ -140,12 +142,7 @@ def main(argv=None) -> int:
         shapes, a.m = [(name, max(16, n // 256), max(128, k // 32)) for name, n, k in shapes[:2]], [1, 3]
     res: dict = {"preset": a.preset, "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
                  "torch": torch.__version__, "rows": [], "sweep": []}
-    try:
-        from bench_segments import _commit, copy_bandwidth
-
-        res["commit"] = _commit()
-    except Exception:  # noqa: BLE001 (the commit is informative only)
-        copy_bandwidth = None
+    res["commit"] = _commit()
     if cuda:
         props = torch.cuda.get_device_properties(dev)
         res["copy_bandwidth_GBps"] = copy_bandwidth(dev) / 1e9
