@@ -4,6 +4,15 @@
     python examples/bench_dense_formats.py --work /tmp/dense --out $OUT/dense_formats.json    # H200
     python examples/bench_dense_formats.py --quick --device cpu --work /tmp/q --out q.json     # a smoke run
 
+One format per call (each fits in about 2.5 minutes on the H200 once the checkpoint exists):
+    python examples/bench_dense_formats.py --work /tmp/dense --out $OUT/d.json --formats fp8_block_w8a16 --reuse
+`--reuse` keeps stages 1-2 from an earlier call on the same machine (the checkpoint and `prep.pt` in
+--work: roofline, eager's logits and routing), takes an artifact already in --work instead of
+compiling it (the kernels are not in the artifact; recompile after changing a pass: drop `--reuse`
+or delete `art_<format>`), and merges the formats measured by earlier calls (`results.json` in --work). `--keep-artifacts` leaves the
+artifacts in --work for the next call (one slice artifact plus the checkpoint fit the disk; three do
+not). `--skip-accuracy` times only.
+
 Stages (the JSON is rewritten after each, so a timeout keeps what was measured):
   1. copy bandwidth; the slice built on the GPU (seeded random), rounded to the release formats in
      place (bench_artifact.round_to_release_) and written as a release checkpoint (FP8 128x128
@@ -11,8 +20,8 @@ Stages (the JSON is rewritten after each, so a timeout keeps what was measured):
   2. one eager decode step per batch counts the unique routed experts (the roofline's expert bytes);
      eager's routing and logits of one prompt are kept for the accuracy check;
   3. per dense format: `dsv4c compile --target h200 --dense-format F` (the artifact is deleted after its
-     stage: three slice artifacts do not fit the disk), `dsv4c bench --graphs full`, and the pinned-routing
-     SNR of the artifact's logits against eager (bench_artifact.artifact_accuracy).
+     stage unless --keep-artifacts: three slice artifacts do not fit the disk), `dsv4c bench --graphs full`,
+     and the pinned-routing SNR of the artifact's logits against eager (bench_artifact.artifact_accuracy).
 Rooflines (bench_segments.step_bytes, over the measured copy bandwidth): `bf16_counted` counts every
 non-expert weight in bf16 (the figure issue 28 starts from); `stored` counts the weights the release
 stores in FP8 at 1 byte + one ue8m0 byte per 128x128 tile (V4's grouped wo_a included, which the
@@ -38,6 +47,7 @@ from bench_segments import _commit, build, copy_bandwidth, prefill, step_bytes  
 
 from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
 from dsv4c.model.generate import greedy  # noqa: E402
+from dsv4c.routing import RoutingEntry, RoutingTable  # noqa: E402
 
 FORMATS = ("bf16", "fp8_block", "fp8_block_w8a16")
 
@@ -56,35 +66,9 @@ def stored_bytes_saved(model) -> dict:
     return {"saved": saved, "wo_a_saved": wo_a}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="v4-flash-slice")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--target", default="h200")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20, help="decode steps per batch; the first are warm-up")
-    ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifacts")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.preset, a.batches, a.prompt, a.steps = "v4-tiny-b", [1, 3], 40, 6
-    dev = torch.device(a.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    a.work.mkdir(parents=True, exist_ok=True)
-    ckpt = a.work / "ckpt"
-    res: dict = {"preset": a.preset, "target": a.target, "batches": a.batches, "prompt": a.prompt, "steps": a.steps,
-                 "commit": _commit(), "torch": torch.__version__, "stages_s": {}, "formats": {},
-                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
-
-    def stage(name: str, t0: float) -> None:
-        res["stages_s"][name] = round(time.perf_counter() - t0, 1)
-        a.out.write_text(json.dumps(res, indent=1, default=str))
-        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
-
-    # 1. model, release rounding, checkpoint
+def build_and_prep(a, dev, dtype, ckpt: Path, res: dict, stage) -> tuple:
+    """Stages 1-2: the model, its release rounding and checkpoint; the roofline per batch (unique experts
+    of one eager decode step); eager's logits and routing of one prompt (the accuracy check)."""
     t0 = time.perf_counter()
     bw = copy_bandwidth(dev) if dev.type == "cuda" else None
     res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
@@ -93,7 +77,6 @@ def main(argv=None) -> int:
     save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
     stage("build_and_checkpoint", t0)
 
-    # 2. unique experts per batch (roofline), eager's answer for the accuracy check
     t0 = time.perf_counter()
     n_slots, max_len = max(a.batches), a.prompt + a.steps + 8
     cache = prefill(model, n_slots + 1, a.prompt, max_len, chunk_rows=8, seed=0)
@@ -120,6 +103,89 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     stage("eager_experts", t0)
+    return check
+
+
+def _prep_key(a) -> dict:
+    return {"preset": a.preset, "prompt": a.prompt, "steps": a.steps, "batches": a.batches, "device": a.device}
+
+
+def save_prep(path: Path, key: dict, res: dict, check: tuple) -> None:
+    """Stages 1-2's results for a later --reuse call: plain tensors, lists and strings (torch.load
+    with weights_only=True reads them back; no pickled objects)."""
+    ids, last, greedy_ids, full, routing = check
+    entries = [{"name": e.name, "idx": e.idx, "weight": e.weight, "hashed": e.hashed, "margins": e.margins}
+               for e in routing.entries]
+    torch.save({"key": key, "res": json.dumps({k: res[k] for k in ("copy_bandwidth_GBps", "rounded", "roofline")},
+                                                default=str),
+                "ids": ids, "last": last, "greedy": greedy_ids, "full": full, "routing": entries}, path)
+
+
+def load_prep(path: Path, key: dict) -> tuple[dict, tuple] | None:
+    """(res fields, check) saved by `save_prep` for the same key, else None."""
+    if not path.exists():
+        return None
+    d = torch.load(path, weights_only=True)
+    if d["key"] != key:
+        print(f"{path}: saved for {d['key']}, not {key}: rebuilding", flush=True)
+        return None
+    routing = RoutingTable([RoutingEntry(e["name"], e["idx"], e["weight"], e["hashed"], e["margins"])
+                            for e in d["routing"]])
+    fields = json.loads(d["res"])
+    fields["roofline"] = {int(b): v for b, v in fields["roofline"].items()}
+    return fields, (d["ids"], d["last"], d["greedy"], d["full"], routing)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="v4-flash-slice")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per batch; the first are warm-up")
+    ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifacts")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the checkpoint, prep.pt and artifacts in --work, merge earlier calls' formats")
+    ap.add_argument("--keep-artifacts", action="store_true", help="leave each artifact in --work")
+    ap.add_argument("--skip-accuracy", action="store_true", help="time only (no pinned-routing SNR)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.batches, a.prompt, a.steps = "v4-tiny-b", [1, 3], 40, 6
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a.work.mkdir(parents=True, exist_ok=True)
+    ckpt = a.work / "ckpt"
+    res: dict = {"preset": a.preset, "target": a.target, "batches": a.batches, "prompt": a.prompt, "steps": a.steps,
+                 "commit": _commit(), "torch": torch.__version__, "stages_s": {}, "formats": {},
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+
+    last = a.work / "results.json"  # every call's results, for --reuse's merge ($OUT may be a fresh folder)
+
+    def stage(name: str, t0: float) -> None:
+        res["stages_s"][name] = round(time.perf_counter() - t0, 1)
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        last.write_text(json.dumps(res, indent=1, default=str))
+        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
+
+    prep_path = a.work / "prep.pt"
+    prep = load_prep(prep_path, _prep_key(a)) if a.reuse and (ckpt / "config.json").exists() else None
+    if prep is not None:
+        res.update(prep[0])
+        check = prep[1]
+        res["reused_prep"] = str(prep_path)
+        for prev in (last, a.out):
+            if prev.exists():
+                res["formats"] = json.loads(prev.read_text()).get("formats", {})
+                res["merged_from"] = str(prev)
+                break
+        stage("reused_prep", time.perf_counter())
+    else:
+        check = build_and_prep(a, dev, dtype, ckpt, res, stage)
+        save_prep(prep_path, _prep_key(a), res, check)
 
     # 3. per format: compile, bench, accuracy; then free the disk
     graphs = "full" if dev.type == "cuda" else "off"
@@ -129,10 +195,13 @@ def main(argv=None) -> int:
         art, rec = a.work / f"art_{fmt}", {}
         res["formats"][fmt] = rec
         try:
-            cmd = dsv4c("compile", str(ckpt), "--target", target, "--dense-format", fmt, "-o", str(art), "--force",
-                        "--max-batch", str(max(a.batches)), "--max-tokens", str(a.prompt + a.steps + 8),
-                        "--buckets", ",".join(map(str, sorted(set(a.batches)))))
-            rec["compile_s"] = round(_run(cmd, a.work / f"compile_{fmt}.log"), 1)
+            if a.reuse and (art / "manifest.json").exists():
+                rec["compile_s"], rec["reused_artifact"] = 0.0, str(art)
+            else:
+                cmd = dsv4c("compile", str(ckpt), "--target", target, "--dense-format", fmt, "-o", str(art), "--force",
+                            "--max-batch", str(max(a.batches)), "--max-tokens", str(a.prompt + a.steps + 8),
+                            "--buckets", ",".join(map(str, sorted(set(a.batches)))))
+                rec["compile_s"] = round(_run(cmd, a.work / f"compile_{fmt}.log"), 1)
             m = json.loads((art / "manifest.json").read_text())
             dense = m["quant_map"].get("dense", {}).get("modules", {})
             rec["artifact_bytes"] = sum(f["size"] for f in m["files"].values())
@@ -143,15 +212,19 @@ def main(argv=None) -> int:
                         "--output-len", str(a.steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
             _run(cmd, a.work / f"bench_{fmt}.log")
             rec["bench"] = json.loads(js.read_text())
-            rec["accuracy"] = artifact_accuracy(art, dev, check)
+            stage(f"format_{fmt}_bench", t0)
+            if not a.skip_accuracy:
+                rec["accuracy"] = artifact_accuracy(art, dev, check)
         except Exception as e:  # the other formats still get measured
             rec["failed"] = f"{type(e).__name__}: {str(e)[:600]}"
             print(f"{fmt} failed: {rec['failed']}", flush=True)
-        shutil.rmtree(art, ignore_errors=True)
+        if not a.keep_artifacts:
+            shutil.rmtree(art, ignore_errors=True)
         stage(f"format_{fmt}", t0)
     res["summary"] = summarize(res)
     print(table(res["summary"]))
     a.out.write_text(json.dumps(res, indent=1, default=str))
+    last.write_text(json.dumps(res, indent=1, default=str))
     return 0
 
 

@@ -6,6 +6,9 @@
 * `fp8_gemm_w8a16(a, w_q, w_s)`: bf16 activations times the same FP8 weights; the weight
   scale is applied to each K block's fp32 partial product. Ref: `fp8_gemm_w8a16_ref`.
 
+These tile GEMMs give each program 128 output rows and all of K; the decode shapes (up to 64
+tokens) run on kernels/fp8_gemv.py instead (the custom ops below choose by M).
+
 Weight scales may be float8_e8m0fnu (V4, decoded in the kernel) or fp32 (V3 weight_scale_inv).
 Shapes: M tokens, N output features, K reduction; Kb = K/128 blocks. K is a constexpr (one
 compile per layer width; the Triton interpreter cannot loop to a runtime bound under numpy 2).
@@ -16,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
+from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_w8a8, fp8_gemv_w8a16
 
 from dsv4c import quant as Q
 
@@ -122,11 +126,15 @@ def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) ->
 # ---------------------------------------------------------------------------------------------
 # custom ops for passes/quantize_dense.py: a linear on FP8 block weights, any leading dims
 # (x [..., K] -> y [..., N], y in x's dtype). CUDA: Triton launches with grids from shapes only and
-# no host sync (capture safe); CPU (artifacts with emulate=True, tests): the `*_ref` math in fp32.
+# no host sync (capture safe): up to MAX_M = 64 token rows the decode kernels of kernels/fp8_gemv.py
+# (split over N and K), above them the tile GEMMs here; CPU (artifacts with emulate=True, tests):
+# the `*_ref` math in fp32.
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()                                   # [M, K]
+    """x as [M, K] rows; a copy only when K is not unit-stride (the kernels take any row stride)."""
+    r = x.reshape(-1, x.shape[-1])                                                   # [M, K]
+    return r if r.stride(-1) == 1 else r.contiguous()
 
 
 def _scale(w_s: torch.Tensor) -> torch.Tensor:
@@ -146,7 +154,8 @@ def fp8_linear_w8a8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> to
     else:
         from dsv4c.kernels.act_quant import act_quant_fp8
 
-        y = fp8_gemm_w8a8(*act_quant_fp8(a), w_q, w_s)
+        gemm = fp8_gemv_w8a8 if a.shape[0] <= MAX_M else fp8_gemm_w8a8
+        y = gemm(*act_quant_fp8(a), w_q, w_s)
     return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
 
 
@@ -163,7 +172,8 @@ def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> t
     if x.device.type == "cpu":
         y = fp8_gemm_w8a16_ref(a, w_q, w_s)
     else:
-        y = fp8_gemm_w8a16(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
+        gemm = fp8_gemv_w8a16 if a.shape[0] <= MAX_M else fp8_gemm_w8a16
+        y = gemm(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
     return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
 
 

@@ -1,8 +1,17 @@
-"""Dense FP8 block GEMM kernels vs their references (CPU interpreter; GPU with -m gpu)."""
+"""Dense FP8 block GEMM kernels (tile GEMMs, decode GEMVs) vs their references (CPU interpreter;
+GPU with -m gpu)."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from dsv4c.kernels.fp8_gemm import (
     fp8_gemm_w8a8,
@@ -10,8 +19,16 @@ from dsv4c.kernels.fp8_gemm import (
     fp8_gemm_w8a16,
     fp8_gemm_w8a16_ref,
 )
+from dsv4c.kernels.fp8_gemv import (
+    Fp8GemvConfig,
+    fp8_gemv_w8a8,
+    fp8_gemv_w8a8_ref,
+    fp8_gemv_w8a16,
+    fp8_gemv_w8a16_ref,
+)
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 
+from dsv4c import ModelConfig
 from dsv4c import quant as Q
 
 
@@ -54,3 +71,165 @@ def test_fp8_gemms_gpu(m):
     a_q, a_s = Q.quant_act_fp8(a)
     assert rel_err(fp8_gemm_w8a8(a_q, a_s, w_q, w_s), fp8_gemm_w8a8_ref(a_q, a_s, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8"]
     assert rel_err(fp8_gemm_w8a16(a, w_q, w_s), fp8_gemm_w8a16_ref(a, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"]
+
+
+# ---- decode kernels (kernels/fp8_gemv.py) -----------------------------------------------------
+GEMV_CASES = [  # (M, N, K, weight scale, config): CUDA-core row, tensor-core tiles, K splits, ragged N and K
+    (1, 48, 200, "ue8m0", Fp8GemvConfig(1, 16, 128, split=2)),
+    (1, 64, 512, "fp32", Fp8GemvConfig(1, 32, 256, split=1)),
+    (3, 130, 384, "ue8m0", Fp8GemvConfig(16, 32, 128, split=4)),
+    (20, 96, 256, "fp32", Fp8GemvConfig(32, 64, 128, split=2)),
+]
+
+
+@pytest.mark.parametrize("m, n, k, fmt, cfg", GEMV_CASES)
+def test_gemv_w8a16_matches_ref(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=2)
+    ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+    y = fp8_gemv_w8a16(a, w_q, w_s, config=cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y, ref) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"]
+    # fp32 out: only the summation order differs, so a dropped or doubled split / scale block shows
+    assert rel_err(fp8_gemv_w8a16(a, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+    torch.testing.assert_close(ref, fp8_gemm_w8a16_ref(a, w_q, w_s), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m, n, k, fmt, cfg", [c for c in GEMV_CASES if c[2] % 128 == 0])
+def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=3)
+    a_q, a_s = Q.quant_act_fp8(a)
+    ref = fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)
+    assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, config=cfg), ref) < KERNEL_REL_ERR["gemm_fp8"]
+    assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+
+
+def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
+    from dsv4c.kernels.fp8_gemv import default_config
+
+    # v4-flash-slice: wq_a ‖ wkv, wq_b, wq_b ‖ indexer wq_b, wo_b, shared w1 ‖ w3, shared w2
+    shapes = [(1536, 4096), (32768, 1024), (40960, 1024), (4096, 8192), (4096, 4096), (4096, 2048)]
+    for m in (1, 8, 64):
+        for n, k in shapes:
+            c = default_config(m, n, k, 132)
+            c.check()
+            programs = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) * c.split
+            steps = triton.cdiv(k, c.block_k)
+            assert (c.block_m == 1) == (m == 1) and c.block_m >= min(m, 16)
+            assert c.split * m * n * 4 <= n * k / 4, (m, n, k, c)  # partials stay small against the weight
+            # two programs per SM, unless another bound stopped the split
+            assert (programs >= 264 or steps < 2 * c.split or 2 * c.split * m * n * 4 > n * k / 4), (m, n, k, c)
+    assert default_config(1, 1536, 4096, 132).split > 1  # the 12-program case of the tile GEMM
+
+
+def test_gemv_rejects_bad_contracts():
+    a, w_q, w_s = operands(2, 128, 256, "ue8m0")
+    with pytest.raises(ValueError, match="block_m = 1 takes one token"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(1, 32))
+    with pytest.raises(ValueError, match="Fp8GemvConfig.block_n"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(16, 48))
+    with pytest.raises(ValueError, match="Fp8GemvConfig.split"):
+        fp8_gemv_w8a16(a, w_q, w_s, config=Fp8GemvConfig(16, 32, split=3))
+    with pytest.raises(ValueError, match="w_s: expected"):
+        fp8_gemv_w8a16(a, w_q, w_s[:, :1])
+    with pytest.raises(ValueError, match="a: expected"):
+        fp8_gemv_w8a16(a.float(), w_q, w_s)
+    with pytest.raises(ValueError, match="a_s: expected"):
+        fp8_gemv_w8a8(*Q.quant_act_fp8(a)[:1], torch.ones(2, 1), w_q, w_s)
+    assert fp8_gemv_w8a16(a[:0], w_q, w_s).shape == (0, 128)
+
+
+SLICE_SHAPES = [(1536, 4096), (32768, 1024), (40960, 1024), (4096, 8192), (4096, 4096), (4096, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_gemv_gpu_slice_shapes(m):
+    for n, k in SLICE_SHAPES:
+        a, w_q, w_s = operands(m, n, k, "ue8m0", seed=n + k, device="cuda")
+        ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+        y = fp8_gemv_w8a16(a, w_q, w_s)
+        assert rel_err(y, ref) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"], (n, k)
+        assert torch.equal(fp8_gemv_w8a16(a, w_q, w_s), y), (n, k)  # the split reduction is ordered
+        a_q, a_s = Q.quant_act_fp8(a)
+        y8 = fp8_gemv_w8a8(a_q, a_s, w_q, w_s)
+        assert rel_err(y8, fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8"], (n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, fmt, cfg", GEMV_CASES)
+def test_gemv_gpu_configs(m, n, k, fmt, cfg):
+    a, w_q, w_s = operands(m, n, k, fmt, seed=4, device="cuda")
+    ref = fp8_gemv_w8a16_ref(a, w_q, w_s)
+    assert rel_err(fp8_gemv_w8a16(a, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
+    if k % 128 == 0:
+        a_q, a_s = Q.quant_act_fp8(a)
+        ref8 = fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)
+        assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref8) < 1e-5
+
+
+_SM90_SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels.fp8_gemv import _gemv_kernel as fn
+
+    names = list(fn.arg_names)
+    ints = ("N", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_ym")  # launch-time multiples of 16
+    for a_fp8, bm, bn, bk, split, warps in ((False, 1, 32, 512, 4, 8), (True, 16, 32, 256, 8, 4), (False, 64, 64, 128, 4, 4)):
+        types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv",
+                 "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
+        consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      K_SPLIT=8192 // split, SPLIT=split)
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4}).asm["ptx"]
+        print("kernel", bm, int("cp.async" in ptx), int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx))
+''')
+
+
+def test_gemv_compiles_for_sm90(tmp_path):
+    """Compile (not run) three tiles for sm_90 with the real Triton compiler in a subprocess (tests
+    import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
+    the split tiles count with a global atomic, the one-token tile has no MMA."""
+    script = tmp_path / "sm90.py"
+    script.write_text(_SM90_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("kernel")]
+    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"]], res.stdout
+
+
+def test_bench_dense_kernels_quick_run(tmp_path):
+    """examples/bench_dense_kernels.py on the interpreter: every kernel's error against the fp32 product
+    of the same operands, the JSON and the table (no timing on the CPU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_dense_kernels as bench
+
+    out = tmp_path / "q.json"
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(out), "--md", str(tmp_path / "q.md")]) == 0
+    res = json.loads(out.read_text())
+    assert {r["kernel"] for r in res["rows"]} == set(bench.KERNELS) and len(res["rows"]) == 2 * 2 * len(bench.KERNELS)
+    for r in res["rows"]:  # bf16 outputs; W8A8 also rounds its input to e4m3
+        assert r["rel_err"] < (KERNEL_REL_ERR["dense_w8a8"] if "w8a8" in r["kernel"] else KERNEL_REL_ERR["gemm_fp8"]), r
+    assert "| attn.wq_a‖wkv [" in (tmp_path / "q.md").read_text()
+    shapes = {name: (n, k) for name, n, k in bench.dense_shapes(ModelConfig.preset("v4-flash-slice"))}
+    assert shapes["attn.wq_a‖wkv"] == (1536, 4096) and shapes["attn.wo_b"] == (4096, 8192)
+
+
+def test_ops_take_strided_rows_without_a_copy():
+    """A split of a fused projection's output (row stride > K) goes to the kernels as a view."""
+    from dsv4c.kernels.fp8_gemm import _rows
+
+    base = torch.randn(2, 3, 384)
+    x = base[..., 128:256]                                   # [2, 3, 128], row stride 384
+    r = _rows(x)
+    assert r.shape == (6, 128) and r.data_ptr() == x.data_ptr() and r.stride() == (384, 1)
+    a, w_q, w_s = operands(6, 32, 128, "ue8m0", seed=5)
+    wide = torch.zeros(6, 256, dtype=torch.bfloat16)
+    wide[:, 64:192] = a
+    view = wide[:, 64:192]
+    torch.testing.assert_close(fp8_gemv_w8a16(view, w_q, w_s, torch.float32), fp8_gemv_w8a16(a, w_q, w_s, torch.float32),
+                               rtol=0, atol=0)
+    assert _rows(x.transpose(0, 1)).is_contiguous()          # not reshapeable as a view: copied

@@ -141,7 +141,7 @@ def test_ops_cpu_path_is_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("m", [1, 8, 64, 65])  # decode GEMVs up to 64 rows, tile GEMMs above
 def test_ops_gpu_match_the_reference_and_capture(m):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(m, 1024, generator=g).bfloat16().cuda()
@@ -158,3 +158,32 @@ def test_ops_gpu_match_the_reference_and_capture(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, y), name
+
+
+def test_bench_dense_formats_prep_roundtrip(tmp_path):
+    """examples/bench_dense_formats.py --reuse: stages 1-2's results (roofline, eager's logits and routing)
+    come back from prep.pt (weights_only, no pickled objects) for the same key only."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from dsv4c.routing import RoutingEntry, RoutingTable
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_dense_formats as bench
+
+    a = argparse.Namespace(preset="v4-tiny-b", prompt=40, steps=6, batches=[1, 3], device="cpu")
+    routing = RoutingTable([RoutingEntry("layers.0", torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]), True),
+                            RoutingEntry("layers.1", torch.tensor([[3, 0]]), torch.tensor([[0.7, 0.3]]), False,
+                                         torch.tensor([0.25]))])
+    check = ([5, 6], torch.randn(7), [1, 2, 3, 4], torch.randn(2, 7), routing)
+    res = {"copy_bandwidth_GBps": 4200.0, "rounded": {"fp8": 3}, "roofline": {1: {"stored_ms": 0.5}, 3: {"stored_ms": 0.7}}}
+    bench.save_prep(tmp_path / "prep.pt", bench._prep_key(a), res, check)
+    fields, back = bench.load_prep(tmp_path / "prep.pt", bench._prep_key(a))
+    assert fields == res and back[0] == check[0] and back[2] == check[2]
+    assert torch.equal(back[1], check[1]) and torch.equal(back[3], check[3])
+    for e, f in zip(back[4].entries, routing.entries, strict=True):
+        assert (e.name, e.hashed) == (f.name, f.hashed) and torch.equal(e.idx, f.idx) and torch.equal(e.weight, f.weight)
+        assert (e.margins is None) == (f.margins is None)
+    a.prompt = 41
+    assert bench.load_prep(tmp_path / "prep.pt", bench._prep_key(a)) is None
