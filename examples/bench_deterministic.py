@@ -50,10 +50,13 @@ def config(preset: str, layers: int | None) -> ModelConfig:
     return cfg
 
 
-def lower(model, n_slots: int, max_len: int, mode: str):
+def lower(model, n_slots: int, max_len: int, mode: str, k: int = 0, extra_ring_slots: int = 0):
+    """The decode graph with 1 + k tokens per row (k > 0: the verify graph of `--mtp k`), lowered for
+    the h200 target in `mode` -> (plan, split graph, blockers)."""
     kernels, no_quant, det = MODES[mode]
     ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), None, deterministic=det)
-    gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
+    spec = GraphSpec("decode", k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
+    gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
     blockers = [b for r in records if r.name == "make_batch_invariant" for b in r.stats.get("blockers", [])]
     plan = plan_segments(gm, ctx)
@@ -125,6 +128,108 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
         res["cost_vs_default"] = {b: res["deterministic"]["step_ms"][b] / res["default"]["step_ms"][b]
                                   for b in batches if res["default"]["step_ms"][b]}
     return res
+
+
+@torch.no_grad()
+def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024,
+                device: str = "cuda", preset: str = "v4-flash-slice", dtype: torch.dtype | None = None,
+                steps: int = 16, corrupt: float = 0.3) -> dict:
+    """Deterministic mode, MTP, from one cache state (h200 lowering, deterministic decode and verify graphs),
+    at each batch size B (rows 0..B-1):
+      * `verify_rows_identical[B][k]`: a verify step of 1 + k tokens per row (k = 1..k_max) gives every
+        row and token the same logits bits as 1 + k decode steps fed the same tokens;
+      * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
+        the k = 0 continuation, each corrupted with probability `corrupt`, so rounds reject and roll
+        back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself)."""
+    dev = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    batches = sorted(batches)
+    model = build_model(config(preset, layers), dev, dtype, on_device=True)
+    cfg = model.config
+    n_slots, max_len = batches[-1] + 1, prompt + steps + 2 * k_max + 8
+    cache = model.new_cache(n_slots, max_len=max_len, extra_ring_slots=k_max)
+    g = torch.Generator().manual_seed(0)
+    for s in range(0, n_slots - 1, 8):
+        rows = torch.arange(s, min(s + 8, n_slots - 1), device=dev)
+        model(torch.randint(0, cfg.vocab_size, (len(rows), prompt), generator=g).to(dev), cache, slots=rows)
+    flat = flat_caches(cache.layers)
+    snap = {n: t.clone() for n, t in flat.items()}
+    ids = torch.randint(0, cfg.vocab_size, (n_slots - 1, 1 + k_max), generator=g).to(dev)  # a token, k_max drafts
+    pos0 = cache.pos[:n_slots - 1].clone()
+    mode = "full" if dev.type == "cuda" else "eager"
+
+    def executor(k: int) -> SegmentExecutor:
+        plan, split, blockers = lower(model, n_slots, max_len, "deterministic", k, k_max)
+        if blockers:
+            raise RuntimeError(f"deterministic graph (k={k}) keeps blockers: {blockers[:4]}")
+        return SegmentExecutor(split, plan, dev, buckets=tuple(batches), mode=mode, pad_slot=n_slots - 1)
+
+    def restore():
+        for name, t in flat.items():
+            t.copy_(snap[name])
+
+    exs = {k: executor(k) for k in range(k_max + 1)}
+    res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
+                 "dtype": str(dtype), "verify_rows_identical": {}, "max_abs_diff": {}, "tokens_identical": {},
+                 "accepted_per_round": {}}
+    top = None
+    for B in reversed(batches):
+        slots, one = torch.arange(B, device=dev), torch.ones(B, dtype=torch.int64, device=dev)
+        restore()
+        decoded = [exs[0].run(ids[:B, t:t + 1], slots, pos0[:B] + t, one, flat)[0][:, -1].clone()
+                   for t in range(1 + k_max)]  # [B, V] per position, the tokens of `ids`
+        restore()
+        ref, x = [], ids[:B, :1]
+        for s in range(steps):  # plain greedy decode: the reference continuation
+            x = exs[0].run(x, slots, pos0[:B] + s, one, flat)[0][:, -1].argmax(-1, keepdim=True)
+            ref.append(x)
+        ref = torch.cat(ref, 1)                                                  # [B, steps]
+        top = ref if top is None else top
+        vr, diff, same, acc = {}, {}, {0: torch.equal(ref, top[:B])}, {}
+        for k in range(1, k_max + 1):
+            restore()
+            out = exs[k].run(ids[:B, :1 + k], slots, pos0[:B], torch.full_like(one, 1 + k), flat)[0]  # [B, 1+k, V]
+            vr[k] = all(torch.equal(out[:, t], decoded[t]) for t in range(1 + k))
+            diff[k] = max(float((out[:, t].float() - decoded[t].float()).abs().max()) for t in range(1 + k))
+            toks, acc[k] = _speculate(exs[k], flat, restore, ids[:B, :1], ref, slots, pos0[:B], k, cfg.vocab_size,
+                                      corrupt)
+            same[k] = torch.equal(toks, top[:B])
+        res["verify_rows_identical"][B], res["max_abs_diff"][B] = vr, diff
+        res["tokens_identical"][B], res["accepted_per_round"][B] = same, acc
+        print(f"B={B}: verify rows identical {vr}, tokens identical {same}, drafts accepted per round {acc}",
+              flush=True)
+    return res
+
+
+def _speculate(ex, flat, restore, x, ref, slots, pos0, k: int, vocab: int, corrupt: float):
+    """Greedy speculative decoding with the verify graph of 1 + k tokens: the drafts are the reference
+    continuation with each token replaced by a wrong one with probability `corrupt` (seeded), so rounds
+    accept 0..k drafts and rows advance by different counts (the rollback path). -> (tokens [B, steps],
+    mean drafts accepted per round)."""
+    restore()
+    B, steps = ref.shape
+    dev = ref.device
+    g = torch.Generator().manual_seed(k)
+    n = torch.zeros(B, dtype=torch.int64)  # tokens produced per row
+    out = torch.zeros(B, steps + k + 1, dtype=torch.int64, device=dev)
+    padded = torch.cat([ref, torch.zeros(B, k + 1, dtype=ref.dtype, device=dev)], 1)
+    pos, accepted, rounds = pos0.clone(), 0, 0
+    nreal = torch.full((B,), 1 + k, dtype=torch.int64, device=dev)
+    while int(n.min()) < steps:
+        at = n[:, None] + torch.arange(k)                                       # [B, k]
+        drafts = padded.gather(1, at.to(dev))
+        wrong = (torch.rand(B, k, generator=g) < corrupt).to(dev)
+        drafts = torch.where(wrong, (drafts + 1) % vocab, drafts)
+        top = ex.run(torch.cat([x, drafts], 1), slots, pos, nreal, flat)[0].argmax(-1)  # [B, 1+k]
+        ok = (drafts == top[:, :k]).long().cumprod(1).sum(1)                    # [B] drafts accepted
+        for b in range(B):
+            a, nb = int(ok[b]), int(n[b])
+            out[b, nb:nb + a + 1] = top[b, :a + 1]
+            n[b] += a + 1
+        x = top.gather(1, ok[:, None])
+        pos = pos + ok + 1
+        accepted, rounds = accepted + int(ok.sum()), rounds + B
+    return out[:, :steps], accepted / rounds
 
 
 def main(argv=None) -> int:
