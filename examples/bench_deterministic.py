@@ -136,6 +136,8 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
                 steps: int = 16, corrupt: float = 0.3) -> dict:
     """Deterministic mode, MTP, from one cache state (h200 lowering, deterministic decode and verify graphs),
     at each batch size B (rows 0..B-1):
+      * `batch_rows_identical[B]`: the decode steps' logits of rows 0..B-1 are the same bits as at the
+        largest batch;
       * `verify_rows_identical[B][k]`: a verify step of 1 + k tokens per row (k = 1..k_max) gives every
         row and token the same logits bits as 1 + k decode steps fed the same tokens;
       * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
@@ -170,9 +172,9 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
 
     exs = {k: executor(k) for k in range(k_max + 1)}
     res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
-                 "dtype": str(dtype), "verify_rows_identical": {}, "max_abs_diff": {}, "tokens_identical": {},
-                 "accepted_per_round": {}}
-    top = None
+                 "dtype": str(dtype), "batch_rows_identical": {}, "verify_rows_identical": {}, "max_abs_diff": {},
+                 "tokens_identical": {}, "accepted_per_round": {}}
+    top = top_rows = None
     for B in reversed(batches):
         slots, one = torch.arange(B, device=dev), torch.ones(B, dtype=torch.int64, device=dev)
         restore()
@@ -184,7 +186,9 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
             x = exs[0].run(x, slots, pos0[:B] + s, one, flat)[0][:, -1].argmax(-1, keepdim=True)
             ref.append(x)
         ref = torch.cat(ref, 1)                                                  # [B, steps]
-        top = ref if top is None else top
+        if top is None:
+            top, top_rows = ref, decoded
+        res["batch_rows_identical"][B] = all(torch.equal(d, e[:B]) for d, e in zip(decoded, top_rows))
         vr, diff, same, acc = {}, {}, {0: torch.equal(ref, top[:B])}, {}
         for k in range(1, k_max + 1):
             restore()
@@ -196,7 +200,7 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
             same[k] = torch.equal(toks, top[:B])
         res["verify_rows_identical"][B], res["max_abs_diff"][B] = vr, diff
         res["tokens_identical"][B], res["accepted_per_round"][B] = same, acc
-        print(f"B={B}: verify rows identical {vr}, tokens identical {same}, drafts accepted per round {acc}",
+        print(f"B={B}: decode rows as at B={batches[-1]}: {res['batch_rows_identical'][B]}, verify rows identical {vr}, tokens identical {same}, drafts accepted per round {acc}",
               flush=True)
     return res
 
