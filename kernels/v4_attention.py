@@ -217,11 +217,9 @@ def _attn_split_kernel(
             valid = (p >= p_lo) & (p <= qpos)
             old = valid & (p < pos0)
             new = valid & (p >= pos0)
-            k_old = tl.load(ring_base + (tl.where(old, p, 0) % S)[:, None] * D + dd[None, :],
-                            mask=old[:, None] & dm[None, :], other=0.0)
-            k_new = tl.load(kv_ptr + b.to(tl.int64) * skv_b + tl.where(new, p - pos0, 0)[:, None] * skv_t
-                            + dd[None, :], mask=new[:, None] & dm[None, :], other=0.0)
-            k = tl.where(old[:, None], k_old, k_new)
+            src = tl.where(old, ring_base + (tl.where(old, p, 0) % S) * D,
+                           kv_ptr + b.to(tl.int64) * skv_b + tl.where(new, p - pos0, 0) * skv_t)  # [BN] rows
+            k = tl.load(src[:, None] + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
     else:
         # window: virtual key i holds position pos0 - NW + i (i < NW); valid iff >= 0 and >= qpos - W + 1
