@@ -2,6 +2,8 @@
 
     python examples/bench_deterministic.py --out $OUT/det.json              # H200, ~2-3 min
     python examples/bench_deterministic.py --device cpu --quick             # CPU smoke run (tiny model)
+    python examples/bench_deterministic.py --mtp 3 --layers 2 --prompt 256 --steps 16 --out $OUT/det_mtp.json
+                                    # MTP: verify rows vs decode rows, speculative tokens (`verify_rows`)
 
 For each lowering (h200 pipeline, decode graph, one full CUDA graph per bucket):
   default        the target's kernels, fp8_block experts (what `compile --target h200` ships)
@@ -244,12 +246,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=None, help="cut the slice to this many layers")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="instead: the deterministic mode's MTP check (`verify_rows`, k = 1..K) at --batches")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     preset = "v4-flash-slice"
     if a.quick:
         preset, a.batches, a.prompt, a.steps = "v4-tiny-a", [1, 3], 12, 3
+    if a.mtp:
+        res = verify_rows(a.mtp, a.layers, a.batches, a.prompt, a.device, preset, steps=max(a.steps, 8))
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     res = run(a.layers, a.batches, a.prompt, a.steps, tuple(a.modes), a.device, preset)
     if "cost_vs_default" in res:
         print("deterministic / default step time: " + ", ".join(f"B={b}: {x:.2f}x" for b, x in res["cost_vs_default"].items()))
