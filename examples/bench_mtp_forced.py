@@ -318,19 +318,22 @@ def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=p
     art = work / "art"
     if _reusable(art, K, batches, max_tokens, log):
         return art
-    ckpt = work / "ckpt"
-    t0 = time.perf_counter()
-    model = build_model(ModelConfig.preset("v4-flash-slice"), "cuda", torch.bfloat16, on_device=True)
-    save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
+    ckpt, done = work / "ckpt", work / "ckpt.complete"
+    if not done.is_file():  # a call that timed out after writing the checkpoint leaves the marker: reused
+        t0 = time.perf_counter()
+        model = build_model(ModelConfig.preset("v4-flash-slice"), "cuda", torch.bfloat16, on_device=True)
+        save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        done.write_text("save_checkpoint finished\n")
+        log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     compile_checkpoint(ckpt, art, target="h200", max_tokens=max_tokens, max_batch=max(batches), buckets=tuple(batches),
                        mtp_k=K, progress=True, verify_boundaries=False, force=True)
     log(f"slice compiled (h200, --mtp {K}) in {time.perf_counter() - t0:.0f}s")
     shutil.rmtree(ckpt)  # 20 GB: the artifact (~35 GB) is all the run needs, and the device disk is 64 GiB
+    done.unlink()
     return art
 
 
