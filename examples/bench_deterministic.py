@@ -140,8 +140,10 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
     at each batch size B (rows 0..B-1):
       * `batch_rows_identical[B]`: the decode steps' logits of rows 0..B-1 are the same bits as at the
         largest batch;
-      * `verify_rows_identical[B][k]`: a verify step of 1 + k tokens per row (k = 1..k_max) gives every
-        row and token the same logits bits as 1 + k decode steps fed the same tokens;
+      * `verify_rows_identical[B][k]`: a verify step with 1 + k real tokens per row (k = 1..k_max; the
+        graph of T = 1 + k_max tokens, the rest padding, as the runtime runs `--mtp k` on a `--mtp K`
+        artifact) gives every real row and token the same logits bits as 1 + k decode steps fed the
+        same tokens;
       * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
         the k = 0 continuation, each corrupted with probability `corrupt`, so rounds reject and roll
         back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself)."""
@@ -172,7 +174,7 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
         for name, t in flat.items():
             t.copy_(snap[name])
 
-    exs = {k: executor(k) for k in range(k_max + 1)}
+    exs = {k: executor(k) for k in (0, k_max)}  # what the runtime runs: decode, and verify at T = 1 + K
     res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
                  "dtype": str(dtype), "batch_rows_identical": {}, "verify_rows_identical": {}, "max_abs_diff": {},
                  "tokens_identical": {}, "accepted_per_round": {}}
@@ -192,13 +194,14 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
             top, top_rows = ref, decoded
         res["batch_rows_identical"][B] = all(torch.equal(d, e[:B]) for d, e in zip(decoded, top_rows))
         vr, diff, same, acc = {}, {}, {0: torch.equal(ref, top[:B])}, {}
-        for k in range(1, k_max + 1):
+        for k in range(1, k_max + 1):  # k < K: the T = 1 + K graph with 1 + k real tokens a row, as Session runs it
             restore()
-            out = exs[k].run(ids[:B, :1 + k], slots, pos0[:B], torch.full_like(one, 1 + k), flat)[0]  # [B, 1+k, V]
+            fed = torch.cat([ids[:B, :1 + k], torch.zeros_like(ids[:B, 1 + k:])], 1)          # [B, 1+K], padded
+            out = exs[k_max].run(fed, slots, pos0[:B], torch.full_like(one, 1 + k), flat)[0]   # [B, 1+K, V]
             vr[k] = all(torch.equal(out[:, t], decoded[t]) for t in range(1 + k))
             diff[k] = max(float((out[:, t].float() - decoded[t].float()).abs().max()) for t in range(1 + k))
-            toks, acc[k] = _speculate(exs[k], flat, restore, ids[:B, :1], ref, slots, pos0[:B], k, cfg.vocab_size,
-                                      corrupt)
+            toks, acc[k] = _speculate(exs[k_max], flat, restore, ids[:B, :1], ref, slots, pos0[:B], k, k_max,
+                                      cfg.vocab_size, corrupt)
             same[k] = torch.equal(toks, top[:B])
         res["verify_rows_identical"][B], res["max_abs_diff"][B] = vr, diff
         res["tokens_identical"][B], res["accepted_per_round"][B] = same, acc
@@ -207,34 +210,37 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
     return res
 
 
-def _speculate(ex, flat, restore, x, ref, slots, pos0, k: int, vocab: int, corrupt: float):
-    """Greedy speculative decoding with the verify graph of 1 + k tokens: the drafts are the reference
-    continuation with each token replaced by a wrong one with probability `corrupt` (seeded), so rounds
-    accept 0..k drafts and rows advance by different counts (the rollback path). -> (tokens [B, steps],
-    mean drafts accepted per round)."""
+def _speculate(ex, flat, restore, x, ref, slots, pos0, k: int, K: int, vocab: int, corrupt: float):
+    """Greedy speculative decoding with the verify graph of 1 + K tokens, 1 + k of them real (n_real):
+    the drafts are the reference continuation with each token replaced by a wrong one with probability
+    `corrupt` (seeded), so rounds accept 0..k drafts and rows advance by different counts (the rollback
+    path); a row that has its `steps` tokens stops (n_real 0). -> (tokens [B, steps], mean drafts
+    accepted per round)."""
     restore()
     B, steps = ref.shape
     dev = ref.device
     g = torch.Generator().manual_seed(k)
-    n = torch.zeros(B, dtype=torch.int64)  # tokens produced per row
+    n = torch.zeros(B, dtype=torch.int64, device=dev)  # tokens produced per row
     out = torch.zeros(B, steps + k + 1, dtype=torch.int64, device=dev)
     padded = torch.cat([ref, torch.zeros(B, k + 1, dtype=ref.dtype, device=dev)], 1)
     pos, accepted, rounds = pos0.clone(), 0, 0
-    nreal = torch.full((B,), 1 + k, dtype=torch.int64, device=dev)
     while int(n.min()) < steps:
-        at = n[:, None] + torch.arange(k)                                       # [B, k]
-        drafts = padded.gather(1, at.to(dev))
+        live = n < steps                                                        # [B]
+        at = (n[:, None] + torch.arange(k, device=dev)).clamp_max(padded.shape[1] - 1)  # [B, k]
+        drafts = padded.gather(1, at)
         wrong = (torch.rand(B, k, generator=g) < corrupt).to(dev)
         drafts = torch.where(wrong, (drafts + 1) % vocab, drafts)
-        top = ex.run(torch.cat([x, drafts], 1), slots, pos, nreal, flat)[0].argmax(-1)  # [B, 1+k]
+        pad = torch.zeros(B, K - k, dtype=drafts.dtype, device=dev)
+        nreal = torch.where(live, 1 + k, 0)
+        top = ex.run(torch.cat([x, drafts, pad], 1), slots, pos, nreal, flat)[0][:, :1 + k].argmax(-1)  # [B, 1+k]
         ok = (drafts == top[:, :k]).long().cumprod(1).sum(1)                    # [B] drafts accepted
-        for b in range(B):
+        for b in live.nonzero()[:, 0].tolist():
             a, nb = int(ok[b]), int(n[b])
             out[b, nb:nb + a + 1] = top[b, :a + 1]
-            n[b] += a + 1
-        x = top.gather(1, ok[:, None])
-        pos = pos + ok + 1
-        accepted, rounds = accepted + int(ok.sum()), rounds + B
+        step = torch.where(live, ok + 1, 0)
+        n, pos = n + step, pos + step
+        x = torch.where(live[:, None], top.gather(1, ok[:, None]), x)
+        accepted, rounds = accepted + int(ok[live].sum()), rounds + int(live.sum())
     return out[:, :steps], accepted / rounds
 
 
