@@ -38,6 +38,11 @@ Design (flash decoding):
      partial (acc, max, sum); with SPLIT = 1 it applies the sink and writes o itself.
   2. `_combine_kernel`, grid (B·T, cdiv(H, BH)): merges the SPLIT partials with the sink, writes o,
      and (head block 0) writes the chunk's real rows into the ring.
+  Deterministic mode (`POS_BLOCKS`, `BATCH_INVARIANT`): the window and the chunk form one list of
+  positions p_lo … qpos, cut into blocks aligned to the absolute position (block g = p // BN; p < pos0
+  read from the ring, p >= pos0 from kv), entries numbered from 0, and SPLIT a constant: a key's
+  block, its program and its place in the reduction depend on qpos alone, so T = 1 and T = 1 + k
+  give a row the same bits (needs S >= W - 1, which speculative artifacts' rings have).
   The ring write is in the second launch, after every read of the first: no ordering hazard for any
   S, W, T (a write in the same launch as the reads would need S >= W + T - 1: the written rows hold
   positions pos0 + t and the read rows positions >= pos0 - W + 1, which share a row mod S iff S
@@ -456,10 +461,10 @@ def v4_attention_fused_det_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Te
                               n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor,
                               entries: torch.Tensor | None, selected: torch.Tensor | None, window: int,
                               m: int) -> torch.Tensor:
-    """`v4_attention_fused` with the batch-invariant split (`BATCH_INVARIANT`): a row's output does not
-    depend on the batch size (`--kernel v4_attention=fused_det`). Not yet invariant to T: the current
-    chunk's keys form their own block segment (module doc), so a verify row and the decode row at the
-    same position reduce their keys in different groups. On CPU the static op."""
+    """`v4_attention_fused` with `BATCH_INVARIANT` (`--kernel v4_attention=fused_det`): a fixed split
+    and key blocks aligned to absolute positions (`POS_BLOCKS`, module doc), so a row's output depends
+    on neither the batch size nor the tokens per row (a verify row equals the decode row at its position
+    bit for bit, given the same keys). On CPU the static op."""
     if q.device.type == "cpu":
         _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
         return v4_attention_fused_ref(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
