@@ -42,7 +42,7 @@ Design (flash decoding):
   positions p_lo … qpos, cut into blocks aligned to the absolute position (block g = p // BN; p < pos0
   read from the ring, p >= pos0 from kv), entries numbered from 0, and SPLIT a constant: a key's
   block, its program and its place in the reduction depend on qpos alone, so T = 1 and T = 1 + k
-  give a row the same bits (needs S >= W - 1, which speculative artifacts' rings have).
+  give a row the same bits (needs S >= W - 1: every V4 cache ring has S = W + k_max).
   The ring write is in the second launch, after every read of the first: no ordering hazard for any
   S, W, T (a write in the same launch as the reads would need S >= W + T - 1: the written rows hold
   positions pos0 + t and the read rows positions >= pos0 - W + 1, which share a row mod S iff S
