@@ -227,7 +227,8 @@ class DeterminismError(ValueError):
 def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, mtp_k: int):
     """The target and kernel overrides of the deterministic mode: unquantised routed experts (the
     quantised expert kernels pick a path and tile by token count; make_batch_invariant swaps in
-    `moe_experts_bi`) and `v4_attention=fused_det` where the target runs the fused attention.
+    `moe_experts_bi`) and `v4_attention=fused_det` where the target runs the fused attention (its key
+    blocks follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0).
     Raises DeterminismError for what it cannot make invariant."""
     if expert_format not in (None, "reference"):
         raise DeterminismError(f"--deterministic with --expert-format {expert_format}: the quantised expert kernels "
@@ -238,10 +239,6 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
         raise DeterminismError("--deterministic with --kernel v4_attention=fused: its split count depends on B·T")
     if tgt.kernels.get("v4_attention") == "fused":
         kernels["v4_attention"] = "fused_det"
-        if mtp_k:
-            raise DeterminismError(f"--deterministic with --mtp {mtp_k}: kernel v4_attention_fused_det keeps the "
-                                   f"step's own keys in a block segment of their own, so a row's sum depends on the "
-                                   f"tokens per row (decode T=1 vs verify T=1+k); not invariant yet")
     tgt = dataclasses.replace(tgt, expert_format="reference", expert_format_tokens=None,
                               expert_format_reason="--deterministic: unquantised experts, one kernel path "
                                                    "(kernels/batch_invariant.py moe_experts_bi)")

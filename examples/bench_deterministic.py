@@ -2,6 +2,8 @@
 
     python examples/bench_deterministic.py --out $OUT/det.json              # H200, ~2-3 min
     python examples/bench_deterministic.py --device cpu --quick             # CPU smoke run (tiny model)
+    python examples/bench_deterministic.py --mtp 3 --layers 2 --prompt 256 --steps 16 --out $OUT/det_mtp.json
+                                    # MTP: verify rows vs decode rows, speculative tokens (`verify_rows`)
 
 For each lowering (h200 pipeline, decode graph, one full CUDA graph per bucket):
   default        the target's kernels, fp8_block experts (what `compile --target h200` ships)
@@ -50,10 +52,13 @@ def config(preset: str, layers: int | None) -> ModelConfig:
     return cfg
 
 
-def lower(model, n_slots: int, max_len: int, mode: str):
+def lower(model, n_slots: int, max_len: int, mode: str, k: int = 0, extra_ring_slots: int = 0):
+    """The decode graph with 1 + k tokens per row (k > 0: the verify graph of `--mtp k`), lowered for
+    the h200 target in `mode` -> (plan, split graph, blockers)."""
     kernels, no_quant, det = MODES[mode]
     ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), None, deterministic=det)
-    gm = export_graph(model, GraphSpec("decode", k=0, n_slots=n_slots, max_len=max_len)).module()
+    spec = GraphSpec("decode", k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
+    gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
     blockers = [b for r in records if r.name == "make_batch_invariant" for b in r.stats.get("blockers", [])]
     plan = plan_segments(gm, ctx)
@@ -127,6 +132,118 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
     return res
 
 
+@torch.no_grad()
+def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024,
+                device: str = "cuda", preset: str = "v4-flash-slice", dtype: torch.dtype | None = None,
+                steps: int = 16, corrupt: float = 0.3) -> dict:
+    """Deterministic mode, MTP, from one cache state (h200 lowering, deterministic decode and verify graphs),
+    at each batch size B (rows 0..B-1):
+      * `batch_rows_identical[B]`: the decode steps' logits of rows 0..B-1 are the same bits as at the
+        largest batch;
+      * `verify_rows_identical[B][k]`: a verify step with 1 + k real tokens per row (k = 1..k_max; the
+        graph of T = 1 + k_max tokens, the rest padding, as the runtime runs `--mtp k` on a `--mtp K`
+        artifact) gives every real row and token the same logits bits as 1 + k decode steps fed the
+        same tokens;
+      * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
+        the k = 0 continuation, each corrupted with probability `corrupt`, so rounds reject and roll
+        back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself)."""
+    dev = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    batches = sorted(batches)
+    model = build_model(config(preset, layers), dev, dtype, on_device=True)
+    cfg = model.config
+    n_slots, max_len = batches[-1] + 1, prompt + steps + 2 * k_max + 8
+    cache = model.new_cache(n_slots, max_len=max_len, extra_ring_slots=k_max)
+    g = torch.Generator().manual_seed(0)
+    for s in range(0, n_slots - 1, 8):
+        rows = torch.arange(s, min(s + 8, n_slots - 1), device=dev)
+        model(torch.randint(0, cfg.vocab_size, (len(rows), prompt), generator=g).to(dev), cache, slots=rows)
+    flat = flat_caches(cache.layers)
+    snap = {n: t.clone() for n, t in flat.items()}
+    ids = torch.randint(0, cfg.vocab_size, (n_slots - 1, 1 + k_max), generator=g).to(dev)  # a token, k_max drafts
+    pos0 = cache.pos[:n_slots - 1].clone()
+    mode = "full" if dev.type == "cuda" else "eager"
+
+    def executor(k: int) -> SegmentExecutor:
+        plan, split, blockers = lower(model, n_slots, max_len, "deterministic", k, k_max)
+        if blockers:
+            raise RuntimeError(f"deterministic graph (k={k}) keeps blockers: {blockers[:4]}")
+        return SegmentExecutor(split, plan, dev, buckets=tuple(batches), mode=mode, pad_slot=n_slots - 1)
+
+    def restore():
+        for name, t in flat.items():
+            t.copy_(snap[name])
+
+    exs = {k: executor(k) for k in (0, k_max)}  # what the runtime runs: decode, and verify at T = 1 + K
+    res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
+                 "dtype": str(dtype), "batch_rows_identical": {}, "verify_rows_identical": {}, "max_abs_diff": {},
+                 "tokens_identical": {}, "accepted_per_round": {}}
+    top = top_rows = None
+    for B in reversed(batches):
+        slots, one = torch.arange(B, device=dev), torch.ones(B, dtype=torch.int64, device=dev)
+        restore()
+        decoded = [exs[0].run(ids[:B, t:t + 1], slots, pos0[:B] + t, one, flat)[0][:, -1].clone()
+                   for t in range(1 + k_max)]  # [B, V] per position, the tokens of `ids`
+        restore()
+        ref, x = [], ids[:B, :1]
+        for s in range(steps):  # plain greedy decode: the reference continuation
+            x = exs[0].run(x, slots, pos0[:B] + s, one, flat)[0][:, -1].argmax(-1, keepdim=True)
+            ref.append(x)
+        ref = torch.cat(ref, 1)                                                  # [B, steps]
+        if top is None:
+            top, top_rows = ref, decoded
+        res["batch_rows_identical"][B] = all(torch.equal(d, e[:B]) for d, e in zip(decoded, top_rows))
+        vr, diff, same, acc = {}, {}, {0: torch.equal(ref, top[:B])}, {}
+        for k in range(1, k_max + 1):  # k < K: the T = 1 + K graph with 1 + k real tokens a row, as Session runs it
+            restore()
+            fed = torch.cat([ids[:B, :1 + k], torch.zeros_like(ids[:B, 1 + k:])], 1)          # [B, 1+K], padded
+            out = exs[k_max].run(fed, slots, pos0[:B], torch.full_like(one, 1 + k), flat)[0]   # [B, 1+K, V]
+            vr[k] = all(torch.equal(out[:, t], decoded[t]) for t in range(1 + k))
+            diff[k] = max(float((out[:, t].float() - decoded[t].float()).abs().max()) for t in range(1 + k))
+            toks, acc[k] = _speculate(exs[k_max], flat, restore, ids[:B, :1], ref, slots, pos0[:B], k, k_max,
+                                      cfg.vocab_size, corrupt)
+            same[k] = torch.equal(toks, top[:B])
+        res["verify_rows_identical"][B], res["max_abs_diff"][B] = vr, diff
+        res["tokens_identical"][B], res["accepted_per_round"][B] = same, acc
+        print(f"B={B}: decode rows as at B={batches[-1]}: {res['batch_rows_identical'][B]}, verify rows identical {vr}, tokens identical {same}, drafts accepted per round {acc}",
+              flush=True)
+    return res
+
+
+def _speculate(ex, flat, restore, x, ref, slots, pos0, k: int, K: int, vocab: int, corrupt: float):
+    """Greedy speculative decoding with the verify graph of 1 + K tokens, 1 + k of them real (n_real):
+    the drafts are the reference continuation with each token replaced by a wrong one with probability
+    `corrupt` (seeded), so rounds accept 0..k drafts and rows advance by different counts (the rollback
+    path); a row that has its `steps` tokens stops (n_real 0). -> (tokens [B, steps], mean drafts
+    accepted per round)."""
+    restore()
+    B, steps = ref.shape
+    dev = ref.device
+    g = torch.Generator().manual_seed(k)
+    n = torch.zeros(B, dtype=torch.int64, device=dev)  # tokens produced per row
+    out = torch.zeros(B, steps + k + 1, dtype=torch.int64, device=dev)
+    padded = torch.cat([ref, torch.zeros(B, k + 1, dtype=ref.dtype, device=dev)], 1)
+    pos, accepted, rounds = pos0.clone(), 0, 0
+    while int(n.min()) < steps:
+        live = n < steps                                                        # [B]
+        at = (n[:, None] + torch.arange(k, device=dev)).clamp_max(padded.shape[1] - 1)  # [B, k]
+        drafts = padded.gather(1, at)
+        wrong = (torch.rand(B, k, generator=g) < corrupt).to(dev)
+        drafts = torch.where(wrong, (drafts + 1) % vocab, drafts)
+        pad = torch.zeros(B, K - k, dtype=drafts.dtype, device=dev)
+        nreal = torch.where(live, 1 + k, 0)
+        top = ex.run(torch.cat([x, drafts, pad], 1), slots, pos, nreal, flat)[0][:, :1 + k].argmax(-1)  # [B, 1+k]
+        ok = (drafts == top[:, :k]).long().cumprod(1).sum(1)                    # [B] drafts accepted
+        for b in live.nonzero()[:, 0].tolist():
+            a, nb = int(ok[b]), int(n[b])
+            out[b, nb:nb + a + 1] = top[b, :a + 1]
+        step = torch.where(live, ok + 1, 0)
+        n, pos = n + step, pos + step
+        x = torch.where(live[:, None], top.gather(1, ok[:, None]), x)
+        accepted, rounds = accepted + int(ok[live].sum()), rounds + int(live.sum())
+    return out[:, :steps], accepted / rounds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -135,12 +252,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=None, help="cut the slice to this many layers")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="instead: the deterministic mode's MTP check (`verify_rows`, k = 1..K) at --batches")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     preset = "v4-flash-slice"
     if a.quick:
         preset, a.batches, a.prompt, a.steps = "v4-tiny-a", [1, 3], 12, 3
+    if a.mtp:
+        res = verify_rows(a.mtp, a.layers, a.batches, a.prompt, a.device, preset, steps=max(a.steps, 8))
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     res = run(a.layers, a.batches, a.prompt, a.steps, tuple(a.modes), a.device, preset)
     if "cost_vs_default" in res:
         print("deterministic / default step time: " + ", ".join(f"B={b}: {x:.2f}x" for b, x in res["cost_vs_default"].items()))

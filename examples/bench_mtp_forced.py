@@ -27,12 +27,24 @@ sequence's window and compressed entries once per step: the 1 + k query rows of 
 them. Weights read once per graph call whatever the batch. `bound_compiled` is the same bound with
 the verify and draft graphs as compiled: T = 1 + K rows per sequence in every call (k < K rows pad).
 
-    # bundled trained model, compiled here for the GPU's target with --mtp 3
-    python examples/bench_mtp_forced.py --bundled --out $OUT/forced_bundled.json
+    # bundled trained model: compile once (about 2 min: five torch.exports), then the grid (reuses WORK/art)
+    python examples/bench_mtp_forced.py --bundled --work build/forced_bundled --compile-batches 1,8,32,64 --compile-only
+    python examples/bench_mtp_forced.py --bundled --work build/forced_bundled --compile-batches 1,8,32,64 \
+        --batches 1,8 --budget-s 200 --out $OUT/forced_bundled_1_8.json
     # the v4-flash-slice: built on the GPU, written (release formats), compiled for h200 with --mtp 3
-    python examples/bench_mtp_forced.py --slice /tmp/slice_mtp --out $OUT/forced_slice.json
+    python examples/bench_mtp_forced.py --slice build/forced_slice --compile-batches 1,8,32,64 --compile-only
+    python examples/bench_mtp_forced.py --slice build/forced_slice --compile-batches 1,8,32,64 \
+        --batches 1,8 --budget-s 200 --out $OUT/forced_slice_1_8.json
     python examples/bench_mtp_forced.py --bundled --device cpu --quick          # CPU smoke run
     python examples/bench_mtp_forced.py --roofline-only v4-flash                # the bound grid only
+
+Where a run's time goes (the JSON's `timings`): the compile is five torch.exports (prefill, decode,
+verify, mtp, verify_mtp: ~110 s for the bundled model on the H200 host), so an artifact is compiled
+once under WORK and reused by every later run whose batches its buckets cover. A graph's first call
+captures every bucket of the artifact (and compiles the Triton specialisations of each), so a run
+captures only the buckets it measures (`only_buckets`): compile with all the batches, measure any
+subset. The JSON is rewritten after every cell (`complete` false until the grid ends), and with
+`--budget-s` no cell starts after that many seconds, so a device-call timeout keeps every measured cell.
 
 Decode throughput counts generated tokens after each request's first one, from the moment every
 request of the batch has its first token to the end (prefill and the MTP fill excluded), as
@@ -54,7 +66,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mtp import PROMPTS, compile_bundle  # noqa: E402
+from bench_mtp import BUNDLE, PROMPTS  # noqa: E402
 
 from dsv4c.config import ModelConfig  # noqa: E402
 from dsv4c.runtime.speculative import ForcedDrafts, merge_spec_stats, speculator  # noqa: E402
@@ -175,22 +187,41 @@ def make_prompts(sess, B: int, prompt_len: int, bundled: bool) -> list:
     return [torch.randint(2, sess.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(B)]
 
 
-def run_grid(sess, batches, alphas, ks, n_new: int, prompt_len: int, bundled: bool, log=print) -> list[dict]:
+def run_grid(sess, batches, alphas, ks, n_new: int, prompt_len: int, bundled: bool, log=print,
+             on_row=None, deadline: float | None = None, timings: dict | None = None) -> list[dict]:
+    """The grid, batch by batch (ascending), α then k within a batch. `on_row(rows)` after every cell
+    (the caller writes its JSON there, so a timeout keeps what was measured); no cell starts after
+    `deadline` (time.perf_counter()); `timings` gets each batch's warm-up seconds (its first calls:
+    CUDA-graph captures and Triton compiles) and its measuring seconds."""
     spec = speculator(sess)
     m = sess.manifest
     K = int(m["mtp_k"])
     roof = Roofline(sess.config, m["target"]["expert_format"], m["target"]["dense_format"], prompt_len + n_new // 2)
-    rows = []
-    for B in batches:
+    rows: list[dict] = []
+    timings = {} if timings is None else timings
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    for B in sorted(batches):
+        if late():
+            log(json.dumps({"skipped_batch": B, "reason": "time budget"}))
+            continue
         prompts = make_prompts(sess, B, prompt_len, bundled)
-        for k in [0] + list(ks):  # warm-up: CUDA-graph capture of every graph at this bucket
+        t0 = time.perf_counter()
+        for k in [0] + list(ks):  # warm-up: every graph's first call at this bucket
             timed(sess, prompts, 4, k)
+        t1 = time.perf_counter()
+        timings[f"warmup_s_batch_{B}"] = round(t1 - t0, 2)
         base = timed(sess, prompts, n_new, 0)
         ids = [sess._encode(p) for p in prompts]
         truth = {i: ids[i] + out for i, out in enumerate(base["outputs"])}
         log(json.dumps({"batch": B, "k": 0, "tokens_per_s": round(base["tokens_per_s"], 1)}))
         for alpha in alphas:
             for k in ks:
+                if late():
+                    log(json.dumps({"skipped": {"batch": B, "alpha": alpha, "k": k}, "reason": "time budget"}))
+                    continue
                 spec.forced = ForcedDrafts(truth, alpha, seed=17)
                 try:
                     cell = timed(sess, prompts, n_new, k)
@@ -210,6 +241,9 @@ def run_grid(sess, batches, alphas, ks, n_new: int, prompt_len: int, bundled: bo
                        "equal_to_k0": cell["outputs"] == base["outputs"]}
                 rows.append(row)
                 log(json.dumps(row))
+                if on_row is not None:
+                    on_row(rows)
+        timings[f"measure_s_batch_{B}"] = round(time.perf_counter() - t1, 2)
     return rows
 
 
@@ -241,6 +275,39 @@ def bound_table(cfg: ModelConfig, batches, alphas, ks, K: int, ctx_len: int) -> 
 # ------------------------------------------------------------------------------------------------
 # artifacts
 # ------------------------------------------------------------------------------------------------
+def compile_bundled(work: Path, device: str, K: int, batches: list[int], max_tokens: int, log=print) -> Path:
+    """The bundled trained model compiled for the device's target with --mtp K and buckets = the
+    batches (reused when `work/art` exists and covers them). Only the buckets the grid runs: every
+    bucket of every graph is captured (and its Triton kernels compiled) at the graph's first call."""
+    from dsv4c.compile import compile_checkpoint
+
+    art = work / "art"
+    if _reusable(art, K, batches, max_tokens, log):
+        return art
+    t0 = time.perf_counter()
+    compile_checkpoint(BUNDLE, art, target="h200" if device.startswith("cuda") else "cpu", max_tokens=max_tokens,
+                       max_batch=max(max(batches), 2), buckets=tuple(sorted(batches)), mtp_k=K, progress=True,
+                       verify_boundaries=False, force=True)
+    log(f"bundled model compiled (--mtp {K}, buckets {sorted(batches)}) in {time.perf_counter() - t0:.0f}s")
+    return art
+
+
+def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print) -> bool:
+    """Whether the artifact at `art` was compiled with --mtp K, buckets covering `batches` and room for
+    `max_tokens`; one that exists but does not fit is named and recompiled."""
+    f = art / "manifest.json"
+    if not f.is_file():
+        return False
+    m = json.loads(f.read_text())
+    ok = (int(m.get("mtp_k", 0)) == K and set(batches) <= set(m.get("buckets") or ())
+          and m["limits"]["max_tokens"] >= max_tokens)
+    if not ok:
+        log(f"{art}: compiled with --mtp {m.get('mtp_k')}, buckets {m.get('buckets')}, max_tokens "
+            f"{m['limits']['max_tokens']}; this run needs --mtp {K}, buckets {sorted(batches)}, {max_tokens}: "
+            f"recompiling")
+    return ok
+
+
 def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=print) -> Path:
     """The v4-flash-slice built on the GPU (seeded random), written in the release formats, compiled
     for h200 with --mtp K, buckets = the batches (reused when `work/art` exists)."""
@@ -249,32 +316,50 @@ def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=p
     from dsv4c.model import build_model
 
     art = work / "art"
-    if (art / "manifest.json").is_file():
+    if _reusable(art, K, batches, max_tokens, log):
         return art
-    ckpt = work / "ckpt"
-    t0 = time.perf_counter()
-    model = build_model(ModelConfig.preset("v4-flash-slice"), "cuda", torch.bfloat16, on_device=True)
-    save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
+    ckpt, done = work / "ckpt", work / "ckpt.complete"
+    if not done.is_file():  # a call that timed out after writing the checkpoint leaves the marker: reused
+        t0 = time.perf_counter()
+        model = build_model(ModelConfig.preset("v4-flash-slice"), "cuda", torch.bfloat16, on_device=True)
+        save_checkpoint(model, ckpt, quant="release", overwrite=True, progress=False)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        done.write_text("save_checkpoint finished\n")
+        log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     compile_checkpoint(ckpt, art, target="h200", max_tokens=max_tokens, max_batch=max(batches), buckets=tuple(batches),
                        mtp_k=K, progress=True, verify_boundaries=False, force=True)
     log(f"slice compiled (h200, --mtp {K}) in {time.perf_counter() - t0:.0f}s")
     shutil.rmtree(ckpt)  # 20 GB: the artifact (~35 GB) is all the run needs, and the device disk is 64 GiB
+    done.unlink()
     return art
 
 
+def only_buckets(sess, batches: list[int]) -> None:
+    """Capture only the buckets the grid runs: every executor's first call captures all of its buckets
+    (and compiles their Triton specialisations), so an artifact compiled for 1,8,32,64 run at 1,8
+    would otherwise pay for 32 and 64 too. Called before any graph runs."""
+    for ex in sess.executors.values():
+        keep = tuple(b for b in ex.buckets if b in set(batches))
+        if keep:
+            ex.buckets = keep
+
+
 def main(argv=None) -> int:
+    t_start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--art", help="an artifact compiled with --mtp K")
     src.add_argument("--bundled", action="store_true", help="compile the bundled trained model (--mtp K)")
     src.add_argument("--slice", type=Path, metavar="WORK", help="build + compile the v4-flash-slice under WORK")
     src.add_argument("--roofline-only", metavar="PRESET", help="print the bound grid of a preset (no GPU) and exit")
-    ap.add_argument("--compile-only", action="store_true", help="with --slice: stop after compiling")
+    ap.add_argument("--work", type=Path, help="with --bundled: compile under WORK/art and reuse it (default: a "
+                                              "temporary folder)")
+    ap.add_argument("--compile-only", action="store_true", help="with --slice / --bundled --work: stop after compiling")
+    ap.add_argument("--compile-batches", default=None,
+                    help="buckets to compile (default --batches); later runs may measure any subset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--k", type=int, default=3, help="K to compile with")
     ap.add_argument("--batches", default="1,8,32,64")
@@ -282,43 +367,65 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=16, help="random prompt tokens (slice / --art)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no cell after this many seconds from the start (the JSON says what was skipped)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: batches 1,2, α 0.8, k 1,2, 8 tokens")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.alphas, a.ks, a.new_tokens = "1,2", "0.8", "1,2", 8
     batches = [int(x) for x in a.batches.split(",")]
+    compile_batches = sorted(set(int(x) for x in a.compile_batches.split(","))) if a.compile_batches else batches
     alphas = [float(x) for x in a.alphas.split(",")]
     ks = [int(x) for x in a.ks.split(",")]
     if a.roofline_only:
         ctx_len = a.prompt_len + a.new_tokens // 2
         print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, ctx_len))
         return 0
+    if not set(batches) <= set(compile_batches):
+        ap.error(f"--batches {batches} must be among --compile-batches {compile_batches}")
     max_tokens = max(a.prompt_len, 64) + a.new_tokens + 4 * a.k + 8
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     from dsv4c.runtime import Session
 
-    tmp = None
+    tmp, timings = None, {}
+    t0 = time.perf_counter()
     if a.art:
         art = Path(a.art)
     elif a.bundled:
-        tmp = tempfile.TemporaryDirectory()
-        art = compile_bundle(a.device, a.k, max(max(batches), 2), max_tokens, Path(tmp.name) / "art", check=False)
+        if a.work is None:
+            tmp = tempfile.TemporaryDirectory()
+        art = compile_bundled(a.work or Path(tmp.name), a.device, a.k, compile_batches, max_tokens, log)
     else:
-        art = compile_slice(a.slice, a.k, batches, max_tokens, log)
-        if a.compile_only:
-            return 0
+        art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log)
+    timings["compile_or_reuse_s"] = round(time.perf_counter() - t0, 2)
+    if a.compile_only:
+        return 0
+    t0 = time.perf_counter()
     sess = Session.load(art, device=a.device, graphs="full" if torch.device(a.device).type == "cuda" else None)
+    only_buckets(sess, batches)
+    timings["load_s"] = round(time.perf_counter() - t0, 2)
+    m = sess.manifest
+    timings["artifact_compile_s"] = m.get("compile_seconds")
+    timings["artifact_export_s"] = {n: g.get("export_seconds") for n, g in m["graphs"].items()}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    head = {"artifact": str(art), "gpu": gpu, "target": m["target"]["name"], "mtp_k": m["mtp_k"],
+            "buckets": m["buckets"], "new_tokens": a.new_tokens, "timings": timings}
+
+    def write(rows: list[dict], complete: bool = False) -> None:
+        if a.out:
+            timings["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+            a.out.write_text(json.dumps({**head, "complete": complete, "rows": rows}, indent=1) + "\n")
+
+    deadline = t_start + a.budget_s if a.budget_s else None
     with torch.no_grad():
         rows = run_grid(sess, batches, alphas, ks, a.new_tokens, a.prompt_len, a.bundled or "pystdlib" in str(art),
-                        log)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    print(table(rows, f"MTP with teacher-forced drafts, {art} ({sess.manifest['target']['name']}, "
-                      f"{sess.manifest['dtype']}) on {gpu or a.device}"))
-    if a.out:
-        a.out.write_text(json.dumps({"artifact": str(art), "gpu": gpu, "target": sess.manifest["target"]["name"],
-                                     "mtp_k": sess.manifest["mtp_k"], "new_tokens": a.new_tokens, "rows": rows},
-                                    indent=1) + "\n")
+                        log, on_row=write, deadline=deadline, timings=timings)
+    done = len(rows) == len(batches) * len(alphas) * len(ks)
+    write(rows, complete=done)
+    print(table(rows, f"MTP with teacher-forced drafts, {art} ({m['target']['name']}, "
+                      f"{m['dtype']}) on {gpu or a.device}"))
+    print(f"timings: {json.dumps(timings)}")
     return 0
 
 

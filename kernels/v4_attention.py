@@ -38,6 +38,11 @@ Design (flash decoding):
      partial (acc, max, sum); with SPLIT = 1 it applies the sink and writes o itself.
   2. `_combine_kernel`, grid (B·T, cdiv(H, BH)): merges the SPLIT partials with the sink, writes o,
      and (head block 0) writes the chunk's real rows into the ring.
+  Deterministic mode (`POS_BLOCKS`, `BATCH_INVARIANT`): the window and the chunk form one list of
+  positions p_lo … qpos, cut into blocks aligned to the absolute position (block g = p // BN; p < pos0
+  read from the ring, p >= pos0 from kv), entries numbered from 0, and SPLIT a constant: a key's
+  block, its program and its place in the reduction depend on qpos alone, so T = 1 and T = 1 + k
+  give a row the same bits (needs S >= W - 1: every V4 cache ring has S = W + k_max).
   The ring write is in the second launch, after every read of the first: no ordering hazard for any
   S, W, T (a write in the same launch as the reads would need S >= W + T - 1: the written rows hold
   positions pos0 + t and the read rows positions >= pos0 - W + 1, which share a row mod S iff S
@@ -81,8 +86,9 @@ class V4AttnConfig:
     num_stages: int = 2
     split: int | None = None
     target_programs: int = 264  # two per SM of an H200 (132 SMs)
-    # batch-invariant (deterministic mode): SPLIT = min(invariant_split, key blocks), never from B·T,
-    # so a row's partials and their merge order do not depend on how many rows share the launch
+    # batch-invariant (deterministic mode): SPLIT = invariant_split, never from B·T or T, and key blocks
+    # aligned to absolute positions (POS_BLOCKS), so a row's partials and their merge order depend on
+    # neither how many rows share the launch nor how many tokens its own row carries
     batch_invariant: bool = False
     invariant_split: int = 8
 
@@ -178,7 +184,8 @@ def _attn_split_kernel(
         sq_b, sq_t, sq_h, skv_b, skv_t,
         T, H, S, E, NSEL, W, NW, M_RATIO, qk_scale,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, ENT_MODE: tl.constexpr, LOWP: tl.constexpr, INTERPRET: tl.constexpr):
+        SPLIT: tl.constexpr, ENT_MODE: tl.constexpr, LOWP: tl.constexpr, INTERPRET: tl.constexpr,
+        POS_BLOCKS: tl.constexpr):
     # q [B, T, H, D] (strides sq_*, last 1); kv [B, T, D] (strides skv_*, last 1); ring [n_slots, S, D],
     # entries [n_slots, E, D], selected [B, T, NSEL] contiguous. ENT_MODE 0: no entries, 1: selected
     # (CSA), 2: the visible prefix (HCA). Partials pacc [B·T, SPLIT, H, D], pm / pl [B·T, SPLIT, H].
@@ -201,31 +208,53 @@ def _attn_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
 
-    # window: virtual key i holds position pos0 - NW + i (i < NW); valid iff >= 0 and >= qpos - W + 1
-    nwb = tl.cdiv(NW, BLOCK_N)
-    p_lo = tl.maximum(tl.maximum(qpos - W + 1, 0), pos0 - NW)
-    lo = (p_lo - (pos0 - NW)) // BLOCK_N
-    ring_base = ring_ptr + slot * S * D
-    for i in range(_first_block(lo, 0, sp, SPLIT, INTERPRET), _loop_bound(nwb, INTERPRET), SPLIT):
-        p = pos0 - NW + i * BLOCK_N + n
-        valid = (p >= p_lo) & (p < pos0)
-        row = tl.where(valid, p, 0) % S
-        k = tl.load(ring_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
+    if POS_BLOCKS:
+        # window and chunk as one list of positions p_lo .. qpos cut into blocks aligned to the absolute
+        # position (block g holds g·BN … g·BN + BN - 1): a key's block, its program and its place in the
+        # reduction depend on qpos alone, not on pos0 or T (decode T = 1 and a verify of 1 + k tokens
+        # reduce the same key tiles in the same order). p < pos0 comes from the ring, p >= pos0 from kv.
+        nwb = 0
+        p_lo = tl.maximum(tl.maximum(qpos - W + 1, 0), pos0 - NW)
+        ring_base = ring_ptr + slot * S * D
+        for g in range(_first_block(p_lo // BLOCK_N, 0, sp, SPLIT, INTERPRET),
+                       _loop_bound(qpos // BLOCK_N + 1, INTERPRET), SPLIT):
+            p = g * BLOCK_N + n
+            valid = (p >= p_lo) & (p <= qpos)
+            old = valid & (p < pos0)
+            new = valid & (p >= pos0)
+            src = tl.where(old, ring_base + (tl.where(old, p, 0) % S) * D,
+                           kv_ptr + b.to(tl.int64) * skv_b + tl.where(new, p - pos0, 0) * skv_t)  # [BN] rows
+            k = tl.load(src[:, None] + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
+    else:
+        # window: virtual key i holds position pos0 - NW + i (i < NW); valid iff >= 0 and >= qpos - W + 1
+        nwb = tl.cdiv(NW, BLOCK_N)
+        p_lo = tl.maximum(tl.maximum(qpos - W + 1, 0), pos0 - NW)
+        lo = (p_lo - (pos0 - NW)) // BLOCK_N
+        ring_base = ring_ptr + slot * S * D
+        for i in range(_first_block(lo, 0, sp, SPLIT, INTERPRET), _loop_bound(nwb, INTERPRET), SPLIT):
+            p = pos0 - NW + i * BLOCK_N + n
+            valid = (p >= p_lo) & (p < pos0)
+            row = tl.where(valid, p, 0) % S
+            k = tl.load(ring_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
 
-    # chunk rows t' <= t (t - t' < W)
-    ncb = tl.cdiv(t + 1, BLOCK_N)
-    for i in range(_first_block(0, nwb, sp, SPLIT, INTERPRET), _loop_bound(ncb, INTERPRET), SPLIT):
-        tp = i * BLOCK_N + n
-        valid = (tp <= t) & (t - tp < W)
-        k = tl.load(kv_ptr + b.to(tl.int64) * skv_b + tp[:, None] * skv_t + dd[None, :],
-                    mask=valid[:, None] & dm[None, :], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
+        # chunk rows t' <= t (t - t' < W)
+        ncb = tl.cdiv(t + 1, BLOCK_N)
+        for i in range(_first_block(0, nwb, sp, SPLIT, INTERPRET), _loop_bound(ncb, INTERPRET), SPLIT):
+            tp = i * BLOCK_N + n
+            valid = (tp <= t) & (t - tp < W)
+            k = tl.load(kv_ptr + b.to(tl.int64) * skv_b + tp[:, None] * skv_t + dd[None, :],
+                        mask=valid[:, None] & dm[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
 
     # entries
     if ENT_MODE != 0:
         ent_base = ent_ptr + slot * E * D
-        off = nwb + tl.cdiv(T, BLOCK_N)
+        if POS_BLOCKS:
+            off = 0
+        else:
+            off = nwb + tl.cdiv(T, BLOCK_N)
         if ENT_MODE == 1:
             n_keys = NSEL
         else:
@@ -345,8 +374,8 @@ def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m
 def _grid_split(B: int, T: int, H: int, n_blocks: int, cfg: V4AttnConfig) -> int:
     if cfg.split is not None:
         return cfg.split
-    if cfg.batch_invariant:
-        return max(1, min(cfg.invariant_split, n_blocks))
+    if cfg.batch_invariant:  # from the config alone: neither B·T nor T (nor the key count) changes it
+        return cfg.invariant_split
     base = B * T * triton.cdiv(H, cfg.block_h)
     return max(1, min(n_blocks, triton.cdiv(cfg.target_programs, base)))
 
@@ -391,7 +420,7 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
         T, H, S, E, n_sel, window, nw, max(m, 1), LOG2E / math.sqrt(d),
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_N=bn, SPLIT=split, ENT_MODE=ent_mode, LOWP=lowp,
-        INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INTERPRET=interp, POS_BLOCKS=cfg.batch_invariant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _combine_kernel[(B * T, hb if split > 1 else 1)](
         kv, ring, slots, pos0, n_real, sinks, o, pacc, pm, pl, kv.stride(0), kv.stride(1), T, H, S,
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, SPLIT=split, num_warps=8)
@@ -432,10 +461,10 @@ def v4_attention_fused_det_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Te
                               n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor,
                               entries: torch.Tensor | None, selected: torch.Tensor | None, window: int,
                               m: int) -> torch.Tensor:
-    """`v4_attention_fused` with the batch-invariant split (`BATCH_INVARIANT`): a row's output does not
-    depend on the batch size (`--kernel v4_attention=fused_det`). Not yet invariant to T: the current
-    chunk's keys form their own block segment (module doc), so a verify row and the decode row at the
-    same position reduce their keys in different groups. On CPU the static op."""
+    """`v4_attention_fused` with `BATCH_INVARIANT` (`--kernel v4_attention=fused_det`): a fixed split
+    and key blocks aligned to absolute positions (`POS_BLOCKS`, module doc), so a row's output depends
+    on neither the batch size nor the tokens per row (a verify row equals the decode row at its position
+    bit for bit, given the same keys). On CPU the static op."""
     if q.device.type == "cpu":
         _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
         return v4_attention_fused_ref(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)

@@ -115,3 +115,32 @@ def test_bi_matmul_rows_on_gpu(dtype):
     e = torch.zeros(64, dtype=torch.int64, device="cuda")
     g64 = bi_gemv_gathered(x, rows, e, w[None])
     assert torch.equal(bi_gemv_gathered(x[:1], rows[:1], e[:1], w[None]), g64[:1])
+
+
+@pytest.mark.parametrize("dtype,m,E,k", [(torch.float32, 4, 13, 7), (torch.bfloat16, 0, 0, 0),
+                                         (torch.bfloat16, 16, 5, 0), (torch.bfloat16, 4, 13, 7)])
+def test_attention_verify_rows_equal_decode_rows(dtype, m, E, k):
+    """`v4_attention_fused` with the deterministic config (interpreter): a verify call of T = 4 tokens
+    per row gives, for each token t, the same bits as the decode call (T = 1) at position pos0 + t made
+    after the t earlier decode calls wrote their keys into the ring; and it still computes the static
+    op's function (REL_ERR). Rows at pos0 = 0, inside the first window, and on a wrapped ring whose
+    window straddles a key block (BN 16). Split 3 here (8 in BATCH_INVARIANT) to keep the interpreter quick."""
+    import dataclasses
+    from dsv4c.kernels.tolerances import rel_err
+    from dsv4c.kernels.v4_attention import BATCH_INVARIANT, REL_ERR, v4_attention_fused, v4_attention_fused_ref
+    from test_kernels_v4_attention import make_case
+
+    cfg = dataclasses.replace(BATCH_INVARIANT, block_n=16, invariant_split=3)
+    T, S, W = 4, 11, 8  # S = W + k: the ring of an artifact compiled for speculation
+    a = make_case(B=3, T=T, H=5, d=32, S=S, m=m, E=E, k=k, pos0=[0, 5, 29], n_real=[T] * 3, dtype=dtype, window=W)
+    ring_v = a["ring"].clone()
+    verify = v4_attention_fused(**{**a, "ring": ring_v}, config=cfg)
+    assert rel_err(verify, v4_attention_fused_ref(**{**a, "ring": a["ring"].clone()})) <= REL_ERR[dtype]
+    ring_d = a["ring"].clone()
+    one = torch.ones(3, dtype=torch.int64)
+    for t in range(T):
+        step = {**a, "q": a["q"][:, t:t + 1], "kv": a["kv"][:, t:t + 1], "pos0": a["pos0"] + t, "n_real": one,
+                "ring": ring_d, "selected": None if a["selected"] is None else a["selected"][:, t:t + 1].contiguous()}
+        decode = v4_attention_fused(**step, config=cfg)
+        assert torch.equal(decode[:, 0], verify[:, t]), f"token {t}"
+    assert torch.equal(ring_d[:-1], ring_v[:-1])

@@ -247,12 +247,17 @@ def test_forced_benchmark_grid_and_roofline(bundled):
     _, sess, _, _ = bundled
     saved = dict(sess.manifest["target"])
     sess.manifest["target"].update({"expert_format": "reference", "dense_format": "reference"})
+    written, timings = [], {}
     try:
-        rows = bf.run_grid(sess, [2], [0.9], [2], 8, 8, False, log=lambda s: None)
+        rows = bf.run_grid(sess, [2], [0.9], [2], 8, 8, False, log=lambda s: None,
+                           on_row=lambda r: written.append(len(r)), timings=timings)
+        late = bf.run_grid(sess, [2], [0.9], [2], 8, 8, False, log=lambda s: None, deadline=0.0)
     finally:
         sess.manifest["target"].clear()
         sess.manifest["target"].update(saved)
     (row,) = rows
+    assert written == [1] and late == []  # JSON after every cell; no cell starts past the deadline
+    assert set(timings) == {"warmup_s_batch_2", "measure_s_batch_2"}
     assert row["equal_to_k0"] and row["tau_requested"] == pytest.approx(1 + 0.9 + 0.81)
     assert row["speedup"] > 0 and 0 < row["bound"] < row["tau_requested"]
     # the byte model: one token touches top_k experts; a round reads more than a decode step
