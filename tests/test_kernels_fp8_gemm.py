@@ -164,7 +164,10 @@ def test_gemv_gpu_configs(m, n, k, fmt, cfg):
     if k % 128 == 0:
         a_q, a_s = Q.quant_act_fp8(a)
         ref8 = fp8_gemv_w8a8_ref(a_q, a_s, w_q, w_s)
-        assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref8) < 1e-5
+        # Hopper's FP8 tensor cores add products with fewer mantissa bits than fp32 (DeepSeek-V3 report,
+        # 3.3.2: about 14); measured 1.2e-4 at M = 20. A dropped split or scale block costs >= 0.1.
+        tol = 1e-5 if m == 1 else 1e-3
+        assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref8) < tol
 
 
 _SM90_SCRIPT = textwrap.dedent('''
