@@ -25,8 +25,27 @@ columns by (column sum + eps). Eagerly that is 6·iters − 1 tiny ATen kernels 
 iters = 20, N = 4); here one program holds BLOCK_M whole matrices in registers for all iterations,
 so a site is one launch. ITERS is a constexpr (the loop bound; the Triton interpreter cannot range
 over a runtime scalar): one compiled variant per model config. The kernel performs the same operations in the same order as the eager code; divisions
-are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`), so fp32 results agree with
-`sinkhorn_ref` to a few ulp (the sums of N terms and `exp` may round differently).
+are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`) and `exp` is libdevice's
+accurate expf, as in torch's CUDA softmax, so fp32 results agree with `sinkhorn_ref` to a few ulp
+(the sums of N terms may be added in another order).
+
+Rounding like eager (issue 22; every kernel here). On the random-weight slice's prefill graph a
+kernel whose fp32 values are a few ulp off eager's moves single bf16 roundings, and the logits
+feel it (BENCHMARKS.md, 2026-12-01: fuse_hc 40 -> 37 dB). So each kernel does eager's fp32
+operations one by one: the pre/post launches are compiled without FMA contraction
+(`enable_fp_fusion=False`, which Triton otherwise applies to every a·b + c), explicit `tl.fma` only
+where eager's own kernel fuses (the batched GEMM of hc_post's einsum); sigmoid = 1 / (1 + expf(-t))
+with an IEEE division and libdevice's expf (Triton's tl.sigmoid/tl.exp are approximate); rsqrt =
+the hardware rsqrt.approx, which is what torch.rsqrt (CUDA's rsqrtf) runs; u sums the rounded
+products pre_k·X[k] in the order of PyTorch's reduction over a non-innermost dim. hc_post is then
+bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if cuBLAS's fp32 batched
+GEMM of K = N sums its FMAs in order, on CUDA. hc_pre's u cannot be: z = fn·vec(X) is a dot of N·D
+terms (16384 at Flash dims) that cuBLAS (eager) and this split-K kernel add in different orders,
+so z differs by an ulp or so and u rounds differently in a few elements in 10^4. In ulps of u
+itself that can look large (up to ~14 on the H200 at 2 x 256 tokens): where the streams cancel,
+|u| is far below the terms pre_k·X[k] whose rounding error it carries (measured on the CPU: every
+element off by more than 1 ulp had |u| < 1e-5·Σ_k|X[k]|). The tests bound the error by the terms'
+scale, not by u's own ulp.
 
 Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape, no host sync:
 capture-safe (split_at_routers.OP_CAPTURE). M = 0 launches nothing.
@@ -38,12 +57,16 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4c.kernels._tl import interpret_flag
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
 
 @triton.jit
-def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,14 +75,23 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
     offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
     mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
     x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
-    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2), mask=mask)
+    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
 
 
 @triton.jit
-def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr):
+def _exp_like_torch(x, INTERPRET: tl.constexpr):
+    # torch's CUDA kernels call expf: libdevice's accurate exp, not Triton's tl.exp (ex2.approx of a rounded
+    # x·log2(e), whose error grows with |x|); libdevice does not run under the interpreter (numpy's exp)
+    if INTERPRET:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr, INTERPRET: tl.constexpr):
     """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
     # softmax over j, then + eps
-    e = tl.exp(x - tl.max(x, axis=J_AXIS, keep_dims=True))
+    e = _exp_like_torch(x - tl.max(x, axis=J_AXIS, keep_dims=True), INTERPRET)
     c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
     # columns: sum over i
     c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
@@ -98,7 +130,7 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     if bm < 1 or bm & (bm - 1):
         raise ValueError(f"sinkhorn: block_m must be a power of two, got {bm}")
     _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
-                                           num_warps=1 if bm * n * n <= 512 else 2)
+                                           INTERPRET=interpret_flag(x), num_warps=1 if bm * n * n <= 512 else 2)
     return out
 
 
@@ -210,30 +242,53 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 
 @triton.jit
+def _sigmoid_like_torch(t, INTERPRET: tl.constexpr):
+    # torch's CUDA sigmoid: 1 / (1 + expf(-t)), an IEEE division (Triton's tl.sigmoid: approximate exp and /)
+    return tl.div_rn(tl.full(t.shape, 1.0, tl.float32), 1.0 + _exp_like_torch(-t, INTERPRET))
+
+
+@triton.jit
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    # Launched without FMA contraction: every product and sum below is rounded once, as the eager
+    # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
     n = tl.arange(0, N)
     sm = s < S
     zrow = (s.to(tl.int64) * M + pid_m) * MIXP  # [S_P] offsets of this token's partial rows
     ss = tl.sum(tl.load(ssp_ptr + s.to(tl.int64) * M + pid_m, mask=sm, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt_rn(ss * inv_k + eps)  # rsqrt(mean(x²) + eps)
+    r = tl.math.rsqrt(ss * inv_k + eps)  # eager: mean, + eps, torch.rsqrt (rsqrt.approx, as CUDA's rsqrtf)
     z_pre = tl.sum(tl.load(zp_ptr + zrow[:, None] + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-    pre = tl.sigmoid(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n)) + hc_eps  # [N]
+    pre = _sigmoid_like_torch(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n), INTERPRET) + hc_eps  # [N]
 
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
-    xoffs = pid_m.to(tl.int64) * N * D + n[:, None] * D + d[None, :]
-    x = tl.load(x_ptr + xoffs, mask=dm[None, :], other=0.0).to(tl.float32)  # [N, BLOCK_D]
-    u = tl.sum(pre[:, None] * x, axis=0)
+    # u = Σ_k pre_k·X[k]: eager multiplies (rounded), then sums the N products as PyTorch's reduction over
+    # a non-innermost dim does: accumulator k % 4 takes the k-th product in order, then ((a0 + a1) + a2) + a3
+    a0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(N):
+        pk = tl.sum(tl.where(n == k, pre, 0.0), axis=0)  # pre[k] (adds zeros: exact)
+        xk = tl.load(x_ptr + pid_m.to(tl.int64) * N * D + k * D + d, mask=dm, other=0.0).to(tl.float32)
+        if k % 4 == 0:
+            a0 = a0 + pk * xk
+        elif k % 4 == 1:
+            a1 = a1 + pk * xk
+        elif k % 4 == 2:
+            a2 = a2 + pk * xk
+        else:
+            a3 = a3 + pk * xk
+    u = ((a0 + a1) + a2) + a3
     tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
 
     if pid_d == 0:
         z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
+        post = 2 * _sigmoid_like_torch(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n), INTERPRET)
         tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
         ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
         zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
@@ -244,7 +299,7 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
         tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
         tl.debug_barrier()
         c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
+        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1, INTERPRET)
         tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
 
@@ -260,9 +315,9 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
     for jj in tl.static_range(N):
         cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
         xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
-        acc += cj[:, None] * xj[None, :]
+        acc = tl.fma(cj[:, None], xj[None, :], acc)  # eager's einsum is a batched GEMM: one FMA per j, in order
     p = tl.load(post_ptr + tok * N + k)
-    out = p[:, None] * y[None, :] + acc
+    out = p[:, None] * y[None, :] + acc  # eager: post·y rounded, then + mixed (launched without FMA fusion)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
 
@@ -338,7 +393,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
         ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-        num_warps=finish_warps or HC_FINISH_WARPS)
+        INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
     return u, post, comb
 
 
@@ -376,7 +431,7 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return out
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                             num_warps=4 if n * bd >= 1024 else 1)
+                                             num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
     return out
 
 
