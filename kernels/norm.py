@@ -96,8 +96,8 @@ def torch_cuda_row_sum(v: torch.Tensor) -> torch.Tensor:
     rows, c = v.shape
     lay = reduce_layout(rows, c)
     step = lay.lanes * lay.warps
-    t = torch.arange(step).view(lay.warps, lay.lanes, 1)  # thread = warp·BW + lane
-    i = torch.arange(4).view(1, 1, 4)
+    t = torch.arange(step, device=v.device).view(lay.warps, lay.lanes, 1)  # thread = warp·BW + lane
+    i = torch.arange(4, device=v.device).view(1, 1, 4)
     acc = torch.zeros(rows, lay.warps, lay.lanes, 4, dtype=torch.float32, device=v.device)
     for m in range(lay.steps):
         e = 4 * (t + step * m) + i if lay.vectorized else t + step * (4 * m + i)

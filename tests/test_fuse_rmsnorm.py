@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4c.kernels.norm import rms_norm, rms_norm_ref
+from dsv4c.kernels.norm import ReduceLayout, reduce_layout, rms_norm, rms_norm_ref, torch_cuda_row_sum
 from dsv4c.model import register_ops
 from dsv4c.model.common import RMSNorm
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -63,6 +63,33 @@ def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
     assert _rel(ref, want) <= tol  # the threshold holds for the model's own math too
     if got.numel():  # the weight matters (a kernel ignoring it fails here)
         assert _rel(got, _norm64(x, torch.ones_like(w), EPS, cast_first)) > 0.05
+
+
+@pytest.mark.parametrize("rows,C,want", [
+    # (lanes, warps splitting a row, steps, float4 loads), derived by hand from Reduce.cuh's setReduceConfig
+    (512, 4096, (32, 1, 32, True)),   # prefill: a warp per row, 32 float4 loads per lane
+    (1, 4096, (512, 1, 2, True)),     # decode batch 1: one 512-lane block on the row
+    (2, 4096, (256, 1, 4, True)),
+    (20, 8192, (32, 16, 4, True)),    # >= 256 values per thread: the row split over 16 warps
+    (16, 64, (32, 1, 1, False)),      # C < 128: scalar loads, 2 per lane
+    (3, 100, (64, 1, 1, False)),
+])
+def test_reduce_layout_is_pytorchs_cuda_configuration(rows, C, want):
+    assert reduce_layout(rows, C) == ReduceLayout(*want)
+
+
+@pytest.mark.parametrize("rows,C", [(8, 1024), (20, 8192), (16, 64)])
+def test_kernel_sums_in_pytorchs_cuda_order(rows, C):
+    """Issue 22: the kernel's fp32 output is exactly eager's CUDA formula with the sum of squares added in
+    PyTorch's CUDA order (`torch_cuda_row_sum`): rounded squares, no FMA, fl(1/C), rsqrt, x·r, w·r. (The CPU
+    eager model sums in another order; this order differs from a plain sum on these rows.)"""
+    g = torch.Generator().manual_seed(rows + C)
+    x = (3 * torch.randn(rows, C, generator=g)).to(torch.bfloat16).float()  # bf16 values, fp32 output
+    w = 1 + 0.2 * torch.randn(C, generator=g)
+    ss = torch_cuda_row_sum(x * x)
+    assert not torch.equal(ss, (x * x).sum(-1))
+    want = w * (x * torch.rsqrt(ss[:, None] * torch.tensor(1.0 / C) + EPS))
+    assert torch.equal(rms_norm(x, w, EPS), want)
 
 
 def test_non_contiguous_input():
@@ -234,3 +261,20 @@ def test_kernel_rounds_once_like_eager_at_prefill_size(C):
     ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
     d = (a - b).abs() / ulp
     assert d.max() <= 1.0 and (d > 0).float().mean() <= 0.01, (d.max().item(), (d > 0).float().mean().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 64, 512])
+@pytest.mark.parametrize("C", [4096, 1024, 512, 64])
+def test_kernel_is_bit_exact_with_eager_on_cuda(rows, C):
+    """Issue 22: at decode and prefill row counts (each picks another block shape of PyTorch's reduction),
+    the V4-order kernel equals RMSNorm.forward on CUDA bit for bit. The first assert checks the order
+    itself: `torch_cuda_row_sum` (reduce_layout) against torch's own mean of the squares."""
+    g = torch.Generator().manual_seed(rows * C)
+    x = (3 * torch.randn(rows, C, generator=g)).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=g)).to(torch.bfloat16).cuda()
+    xf = x.float()
+    sq = xf.pow(2)
+    assert torch.equal(torch_cuda_row_sum(sq) * torch.tensor(1.0 / C, device="cuda"), sq.mean(-1)), reduce_layout(rows, C)
+    got, want = torch.ops.dsv4c.rms_norm(x, w, EPS, False), rms_norm_ref(x, w, EPS, False)
+    assert torch.equal(got, want), (got != want).float().mean().item()
