@@ -5,6 +5,7 @@ Public API::
 
     sinkhorn(c0, iters, eps, block_m=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
     sinkhorn_ref(c0, iters, eps) -> Tensor             # the model's eager math (the spec)
+    sinkhorn_cuda_order(c0, iters, eps) -> Tensor      # the same with PyTorch's CUDA summation orders (N = 4)
     hc_pre(X, fn, base, scale, eps, hc_eps, iters) -> (u, post, comb)   # two launches
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
     hc_post(y, X, post, comb) -> Tensor                # one launch
@@ -74,8 +75,94 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
     j = tl.arange(0, N)
     offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
     mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
-    x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
-    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+    if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4), one [BLOCK_M] vector per matrix entry
+        _sinkhorn4_io(c_ptr, out_ptr, m[:, None].to(tl.int64) * 16, (m < M)[:, None], eps, ITERS, INTERPRET)
+    else:
+        x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
+        tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+
+
+# Sinkhorn of 4 x 4 matrices with PyTorch's CUDA summation orders (eager's on the GPU): softmax's sum of a
+# row as its warp shuffle adds it, (e0 + e2) + (e1 + e3); a row sum (`c.sum(-1)`: one lane per element,
+# halving shuffle offsets) the same; a column sum (`c.sum(-2)`: a reduction over a non-innermost dim, one
+# thread per output) in order, ((c0 + c1) + c2) + c3. Entries are [BLOCK, 1] tensors (one per matrix
+# position, any number of matrices), so every sum is explicit arithmetic and rounds exactly as written.
+@triton.jit
+def _softmax4(a, b, c, d, eps, INTERPRET: tl.constexpr):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    ea = _exp_like_torch(a - mx, INTERPRET)
+    eb = _exp_like_torch(b - mx, INTERPRET)
+    ec = _exp_like_torch(c - mx, INTERPRET)
+    ed = _exp_like_torch(d - mx, INTERPRET)
+    s = (ea + ec) + (eb + ed)
+    return tl.div_rn(ea, s) + eps, tl.div_rn(eb, s) + eps, tl.div_rn(ec, s) + eps, tl.div_rn(ed, s) + eps
+
+
+@triton.jit
+def _row4(a, b, c, d, eps):
+    s = ((a + c) + (b + d)) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _col4(a, b, c, d, eps):
+    s = (((a + b) + c) + d) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _sinkhorn4_io(src_ptr, dst_ptr, base, mask, eps, ITERS: tl.constexpr, INTERPRET: tl.constexpr):
+    # matrices at src_ptr + base (16 fp32 each, row-major) -> dst_ptr + base; c<i><j> is entry (i, j)
+    c00 = tl.load(src_ptr + base + 0, mask=mask, other=0.0)
+    c01 = tl.load(src_ptr + base + 1, mask=mask, other=0.0)
+    c02 = tl.load(src_ptr + base + 2, mask=mask, other=0.0)
+    c03 = tl.load(src_ptr + base + 3, mask=mask, other=0.0)
+    c10 = tl.load(src_ptr + base + 4, mask=mask, other=0.0)
+    c11 = tl.load(src_ptr + base + 5, mask=mask, other=0.0)
+    c12 = tl.load(src_ptr + base + 6, mask=mask, other=0.0)
+    c13 = tl.load(src_ptr + base + 7, mask=mask, other=0.0)
+    c20 = tl.load(src_ptr + base + 8, mask=mask, other=0.0)
+    c21 = tl.load(src_ptr + base + 9, mask=mask, other=0.0)
+    c22 = tl.load(src_ptr + base + 10, mask=mask, other=0.0)
+    c23 = tl.load(src_ptr + base + 11, mask=mask, other=0.0)
+    c30 = tl.load(src_ptr + base + 12, mask=mask, other=0.0)
+    c31 = tl.load(src_ptr + base + 13, mask=mask, other=0.0)
+    c32 = tl.load(src_ptr + base + 14, mask=mask, other=0.0)
+    c33 = tl.load(src_ptr + base + 15, mask=mask, other=0.0)
+    tl.debug_barrier()  # every thread has read before any writes (dst may be src)
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps, INTERPRET)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps, INTERPRET)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps, INTERPRET)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps, INTERPRET)
+    c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _row4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _row4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _row4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _row4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    tl.store(dst_ptr + base + 0, c00, mask=mask)
+    tl.store(dst_ptr + base + 1, c01, mask=mask)
+    tl.store(dst_ptr + base + 2, c02, mask=mask)
+    tl.store(dst_ptr + base + 3, c03, mask=mask)
+    tl.store(dst_ptr + base + 4, c10, mask=mask)
+    tl.store(dst_ptr + base + 5, c11, mask=mask)
+    tl.store(dst_ptr + base + 6, c12, mask=mask)
+    tl.store(dst_ptr + base + 7, c13, mask=mask)
+    tl.store(dst_ptr + base + 8, c20, mask=mask)
+    tl.store(dst_ptr + base + 9, c21, mask=mask)
+    tl.store(dst_ptr + base + 10, c22, mask=mask)
+    tl.store(dst_ptr + base + 11, c23, mask=mask)
+    tl.store(dst_ptr + base + 12, c30, mask=mask)
+    tl.store(dst_ptr + base + 13, c31, mask=mask)
+    tl.store(dst_ptr + base + 14, c32, mask=mask)
+    tl.store(dst_ptr + base + 15, c33, mask=mask)
 
 
 @triton.jit
@@ -132,6 +219,25 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
                                            INTERPRET=interpret_flag(x), num_warps=1 if bm * n * n <= 512 else 2)
     return out
+
+
+def sinkhorn_cuda_order(c0: torch.Tensor, iters: int, eps: float, exp=torch.exp) -> torch.Tensor:
+    """The eager Sinkhorn of 4 x 4 matrices (c0 [..., 4, 4] fp32) with the sums added in PyTorch's CUDA
+    orders (the comment above `_softmax4`), in torch ops: what the kernels compute for N = 4, and on CUDA
+    (exp = expf) eager's own result. `exp`: the exponential (the tests pass the interpreter's numpy one)."""
+    def rows(c):  # Σ_j as a 4-lane shuffle tree
+        return ((c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3]))[..., None]
+
+    def cols(c):  # Σ_i in order
+        return (((c[..., 0, :] + c[..., 1, :]) + c[..., 2, :]) + c[..., 3, :])[..., None, :]
+
+    e = exp(c0 - c0.amax(-1, keepdim=True))
+    c = e / rows(e) + eps
+    c = c / (cols(c) + eps)
+    for _ in range(iters - 1):
+        c = c / (rows(c) + eps)
+        c = c / (cols(c) + eps)
+    return c
 
 
 def sinkhorn_ref(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -298,9 +404,13 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
         # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
         tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
         tl.debug_barrier()
-        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1, INTERPRET)
-        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+        if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+            one = tl.arange(0, 1)[:, None]
+            _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+        else:
+            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1, INTERPRET)
+            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
 
 @triton.jit

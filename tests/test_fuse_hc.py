@@ -5,12 +5,13 @@ import copy
 import dataclasses
 import io
 
+import numpy as np
 import pytest
 import torch
 
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph
-from dsv4c.kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from dsv4c.kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn, sinkhorn_cuda_order, sinkhorn_ref
 from dsv4c.model import build_model, register_ops
 from dsv4c.model.v4 import HyperConnection
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -150,6 +151,17 @@ def test_hc_post_kernel_rounds_exactly_like_the_model(lead, N, D, dtype):
     assert torch.equal(_rne(got, dtype), hc_post_ref(y, X, post, comb))
 
 
+def test_sinkhorn_of_4x4_matrices_sums_in_pytorchs_cuda_order():
+    """Issue 22: the Sinkhorn kernel (and hc_pre's, the same code) adds every sum in the order PyTorch's CUDA
+    softmax and reductions add it (`sinkhorn_cuda_order`, with the interpreter's exp): bit-exact. The
+    CPU's eager Sinkhorn sums in other orders (the GPU test compares with eager on CUDA)."""
+    c0 = 2 * torch.randn(37, 4, 4, generator=torch.Generator().manual_seed(4))
+    got = sinkhorn(c0, ITERS, HC_EPS)
+    want = sinkhorn_cuda_order(c0, ITERS, HC_EPS, exp=lambda t: torch.from_numpy(np.exp(t.numpy())))
+    assert torch.equal(got, want)
+    assert not torch.equal(want, sinkhorn_ref(c0, ITERS, HC_EPS))  # the orders matter on these matrices
+
+
 def _term_scale_error(X, pre, a, b) -> tuple[float, float]:
     """(max over elements of |a - b| beyond one rounding of b, in units of 2^-24·Σ_k|pre_k·X[k]|; the share
     of elements that differ). An element of u = Σ_k pre_k·X[k] carries fp32 error proportional to the terms,
@@ -166,7 +178,7 @@ def test_hc_pre_u_differs_from_the_model_only_by_the_dot_products_order():
     """u rounds once like eager; its fp32 value differs by the order of the N·D-term dot product z (here
     the CPU's GEMM against the split-K kernel), a few fp32 ulps of the terms pre_k·X[k]. An extra or a
     missing bf16 rounding of an intermediate would be 2^16 times that."""
-    X, fn, base, scale = _site((2, 16), 4, 256, torch.bfloat16, seed=5)
+    X, fn, base, scale = _site((2, 6), 4, 256, torch.bfloat16, seed=5)
     got = hc_pre(X.float(), fn, base, scale, EPS, HC_EPS, ITERS)  # the kernel's fp32 u, rounded below by torch
     want = hc_pre_ref(X, fn, base, scale, EPS, HC_EPS, ITERS)
     pre = torch.sigmoid(scale[0] * _z(X, fn)[..., :4] + base[:4]) + HC_EPS
@@ -414,3 +426,14 @@ def test_kernels_round_once_like_eager_at_prefill_size(lead):
     assert torch.equal(out, ref), ((out != ref).float().mean().item(), _ulps(out, ref).max().item())
     for a, b in zip(got[1:], want[1:]):  # fp32 post, comb
         assert _rel(a, b) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_sinkhorn_is_bit_exact_with_eager_on_cuda():
+    """Issue 22: the Sinkhorn in PyTorch's CUDA summation orders equals eager's on CUDA (the first assert
+    checks the orders themselves, `sinkhorn_cuda_order` in torch ops), and so do the kernels."""
+    c0 = (2 * torch.randn(2, 256, 4, 4, generator=torch.Generator().manual_seed(5))).cuda()
+    want = sinkhorn_ref(c0, ITERS, HC_EPS)
+    assert torch.equal(sinkhorn_cuda_order(c0, ITERS, HC_EPS), want)
+    got = torch.ops.dsv4c.sinkhorn(c0, ITERS, HC_EPS)
+    assert torch.equal(got, want), (got != want).float().mean().item()
