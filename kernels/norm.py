@@ -5,7 +5,7 @@ Public API::
     rms_norm(x, w, eps, cast_first=False) -> Tensor   # the Triton kernel, one launch
     rms_norm_ref(x, w, eps, cast_first=False)         # RMSNorm.forward, unchanged (the spec)
     reduce_layout(rows, C) -> ReduceLayout            # PyTorch's CUDA order for a row's mean
-    torch_cuda_row_sum(v) -> Tensor                   # that order in torch ops (the kernel's spec)
+    torch_cuda_row_sum(v, rows=None) -> Tensor        # that order in torch ops (the kernel's spec)
 
 Custom op (the target of passes/fuse_rmsnorm.py; CPU = the reference)::
 
@@ -32,8 +32,9 @@ the float4 vectors t, t + BW·YS, t + 2·BW·YS, ... into four accumulators (one
 each summed in order), otherwise it reads elements t + BW·YS·(4m + i) into accumulator i. Each
 thread adds its accumulators in order ((a0 + a1) + a2) + a3, then the lanes are summed as a tree
 with halving offsets (v[l] += v[l + BW/2], then + BW/4, ..., Reduce.cuh's warp shuffles, offsets
-decreasing since PyTorch 2.9), then the warps likewise. BW and YS depend on R (few rows: wide
-blocks), so the kernel is specialised on them. Exact for C < 128 or C % 4 == 0 (every model width);
+decreasing since PyTorch 2.9), then the warps likewise. BW and YS depend on R below 16 rows (wide
+blocks); the kernel always takes the layout of >= 16 rows (ORDER_ROWS): bit-exact with eager there
+(prefill, decode at batch >= 16) and batch-invariant. Exact for C < 128 or C % 4 == 0 (every model width);
 other widths ignore the per-row alignment head PyTorch sums first (a valid fp32 sum, not eager's).
 The CPU reduction sums in another order: on CPU tensors the kernel runs under the Triton interpreter
 and matches `torch_cuda_row_sum`, not the CPU eager model bit for bit.
@@ -48,6 +49,11 @@ import triton
 import triton.language as tl
 
 MAX_C = 16384  # one row per program
+# The kernel sums every row in PyTorch's order for this many rows or more (where Reduce.cuh's block is
+# 32 lanes wide whatever the count): the prefill graphs' case, and one order for any batch, so the
+# kernel stays batch-invariant (passes/make_batch_invariant.py relies on it). Fewer rows (decode at
+# batch < 16) widen eager's block; there the kernel is an ulp or so off eager's sum, as before.
+ORDER_ROWS = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_THREADS = 512  # Reduce.cuh's MAX_NUM_THREADS for fp32
 _WARP = 32
@@ -90,15 +96,16 @@ def _tree(v: torch.Tensor) -> torch.Tensor:
     return v[..., 0]
 
 
-def torch_cuda_row_sum(v: torch.Tensor) -> torch.Tensor:
-    """Σ over the last dim of fp32 v [R, C], added in the order of PyTorch's CUDA reduction
-    (`reduce_layout(R, C)`, module doc), in torch ops: the specification the kernel's sum follows."""
-    rows, c = v.shape
-    lay = reduce_layout(rows, c)
+def torch_cuda_row_sum(v: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """Σ over the last dim of fp32 v [R, C], added in the order of PyTorch's CUDA reduction of `rows`
+    rows (default R; `reduce_layout`, module doc), in torch ops. The kernel's sum is this with
+    rows = ORDER_ROWS; eager's on CUDA is this with rows = R."""
+    c = v.shape[1]
+    lay = reduce_layout(v.shape[0] if rows is None else rows, c)
     step = lay.lanes * lay.warps
     t = torch.arange(step, device=v.device).view(lay.warps, lay.lanes, 1)  # thread = warp·BW + lane
     i = torch.arange(4, device=v.device).view(1, 1, 4)
-    acc = torch.zeros(rows, lay.warps, lay.lanes, 4, dtype=torch.float32, device=v.device)
+    acc = torch.zeros(v.shape[0], lay.warps, lay.lanes, 4, dtype=torch.float32, device=v.device)
     for m in range(lay.steps):
         e = 4 * (t + step * m) + i if lay.vectorized else t + step * (4 * m + i)
         x = torch.where(e < c, v[:, e.clamp_max(c - 1)], 0.0)
@@ -191,7 +198,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = Fa
     rows = xc.numel() // c if c else 0
     if rows == 0:
         return out
-    lay = reduce_layout(rows, c)
+    lay = reduce_layout(ORDER_ROWS, c)
     _rms_norm_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BW=lay.lanes,
                               YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
                               LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
