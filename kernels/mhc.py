@@ -27,8 +27,8 @@ iters = 20, N = 4); here one program holds BLOCK_M whole matrices in registers f
 so a site is one launch. ITERS is a constexpr (the loop bound; the Triton interpreter cannot range
 over a runtime scalar): one compiled variant per model config. The kernel performs the same operations in the same order as the eager code; divisions
 are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`) and `exp` is libdevice's
-accurate expf, as in torch's CUDA softmax, so fp32 results agree with `sinkhorn_ref` to a few ulp
-(the sums of N terms may be added in another order).
+accurate expf, as in torch's CUDA softmax; for N = 4 every sum is added in PyTorch's CUDA order
+(`_sinkhorn4_io`), other N sum in Triton's order (a few ulp from `sinkhorn_ref`).
 
 Rounding like eager (issue 22; every kernel here). On the random-weight slice's prefill graph a
 kernel whose fp32 values are a few ulp off eager's moves single bf16 roundings, and the logits
@@ -38,15 +38,19 @@ operations one by one: the pre/post launches are compiled without FMA contractio
 where eager's own kernel fuses (the batched GEMM of hc_post's einsum); sigmoid = 1 / (1 + expf(-t))
 with an IEEE division and libdevice's expf (Triton's tl.sigmoid/tl.exp are approximate); rsqrt =
 the hardware rsqrt.approx, which is what torch.rsqrt (CUDA's rsqrtf) runs; u sums the rounded
-products pre_k·X[k] in the order of PyTorch's reduction over a non-innermost dim. hc_post is then
-bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if cuBLAS's fp32 batched
-GEMM of K = N sums its FMAs in order, on CUDA. hc_pre's u cannot be: z = fn·vec(X) is a dot of N·D
-terms (16384 at Flash dims) that cuBLAS (eager) and this split-K kernel add in different orders,
-so z differs by an ulp or so and u rounds differently in a few elements in 10^4. In ulps of u
-itself that can look large (up to ~14 on the H200 at 2 x 256 tokens): where the streams cancel,
-|u| is far below the terms pre_k·X[k] whose rounding error it carries (measured on the CPU: every
-element off by more than 1 ulp had |u| < 1e-5·Σ_k|X[k]|). The tests bound the error by the terms'
-scale, not by u's own ulp.
+products pre_k·X[k] in the order of PyTorch's reduction over a non-innermost dim; the 4 x 4
+Sinkhorn adds its sums in the orders of torch's CUDA softmax and reductions (`sinkhorn_cuda_order`).
+What is left is z = fn·vec(X), a dot of N·D terms (16384 at Flash dims) that cuBLAS (eager) and the
+split-K kernel add in different orders: z then differs by an ulp or so, and u rounds differently in a
+few elements in 10^4. In ulps of u itself that looked large (up to 14 on the H200 at 2 x 256 tokens,
+issue 22): where the streams cancel, |u| is far below the terms pre_k·X[k] whose rounding error it
+carries, so the tests bound the error by the terms' scale. From HC_EAGER_Z_MIN tokens (prefill
+chunks) hc_pre therefore takes z from eager's own ops (`_eager_z`: the fp32 copy of X and torch's
+linear, the same cuBLAS call as eager's, and the sum of squares in PyTorch's CUDA order): u, post and
+comb are then expected bit-exact with eager on CUDA (the `gpu` tests check it), at the price of that copy and an fp32 GEMM (a 512-token
+chunk at Flash dims: 32 MB written and read once more per site). Decode batches keep the split-K
+launch. hc_post is bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if
+cuBLAS's fp32 batched GEMM of K = N adds its FMAs in order as the CPU's does, on CUDA (`gpu` tests).
 
 Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape, no host sync:
 capture-safe (split_at_routers.OP_CAPTURE). M = 0 launches nothing.
@@ -61,6 +65,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels.norm import _row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
@@ -293,6 +298,9 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
+# Tokens from which hc_pre takes z = fn·vec(X) from eager's own GEMM (prefill chunks; module doc): the
+# fp32 copy of X and cuBLAS's fp32 GEMM cost more than the split-K kernel, which the decode batches keep.
+HC_EAGER_Z_MIN = 128
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -351,6 +359,14 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 def _sigmoid_like_torch(t, INTERPRET: tl.constexpr):
     # torch's CUDA sigmoid: 1 / (1 + expf(-t)), an IEEE division (Triton's tl.sigmoid: approximate exp and /)
     return tl.div_rn(tl.full(t.shape, 1.0, tl.float32), 1.0 + _exp_like_torch(-t, INTERPRET))
+
+
+@triton.jit
+def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr,
+                     VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
+    # ssp[m] = Σ_k x[m, k]² in PyTorch's CUDA order for the launch's rows (eager's mean of vec(X)²)
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(ssp_ptr + row, _row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
 
 
 @triton.jit
@@ -466,12 +482,15 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None, rows: bool | None = None):
+           finish_warps: int | None = None, rows: bool | None = None, eager_z: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
     second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
-    M <= HC_ROWS_MAX tokens). CPU tensors run under the Triton interpreter."""
+    M <= HC_ROWS_MAX tokens). `eager_z` (default: M >= HC_EAGER_Z_MIN tokens and not `rows`) takes z
+    from eager's own ops instead of the first launch: the fp32 copy of X, torch's linear (cuBLAS on
+    CUDA) and the sum of squares in PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it
+    u, post and comb, round exactly as eager's on CUDA. CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -488,23 +507,39 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
         return u, post, comb
     if k == 0:
         raise ValueError("hc_pre: D must be >= 1")
-    mixp = max(16, triton.next_power_of_2(mix))
-    splits = triton.cdiv(k, chunk)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
-    ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    if m <= HC_ROWS_MAX if rows is None else rows:
-        _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
-                                         num_warps=HC_ROWS_WARPS)
+    use_rows = m <= HC_ROWS_MAX if rows is None else rows
+    if eager_z if eager_z is not None else (not use_rows and m >= HC_EAGER_Z_MIN):
+        zp, ssp, mixp, splits = _eager_z(x, fn, m, k, mix)
     else:
-        _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                          BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+        mixp = max(16, triton.next_power_of_2(mix))
+        splits = triton.cdiv(k, chunk)
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
+        ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
+        if use_rows:
+            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                             num_warps=HC_ROWS_WARPS)
+        else:
+            _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                              BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
         ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
         INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
     return u, post, comb
+
+
+def _eager_z(x: torch.Tensor, fn: torch.Tensor, m: int, k: int, mix: int):
+    """(zp [1, M, MIX], ssp [1, M], MIX, 1): z = linear(vec(X) in fp32, fn), eager's call, and Σ vec(X)² in
+    PyTorch's CUDA order for M rows (hc_project's mean, before its · fl(1/K))."""
+    zp = torch.nn.functional.linear(x.view(m, k).float(), fn).view(1, m, mix)
+    ssp = torch.empty((1, m), dtype=torch.float32, device=x.device)
+    lay = reduce_layout(m, k)
+    _hc_sumsq_kernel[(m,)](x, ssp, k, BW=lay.lanes, YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
+                           LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
+                           num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+    return zp, ssp, mix, 1
 
 
 def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,

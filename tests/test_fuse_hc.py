@@ -11,7 +11,9 @@ import torch
 
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph
-from dsv4c.kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn, sinkhorn_cuda_order, sinkhorn_ref
+from dsv4c.kernels.mhc import (HC_EAGER_Z_MIN, _eager_z, hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn,
+                               sinkhorn_cuda_order, sinkhorn_ref)
+from dsv4c.kernels.norm import torch_cuda_row_sum
 from dsv4c.model import build_model, register_ops
 from dsv4c.model.v4 import HyperConnection
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -160,6 +162,18 @@ def test_sinkhorn_of_4x4_matrices_sums_in_pytorchs_cuda_order():
     want = sinkhorn_cuda_order(c0, ITERS, HC_EPS, exp=lambda t: torch.from_numpy(np.exp(t.numpy())))
     assert torch.equal(got, want)
     assert not torch.equal(want, sinkhorn_ref(c0, ITERS, HC_EPS))  # the orders matter on these matrices
+
+
+def test_prefill_sized_hc_pre_takes_z_from_eagers_own_ops():
+    """Issue 22: from HC_EAGER_Z_MIN tokens z = fn·vec(X) is eager's own linear on the fp32 copy of X (on CUDA
+    the same cuBLAS call, so the same bits) and the sum of squares is added in PyTorch's CUDA order for that
+    many rows: the finish then sees eager's fp32 values."""
+    X, fn, base, scale = _site((20,), 4, 256, torch.bfloat16, seed=6)
+    x = X.flatten(-2)
+    zp, ssp, mixp, splits = _eager_z(x.contiguous(), fn, 20, 1024, 24)
+    assert (mixp, splits) == (24, 1) and torch.equal(zp[0], torch.nn.functional.linear(x.float(), fn))
+    assert torch.equal(ssp[0], torch_cuda_row_sum(x.float().pow(2)))
+    assert HC_EAGER_Z_MIN > 64  # decode batches keep the split-K kernel
 
 
 def _term_scale_error(X, pre, a, b) -> tuple[float, float]:
@@ -406,10 +420,11 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lead", [(2, 256), (8, 1)])
+@pytest.mark.parametrize("lead", [(2, 256), (2, 32), (8, 1)])
 def test_kernels_round_once_like_eager_at_prefill_size(lead):
     """Issue 22: the kernels at Flash dims against eager on CUDA, element by element, at a prefill's 2 x 256
-    tokens (the tl.dot first launch) and a decode batch of 8 (the row launch). X' (the same post and comb
+    tokens (z from eager's GEMM), 2 x 32 (the tl.dot split-K launch) and a decode batch of 8 (the row
+    launch). X' (the same post and comb
     in): bit-exact, an in-order FMA chain over j then post·y rounded and added, as eager's batched GEMM
     and add. u: the 16384-term dot z is summed in another order than cuBLAS's, so u may round differently
     where the fp32 values straddle a boundary: beyond one rounding at most 64·2^-24·Σ_k|pre_k·X[k]|, in
@@ -437,3 +452,15 @@ def test_sinkhorn_is_bit_exact_with_eager_on_cuda():
     assert torch.equal(sinkhorn_cuda_order(c0, ITERS, HC_EPS), want)
     got = torch.ops.dsv4c.sinkhorn(c0, ITERS, HC_EPS)
     assert torch.equal(got, want), (got != want).float().mean().item()
+
+
+@pytest.mark.gpu
+def test_hc_pre_is_bit_exact_with_eager_at_prefill_size():
+    """Issue 22: at a prefill's 2 x 256 tokens (>= HC_EAGER_Z_MIN) hc_pre takes z from eager's own GEMM and the
+    sum of squares in PyTorch's order; with torch's sigmoid and rsqrt and the Sinkhorn in PyTorch's summation
+    orders, u, post and comb equal eager's on CUDA bit for bit (fuse_hc is then exact on prefill graphs)."""
+    X, fn, base, scale = (t.cuda() for t in _site((2, 256), 4, 4096, torch.bfloat16, seed=3))
+    got, want = torch.ops.dsv4c.hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS), hc_pre_ref(X, fn, base, scale, EPS,
+                                                                                            HC_EPS, ITERS)
+    for name, a, b in zip(("u", "post", "comb"), got, want):
+        assert torch.equal(a, b), (name, (a != b).float().mean().item())
