@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4c.kernels._tl import interpret_flag
-from dsv4c.kernels.norm import _row_sumsq, reduce_layout
+from dsv4c.kernels.norm import row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
@@ -366,7 +366,7 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
                      VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
     # ssp[m] = Σ_k x[m, k]² in PyTorch's CUDA order for the launch's rows (eager's mean of vec(X)²)
     row = tl.program_id(0).to(tl.int64)
-    tl.store(ssp_ptr + row, _row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
+    tl.store(ssp_ptr + row, row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
 
 
 @triton.jit

@@ -122,7 +122,7 @@ def _halve(v, H: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _row_sumsq(row_ptr, C, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr,
+def row_sumsq(row_ptr, C, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr,
                LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
     # Σ x² of one row in PyTorch's CUDA order (module doc); x² rounded (the launch disables FMA fusion)
     t = tl.arange(0, YS)[:, None] * BW + tl.arange(0, BW)[None, :]  # [YS, BW] thread index
@@ -153,7 +153,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.conste
                      LOG_YS: tl.constexpr):
     # x [R, C] contiguous rows; w [C]; out [R, C]; one program per row
     row = tl.program_id(0).to(tl.int64)
-    ss = _row_sumsq(x_ptr + row * C, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
+    ss = row_sumsq(x_ptr + row * C, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
     rs = tl.math.rsqrt(ss * inv_c + eps)  # eager: mean (sum · fl(1/C)), + eps, rsqrt: each rounded
     t = tl.arange(0, YS)[:, None] * BW + tl.arange(0, BW)[None, :]
     i = tl.arange(0, 4)
