@@ -54,16 +54,28 @@ class GraphSpec:
         return None if self.kind == "prefill" else 1 + self.k
 
 
+BLOCK_TABLE = "block_table"  # paged caches (dsv4c.model.common.PagedLayout): the one table of every layer
+
+
 def flat_caches(layers) -> dict[str, torch.Tensor]:
-    """[LayerCache] -> {"{i}.{name}": tensor}."""
-    return {f"{i}.{k}": t for i, lc in enumerate(layers) for k, t in lc.tensors().items()}
+    """[LayerCache] -> {"{i}.{name}": tensor}, plus "block_table" (last) when the caches are paged."""
+    out = {f"{i}.{k}": t for i, lc in enumerate(layers) for k, t in lc.tensors().items()}
+    bt = next((lc.block_table for lc in layers if getattr(lc, "block_table", None) is not None), None)
+    if bt is not None:
+        out[BLOCK_TABLE] = bt
+    return out
 
 
 def unflat_caches(flat: dict[str, torch.Tensor], cache_cls, n_layers: int) -> list:
     per = [dict() for _ in range(n_layers)]
     for key, t in flat.items():
+        if key == BLOCK_TABLE:
+            continue
         i, name = key.split(".", 1)
         per[int(i)][name] = t
+    if BLOCK_TABLE in flat:
+        for d in per:
+            d[BLOCK_TABLE] = flat[BLOCK_TABLE]
     return [cache_cls(**d) for d in per]
 
 
