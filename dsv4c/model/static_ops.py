@@ -223,6 +223,40 @@ def _(k_idx, slots, pos0, n_real, index_keys):
     return None
 
 
+def _write_rows_paged_static(rows, slots, pos0, n_real, pool, block_table) -> None:
+    """Paged `_write_rows_static`: the real rows through the block table, the others to the scratch block."""
+    t = torch.arange(rows.shape[1], device=rows.device)
+    write = t[None, :] < n_real[:, None]
+    blk, row = paged_address(block_table, slots, pos0[:, None] + t, pool.shape[1], write, pool.shape[0] - 1)
+    pool[blk, row] = rows.to(pool.dtype)
+
+
+@torch.library.custom_op("dsv4c::mla_cache_update_paged_static", mutates_args=("latent", "kpe"))
+def mla_cache_update_paged_static(c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                                  n_real: torch.Tensor, latent: torch.Tensor, kpe: torch.Tensor,
+                                  block_table: torch.Tensor) -> None:
+    """Same contract as `dsv4c::mla_cache_update_paged`, capture-safe."""
+    _write_rows_paged_static(c_kv, slots, pos0, n_real, latent, block_table)
+    _write_rows_paged_static(k_pe, slots, pos0, n_real, kpe, block_table)
+
+
+@mla_cache_update_paged_static.register_fake
+def _(c_kv, k_pe, slots, pos0, n_real, latent, kpe, block_table):
+    return None
+
+
+@torch.library.custom_op("dsv4c::dsa_cache_update_paged_static", mutates_args=("index_keys",))
+def dsa_cache_update_paged_static(k_idx: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                                  index_keys: torch.Tensor, block_table: torch.Tensor) -> None:
+    """Same contract as `dsv4c::dsa_cache_update_paged`, capture-safe."""
+    _write_rows_paged_static(k_idx, slots, pos0, n_real, index_keys, block_table)
+
+
+@dsa_cache_update_paged_static.register_fake
+def _(k_idx, slots, pos0, n_real, index_keys, block_table):
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # routed experts
 # ------------------------------------------------------------------------------------------------
