@@ -10,7 +10,8 @@ Four graph kinds, all traced from the models' traceable `step` bodies:
 
 Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
 flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
-update in place; the mtp graph takes the streams/hidden state first. Positions and slots are device
+update in place (paged graphs, `GraphSpec.paged`: the growing ones are pools of blocks and the dict ends
+with the one `"block_table"`); the mtp graph takes the streams/hidden state first. Positions and slots are device
 tensors, so the graphs carry no data-dependent guards. Tracing works on the `meta` device: a
 full-size config exports without weights.
 """
@@ -37,6 +38,7 @@ class GraphSpec:
     n_slots: int = 2  # cached sequences (the caches' leading dim)
     max_len: int = 256  # positions per sequence the caches hold
     extra_ring_slots: int = 0  # V4: window-ring rows beyond W, so speculative rows evict nothing live (k_max)
+    paged: object = None  # a dsv4c.model.common.PagedLayout: the growing caches in blocks (runtime/block_pool.py)
 
     def __post_init__(self):
         if self.kind not in GRAPH_KINDS:
@@ -132,6 +134,10 @@ def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     B = 2
     T = spec.tokens or 3
     extra = {"extra_ring_slots": spec.extra_ring_slots} if spec.extra_ring_slots else {}
+    if spec.paged is not None:
+        if spec.kind in ("mtp", "verify_mtp"):
+            raise ValueError(f"GraphSpec.paged: the {spec.kind} graph has no paged form yet (paged caches with MTP)")
+        extra["paged"] = spec.paged
     cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len,
                                                                              **extra)
     caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}

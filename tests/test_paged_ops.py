@@ -1,0 +1,188 @@
+"""Paged cache ops and graphs (issue 27 item 1): the growing caches in blocks of a pool, addressed through
+a block table, against the slot caches holding the same rows.
+
+* the capture-safe paged ops equal the static slot ops (compressor writes, attention, V3 cache writes);
+* the Triton kernels' block-table paths (kernels/v4_attention.py, kernels/v4_indexer.py, under
+  TRITON_INTERPRET=1 from tests/conftest.py) equal their slot paths and their *_ref;
+* exported graphs of tiny V4 and V3.2 models with paged caches (prefill with the reference ops, decode
+  lowered by select_kernels to the CUDA targets' implementations, which run their CPU forms here) give
+  the slot graphs' logits and leave the pool holding the slot caches' rows.
+
+Legend: B batch, T chunk tokens, n_slots cache slots (last scratch), N pool blocks (+1 scratch),
+RB rows per block, NB blocks per sequence, E = NB·RB rows per sequence, d width.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import GraphSpec, export_graph, flat_caches
+from dsv4c.model import build_model, randomize_, register_ops
+from dsv4c.model.common import PagedLayout
+from dsv4c.passes import PassContext
+from dsv4c.passes.select_kernels import select_kernels
+
+register_ops()
+ops = torch.ops.dsv4c
+
+
+def paged_copy(slot_cache: torch.Tensor, N: int, RB: int, seed: int = 0):
+    """A pool [N+1, RB, d] and a block table [n_slots, NB] holding the rows of `slot_cache [n_slots, E, d]`
+    in shuffled blocks (every slot's blocks, the scratch slot's too: its table row points at scratch)."""
+    n_slots, E, d = slot_cache.shape
+    NB = E // RB
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(N, generator=g)[: (n_slots - 1) * NB]
+    table = torch.full((n_slots, NB), N, dtype=torch.int64)
+    table[:-1] = perm.view(n_slots - 1, NB)
+    pool = torch.randn(N + 1, RB, d, generator=g).to(slot_cache.dtype)  # unused blocks hold garbage
+    pool[table[:-1]] = slot_cache[:-1].view(n_slots - 1, NB, RB, d)
+    return pool, table
+
+
+def slot_view(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The pool's rows per real slot: [n_slots - 1, E, d]."""
+    return pool[table[:-1]].flatten(1, 2)
+
+
+def test_paged_static_compress_and_attention_equal_the_slot_ops():
+    g = torch.Generator().manual_seed(1)
+    B, T, d, m, n_slots, E, RB = 3, 3, 8, 4, 5, 16, 4
+    slots, pos0, n_real = torch.tensor([2, 0, 3]), torch.tensor([0, 7, 22]), torch.tensor([3, 2, 3])
+    kv, score = torch.randn(B, T, 2 * d, generator=g), torch.randn(B, T, 2 * d, generator=g)
+    ape, nw, invf = torch.randn(m, 2 * d, generator=g), torch.randn(d, generator=g), torch.rand(d // 4, generator=g)
+    st = torch.randn(n_slots, 2 * m + 1, 2 * d, generator=g)
+    entries = torch.randn(n_slots, E, d, generator=g)
+    pool, table = paged_copy(entries, 20, RB)
+    st1, sc1, st2, sc2 = st.clone(), st.clone(), st.clone(), st.clone()
+    ops.v4_compress_static(kv, score, slots, pos0, n_real, ape, nw, invf, st1, sc1, entries, m, 1e-6)
+    ops.v4_compress_paged_static(kv, score, slots, pos0, n_real, ape, nw, invf, st2, sc2, pool, table, m, 1e-6)
+    assert torch.equal(slot_view(pool, table), entries[:-1]) and torch.equal(st1[:-1], st2[:-1])
+    ref_pool = pool.clone()
+    ops.v4_compress_paged(kv, score, slots, pos0, n_real, ape, nw, invf, st.clone(), st.clone(), ref_pool, table, m,
+                          1e-6)  # the reference paged op (loops, writes only closing groups)
+    assert torch.equal(slot_view(ref_pool, table), entries[:-1])
+
+    q, kvq = torch.randn(B, T, 4, d, generator=g), torch.randn(B, T, d, generator=g)
+    ring, sinks = torch.randn(n_slots, 8, d, generator=g), torch.randn(4, generator=g)
+    sel = torch.randint(-1, 4, (B, T, 5), generator=g)
+    for selected in (None, sel):
+        r1, r2, r3 = ring.clone(), ring.clone(), ring.clone()
+        want = ops.v4_attention_static(q, kvq, slots, pos0, n_real, r1, sinks, entries, selected, 8, m)
+        got = ops.v4_attention_paged_static(q, kvq, slots, pos0, n_real, r2, sinks, pool, table, selected, 8, m)
+        ref = ops.v4_attention_paged(q, kvq, slots, pos0, n_real, r3, sinks, pool, table, selected, 8, m)
+        assert torch.equal(want, got) and torch.equal(r1[:-1], r2[:-1])
+        assert (ref - want).abs().max() <= 1e-6 * want.abs().max() and torch.equal(r1[:-1], r3[:-1])
+
+
+def test_paged_v3_cache_writes_equal_the_slot_writes():
+    g = torch.Generator().manual_seed(2)
+    B, T, n_slots, L, RB = 3, 4, 4, 16, 4
+    rows, kpe_rows = torch.randn(B, T, 6, generator=g), torch.randn(B, T, 2, generator=g)
+    slots, pos0, n_real = torch.tensor([1, 2, 0]), torch.tensor([0, 5, 12]), torch.tensor([4, 2, 3])
+    lat, kpe = torch.randn(n_slots, L, 6, generator=g), torch.randn(n_slots, L, 2, generator=g)
+    (plat, table), (pkpe, _) = paged_copy(lat, 14, RB), paged_copy(kpe, 14, RB)
+    for op, args in ((ops.mla_cache_update_paged, ()), (ops.mla_cache_update_paged_static, ())):
+        pl, pk = plat.clone(), pkpe.clone()
+        op(rows, kpe_rows, slots, pos0, n_real, pl, pk, table, *args)
+        l2, k2 = lat.clone(), kpe.clone()
+        ops.mla_cache_update_static(rows, kpe_rows, slots, pos0, n_real, l2, k2)
+        assert torch.equal(slot_view(pl, table), l2[:-1]) and torch.equal(slot_view(pk, table), k2[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(4, 7), (8, 0)])
+def test_triton_attention_block_table_path_equals_its_slot_path(dtype, m, k):
+    from dsv4c.kernels.v4_attention import (V4AttnConfig, v4_attention_fused, v4_attention_paged_fused_op,
+                                            v4_attention_paged_fused_ref)
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, d, S, n_slots, E, RB = 3, 3, 4, 16, 8, 5, 16, 4
+    slots, pos0, n_real = torch.tensor([3, 0, 1]), torch.tensor([0, 5, 23]), torch.tensor([3, 1, 2])
+    q, kv = torch.randn(B, T, H, d, generator=g).to(dtype), torch.randn(B, T, d, generator=g).to(dtype)
+    ring, sinks = torch.randn(n_slots, S, d, generator=g).to(dtype), torch.randn(H, generator=g)
+    entries = torch.randn(n_slots, E, d, generator=g).to(dtype)
+    pool, table = paged_copy(entries, 24, RB)
+    sel = None
+    if m == 4:  # distinct visible entries per token, -1 after (the indexer's rule)
+        sel = torch.full((B, T, k), -1, dtype=torch.int64)
+        for b in range(B):
+            for t in range(T):
+                vis = min(E, (int(pos0[b]) + t + 1) // m)
+                n = min(k - 2, vis)
+                sel[b, t, :n] = torch.randperm(vis, generator=g)[:n]
+    cfg = V4AttnConfig(block_h=16, block_n=16)
+    r1, r2, r3 = ring.clone(), ring.clone(), ring.clone()
+    want = v4_attention_fused(q, kv, slots, pos0, n_real, r1, sinks, entries, sel, 8, m, config=cfg)
+    got = v4_attention_fused(q, kv, slots, pos0, n_real, r2, sinks, pool, sel, 8, m, config=cfg, block_table=table)
+    assert torch.equal(want, got) and torch.equal(r1[:-1], r2[:-1])  # same keys, same order: bit for bit
+    ref = v4_attention_paged_fused_ref(q, kv, slots, pos0, n_real, r3, sinks, pool, table, sel, 8, m)
+    assert (got - ref).norm() <= (2e-6 if dtype == torch.float32 else 1e-5) * ref.norm()
+    assert torch.equal(v4_attention_paged_fused_op(q, kv, slots, pos0, n_real, ring.clone(), sinks, pool, table, sel,
+                                                   8, m), ref)  # the CPU op is the reference
+
+
+def test_triton_indexer_block_table_path_equals_its_slot_path():
+    from dsv4c.kernels.v4_indexer import (v4_indexer_topk_fused, v4_indexer_topk_paged_fused_op,
+                                          v4_indexer_topk_paged_fused_ref)
+
+    g = torch.Generator().manual_seed(4)
+    B, T, HI, dI, n_slots, E, RB = 3, 2, 4, 16, 5, 24, 8
+    q, w = torch.randn(B, T, HI, dI, generator=g), torch.randn(B, T, HI, generator=g)
+    keys = torch.randn(n_slots, E, dI, generator=g)
+    slots, pos0 = torch.tensor([2, 0, 3]), torch.tensor([3, 40, 95])
+    pool, table = paged_copy(keys, 16, RB)
+    for topk in (4, 32):
+        want = v4_indexer_topk_fused(q, w, keys, slots, pos0, topk, 4)
+        got = v4_indexer_topk_fused(q, w, pool, slots, pos0, topk, 4, block_table=table)
+        assert torch.equal(want, got)
+        ref = v4_indexer_topk_paged_fused_ref(q, w, pool, table, slots, pos0, topk, 4)
+        assert torch.equal(got, ref) and torch.equal(v4_indexer_topk_paged_fused_op(q, w, pool, table, slots, pos0,
+                                                                                     topk, 4), ref)
+
+
+def _graph(model, kind: str, paged, n_slots: int, max_len: int):
+    gm = export_graph(model, GraphSpec(kind, n_slots=n_slots, max_len=max_len, paged=paged)).module()
+    if kind != "prefill":
+        gm = select_kernels(gm, PassContext(model.config, "h200", kind)).graph
+    return gm
+
+
+@pytest.mark.parametrize("name", ["v4-tiny-a", "v32-tiny"])
+def test_exported_paged_graphs_equal_the_slot_graphs(name):
+    """prefill (dynamic T, reference ops) then decode steps (lowered: static / fused ops) on two rows at
+    different positions, through exported graphs: paged logits equal slot logits, and the pools hold
+    what the slot caches hold."""
+    model = randomize_(build_model(ModelConfig.preset(name), dtype=torch.float32), seed=5).eval()
+    n_slots, L, b = 3, 48, 8
+    lay = PagedLayout(b, 16)
+    graphs = {p: {k: _graph(model, k, lay if p else None, n_slots, L) for k in ("prefill", "decode")}
+              for p in (False, True)}
+    decode_ops = {str(n.target) for n in graphs[True]["decode"].graph.nodes if n.op == "call_function"}
+    assert any("paged" in o and ("static" in o or "fused" in o) for o in decode_ops), decode_ops
+    slot_c = flat_caches(model.new_cache(n_slots, max_len=L).layers)
+    pc = model.new_cache(n_slots, max_len=L, paged=lay)
+    paged_c = flat_caches(pc.layers)
+    table = paged_c["block_table"]
+    table[0], table[1] = torch.tensor([9, 3, 14, 0, 7, 11]), torch.tensor([2, 15, 5, 8, 1, 12])
+    g = torch.Generator().manual_seed(6)
+    V = model.config.vocab_size
+    slots, pos0 = torch.tensor([1, 0]), torch.tensor([0, 0])
+    with torch.no_grad():
+        ids = torch.randint(0, V, (2, 19), generator=g)
+        n_real = torch.tensor([19, 13])
+        outs = [graphs[p]["prefill"](ids, slots, pos0, n_real, c)[0] for p, c in ((False, slot_c), (True, paged_c))]
+        assert (outs[0] - outs[1]).abs().max() <= 1e-6 * outs[0].abs().max()
+        pos0 = pos0 + n_real
+        for _ in range(3):
+            x = torch.randint(0, V, (2, 1), generator=g)
+            one = torch.ones(2, dtype=torch.int64)
+            outs = [graphs[p]["decode"](x, slots, pos0, one, c)[0] for p, c in ((False, slot_c), (True, paged_c))]
+            assert (outs[0] - outs[1]).abs().max() <= 1e-6 * outs[0].abs().max()
+            pos0 = pos0 + 1
+    grow = [k for k in slot_c if k.split(".")[1] in ("entries", "idx_entries", "latent", "kpe", "index_keys")]
+    assert grow
+    for k in grow:
+        rows = paged_c[k][table[:2]].flatten(1, 2)[:, : slot_c[k].shape[1]]  # slots 0, 1
+        assert torch.equal(rows, slot_c[k][:2]), k
