@@ -38,7 +38,7 @@ from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
 from dsv4c.runtime.distributed import Leader, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
-from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_names
+from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_bytes, paged_names
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
 from dsv4c.runtime.sampling import SamplingParams, sample
 
@@ -122,6 +122,8 @@ class Session:
         if self.paged:  # the block pool allocates blocks and shares prefixes' blocks (copy-free) itself
             self.prefix = BlockPool(self.config, self.caches, self.paged, self.max_batch, self.max_tokens, self.device,
                                     share=prefix_cache not in (False, None))
+            self.cache_info["paged"] = {"block_size": self.paged.block_size, "blocks": self.paged.n_blocks,
+                                        "pool_bytes": paged_bytes(self.caches), "prefix_sharing": self.prefix.share}
         else:
             self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
