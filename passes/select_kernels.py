@@ -44,8 +44,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("v4_attention_paged", "static"): "v4_attention_paged_static",
     ("v4_attention_paged", "fused"): "v4_attention_paged_fused",
     ("v4_compress_paged", "static"): "v4_compress_paged_static",
-    # the Triton compressor has no block-table path yet: paged graphs run its capture-safe static form
-    ("v4_compress_paged", "fused"): "v4_compress_paged_static",
+    ("v4_compress_paged", "fused"): "v4_compress_paged_fused",
     ("v4_indexer_topk_paged", "fused"): "v4_indexer_topk_paged_fused",
     ("mla_cache_update_paged", "static"): "mla_cache_update_paged_static",
     ("dsa_cache_update_paged", "static"): "dsa_cache_update_paged_static",

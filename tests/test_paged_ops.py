@@ -122,6 +122,28 @@ def test_triton_attention_block_table_path_equals_its_slot_path(dtype, m, k):
                                                    8, m), ref)  # the CPU op is the reference
 
 
+@pytest.mark.parametrize("m", [4, 8])
+def test_triton_compressor_block_table_path_equals_its_slot_path(m):
+    from dsv4c.kernels.v4_compress import v4_compress_fused, v4_compress_paged_fused_ref
+
+    g = torch.Generator().manual_seed(7)
+    B, T, w, n_slots, E, RB = 3, 5, 16, 5, 16, 4
+    c = 2 if m == 4 else 1
+    slots, pos0, n_real = torch.tensor([3, 0, 1]), torch.tensor([0, 6, 21]), torch.tensor([5, 3, 4])
+    kv, score = torch.randn(B, T, c * w, generator=g), torch.randn(B, T, c * w, generator=g)
+    ape, nw, invf = torch.randn(m, c * w, generator=g), torch.randn(w, generator=g), torch.rand(w // 4, generator=g)
+    st = torch.randn(n_slots, c * m + 1, c * w, generator=g)
+    entries = torch.randn(n_slots, E, w, generator=g)
+    pool, table = paged_copy(entries, 20, RB)
+    ref_pool, st3, sc3 = pool.clone(), st.clone(), st.clone()
+    st1, sc1, st2, sc2 = st.clone(), st.clone(), st.clone(), st.clone()
+    v4_compress_fused(kv, score, slots, pos0, n_real, ape, nw, invf, st1, sc1, entries, m, 1e-6)
+    v4_compress_fused(kv, score, slots, pos0, n_real, ape, nw, invf, st2, sc2, pool, m, 1e-6, block_table=table)
+    assert torch.equal(slot_view(pool, table), entries[:-1]) and torch.equal(st1, st2) and torch.equal(sc1, sc2)
+    v4_compress_paged_fused_ref(kv, score, slots, pos0, n_real, ape, nw, invf, st3, sc3, ref_pool, table, m, 1e-6)
+    assert (slot_view(ref_pool, table) - entries[:-1]).abs().max() <= 1e-5 * entries.abs().max()
+
+
 def test_triton_indexer_block_table_path_equals_its_slot_path():
     from dsv4c.kernels.v4_indexer import (v4_indexer_topk_fused, v4_indexer_topk_paged_fused_op,
                                           v4_indexer_topk_paged_fused_ref)
