@@ -224,3 +224,44 @@ def test_exported_paged_decode_graph_equals_the_slot_caches():
 @pytest.mark.parametrize("name", ["v4-tiny-a", "v32-tiny"])
 def test_exported_paged_prefill_and_decode_graphs_equal_the_slot_caches(name):
     _paged_graph_case(name, ("prefill", "decode"))
+
+
+def test_capture_safety_table_of_the_paged_ops():
+    """split_at_routers' OP_CAPTURE for the paged ops, checked by running them on the tiny V4 and V3.2 models'
+    paged caches: the reference ops sync the host, their static / fused forms do not."""
+    from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, reference_impl
+
+    calls: dict = {}
+    orig = {}
+
+    def recorder(name):
+        def run(*args):
+            calls.setdefault(f"dsv4c.{name}", args)
+            return orig[name](*args)
+        return run
+
+    names = ("v4_attention_paged", "v4_compress_paged", "v4_indexer_topk_paged", "mla_cache_update_paged",
+             "dsa_cache_update_paged")
+    for preset in ("v4-tiny-a", "v32-tiny"):
+        m = randomize_(build_model(ModelConfig.preset(preset), dtype=torch.float32), seed=1).eval()
+        cache = m.new_cache(3, max_len=32, paged=PagedLayout(8, 10))
+        flat_caches(cache.layers)["block_table"][:2] = torch.arange(8).view(2, 4)
+        ids = torch.randint(0, m.config.vocab_size, (2, 3))
+        with torch.no_grad():
+            m(ids, cache, slots=torch.arange(2))
+            for n in names:
+                orig[n] = getattr(ops, n)
+            try:
+                for n in names:
+                    setattr(ops, n, recorder(n))
+                m(ids, cache, slots=torch.arange(2))
+            finally:
+                for n in names:
+                    delattr(ops, n)
+    assert set(calls) == {f"dsv4c.{n}" for n in names}
+    for name, args in calls.items():
+        for impl in (name, name + "_static", name + "_fused"):
+            if impl in OP_CAPTURE:
+                syncs = host_sync_ops(reference_impl(impl), *[a.clone() if isinstance(a, torch.Tensor) else a
+                                                              for a in args])
+                assert bool(syncs) == (OP_CAPTURE[impl] is not None), (impl, syncs[:3])

@@ -182,3 +182,38 @@ def test_session_logits_on_paged_caches(models):
     got = sess.logits(ids)
     assert ((ref - got).abs().max() / ref.abs().max()).item() <= 1e-6
     assert sess.prefix.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_path):
+    """On the GPU: the h200 lowering of paged caches (the Triton attention, indexer and compressor with block
+    tables) captured as CUDA graphs gives the logits and tokens of the slot artifact, with and without
+    prefix sharing, and the paged decode graph is captured whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    common = dict(target="h200", max_tokens=96, max_batch=3, dtype=torch.float32, kernels={"moe_experts": "reference"})
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "slot", **common)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "paged", paged=PagedConfig(block_size=8, max_blocks=24), **common)
+    slot = Session.load(tmp_path / "slot", device="cuda", max_num_batched_tokens=8, prefix_cache=False)
+    paged = Session.load(tmp_path / "paged", device="cuda", max_num_batched_tokens=8, paged=True)
+    assert paged.executors["decode"].mode in ("full", "graphs")
+    assert paged.caches["1.entries"].shape[0] == 24 + 1
+    base, ps = prompts_sharing(slot.config.vocab_size)
+    ref = serve(slot, ps, max_new=6)
+    paged.prefix.share = False
+    got = serve(paged, ps, max_new=6)
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):  # the same kernels reading the same rows
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == got[0]
+    paged.prefix.share = True
+    serve(paged, [base], max_new=1)
+    shared = serve(paged, ps, max_new=6)
+    assert paged.prefix.stats()["hit_tokens"] == 8 + 16 + 40 + 32 + 16
+    for i, (a, b) in enumerate(zip(ref[1], shared[1])):
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == shared[0]
