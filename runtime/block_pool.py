@@ -101,6 +101,7 @@ class BlockPool:
         self.lru: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced blocks, oldest first
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
+        self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0}
 
@@ -201,6 +202,7 @@ class BlockPool:
         blocks = self.seqs[slot].blocks if slot in self.seqs else []
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         self.table_dev[slot].copy_(row)
+        self.covered[slot] = len(blocks) * self.block_size
 
     def release(self, slot: int) -> None:
         """The request in `slot` finished: drop its references; its table row points at scratch again."""

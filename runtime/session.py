@@ -268,8 +268,9 @@ class Session:
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
         if self.paged:  # every position the step writes has a block (admitted requests hold theirs already)
-            for slot, n in zip(slots, n_real):
-                self.prefix.ensure(slot, int(pos[slot]) + n)
+            end = pos.numpy()[slots] + n_real
+            for i in (end > self.prefix.covered.numpy()[slots]).nonzero()[0]:
+                self.prefix.ensure(slots[i], int(end[i]))
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
         lead = () if hidden is None else (hidden.to(self.device),)
