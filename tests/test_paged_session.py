@@ -217,3 +217,25 @@ def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_
     for i, (a, b) in enumerate(zip(ref[1], shared[1])):
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
     assert ref[0] == shared[0]
+
+
+def test_boundary_check_drive_compares_paged_caches_by_slot(models):
+    """runtime/segments.py's boundary check drives the same prompts twice and compares the caches; with
+    paged caches the second run gets other blocks, so it compares each slot's rows in order."""
+    from dsv4c.runtime.segments import _drive
+
+    model = models["v4-tiny-a"]
+    sess = eager_session(model, 8, PagedConfig(block_size=8), prefix=False)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (7, 12)]
+    ids = [torch.randint(0, 250, (2, 1), generator=g) for _ in range(3)]
+    with torch.no_grad():
+        a = _drive(sess, prompts, [0, 2], ids)
+        rows_a = sess.prefix.table[[0, 2]].clone()
+        sess._reset_slot(2)
+        sess.prefix.ensure(1, 30)  # slot 2's blocks go to slot 1: the next run's slot 2 gets other pool blocks
+        b = _drive(sess, prompts, [0, 2], ids)
+    assert not torch.equal(rows_a, sess.prefix.table[[0, 2]]) and "block_table" not in b[1]
+    for k in a[1]:
+        assert torch.equal(a[1][k][:-1], b[1][k][:-1]), k
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
