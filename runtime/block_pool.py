@@ -136,6 +136,12 @@ class BlockPool:
         j = 0
         while j < len(keys) and keys[j] in self.by_key:
             j += 1
+        for k in keys[j:]:  # a registered block whose prefix was evicted is unreachable: free it
+            blk = self.by_key.get(k)
+            if blk is not None and self.refs[blk] == 0:
+                self.lru.pop(blk, None)
+                self._forget(blk)
+                self.free.append(blk)
         r = self._resume(keys[:j], len(ids))
         shared = [self.by_key[k] for k in keys[:r]]
         need = self.blocks_for(tokens) - r
