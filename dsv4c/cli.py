@@ -179,6 +179,17 @@ def _buckets(s: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--buckets: expected comma-separated integers, got {s!r}") from None
 
 
+def _paged(a: argparse.Namespace):
+    """--paged [--block-size B] [--pool-blocks N] -> a PagedConfig, or None."""
+    if not a.paged:
+        if a.block_size is not None or a.pool_blocks is not None:
+            raise ValueError("--block-size / --pool-blocks: only with --paged")
+        return None
+    from dsv4c.runtime.block_pool import PagedConfig
+
+    return PagedConfig(block_size=a.block_size, max_blocks=a.pool_blocks)
+
+
 def cmd_compile(a: argparse.Namespace) -> int:
     from dsv4c.compile import check_output, compile_checkpoint, describe_artifact
 
@@ -188,7 +199,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
                        max_batch=a.max_batch, buckets=a.buckets, mtp_k=a.mtp, dtype=a.dtype, force=a.force,
                        progress=True, kernels=dict(a.kernel) or None, expert_format=a.expert_format,
                        convert_device=a.convert_device, plan=_compile_plan(a), deterministic=a.deterministic,
-                       dense_format=a.dense_format)
+                       dense_format=a.dense_format, paged=_paged(a))
     print(describe_artifact(a.output))
     print(f"compiled in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -466,6 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: each row's logits do not depend on the rows sharing a step "
                         "(unquantised experts; refuses what it cannot make invariant, naming the kernel)")
+    s.add_argument("--paged", action="store_true",
+                   help="paged caches: the caches that grow with the sequence (V4 compressed entries and indexer "
+                        "keys, V3 latent) in blocks of a shared pool read through block tables; prefixes share "
+                        "blocks without copies (runtime/block_pool.py)")
+    s.add_argument("--block-size", type=int, default=None, metavar="B",
+                   help="with --paged: positions per block (default: a multiple of every compression ratio, >= 16)")
+    s.add_argument("--pool-blocks", type=int, default=None, metavar="N",
+                   help="with --paged: blocks in the pool (default: max_batch x max_tokens / B, the slot caches' "
+                        "capacity; fewer use less memory and requests wait for blocks)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")

@@ -97,7 +97,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                        verify_boundaries: bool | None = None, expert_format: str | None = None,
                        fused_mtp: bool = True, convert_device: str | None = None,
                        plan: "ParallelPlan | None" = None, deterministic: bool = False,
-                       dense_format: str | None = None) -> dict:
+                       dense_format: str | None = None, paged=None) -> dict:
     """Compile the checkpoint at `ckpt` for `target` into the artifact folder `out`; returns the manifest.
     `expert_format` overrides the target's routed-expert format (e.g. mxfp4_w4a16 on h200); the manifest
     records the format used and that it was chosen by hand. `fused_mtp=False` leaves out the
@@ -108,7 +108,11 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     `plan`: a `ParallelPlan` with more than one rank writes a sharded artifact (`compile_sharded`);
     None or tp = ep = 1 writes the single-GPU layout.
     `deterministic`: batch-invariant kernels (`deterministic_target`, passes/make_batch_invariant.py);
-    on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant."""
+    on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant.
+    `paged`: a `dsv4c.runtime.block_pool.PagedConfig`: the caches that grow with the sequence in blocks of
+    a shared pool, read through a block table (the manifest's "paged" entry; runtime/block_pool.py)."""
+    if paged is not None and ((plan is not None and not plan.is_single) or mtp_k):
+        raise ArtifactError("paged caches: not implemented with --tp/--ep or --mtp yet (compile without paged)")
     if plan is not None and not plan.is_single:
         if deterministic:
             raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")
@@ -153,7 +157,8 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                                  buckets=buckets, mtp_k=mtp_k, dtype=dtype, fused_mtp=fused_mtp,
                                  convert_device=convert_device, progress=progress,
                                  verify_boundaries=verify_boundaries, t0=t0,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic,
+                                 paged=paged.layout(cfg, max_tokens, max_batch) if paged is not None else None)
         _move_into_place(tmp, out)
     except BaseException:  # a failed or interrupted compile leaves no half-written folder behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,14 +169,15 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
 def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig, tgt, target: str, overrides,
                   skip, max_tokens: int, max_batch: int, buckets, mtp_k: int, dtype: torch.dtype, fused_mtp: bool,
                   convert_device: str | None, progress: bool, verify_boundaries: bool | None, t0: float,
-                  deterministic: bool = False) -> dict:
+                  deterministic: bool = False, paged=None) -> dict:
     """compile_checkpoint's work, written into the staging folder `out` (`final`: where it will be)."""
     graphs, weight_specs, recipes, plans, quant_map, blockers = {}, {}, {}, {}, {}, {}
     fp8_stored = _fp8_stored(ckpt, cfg)  # quantize_dense rewrites only what the checkpoint stores in FP8
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         # one cache slot more than sequences: the capture-safe ops' scratch slot (dsv4c/model/static_ops.py)
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
-                         extra_ring_slots=mtp_k if cfg.is_v4 else 0)  # speculation: the ring keeps W + K rows
+                         extra_ring_slots=mtp_k if cfg.is_v4 else 0,  # speculation: the ring keeps W + K rows
+                         paged=paged)
         eg = export_graph(model, spec)
         ctx = PassContext(cfg, target, kind, overrides, tgt.expert_format, dense_format=tgt.dense_format,
                           fp8_stored=fp8_stored, deterministic=deterministic)
@@ -212,6 +218,8 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
         "convert_device": str(convert_device),
         "deterministic": _determinism_record(tgt, blockers) if deterministic else False,
     }
+    if paged is not None:  # the growing caches in blocks (runtime/block_pool.py); the graphs' shapes fix them
+        manifest["paged"] = {"block_size": paged.block_size, "n_blocks": paged.n_blocks}
     manifest["files"] = _file_table(out)
     _write_manifest(out, manifest)  # the boundary check loads (and hash-checks) the artifact
     manifest["boundary_check"] = _boundary_check(out, manifest, verify_boundaries, progress, final)

@@ -10,7 +10,8 @@ Four graph kinds, all traced from the models' traceable `step` bodies:
 
 Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
 flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
-update in place; the mtp graph takes the streams/hidden state first. Positions and slots are device
+update in place (paged graphs, `GraphSpec.paged`: the growing ones are pools of blocks and the dict ends
+with the one `"block_table"`); the mtp graph takes the streams/hidden state first. Positions and slots are device
 tensors, so the graphs carry no data-dependent guards. Tracing works on the `meta` device: a
 full-size config exports without weights.
 """
@@ -37,6 +38,7 @@ class GraphSpec:
     n_slots: int = 2  # cached sequences (the caches' leading dim)
     max_len: int = 256  # positions per sequence the caches hold
     extra_ring_slots: int = 0  # V4: window-ring rows beyond W, so speculative rows evict nothing live (k_max)
+    paged: object = None  # a dsv4c.model.common.PagedLayout: the growing caches in blocks (runtime/block_pool.py)
 
     def __post_init__(self):
         if self.kind not in GRAPH_KINDS:
@@ -54,16 +56,28 @@ class GraphSpec:
         return None if self.kind == "prefill" else 1 + self.k
 
 
+BLOCK_TABLE = "block_table"  # paged caches (dsv4c.model.common.PagedLayout): the one table of every layer
+
+
 def flat_caches(layers) -> dict[str, torch.Tensor]:
-    """[LayerCache] -> {"{i}.{name}": tensor}."""
-    return {f"{i}.{k}": t for i, lc in enumerate(layers) for k, t in lc.tensors().items()}
+    """[LayerCache] -> {"{i}.{name}": tensor}, plus "block_table" (last) when the caches are paged."""
+    out = {f"{i}.{k}": t for i, lc in enumerate(layers) for k, t in lc.tensors().items()}
+    bt = next((lc.block_table for lc in layers if getattr(lc, "block_table", None) is not None), None)
+    if bt is not None:
+        out[BLOCK_TABLE] = bt
+    return out
 
 
 def unflat_caches(flat: dict[str, torch.Tensor], cache_cls, n_layers: int) -> list:
     per = [dict() for _ in range(n_layers)]
     for key, t in flat.items():
+        if key == BLOCK_TABLE:
+            continue
         i, name = key.split(".", 1)
         per[int(i)][name] = t
+    if BLOCK_TABLE in flat:
+        for d in per:
+            d[BLOCK_TABLE] = flat[BLOCK_TABLE]
     return [cache_cls(**d) for d in per]
 
 
@@ -120,6 +134,10 @@ def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     B = 2
     T = spec.tokens or 3
     extra = {"extra_ring_slots": spec.extra_ring_slots} if spec.extra_ring_slots else {}
+    if spec.paged is not None:
+        if spec.kind in ("mtp", "verify_mtp"):
+            raise ValueError(f"GraphSpec.paged: the {spec.kind} graph has no paged form yet (paged caches with MTP)")
+        extra["paged"] = spec.paged
     cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len,
                                                                              **extra)
     caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}

@@ -12,6 +12,13 @@ Stages (each timed; the JSON is rewritten after every stage):
        on    an empty prefix cache: the first request prefills everything and stores its blocks,
              the others resume at the system prompt's last block and prefill U tokens;
        warm  the same requests again: every request resumes from cached blocks.
+With --paged, a second artifact compiled with `--paged` (the growing caches in blocks of a shared pool,
+runtime/block_pool.py; CUDA graphs capture the paged graphs) runs the same three runs after the first
+Session is freed: `paged_off` (no prefix sharing), `paged_on`, `paged_warm` (prompts share the system
+prompt's blocks without copies); the summary compares its tokens and decode speed with the slot caches'.
+
+    python examples/bench_prefix_cache.py --paged --work /tmp/dsv4c_pc --out $OUT/prefix_cache_paged.json
+
 Per run: TTFT per request from the submission of all R (`ttft_submit`, what a client waits, queueing
 included) and from its admission (`ttft_admit`, the Session's own ttft_s), the time until every request has
 its first token, and decode tokens/s after that (all rows decoding together through the same slot caches:
@@ -78,6 +85,16 @@ def admit_ttft(sess, ps: list[list[int]], new: int) -> list[float]:
     return [r.stats["ttft_s"] for r in sess.generate(ps, max_new_tokens=new)]
 
 
+def run_paged(sess, ps, new, dev, share: bool) -> dict:
+    """A run on a paged Session: its block pool stays (it allocates the blocks); `share` turns prefix sharing."""
+    pool = sess.prefix
+    pool.share = share
+    before = dict(pool.counters)
+    res = serve(sess, ps, new, dev)
+    res["prefix_stats"] = {**pool.stats(), "this_run": {k: v - before[k] for k, v in pool.counters.items()}}
+    return res
+
+
 def run(sess, ps, new, dev, prefix) -> dict:
     sess.prefix = prefix
     before = dict(prefix.counters) if prefix is not None else None
@@ -99,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny model, cpu target, 4 x (64 + 8) (a smoke run)")
+    ap.add_argument("--paged", action="store_true", help="also compile and run paged caches (module docstring)")
+    ap.add_argument("--pool-blocks", type=int, default=None, help="--paged: pool blocks (default: the slot capacity)")
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.target, a.requests, a.system, a.suffix, a.new = "v4-tiny-a", "cpu", 4, 64, 8, 4
@@ -139,6 +158,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off")
     prefix = sess.prefix
+    res["slot_cache_bytes"] = sess.cache_info["main"]["bytes"]
     res["prefix_pool"] = {"blocks": prefix.n_blocks, "block_size": prefix.block_size,
                           "bytes_per_block": prefix.bytes_per_block,
                           "pool_GiB": prefix.n_blocks * prefix.bytes_per_block / 2**30}
@@ -171,9 +191,53 @@ def main(argv=None) -> int:
         / max(res["on"]["prefix_stats"]["this_run"]["prompt_tokens"], 1),
         "tokens_equal_on": sum(x == y for x, y in zip(off["tokens"], res["on"]["tokens"])),
         "tokens_equal_warm": sum(x == y for x, y in zip(off["tokens"], res["warm"]["tokens"])), "of": a.requests})
+    if a.paged:
+        del sess, prefix
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        paged_runs(a, res, ckpt, ps, dev, V, stage)
     print(json.dumps(res["summary"], indent=1))
     a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
+    """Compile with --paged (same limits and buckets), then paged_off / paged_on / paged_warm."""
+    from dsv4c.runtime import Session
+
+    t0 = time.perf_counter()
+    art = a.work / "art_paged"
+    max_tokens = a.system + a.suffix + a.new + 8
+    cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
+                "--max-tokens", str(max_tokens), "--buckets", str(a.requests), "--paged",
+                *(["--pool-blocks", str(a.pool_blocks)] if a.pool_blocks else []))
+    res["compile_command_paged"] = " ".join(cmd[2:])
+    _run(cmd, a.work / "compile_paged.log")
+    stage("compile_paged", t0)
+    t0 = time.perf_counter()
+    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off")
+    res["paged_pool"] = sess.cache_info["paged"]
+    res["paged_cache_bytes"] = sess.cache_info["main"]["bytes"]
+    res["paged_executor_modes"] = {k: getattr(ex, "mode", None) for k, ex in sess.executors.items()}
+    sess.prefix.share = False
+    sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph capture
+    stage("load_and_warmup_paged", t0)
+    for name, share in (("paged_off", False), ("paged_on", True), ("paged_warm", True)):
+        t0 = time.perf_counter()
+        res[name] = run_paged(sess, ps, a.new, dev, share)
+        r = res[name]
+        print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
+              f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
+        stage(name, t0)
+    off = res["off"]
+    res["summary"].update({
+        "paged_decode_vs_slot_off": res["paged_off"]["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+        "paged_on_decode_vs_slot_on": res["paged_on"]["decode_tokens_per_s"] / res["on"]["decode_tokens_per_s"],
+        "paged_on_ttft_speedup_vs_paged_off": res["paged_off"]["ttft_submit_ms_mean"]
+        / res["paged_on"]["ttft_submit_ms_mean"],
+        "paged_tokens_equal_slot_off": sum(x == y for x, y in zip(off["tokens"], res["paged_off"]["tokens"])),
+        "paged_on_tokens_equal_slot_on": sum(x == y for x, y in zip(res["on"]["tokens"], res["paged_on"]["tokens"])),
+        "paged_cache_bytes_vs_slot": res["paged_cache_bytes"] / res["slot_cache_bytes"]})
 
 
 if __name__ == "__main__":

@@ -185,10 +185,12 @@ def _attn_split_kernel(
         T, H, S, E, NSEL, W, NW, M_RATIO, qk_scale,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, ENT_MODE: tl.constexpr, LOWP: tl.constexpr, INTERPRET: tl.constexpr,
-        POS_BLOCKS: tl.constexpr):
+        POS_BLOCKS: tl.constexpr, bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
     # q [B, T, H, D] (strides sq_*, last 1); kv [B, T, D] (strides skv_*, last 1); ring [n_slots, S, D],
     # entries [n_slots, E, D], selected [B, T, NSEL] contiguous. ENT_MODE 0: no entries, 1: selected
     # (CSA), 2: the visible prefix (HCA). Partials pacc [B·T, SPLIT, H, D], pm / pl [B·T, SPLIT, H].
+    # PAGED: entries is a pool [N + 1, RB, D]; entry i of the slot at row i mod RB of block
+    # bt[slot, i // RB] (block table [n_slots, NB] int64, E = NB·RB).
     bt = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -269,7 +271,13 @@ def _attn_split_kernel(
                 idx = j
                 valid = j < n_keys
             row = tl.where(valid, idx, 0)
-            k = tl.load(ent_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            if PAGED:
+                blk = tl.load(bt_ptr + slot * NB + row // RB, mask=valid, other=0).to(tl.int64)
+                k = tl.load(ent_ptr + (blk * RB + row % RB)[:, None] * D + dd[None, :],
+                            mask=valid[:, None] & dm[None, :], other=0.0)
+            else:
+                k = tl.load(ent_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :],
+                            other=0.0)
             m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
 
     if SPLIT == 1:
@@ -324,7 +332,7 @@ def _combine_kernel(kv_ptr, ring_ptr, slots_ptr, pos0_ptr, nreal_ptr, sinks_ptr,
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m) -> None:
+def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m, block_table=None) -> None:
     name = "v4_attention_fused"
     if q.dim() != 4:
         raise ValueError(f"{name}: q must be [B, T, H, d], got shape {list(q.shape)}")
@@ -351,6 +359,12 @@ def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m
         raise ValueError(f"{name}: chunk of T={T} tokens exceeds the S={S} ring rows")
     if window < 1:
         raise ValueError(f"{name}: window must be >= 1, got {window}")
+    if block_table is not None:  # paged: entries is the pool [N + 1, RB, d]
+        if block_table.dtype != torch.int64 or block_table.dim() != 2 or block_table.shape[0] != n_slots \
+                or not block_table.is_contiguous() or entries is None:
+            raise ValueError(f"{name}: block_table must be contiguous int64 [{n_slots}, NB] with a pool of entries, "
+                             f"got {block_table.dtype} {list(block_table.shape)}")
+        n_slots = entries.shape[0]
     if entries is not None:
         if entries.dim() != 3 or entries.shape[0] != n_slots or entries.shape[2] != d:
             raise ValueError(f"{name}: entries must be [{n_slots}, E, {d}], got {list(entries.shape)}")
@@ -383,12 +397,14 @@ def _grid_split(B: int, T: int, H: int, n_blocks: int, cfg: V4AttnConfig) -> int
 def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
                        n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, entries: torch.Tensor | None,
                        selected: torch.Tensor | None, window: int, m: int,
-                       config: V4AttnConfig | None = None) -> torch.Tensor:
+                       config: V4AttnConfig | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """`dsv4c::v4_attention_static` in two launches (see the module doc). q [B, T, H, d], kv [B, T, d]
     (last-dim stride 1), ring [n_slots, S, d] and entries [n_slots, E, d] contiguous, all one dtype;
     slots/pos0/n_real int64 [B]; sinks fp32 [H]; selected int64 [B, T, k] or None. -> o [B, T, H, d]
-    fp32; ring updated in place. CPU tensors run under the Triton interpreter."""
-    _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m)
+    fp32; ring updated in place. CPU tensors run under the Triton interpreter. With `block_table`
+    [n_slots, NB] (paged, `dsv4c::v4_attention_paged_static`): entries is a pool [N + 1, RB, d] read
+    through the table, E = NB·RB."""
+    _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m, block_table)
     cfg = config or V4AttnConfig()
     B, T, H, d = q.shape
     S = ring.shape[1]
@@ -396,6 +412,10 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
     if o.numel() == 0:
         return o
     E = entries.shape[1] if entries is not None else 0
+    paged = {}
+    if block_table is not None:
+        paged = dict(bt_ptr=block_table, NB=block_table.shape[1], RB=E, PAGED=True)
+        E = block_table.shape[1] * E
     n_sel = selected.shape[2] if selected is not None else 0
     ent_mode = 0 if entries is None else (1 if selected is not None else 2)
     n_ent = (n_sel if ent_mode == 1 else E) if ent_mode else 0
@@ -420,7 +440,8 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
         T, H, S, E, n_sel, window, nw, max(m, 1), LOG2E / math.sqrt(d),
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_N=bn, SPLIT=split, ENT_MODE=ent_mode, LOWP=lowp,
-        INTERPRET=interp, POS_BLOCKS=cfg.batch_invariant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INTERPRET=interp, POS_BLOCKS=cfg.batch_invariant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **paged)
     _combine_kernel[(B * T, hb if split > 1 else 1)](
         kv, ring, slots, pos0, n_real, sinks, o, pacc, pm, pl, kv.stride(0), kv.stride(1), T, H, S,
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, SPLIT=split, num_warps=8)
@@ -473,4 +494,36 @@ def v4_attention_fused_det_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Te
 
 @v4_attention_fused_det_op.register_fake
 def _v4_attention_fused_det_fake(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+# ------------------------------------------------------------------------------------------------
+# paged entries (dsv4c.model.common.PagedLayout): the same kernels, entries read through the block table
+# ------------------------------------------------------------------------------------------------
+def v4_attention_paged_fused_ref(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                                 n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, pool: torch.Tensor,
+                                 block_table: torch.Tensor, selected: torch.Tensor | None, window: int,
+                                 m: int) -> torch.Tensor:
+    """The paged static op (dsv4c/model/static_ops.py `v4_attention_paged_static`): the specification."""
+    from dsv4c.model.static_ops import v4_attention_paged_static
+
+    return v4_attention_paged_static(q, kv, slots, pos0, n_real, ring, sinks, pool, block_table, selected, window, m)
+
+
+@torch.library.custom_op("dsv4c::v4_attention_paged_fused", mutates_args=("ring",))
+def v4_attention_paged_fused_op(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                                n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, pool: torch.Tensor,
+                                block_table: torch.Tensor, selected: torch.Tensor | None, window: int,
+                                m: int) -> torch.Tensor:
+    """`dsv4c::v4_attention_paged_static` as the two Triton launches on CUDA tensors; on CPU the static op."""
+    if q.device.type == "cpu":
+        _check(q, kv, slots, pos0, n_real, ring, sinks, pool, selected, window, m, block_table)
+        return v4_attention_paged_fused_ref(q, kv, slots, pos0, n_real, ring, sinks, pool, block_table, selected,
+                                            window, m)
+    return v4_attention_fused(q, kv, slots, pos0, n_real, ring, sinks, pool, selected, window, m,
+                              block_table=block_table)
+
+
+@v4_attention_paged_fused_op.register_fake
+def _v4_attention_paged_fused_fake(q, kv, slots, pos0, n_real, ring, sinks, pool, block_table, selected, window, m):
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)

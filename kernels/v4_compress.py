@@ -75,10 +75,11 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
                         M: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CW: tl.constexpr,
                         STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr,
-                        RNE_BF16: tl.constexpr):
+                        RNE_BF16: tl.constexpr, bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
     # kv/score [B, T, C·W] (strides kv_sb, kv_st / sc_sb, sc_st; channels contiguous); ape [M, C·W];
     # state [n_slots, R, C·W] and entries [n_slots, E, W] contiguous; slots/pos0/n_real [B] int64;
-    # n_pg = grid dim 1 (G with entries, T for the state-only launch)
+    # n_pg = grid dim 1 (G with entries, T for the state-only launch). PAGED: entries is a pool
+    # [N + 1, RB, W], entry j of the slot at row j mod RB of block bt[slot, j // RB] (table [n_slots, NB])
     b = tl.program_id(0)
     pg = tl.program_id(1)
     CW: tl.constexpr = C * W
@@ -146,7 +147,12 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
             sn = tl.sin(ang)
             out = tl.reshape(tl.join(tl.where(rot, ya * cs - yb * sn, ya), tl.where(rot, ya * sn + yb * cs, yb)),
                              [BLOCK_W])
-            tl.store(ent_ptr + (slot * E + j) * W + c1, _to_entry(out, ty, RNE_BF16), mask=cm1)
+            if PAGED:
+                blk = tl.load(bt_ptr + slot * NB + j // RB).to(tl.int64)
+                dst = ent_ptr + (blk * RB + j % RB) * W
+            else:
+                dst = ent_ptr + (slot * E + j) * W
+            tl.store(dst + c1, _to_entry(out, ty, RNE_BF16), mask=cm1)
     if DO_STATE:
         cc = tl.arange(0, BLOCK_CW)
         ccm = cc < CW
@@ -242,12 +248,24 @@ def _num_warps(block_w: int) -> int:
 def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
                       n_real: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
                       state_kv: torch.Tensor, state_score: torch.Tensor, entries: torch.Tensor, m: int,
-                      eps: float, *, block_rows: int | None = None) -> None:
+                      eps: float, *, block_rows: int | None = None, block_table: torch.Tensor | None = None) -> None:
     """The static op's function in one Triton launch (two when R < T + c·m - 1: entries, then state).
     Updates state_kv, state_score and entries in place; skips the scratch writes. `block_rows`
     (a power of two) overrides the rows per softmax block (tests). CPU tensors run under the Triton
-    interpreter."""
+    interpreter. With `block_table` [n_slots, NB] int64 (paged, `dsv4c::v4_compress_paged_static`):
+    entries is a pool [N + 1, RB, w] written through the table, E = NB·RB."""
+    paged = {}
+    if block_table is not None:
+        pool = entries
+        if block_table.dtype != torch.int64 or block_table.dim() != 2 or block_table.shape[0] != state_kv.shape[0] \
+                or not block_table.is_contiguous() or pool.dim() != 3 or not pool.is_contiguous():
+            _fail(f"block_table must be contiguous int64 [n_slots={state_kv.shape[0]}, NB] and the pool contiguous "
+                  f"[N + 1, RB, w], got {block_table.dtype} {list(block_table.shape)}, pool {list(pool.shape)}")
+        entries = torch.empty((state_kv.shape[0], 0, pool.shape[2]), dtype=pool.dtype, device=pool.device)
+        paged = dict(bt_ptr=block_table, NB=block_table.shape[1], RB=pool.shape[1], PAGED=True)
     d = _check(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, entries, m, eps)
+    if paged:
+        entries, d.E = pool, block_table.shape[1] * pool.shape[1]
     if d.B == 0 or d.T == 0:
         return
     G = (m - 1 + d.T) // m
@@ -260,7 +278,7 @@ def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), float(eps))
     meta = {"M": m, "C": d.c, "W": d.w, "HALF": d.half, "BLOCK_R": br, "BLOCK_W": block_w,
                 "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
-                "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16}
+                "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16, **paged}
     if one_launch(d.R, d.T, d.c, m):
         _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=triton.cdiv(d.T, G), DO_ENTRIES=True,
                                       DO_STATE=True, **meta)
@@ -300,4 +318,38 @@ def v4_compress_fused_op(kv: torch.Tensor, score: torch.Tensor, slots: torch.Ten
 @v4_compress_fused_op.register_fake
 def _v4_compress_fused_fake(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score,
                             entries, m, eps):
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# paged entries (dsv4c.model.common.PagedLayout): the same kernel, entries written through the block table
+# ------------------------------------------------------------------------------------------------
+def v4_compress_paged_fused_ref(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                                n_real: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                                inv_freq: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+                                pool: torch.Tensor, block_table: torch.Tensor, m: int, eps: float) -> None:
+    """The paged static op (`v4_compress_paged_static`): the specification (it also writes scratch)."""
+    from dsv4c.model.static_ops import v4_compress_paged_static
+
+    v4_compress_paged_static(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, pool,
+                             block_table, m, eps)
+
+
+@torch.library.custom_op("dsv4c::v4_compress_paged_fused", mutates_args=("state_kv", "state_score", "pool"))
+def v4_compress_paged_fused_op(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                               n_real: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                               inv_freq: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+                               pool: torch.Tensor, block_table: torch.Tensor, m: int, eps: float) -> None:
+    """`dsv4c::v4_compress_paged_static` as the Triton launch on CUDA tensors; on CPU the static op."""
+    if kv.device.type == "cpu":
+        v4_compress_paged_fused_ref(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score,
+                                    pool, block_table, m, eps)
+        return
+    v4_compress_fused(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, pool, m, eps,
+                      block_table=block_table)
+
+
+@v4_compress_paged_fused_op.register_fake
+def _v4_compress_paged_fused_fake(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score,
+                                  pool, block_table, m, eps):
     return None

@@ -48,7 +48,7 @@ import triton.language as tl
 from dsv4c.kernels._tl import interpret_flag
 
 __all__ = ["v4_indexer_scores", "v4_indexer_scores_ref", "v4_indexer_topk_fused", "v4_indexer_topk_fused_op",
-           "v4_indexer_topk_fused_ref"]
+           "v4_indexer_topk_fused_ref", "v4_indexer_topk_paged_fused_op", "v4_indexer_topk_paged_fused_ref"]
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_E = 64        # entries per program of launch 1
@@ -73,8 +73,11 @@ def _n_visible(pos0_ptr, row, T, E, m):
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, k_ptr, slots_ptr, pos0_ptr, s_ptr, T, E, m, scale,
                    HI: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   D_STEP: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
-    # q [B·T, HI, DI], w [B·T, HI] fp32, keys [n_slots, E, DI], s (out) [B·T, E] fp32; all contiguous
+                   D_STEP: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
+                   bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
+    # q [B·T, HI, DI], w [B·T, HI] fp32, keys [n_slots, E, DI], s (out) [B·T, E] fp32; all contiguous.
+    # PAGED: keys is a pool [N + 1, RB, DI], entry e of the slot at row e mod RB of block bt[slot, e // RB]
+    # (block table [n_slots, NB] int64, E = NB·RB)
     row = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     n_vis = _n_visible(pos0_ptr, row, T, E, m)
@@ -85,13 +88,18 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, slots_ptr, pos0_ptr, s_ptr, T, E, m, sca
         h = tl.arange(0, BLOCK_H)
         hm = h < HI
         slot = tl.load(slots_ptr + row // T)
+        if PAGED:
+            blk = tl.load(bt_ptr + slot * NB + e // RB, mask=e < n_vis, other=0).to(tl.int64)
+            krow = blk * RB + e % RB                                               # [BLOCK_E] pool rows
+        else:
+            krow = slot * E + e
         dots = tl.zeros((BLOCK_H, BLOCK_E), tl.float32)
         for d0 in tl.static_range(0, BLOCK_D, D_STEP):  # one step for 16-bit inputs (tensor cores)
             d = d0 + tl.arange(0, D_STEP)
             dm = d < DI
             q = tl.load(q_ptr + row * (HI * DI) + h[:, None] * DI + d[None, :], mask=hm[:, None] & dm[None, :],
                         other=0.0)                                                 # [BLOCK_H, D_STEP]
-            k = tl.load(k_ptr + (slot * E + e[None, :]) * DI + d[:, None],
+            k = tl.load(k_ptr + krow[None, :] * DI + d[:, None],
                         mask=dm[:, None] & (e < n_vis)[None, :], other=0.0)        # [D_STEP, BLOCK_E]
             if INTERPRET:  # the interpreter's dot would multiply bf16 bit patterns; fp32 products are the same
                 q = q.to(tl.float32)
@@ -222,16 +230,20 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: to
         raise ValueError(f"{name}: q needs HI >= 1 and dI >= 1, got shape {list(q.shape)}")
 
 
-def _scores_into(scores: torch.Tensor, q, weights, keys, slots, pos0, m: int) -> None:
+def _scores_into(scores: torch.Tensor, q, weights, keys, slots, pos0, m: int, block_table=None) -> None:
     B, T, HI, dI = q.shape
     E = keys.shape[1]
+    paged = {}
+    if block_table is not None:  # keys: a pool [N + 1, RB, dI]
+        paged = dict(bt_ptr=block_table, NB=block_table.shape[1], RB=E, PAGED=True)
+        E = block_table.shape[1] * E
     block_d = max(16, triton.next_power_of_2(dI))
     # fp32 dots run on FMA units (ieee precision, no tf32): a small K step keeps the operands in registers
     d_step = min(block_d, FP32_D_STEP) if q.dtype == torch.float32 else block_d
     grid = (B * T, triton.cdiv(E, BLOCK_E))
     _scores_kernel[grid](q, weights, keys, slots, pos0, scores, T, E, m, dI ** -0.5, HI=HI, DI=dI,
                          BLOCK_H=max(16, triton.next_power_of_2(HI)), BLOCK_D=block_d, D_STEP=d_step,
-                         BLOCK_E=BLOCK_E, INTERPRET=interpret_flag(q), num_warps=4)
+                         BLOCK_E=BLOCK_E, INTERPRET=interpret_flag(q), num_warps=4, **paged)
 
 
 def v4_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
@@ -247,19 +259,23 @@ def v4_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
 
 
 def v4_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
-                          pos0: torch.Tensor, topk: int, m: int) -> torch.Tensor:
+                          pos0: torch.Tensor, topk: int, m: int, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """idx [B, T, topk] int64: the model op's set of entries in ascending entry order, -1 after (module
-    doc). Two launches; CPU tensors run under the Triton interpreter."""
+    doc). Two launches; CPU tensors run under the Triton interpreter. With `block_table` [n_slots, NB]
+    (paged): keys is a pool [N + 1, RB, dI] read through the table, E = NB·RB."""
     _check(q, weights, keys, slots, pos0, topk, m)
     B, T = q.shape[:2]
     E = keys.shape[1]
+    if block_table is not None:
+        _check_table(block_table, keys)
+        E *= block_table.shape[1]
     out = torch.empty(B, T, topk, dtype=torch.int64, device=q.device)
     if out.numel() == 0:
         return out
     if E == 0:
         return out.fill_(-1)
     scores = torch.empty(B, T, E, dtype=torch.float32, device=q.device)
-    _scores_into(scores, q, weights, keys, slots, pos0, m)
+    _scores_into(scores, q, weights, keys, slots, pos0, m, block_table)
     chunk = min(MAX_ROW, triton.next_power_of_2(E))
     _select_kernel[(B * T,)](scores, pos0, out, T, E, m, K=topk, CHUNK=chunk, N_CHUNKS=triton.cdiv(E, chunk),
                              BLOCK_K=min(BLOCK_K, triton.next_power_of_2(topk)), DIGIT=DIGIT_BITS,
@@ -308,4 +324,40 @@ def v4_indexer_topk_fused_op(q: torch.Tensor, weights: torch.Tensor, keys: torch
 
 @v4_indexer_topk_fused_op.register_fake
 def _v4_indexer_topk_fused_fake(q, weights, keys, slots, pos0, topk, m):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# paged keys (dsv4c.model.common.PagedLayout): launch 1 reads the keys through the block table
+# ------------------------------------------------------------------------------------------------
+def _check_table(block_table: torch.Tensor, pool: torch.Tensor) -> None:
+    if block_table.dtype != torch.int64 or block_table.dim() != 2 or not block_table.is_contiguous() \
+            or block_table.device != pool.device:
+        raise ValueError(f"v4_indexer_topk_paged_fused: block_table must be contiguous int64 [n_slots, NB] on "
+                         f"{pool.device}, got {block_table.dtype} {list(block_table.shape)} on {block_table.device}")
+
+
+def v4_indexer_topk_paged_fused_ref(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
+                                    block_table: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, topk: int,
+                                    m: int) -> torch.Tensor:
+    """The model's `v4_indexer_topk_paged`, entries sorted ascending (the fused op's output convention)."""
+    from dsv4c.model.v4_ops import v4_indexer_topk_paged
+
+    return _ascending(v4_indexer_topk_paged(q, weights, pool, block_table, slots, pos0, topk, m))
+
+
+@torch.library.custom_op("dsv4c::v4_indexer_topk_paged_fused", mutates_args=())
+def v4_indexer_topk_paged_fused_op(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
+                                   block_table: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, topk: int,
+                                   m: int) -> torch.Tensor:
+    """`dsv4c::v4_indexer_topk_paged` as the two launches on CUDA tensors; on CPU its reference, ascending."""
+    if q.device.type == "cpu":
+        _check(q, weights, pool, slots, pos0, topk, m)
+        _check_table(block_table, pool)
+        return v4_indexer_topk_paged_fused_ref(q, weights, pool, block_table, slots, pos0, topk, m)
+    return v4_indexer_topk_fused(q, weights, pool, slots, pos0, topk, m, block_table)
+
+
+@v4_indexer_topk_paged_fused_op.register_fake
+def _v4_indexer_topk_paged_fused_fake(q, weights, pool, block_table, slots, pos0, topk, m):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)

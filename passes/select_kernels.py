@@ -40,7 +40,16 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("v4_attention", "fused"): "v4_attention_fused",
     ("v4_attention", "fused_det"): "v4_attention_fused_det",  # batch-invariant split (deterministic mode)
     ("v4_compress", "fused"): "v4_compress_fused",
+    # paged caches (dsv4c.model.common.PagedLayout): the op's implementation follows its slot form's
+    ("v4_attention_paged", "static"): "v4_attention_paged_static",
+    ("v4_attention_paged", "fused"): "v4_attention_paged_fused",
+    ("v4_compress_paged", "static"): "v4_compress_paged_static",
+    ("v4_compress_paged", "fused"): "v4_compress_paged_fused",
+    ("v4_indexer_topk_paged", "fused"): "v4_indexer_topk_paged_fused",
+    ("mla_cache_update_paged", "static"): "mla_cache_update_paged_static",
+    ("dsa_cache_update_paged", "static"): "dsa_cache_update_paged_static",
 }
+PAGED_SUFFIX = "_paged"  # `<op>_paged` takes the implementation the target names for `<op>`
 
 
 def implementation_op(op: str, impl: str):
@@ -70,7 +79,7 @@ def select_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
         if not name.startswith("dsv4c."):
             continue
         op = name.split(".", 1)[1]
-        impl = kernels.get(op, "reference")
+        impl = kernels.get(op.removesuffix(PAGED_SUFFIX) if op.endswith(PAGED_SUFFIX) else op, "reference")
         if impl == "reference":
             continue
         n.target = implementation_op(op, impl)

@@ -110,6 +110,19 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.v4_attention_fused_det": None,  # the same launches with the batch-invariant split
     "dsv4c.v4_compress_fused": None,
     "dsv4c.v4_indexer_topk_fused": None,
+    # paged caches (dsv4c.model.common.PagedLayout, runtime/block_pool.py): the same split
+    "dsv4c.v4_attention_paged": "reference op dsv4c.v4_attention_paged syncs the host (int() per row)",
+    "dsv4c.v4_compress_paged": "reference op dsv4c.v4_compress_paged syncs the host (int() per row)",
+    "dsv4c.mla_cache_update_paged": "reference op dsv4c.mla_cache_update_paged syncs the host (boolean-mask indexing)",
+    "dsv4c.dsa_cache_update_paged": "reference op dsv4c.dsa_cache_update_paged syncs the host (boolean-mask indexing)",
+    "dsv4c.v4_indexer_topk_paged": None,  # a gather through the block table, then the indexer's fixed-size top-k
+    "dsv4c.v4_attention_paged_static": None,
+    "dsv4c.v4_compress_paged_static": None,
+    "dsv4c.mla_cache_update_paged_static": None,
+    "dsv4c.dsa_cache_update_paged_static": None,
+    "dsv4c.v4_attention_paged_fused": None,
+    "dsv4c.v4_compress_paged_fused": None,
+    "dsv4c.v4_indexer_topk_paged_fused": None,
 }
 
 

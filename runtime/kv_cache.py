@@ -8,6 +8,8 @@ Per model type (names as `dsv4c.export.flat_caches` writes them, "{layer}.{field
   V4     ring (window rows), comp_kv / comp_score (the compressor's open-group state, fp32),
          entries (compressed entries), idx_kv / idx_score / idx_entries (the CSA indexer's compressor)
   V3     latent (c_KV rows), kpe (rotated key rows), index_keys (V3.2's indexer)
+Paged artifacts (runtime/block_pool.py) hold the growing ones (entries, idx_entries, latent, kpe,
+index_keys) as pools [N + 1 blocks, rows per block, ...] plus one "block_table" [slots, blocks per sequence].
 Open-group scores start at -inf (an empty row has weight 0 in the pooling softmax); all else at 0.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dsv4c.config import ModelConfig
 KIND_OF_FIELD = {"ring": "window ring", "comp_kv": "open-group state", "comp_score": "open-group state",
                  "entries": "compressed entries", "idx_kv": "indexer", "idx_score": "indexer",
                  "idx_entries": "indexer", "latent": "latent", "kpe": "latent (rope part)",
-                 "index_keys": "indexer"}
+                 "index_keys": "indexer", "block_table": "block table"}
 
 
 class CacheError(RuntimeError):
@@ -67,13 +69,16 @@ def _numel(shape) -> int:
 
 
 def cache_layout(config: ModelConfig, dtype: torch.dtype, slots: int, max_tokens: int, extra_ring_slots: int = 0,
-                 mtp: bool = False) -> CacheLayout:
-    """The caches the graphs expect, computed on the meta device (nothing allocated)."""
+                 mtp: bool = False, paged=None) -> CacheLayout:
+    """The caches the graphs expect, computed on the meta device (nothing allocated). `paged`: a
+    `dsv4c.model.common.PagedLayout` (the growing caches as pools of blocks, plus "block_table")."""
     from dsv4c.export import flat_caches
     from dsv4c.model import build_model
 
     model = build_model(config, device="meta", dtype=dtype)
     extra = {"extra_ring_slots": extra_ring_slots} if config.is_v4 else {}
+    if paged is not None:
+        extra["paged"] = paged
     new = model.new_mtp_cache if mtp else model.new_cache
     meta = flat_caches(new(slots, max_len=max_tokens, **extra).layers)
     return CacheLayout(tuple((k, tuple(t.shape), t.dtype) for k, t in meta.items()), slots, max_tokens)

@@ -175,7 +175,7 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def check(self, ids: list[int]) -> None:
+    def check(self, ids: list[int], max_new: int = 0) -> None:
         """Refuse, before any work, a prompt with more full blocks than the pool holds."""
         need = len(ids) // self.block_size
         if need > self.n_blocks:
@@ -185,7 +185,7 @@ class PrefixCache:
                                    f"(or max_bytes) or pass prefix_cache=False")
 
     # ---- admission --------------------------------------------------------------------------------
-    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False) -> bool:
+    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None) -> bool:
         """Take the cached blocks of ids' prefix and reserve rows for its other full blocks; restore the
         (reset) `slot` from the deepest resumable block and set pos[slot]. False: the rows are held by
         running requests (wait for them)."""

@@ -588,4 +588,12 @@ def _drive(sess, prompts, slots, ids):
         sess._reset_slot(s)
         sess._prefill_chunks(p, s)
     out = [sess._run("decode", x, slots, [1] * len(slots)).float().cpu() for x in ids]
-    return out, {k: t.detach().cpu().clone() for k, t in sess.caches.items()}
+    caches = {k: t.detach().cpu().clone() for k, t in sess.caches.items()}
+    if getattr(sess, "paged", None):  # pools: each slot's written rows in order (block ids differ between runs;
+        table = caches.pop("block_table")  # a block's rows past its slot's position hold what it held before)
+        for k in sess._pools - {"block_table"}:
+            rows = caches[k][table].flatten(1, 2)  # [slots, NB·RB, w]
+            div = sess.paged.block_size // caches[k].shape[1]  # positions per row
+            rows[torch.arange(rows.shape[1]) >= (sess.pos // div)[:, None]] = 0
+            caches[k] = rows
+    return out, caches

@@ -38,6 +38,7 @@ from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
 from dsv4c.runtime.distributed import Leader, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
+from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_bytes, paged_names
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
 from dsv4c.runtime.sampling import SamplingParams, sample
 
@@ -111,12 +112,20 @@ class Session:
         self.max_num_batched_tokens = min(self.max_tokens, PREFILL_CHUNK)
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
+        self.paged = self._paged_layout()  # PagedLayout of a paged artifact (runtime/block_pool.py), else None
         self.caches = self._allocate_caches()
+        self._pools = paged_names(self.caches) if self.paged else set()  # not per slot: never reset by slot
         # positions live on the host: every step's n_real is decided there, so reading or moving them
         # never waits for the GPU; `_run` ships them with the step's other inputs in one copy
         self.pos = torch.zeros(self.cache_slots, dtype=torch.int64)
         self._staging = _Staging(self.device) if self.device.type == "cuda" else None
-        self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
+        if self.paged:  # the block pool allocates blocks and shares prefixes' blocks (copy-free) itself
+            self.prefix = BlockPool(self.config, self.caches, self.paged, self.max_batch, self.max_tokens, self.device,
+                                    share=prefix_cache not in (False, None))
+            self.cache_info["paged"] = {"block_size": self.paged.block_size, "blocks": self.paged.n_blocks,
+                                        "pool_bytes": paged_bytes(self.caches), "prefix_sharing": self.prefix.share}
+        else:
+            self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
         self.rank, self.mirror = 0, None  # runtime/distributed.py: rank 0's Leader on a sharded artifact
         self._live: _Scheduler | None = None  # the incremental API's scheduler (add_request / step / abort)
@@ -126,7 +135,7 @@ class Session:
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
              strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
-             deterministic: bool = False) -> "Session":
+             deterministic: bool = False, paged: bool | None = None) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -136,7 +145,9 @@ class Session:
         `prefix_cache`: reuse the state of cached prompt prefixes (runtime/prefix_cache.py; exact), a
         PrefixCacheConfig, or False..
         `deterministic=True` requires an artifact compiled with `--deterministic` (the kernels are chosen
-        at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other."""
+        at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other.
+        `paged`: the artifact's cache layout decides (compile with paged=PagedConfig(...): the growing caches
+        in blocks of a shared pool, runtime/block_pool.py); True / False require that layout (ArtifactError)."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -147,6 +158,10 @@ class Session:
         if deterministic and not manifest.get("deterministic"):
             raise ArtifactError(f"{art}: deterministic=True needs an artifact compiled with --deterministic "
                                 f"(manifest field 'deterministic' is {manifest.get('deterministic')!r})")
+        if paged is not None and paged != bool(manifest.get("paged")):
+            raise ArtifactError(f"{art}: paged={paged} but the artifact's caches are "
+                                f"{'paged' if manifest.get('paged') else 'per slot'} (manifest field 'paged' is "
+                                f"{manifest.get('paged')!r}; the layout is fixed at compile time)")
         limit = manifest["limits"]["max_tokens"]
         if max_num_batched_tokens is not None and not 1 <= max_num_batched_tokens <= limit:
             raise ValueError(f"max_num_batched_tokens: between 1 and the artifact's max_tokens ({limit}), "
@@ -192,15 +207,26 @@ class Session:
         The V4 ring keeps W + k rows in a speculative (--mtp k) artifact."""
         extra = int(self.manifest.get("mtp_k", 0)) if self.config.is_v4 else 0
         layout = cache_layout(self.config, getattr(torch, self.manifest["dtype"]), self.cache_slots, self.max_tokens,
-                              extra_ring_slots=extra, mtp=mtp)
+                              extra_ring_slots=extra, mtp=mtp, paged=None if mtp else self.paged)
         caches = allocate(layout, self.device, what="MTP caches" if mtp else "KV caches")
         self.cache_info[("mtp" if mtp else "main")] = {"bytes": layout.total_bytes, "by_kind": layout.by_kind(),
                                                        "describe": layout.describe()}
         return caches
 
+    def _paged_layout(self):
+        p = self.manifest.get("paged")
+        if not p:
+            return None
+        from dsv4c.model.common import PagedLayout
+
+        return PagedLayout(int(p["block_size"]), int(p["n_blocks"]))
+
     def _reset_slot(self, slot: int) -> None:
         for k, t in self.caches.items():
-            t[slot].fill_(fill_value(k))
+            if k not in self._pools:
+                t[slot].fill_(fill_value(k))
+        if self.paged:
+            self.prefix.release(slot)
         self.pos[slot] = 0
         if self.mirror is not None:
             self.mirror.reset("main", slot)
@@ -241,6 +267,10 @@ class Session:
         `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real."""
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
+        if self.paged:  # every position the step writes has a block (admitted requests hold theirs already)
+            end = pos.numpy()[slots] + n_real
+            for i in (end > self.prefix.covered.numpy()[slots]).nonzero()[0]:
+                self.prefix.ensure(slots[i], int(end[i]))
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
         lead = () if hidden is None else (hidden.to(self.device),)
@@ -337,7 +367,7 @@ class Session:
         for i, p in enumerate(prompts):
             ids = self._check_prompt(self._encode(p), max_new_tokens)  # every prompt checked before any work
             if self.prefix:
-                self.prefix.check(ids)
+                self.prefix.check(ids, max_new_tokens)
             reqs.append(_Request(i, ids, max_new_tokens, params, stop_ids, stop_strs,
                                  torch.Generator().manual_seed(seed + i)))
         return reqs
@@ -377,6 +407,9 @@ class Session:
         """(the Speculator or None, a per-request SpecStats factory or None) for `mtp` (see generate)."""
         if not mtp:
             return None, None
+        if self.paged:
+            raise PagedCacheError("paged caches with MTP speculative decoding are not implemented; use mtp=0 "
+                                  "(or an artifact compiled without paged caches)")
         from dsv4c.runtime.speculative import plan_speculation
 
         return plan_speculation(self, mtp, reqs)
@@ -543,7 +576,8 @@ class _Scheduler:
         while self.waiting and self.free:  # admit: prefill into a free slot, sample the first token
             r, t0 = self.waiting[0], time.perf_counter()
             sess._reset_slot(self.free[0])
-            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, self.make_stats is not None):
+            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, self.make_stats is not None,
+                                                     tokens=len(r.ids) + r.max_new):
                 break  # its prompt's blocks are held by running requests: wait for one to finish
             self.waiting.popleft()
             r.slot, r.t_start = self.free.pop(0), t0

@@ -193,3 +193,52 @@ def batch_meta(cache, B: int, T: int, n_real: torch.Tensor | None, slots: torch.
     if end > cache.max_len:
         raise ValueError(f"chunk reaches position {end}, beyond the cache's max_len={cache.max_len}")
     return slots, pos0, n_real
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Block-based (paged) layout of the caches that grow with the sequence (issue 27, item 1).
+
+    Those caches (V4: compressed entries and the CSA indexer's keys; V3/V3.2: latent, kpe, indexer keys)
+    are pools `[n_blocks + 1, block_size / div, w]` shared by every sequence: block k of a sequence
+    (positions k·b … k·b+b-1, entries of a compress ratio m: b/m rows) lives at pool row
+    `block_table[slot, k]`. The last pool block is scratch: unused table entries point at it, and the
+    capture-safe ops send the writes that must not happen there (as the slot caches' scratch slot).
+    One block table `[n_slots, ⌈max_len / b⌉]` int64 serves every layer and field."""
+
+    block_size: int  # b: positions per block (a multiple of every compression ratio)
+    n_blocks: int  # N: pool blocks a sequence can get (the pool holds N + 1, the last scratch)
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.n_blocks < 1:
+            raise ValueError(f"PagedLayout: block_size and n_blocks must be >= 1, got {self.block_size}, "
+                             f"{self.n_blocks}")
+
+    def table(self, batch: int, max_len: int, device) -> torch.Tensor:
+        """An empty block table [batch, ⌈max_len / b⌉]: every entry the scratch block."""
+        return torch.full((batch, -(-max_len // self.block_size)), self.n_blocks, dtype=torch.int64, device=device)
+
+    def pool(self, div: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+        if self.block_size % div:
+            raise ValueError(f"PagedLayout.block_size={self.block_size} is not a multiple of the compress "
+                             f"ratio {div}")
+        return torch.zeros(self.n_blocks + 1, self.block_size // div, width, dtype=dtype, device=device)
+
+
+def paged_rows(pool: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of sequences `slots [B]` in logical order: pool [N+1, rb, w], block_table [n_slots, nb]
+    -> [B, nb·rb, w] (a gather of the batch's blocks; rows of unused table entries read scratch)."""
+    return pool[block_table[slots]].flatten(1, 2)
+
+
+def paged_address(block_table: torch.Tensor, slots: torch.Tensor, idx: torch.Tensor, rows_per_block: int,
+                  write: torch.Tensor | None = None, scratch: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool block, row in block) of logical row `idx [B, X]` of sequence `slots [B]`; with `write [B, X]`
+    the rows where it is False go to row 0 of block `scratch` (capture-safe masked scatter)."""
+    nb = block_table.shape[1]
+    k = torch.div(idx, rows_per_block, rounding_mode="floor").clamp(0, nb - 1)
+    blk = block_table[slots[:, None].expand_as(idx), k]
+    row = torch.remainder(idx, rows_per_block)
+    if write is None:
+        return blk, row
+    return torch.where(write, blk, torch.full_like(blk, scratch)), torch.where(write, row, torch.zeros_like(row))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4c.model.common import rms, rope_interleaved, selection_mask
+from dsv4c.model.common import paged_address, paged_rows, rms, rope_interleaved, selection_mask
 from dsv4c.model.v4_ops import _cos_sin, sink_attention, visible_count
 
 
@@ -43,6 +43,29 @@ def v4_attention_static(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, 
                         n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, entries: torch.Tensor | None,
                         selected: torch.Tensor | None, window: int, m: int) -> torch.Tensor:
     """Same contract as `dsv4c::v4_attention`, capture-safe (see the module docstring)."""
+    return _attention_static(q, kv, slots, pos0, n_real, ring, sinks, None if entries is None else entries[slots],
+                             selected, window, m)
+
+
+@torch.library.custom_op("dsv4c::v4_attention_paged_static", mutates_args=("ring",))
+def v4_attention_paged_static(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                              n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, pool: torch.Tensor,
+                              block_table: torch.Tensor, selected: torch.Tensor | None, window: int,
+                              m: int) -> torch.Tensor:
+    """Same contract as `dsv4c::v4_attention_paged`, capture-safe: the batch's entries gathered through
+    the block table (the slot op gathers `entries[slots]` the same way)."""
+    return _attention_static(q, kv, slots, pos0, n_real, ring, sinks, paged_rows(pool, block_table, slots),
+                             selected, window, m)
+
+
+@v4_attention_paged_static.register_fake
+def _(q, kv, slots, pos0, n_real, ring, sinks, pool, block_table, selected, window, m):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+def _attention_static(q, kv, slots, pos0, n_real, ring, sinks, ent_rows, selected, window: int, m: int):
+    """The static attention over the batch's entry rows `ent_rows [B, E, d]` (None: no entries)."""
+    entries = ent_rows
     B, T, H, d = q.shape
     S = ring.shape[1]
     assert T <= S, f"v4_attention_static: chunk of {T} tokens exceeds the {S} ring rows"
@@ -62,7 +85,7 @@ def v4_attention_static(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, 
             vis = torch.arange(E, device=dev) < visible_count(qpos, m)[..., None]  # [B, T, E]
         else:
             vis = selection_mask(selected, E)
-        keys = torch.cat([keys, entries[slots]], 1)
+        keys = torch.cat([keys, entries], 1)
         mask = torch.cat([mask, vis], 2)
     out = sink_attention(q.float(), keys.float(), mask, sinks)
     write = t[None, :] < n_real[:, None]  # [B, T]
@@ -92,9 +115,36 @@ def v4_compress_static(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tenso
     becomes entry (pos0 - r)/m + g; for CSA its previous group is virtual group g. Every group is
     pooled; only the closing ones are written (the rest go to scratch). The chunk's last R real rows
     are kept at row position mod R."""
+    e, entry_idx, closes = _compress_static(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv,
+                                            state_score, entries.shape[-1], entries.dtype, m, eps)
+    ws, wr = _scratch_redirect(slots, entry_idx, closes, entries.shape[0])
+    entries[ws, wr] = e
+
+
+@torch.library.custom_op("dsv4c::v4_compress_paged_static", mutates_args=("state_kv", "state_score", "pool"))
+def v4_compress_paged_static(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                             n_real: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor,
+                             inv_freq: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+                             pool: torch.Tensor, block_table: torch.Tensor, m: int, eps: float) -> None:
+    """Same contract as `dsv4c::v4_compress_paged`, capture-safe: the closing groups' entries go through
+    the block table, the others to the scratch block (the pool's last)."""
+    e, entry_idx, closes = _compress_static(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv,
+                                            state_score, pool.shape[-1], pool.dtype, m, eps)
+    blk, row = paged_address(block_table, slots, entry_idx, pool.shape[1], closes, pool.shape[0] - 1)
+    pool[blk, row] = e
+
+
+@v4_compress_paged_static.register_fake
+def _(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, pool, block_table, m, eps):
+    return None
+
+
+def _compress_static(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, w: int,
+                     dtype: torch.dtype, m: int, eps: float):
+    """The static compressor without the entry write: keeps the chunk's rows in the state and returns
+    (entries [B, G, w], entry index [B, G], closes [B, G])."""
     B, T, cw = kv.shape
     n_slots, R = state_kv.shape[:2]
-    w = entries.shape[-1]
     c = cw // w
     dev = kv.device
     G = -(-(m + T) // m)
@@ -118,18 +168,17 @@ def v4_compress_static(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tenso
     else:
         slot_kv, slot_sc = grp_kv, grp_sc
     pooled = (slot_sc.softmax(2) * slot_kv).sum(2)  # [B, G, w]
-    e = (norm_weight.float() * rms(pooled, eps)).to(entries.dtype)
+    e = (norm_weight.float() * rms(pooled, eps)).to(dtype)
     g = torch.arange(G, device=dev)
     entry_idx = torch.div(pos0 - r, m, rounding_mode="floor")[:, None] + g  # [B, G]
     cos, sin = _cos_sin(inv_freq, entry_idx * m)
     e = rope_interleaved(e, cos, sin)
     closes = (g[None, :] + 1) * m <= (r + n_real)[:, None]  # [B, G]
-    ws, wr = _scratch_redirect(slots, entry_idx, closes, n_slots)
-    entries[ws, wr] = e
     keep = (t[None, :] < n_real[:, None]) & (t[None, :] >= (n_real - R)[:, None])  # [B, T]
     ks, kr = _scratch_redirect(slots, torch.remainder(pos0[:, None] + t, R), keep, n_slots)
     state_kv[ks, kr] = kv.float()
     state_score[ks, kr] = g_new
+    return e, entry_idx, closes
 
 
 @v4_compress_static.register_fake
@@ -171,6 +220,40 @@ def dsa_cache_update_static(k_idx: torch.Tensor, slots: torch.Tensor, pos0: torc
 
 @dsa_cache_update_static.register_fake
 def _(k_idx, slots, pos0, n_real, index_keys):
+    return None
+
+
+def _write_rows_paged_static(rows, slots, pos0, n_real, pool, block_table) -> None:
+    """Paged `_write_rows_static`: the real rows through the block table, the others to the scratch block."""
+    t = torch.arange(rows.shape[1], device=rows.device)
+    write = t[None, :] < n_real[:, None]
+    blk, row = paged_address(block_table, slots, pos0[:, None] + t, pool.shape[1], write, pool.shape[0] - 1)
+    pool[blk, row] = rows.to(pool.dtype)
+
+
+@torch.library.custom_op("dsv4c::mla_cache_update_paged_static", mutates_args=("latent", "kpe"))
+def mla_cache_update_paged_static(c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                                  n_real: torch.Tensor, latent: torch.Tensor, kpe: torch.Tensor,
+                                  block_table: torch.Tensor) -> None:
+    """Same contract as `dsv4c::mla_cache_update_paged`, capture-safe."""
+    _write_rows_paged_static(c_kv, slots, pos0, n_real, latent, block_table)
+    _write_rows_paged_static(k_pe, slots, pos0, n_real, kpe, block_table)
+
+
+@mla_cache_update_paged_static.register_fake
+def _(c_kv, k_pe, slots, pos0, n_real, latent, kpe, block_table):
+    return None
+
+
+@torch.library.custom_op("dsv4c::dsa_cache_update_paged_static", mutates_args=("index_keys",))
+def dsa_cache_update_paged_static(k_idx: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                                  index_keys: torch.Tensor, block_table: torch.Tensor) -> None:
+    """Same contract as `dsv4c::dsa_cache_update_paged`, capture-safe."""
+    _write_rows_paged_static(k_idx, slots, pos0, n_real, index_keys, block_table)
+
+
+@dsa_cache_update_paged_static.register_fake
+def _(k_idx, slots, pos0, n_real, index_keys, block_table):
     return None
 
 

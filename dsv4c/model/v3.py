@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig, YarnScaling
-from dsv4c.model.common import (RMSNorm, RotaryTable, StaticCache, batch_meta, rope_half_split, rope_interleaved,
-                                selection_mask, swiglu, yarn_mscale)
+from dsv4c.model.common import (PagedLayout, RMSNorm, RotaryTable, StaticCache, batch_meta, paged_rows,
+                                rope_half_split, rope_interleaved, selection_mask, swiglu, yarn_mscale)
 from dsv4c.model import v3_ops  # noqa: F401  (registers torch.ops.dsv4c.mla_cache_update, dsa_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -55,14 +55,18 @@ class LayerCache:
     kpe [B, L, dr]        rotated k_pe in the *interleaved* (official) layout: channels (2i, 2i+1) are the
                           pair rotated by p·f_i. HF caches the de-interleaved layout [rotated evens |
                           rotated odds]; the logits are identical (§3).
-    index_keys [B, L, dI] V3.2 only: LayerNorm'd indexer key, rope part first, half-split rotated (§6)."""
+    index_keys [B, L, dI] V3.2 only: LayerNorm'd indexer key, rope part first, half-split rotated (§6).
+    Paged (`PagedLayout`): each a pool [N + 1, b, ·] shared by all sequences, position p of slot s at
+    row p mod b of block `block_table[s, p // b]` (one table for every layer)."""
 
     latent: torch.Tensor
     kpe: torch.Tensor
     index_keys: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if v is not None}
+        """The layer's own buffers (the shared block table is not one: `dsv4c.export.flat_caches`)."""
+        return {k: v for k, v in vars(self).items() if v is not None and k != "block_table"}
 
 
 V3Cache = StaticCache  # layers: [LayerCache]
@@ -121,15 +125,18 @@ class Indexer(nn.Module):
         return torch.cat((rope_half_split(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
     def forward(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: tuple,
-                index_keys: torch.Tensor) -> torch.Tensor:
+                index_keys: torch.Tensor, block_table: torch.Tensor | None = None) -> torch.Tensor:
         """x [B,T,D], c_q [B,T,Q], cos/sin [B,T,dr/2], meta = (slots, pos0, n_real); writes the chunk's
         keys into index_keys [n_slots,L,dI] -> selected key positions [B,T,index_topk] int64 (-1 = unused)."""
         slots, pos0, n_real = meta
         q = self.wq_b(c_q).unflatten(-1, (self.n_heads, self.head_dim))       # [B,T,HI,dI]
         q = self._rope_first(q, cos[:, :, None], sin[:, :, None])
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)              # [B,T,dI]
-        torch.ops.dsv4c.dsa_cache_update(k, slots, pos0, n_real, index_keys)
         w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5  # [B,T,HI]
+        if block_table is not None:
+            torch.ops.dsv4c.dsa_cache_update_paged(k, slots, pos0, n_real, index_keys, block_table)
+            return torch.ops.dsv4c.dsa_topk(q, w, paged_rows(index_keys, block_table, slots), pos0, self.topk)
+        torch.ops.dsv4c.dsa_cache_update(k, slots, pos0, n_real, index_keys)
         return torch.ops.dsv4c.dsa_topk(q, w, index_keys[slots], pos0, self.topk)
 
 
@@ -155,12 +162,15 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg) if cfg.has_dsa_indexer else None
         self.scale = softmax_scale(cfg)
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> LayerCache:
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device, paged: PagedLayout | None = None,
+                  block_table: torch.Tensor | None = None) -> LayerCache:
         def zeros(width: int) -> torch.Tensor:
+            if paged is not None:
+                return paged.pool(1, width, dtype, device)
             return torch.zeros(batch, max_len, width, dtype=dtype, device=device)
 
         index_keys = zeros(self.indexer.head_dim) if self.indexer is not None else None
-        return LayerCache(zeros(self.kv_lora_rank), zeros(self.dr), index_keys)
+        return LayerCache(zeros(self.kv_lora_rank), zeros(self.dr), index_keys, block_table)
 
     def forward(self, x: torch.Tensor, meta: tuple, cos: torch.Tensor, sin: torch.Tensor,
                 lc: LayerCache) -> torch.Tensor:
@@ -181,14 +191,19 @@ class MLAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)                                      # [B,T,c]
         k_pe = rope_interleaved(k_pe, cos, sin)                               # [B,T,dr]
-        torch.ops.dsv4c.mla_cache_update(c_kv, k_pe, slots, pos0, n_real, lc.latent, lc.kpe)
-        latent, kpe = lc.latent[slots], lc.kpe[slots]                        # [B,L,c], [B,L,dr]
+        bt = lc.block_table  # paged: latent, kpe (and index_keys) in blocks of a shared pool
+        if bt is None:
+            torch.ops.dsv4c.mla_cache_update(c_kv, k_pe, slots, pos0, n_real, lc.latent, lc.kpe)
+            latent, kpe = lc.latent[slots], lc.kpe[slots]                    # [B,L,c], [B,L,dr]
+        else:
+            torch.ops.dsv4c.mla_cache_update_paged(c_kv, k_pe, slots, pos0, n_real, lc.latent, lc.kpe, bt)
+            latent, kpe = paged_rows(lc.latent, bt, slots), paged_rows(lc.kpe, bt, slots)  # L = nb·b
 
         # which keys each query sees: causal, and on V3.2 the indexer's selection (§6.7)
         L = latent.shape[1]
         allowed = causal_visible(pos0, T, L)                                  # [B,T,L]
         if self.indexer is not None:
-            selected = self.indexer(x, c_q, cos, sin, meta, lc.index_keys)   # [B,T,topk]
+            selected = self.indexer(x, c_q, cos, sin, meta, lc.index_keys, bt)  # [B,T,topk]
             allowed = allowed & selection_mask(selected, L)
         o = self._attend(torch.cat((q_nope, q_pe), dim=-1), latent, kpe, allowed)
         return self.o_proj(o)                                                  # §4.7
@@ -382,18 +397,20 @@ class DeepseekV3Model(nn.Module):
         return pos, cos * self.rope_factor, sin * self.rope_factor
 
     # ---- caches ----------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int, max_len: int = 4096) -> V3Cache:
-        """Zeroed decode state for `batch_size` sequences of up to `max_len` positions."""
-        return self._cache(self.model.layers[: self.config.num_hidden_layers], batch_size, max_len)
+    def new_cache(self, batch_size: int, max_len: int = 4096, paged: PagedLayout | None = None) -> V3Cache:
+        """Zeroed decode state for `batch_size` sequences of up to `max_len` positions; `paged`: the
+        caches in blocks of a shared pool (`PagedLayout`)."""
+        return self._cache(self.model.layers[: self.config.num_hidden_layers], batch_size, max_len, paged)
 
-    def new_mtp_cache(self, batch_size: int, max_len: int = 4096) -> V3Cache:
+    def new_mtp_cache(self, batch_size: int, max_len: int = 4096, paged: PagedLayout | None = None) -> V3Cache:
         if self.mtp is None:
             raise ValueError("this config has no MTP module (num_nextn_predict_layers == 0)")
-        return self._cache([self.mtp], batch_size, max_len)
+        return self._cache([self.mtp], batch_size, max_len, paged)
 
-    def _cache(self, layers, batch_size: int, max_len: int) -> V3Cache:
+    def _cache(self, layers, batch_size: int, max_len: int, paged: PagedLayout | None = None) -> V3Cache:
         dev = self.model.embed_tokens.weight.device
-        lcs = [layer.self_attn.new_cache(batch_size, max_len, self.act_dtype, dev) for layer in layers]
+        bt = paged.table(batch_size, max_len, dev) if paged is not None else None
+        lcs = [layer.self_attn.new_cache(batch_size, max_len, self.act_dtype, dev, paged, bt) for layer in layers]
         return V3Cache(lcs, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
 
     # ---- main model ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4c.model.common import topk_visible
+from dsv4c.model.common import paged_address, topk_visible
 
 
 # ------------------------------------------------------------------------------------------------
@@ -63,6 +63,42 @@ def dsa_cache_update(k_idx: torch.Tensor, slots: torch.Tensor, pos0: torch.Tenso
 
 @dsa_cache_update.register_fake
 def _(k_idx, slots, pos0, n_real, index_keys):
+    return None
+
+
+def _write_rows_paged(rows: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                      pool: torch.Tensor, block_table: torch.Tensor) -> None:
+    """`_write_rows` into a pool of blocks: position p of slot s at pool[block_table[s, p // b], p mod b]."""
+    t = torch.arange(rows.shape[1], device=rows.device)
+    real = t[None, :] < n_real[:, None]  # [B, T]
+    blk, row = paged_address(block_table, slots, pos0[:, None] + t, pool.shape[1])
+    pool[blk[real], row[real]] = rows[real].to(pool.dtype)
+
+
+@torch.library.custom_op("dsv4c::mla_cache_update_paged", mutates_args=("latent", "kpe"))
+def mla_cache_update_paged(c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                           n_real: torch.Tensor, latent: torch.Tensor, kpe: torch.Tensor,
+                           block_table: torch.Tensor) -> None:
+    """`dsv4c::mla_cache_update` with latent / kpe in blocks (`dsv4c.model.common.PagedLayout`):
+    latent [N+1, b, dc], kpe [N+1, b, r], block_table [n_slots, nb]."""
+    _write_rows_paged(c_kv, slots, pos0, n_real, latent, block_table)
+    _write_rows_paged(k_pe, slots, pos0, n_real, kpe, block_table)
+
+
+@mla_cache_update_paged.register_fake
+def _(c_kv, k_pe, slots, pos0, n_real, latent, kpe, block_table):
+    return None
+
+
+@torch.library.custom_op("dsv4c::dsa_cache_update_paged", mutates_args=("index_keys",))
+def dsa_cache_update_paged(k_idx: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor, n_real: torch.Tensor,
+                           index_keys: torch.Tensor, block_table: torch.Tensor) -> None:
+    """`dsv4c::dsa_cache_update` with the indexer keys in blocks: index_keys [N+1, b, dI]."""
+    _write_rows_paged(k_idx, slots, pos0, n_real, index_keys, block_table)
+
+
+@dsa_cache_update_paged.register_fake
+def _(k_idx, slots, pos0, n_real, index_keys, block_table):
     return None
 
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4c.config import ModelConfig
-from dsv4c.model.common import (RMSNorm, RotaryTable, StaticCache, batch_meta, rms, rope_angles, rope_interleaved,
-                                 swiglu)
+from dsv4c.model.common import (PagedLayout, RMSNorm, RotaryTable, StaticCache, batch_meta, rms, rope_angles,
+                                 rope_interleaved, swiglu)
 from dsv4c.model import v4_ops  # noqa: F401  (registers torch.ops.dsv4c.v4_*)
 from dsv4c.model.moe import moe_experts  # noqa: F401  (registers torch.ops.dsv4c.moe_experts)
 
@@ -41,7 +41,9 @@ class LayerCache:
     comp_kv/comp_score [B, c·m + k, c·d] fp32: the compressor rows of the latest positions, position p
     at row p mod (c·m + k), k the extra rows for speculation (`dsv4c::v4_compress`).
     entries [B, ⌈L/m⌉, d]: compressed entries, entry i pools positions i·m … i·m+m-1.
-    idx_*: the same three for the CSA indexer's compressor (width dI)."""
+    idx_*: the same three for the CSA indexer's compressor (width dI).
+    Paged (`PagedLayout`): entries / idx_entries are pools [N + 1, b/m, ·] (idx: b/4 rows) shared by all
+    sequences, read and written through `block_table [n_slots, ⌈L/b⌉]` (one table for every layer)."""
 
     ring: torch.Tensor
     comp_kv: torch.Tensor | None = None
@@ -50,9 +52,11 @@ class LayerCache:
     idx_kv: torch.Tensor | None = None
     idx_score: torch.Tensor | None = None
     idx_entries: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if v is not None}
+        """The layer's own buffers (the shared block table is not one: `dsv4c.export.flat_caches`)."""
+        return {k: v for k, v in vars(self).items() if v is not None and k != "block_table"}
 
 
 V4Cache = StaticCache  # layers: [LayerCache]
@@ -142,11 +146,16 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.hidden_size, self.c * width, bias=False)
         self.norm = RMSNorm(width, cfg.rms_norm_eps)
 
-    def forward(self, x, meta, inv_freq, state_kv, state_score, entries) -> None:
-        """Absorb x [B, T, D] into the open-group state; write the entries of closing groups."""
-        torch.ops.dsv4c.v4_compress(_linear_f32(x, self.wkv.weight), _linear_f32(x, self.wgate.weight), *meta,
-                                    self.ape, self.norm.weight, inv_freq, state_kv, state_score, entries,
-                                    self.m, self.eps)
+    def forward(self, x, meta, inv_freq, state_kv, state_score, entries, block_table=None) -> None:
+        """Absorb x [B, T, D] into the open-group state; write the entries of closing groups (through
+        `block_table` into a pool when paged)."""
+        kv, score = _linear_f32(x, self.wkv.weight), _linear_f32(x, self.wgate.weight)
+        if block_table is None:
+            torch.ops.dsv4c.v4_compress(kv, score, *meta, self.ape, self.norm.weight, inv_freq, state_kv, state_score,
+                                        entries, self.m, self.eps)
+        else:
+            torch.ops.dsv4c.v4_compress_paged(kv, score, *meta, self.ape, self.norm.weight, inv_freq, state_kv,
+                                              state_score, entries, block_table, self.m, self.eps)
 
 
 class Indexer(nn.Module):
@@ -159,12 +168,14 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg, 4, self.head_dim)
 
-    def forward(self, x, qr, cos, sin, meta, keys) -> torch.Tensor:
+    def forward(self, x, qr, cos, sin, meta, keys, block_table=None) -> torch.Tensor:
         """x [B,T,D], qr [B,T,Q] (the q residual), keys [B,E,dI] -> entry ids [B, T, topk] (-1 = none)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, HI, dI]
         q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
         wts = _linear_f32(x, self.weights_proj.weight) * self.n_heads**-0.5  # [B, T, HI]
         slots, pos0, _ = meta
+        if block_table is not None:
+            return torch.ops.dsv4c.v4_indexer_topk_paged(q, wts, keys, block_table, slots, pos0, self.topk, 4)
         return torch.ops.dsv4c.v4_indexer_topk(q, wts, keys, slots, pos0, self.topk, 4)
 
 
@@ -194,15 +205,23 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg)
 
     def new_cache(self, batch: int, ring_slots: int, max_len: int, dtype: torch.dtype, device,
-                  extra: int = 0) -> LayerCache:
+                  extra: int = 0, paged: PagedLayout | None = None, block_table: torch.Tensor | None = None
+                  ) -> LayerCache:
         lc = LayerCache(torch.zeros(batch, ring_slots, self.head_dim, dtype=dtype, device=device))
+
+        def grows(div: int, width: int) -> torch.Tensor:
+            if paged is not None:
+                return paged.pool(div, width, dtype, device)
+            return torch.zeros(batch, -(-max_len // div), width, dtype=dtype, device=device)
+
         if self.m:
             lc.comp_kv, lc.comp_score = _compressor_rows(batch, self.m, self.head_dim, device, extra)
-            lc.entries = torch.zeros(batch, -(-max_len // self.m), self.head_dim, dtype=dtype, device=device)
+            lc.entries = grows(self.m, self.head_dim)
+            lc.block_table = block_table
         if self.m == 4:
             dI = self.indexer.head_dim
             lc.idx_kv, lc.idx_score = _compressor_rows(batch, 4, dI, device, extra)
-            lc.idx_entries = torch.zeros(batch, -(-max_len // 4), dI, dtype=dtype, device=device)
+            lc.idx_entries = grows(4, dI)
         return lc
 
     def forward(self, x: torch.Tensor, meta: tuple, lc: LayerCache) -> torch.Tensor:
@@ -215,13 +234,18 @@ class Attention(nn.Module):
         q = rope_interleaved(q, cos[:, :, None], sin[:, :, None])
         kv = rope_interleaved(self.kv_norm(self.wkv(x)), cos, sin)  # [B, T, d]
         selected = None
+        bt = lc.block_table if self.m else None  # paged: entries and indexer keys in blocks
         if self.m:
-            self.compressor(x, meta, self.rope.inv_freq, lc.comp_kv, lc.comp_score, lc.entries)
+            self.compressor(x, meta, self.rope.inv_freq, lc.comp_kv, lc.comp_score, lc.entries, bt)
         if self.m == 4:
-            self.indexer.compressor(x, meta, self.rope.inv_freq, lc.idx_kv, lc.idx_score, lc.idx_entries)
-            selected = self.indexer(x, qr, cos, sin, meta, lc.idx_entries)
-        o = torch.ops.dsv4c.v4_attention(q, kv, *meta, lc.ring, self.attn_sink, lc.entries, selected,
-                                         self.window, self.m)  # [B, T, H, d] fp32
+            self.indexer.compressor(x, meta, self.rope.inv_freq, lc.idx_kv, lc.idx_score, lc.idx_entries, bt)
+            selected = self.indexer(x, qr, cos, sin, meta, lc.idx_entries, bt)
+        if bt is None:
+            o = torch.ops.dsv4c.v4_attention(q, kv, *meta, lc.ring, self.attn_sink, lc.entries, selected,
+                                             self.window, self.m)  # [B, T, H, d] fp32
+        else:
+            o = torch.ops.dsv4c.v4_attention_paged(q, kv, *meta, lc.ring, self.attn_sink, lc.entries, bt, selected,
+                                                   self.window, self.m)
         o = rope_interleaved(o, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         return self._output(o)
 
@@ -386,18 +410,22 @@ class DeepseekV4Model(nn.Module):
     def act_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
+    def new_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0,
+                  paged: PagedLayout | None = None) -> V4Cache:
         """Zeroed decode state for `batch_size` sequences of up to `max_len` positions.
-        `extra_ring_slots` (k_max) keeps speculative rows from evicting live window and compressor rows."""
-        return self._cache(self.layers, batch_size, max_len, extra_ring_slots)
+        `extra_ring_slots` (k_max) keeps speculative rows from evicting live window and compressor rows.
+        `paged`: the compressed entries and indexer keys in blocks of a shared pool (`PagedLayout`)."""
+        return self._cache(self.layers, batch_size, max_len, extra_ring_slots, paged)
 
-    def new_mtp_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0) -> V4Cache:
-        return self._cache(self.mtp, batch_size, max_len, extra_ring_slots)
+    def new_mtp_cache(self, batch_size: int, max_len: int = 4096, extra_ring_slots: int = 0,
+                      paged: PagedLayout | None = None) -> V4Cache:
+        return self._cache(self.mtp, batch_size, max_len, extra_ring_slots, paged)  # ratio 0: nothing paged
 
-    def _cache(self, blocks, batch_size: int, max_len: int, extra: int) -> V4Cache:
+    def _cache(self, blocks, batch_size: int, max_len: int, extra: int, paged: PagedLayout | None = None) -> V4Cache:
         dev = self.embed.weight.device
         slots = self.config.sliding_window + extra
-        layers = [b.attn.new_cache(batch_size, slots, max_len, self.act_dtype, dev, extra) for b in blocks]
+        bt = paged.table(batch_size, max_len, dev) if paged is not None else None
+        layers = [b.attn.new_cache(batch_size, slots, max_len, self.act_dtype, dev, extra, paged, bt) for b in blocks]
         return V4Cache(layers, torch.zeros(batch_size, dtype=torch.int64, device=dev), max_len)
 
     # ---- forward ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from dsv4c.model.common import rms, rope_interleaved, selection_mask, topk_visible
+from dsv4c.model.common import paged_rows, rms, rope_interleaved, selection_mask, topk_visible
 
 
 def _cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +72,30 @@ def _compress_row(k, g, p0, m, c, norm_weight, inv_freq, st_kv, st_sc, entries, 
         st_kv[(p0 + t) % R], st_sc[(p0 + t) % R] = k[t], g[t]
 
 
+@torch.library.custom_op("dsv4c::v4_compress_paged", mutates_args=("state_kv", "state_score", "pool"))
+def v4_compress_paged(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                      n_real: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
+                      state_kv: torch.Tensor, state_score: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                      m: int, eps: float) -> None:
+    """`dsv4c::v4_compress` with the entries in blocks (`dsv4c.model.common.PagedLayout`): entry i of the
+    sequence in slot s lives at pool[block_table[s, i // rb], i mod rb], rb = pool.shape[1] entries per block.
+    Computes what `v4_compress` computes on that sequence's entries and writes only its closing groups."""
+    c, rb = kv.shape[-1] // pool.shape[-1], pool.shape[1]
+    for b in range(kv.shape[0]):
+        p0, n, s = int(pos0[b]), int(n_real[b]), int(slots[b])
+        ent = pool[block_table[s]].flatten(0, 1)  # [E, w] a copy; the closing rows are written back below
+        _compress_row(kv[b, :n], score[b, :n] + ape.float()[(p0 + torch.arange(n, device=kv.device)) % m],
+                      p0, m, c, norm_weight, inv_freq, state_kv[s], state_score[s], ent, eps)
+        i = torch.arange(p0 // m, (p0 + n) // m, device=kv.device)
+        if i.numel():
+            pool[block_table[s, i // rb], i % rb] = ent[i]
+
+
+@v4_compress_paged.register_fake
+def _(kv, score, slots, pos0, n_real, ape, norm_weight, inv_freq, state_kv, state_score, pool, block_table, m, eps):
+    return None
+
+
 def _past_rows(state: torch.Tensor, lo: int, hi: int, fill: float) -> torch.Tensor:
     """The kept rows of positions lo … hi-1 ([hi-lo, c·w]); `fill` for positions before 0 (the
     previous group of group 0: zero rows with -inf scores weigh nothing)."""
@@ -102,10 +126,15 @@ def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
     q [B, T, HI, dI] (RoPE applied), weights [B, T, HI] fp32 (already × HI^-½), keys [n_slots, E, dI] ->
     idx [B, T, topk] int64: the top-min(topk, visible) visible entries by
     Σ_h weights_h · dI^-½ · relu(q_h·K_w); -1 fills unused slots."""
+    return _indexer_select(q, weights, keys[slots], pos0, topk, m)
+
+
+def _indexer_select(q, weights, rows, pos0, topk: int, m: int) -> torch.Tensor:
+    """The indexer's selection over the batch's key rows [B, E, dI]."""
     T = q.shape[1]
-    E = keys.shape[1]
+    E = rows.shape[1]
     pos = pos0[:, None] + torch.arange(T, device=q.device)  # [B, T]
-    dots = torch.einsum("bthi,bsi->bths", q.float(), keys[slots].float()).relu()
+    dots = torch.einsum("bthi,bsi->bths", q.float(), rows.float()).relu()
     score = torch.einsum("bth,bths->bts", weights.float() * q.shape[-1] ** -0.5, dots)
     visible = torch.arange(E, device=q.device) < visible_count(pos, m)[..., None]  # [B, T, E]
     return topk_visible(score, visible, topk)
@@ -113,6 +142,19 @@ def v4_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, 
 
 @v4_indexer_topk.register_fake
 def _(q, weights, keys, slots, pos0, topk, m):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)
+
+
+@torch.library.custom_op("dsv4c::v4_indexer_topk_paged", mutates_args=())
+def v4_indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                          slots: torch.Tensor, pos0: torch.Tensor, topk: int, m: int) -> torch.Tensor:
+    """`dsv4c::v4_indexer_topk` over keys in blocks: the keys of slot s are `paged_rows(pool, block_table)`.
+    Capture-safe as it stands (fixed shapes, no host reads)."""
+    return _indexer_select(q, weights, paged_rows(pool, block_table, slots), pos0, topk, m)
+
+
+@v4_indexer_topk_paged.register_fake
+def _(q, weights, pool, block_table, slots, pos0, topk, m):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int64)
 
 
@@ -129,6 +171,13 @@ def v4_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: t
     q [B, T, H, d], kv [B, T, d] (both RoPE'd); ring [n_slots, S, d] holds position p at row p mod S and
     receives the chunk's real rows; entries [n_slots, E, d] (m > 0); selected [B, T, k] (CSA: the indexer's
     choice, -1 = none; HCA: None = every visible entry). -> o [B, T, H, d] fp32, before inverse RoPE."""
+    rows = None if entries is None else (lambda b, s: entries[s])
+    return _attention_loop(q, kv, slots, pos0, n_real, ring, sinks, rows, selected, window, m)
+
+
+def _attention_loop(q, kv, slots, pos0, n_real, ring, sinks, rows, selected, window: int, m: int) -> torch.Tensor:
+    """The reference attention; `rows(b, s)` gives batch row b's entries [E, d] (None: no entries)."""
+    entries = rows
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
         p0, n, s = int(pos0[b]), int(n_real[b]), int(slots[b])
@@ -137,15 +186,31 @@ def v4_attention(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: t
         rel = pos[:, None] - key_pos[None, :]
         mask = (rel >= 0) & (rel < window)  # [T, S]
         if entries is not None:
-            E = entries.shape[1]
+            ent = rows(b, s)  # [E, d]
+            E = ent.shape[0]
             if selected is None:
                 vis = torch.arange(E, device=q.device) < visible_count(pos, m)[:, None]
             else:
                 vis = selection_mask(selected[b], E)
-            keys = torch.cat([keys, entries[s]])
+            keys = torch.cat([keys, ent])
             mask = torch.cat([mask, vis], 1)
         out[b] = sink_attention(q[b, None].float(), keys[None].float(), mask[None], sinks)[0]
     return out
+
+
+@torch.library.custom_op("dsv4c::v4_attention_paged", mutates_args=("ring",))
+def v4_attention_paged(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
+                       n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, pool: torch.Tensor,
+                       block_table: torch.Tensor, selected: torch.Tensor | None, window: int, m: int) -> torch.Tensor:
+    """`dsv4c::v4_attention` with the entries in blocks: slot s's entries are pool[block_table[s]] in order
+    (`dsv4c.model.common.PagedLayout`). Same function as the slot op on the same entries."""
+    return _attention_loop(q, kv, slots, pos0, n_real, ring, sinks, lambda b, s: pool[block_table[s]].flatten(0, 1),
+                           selected, window, m)
+
+
+@v4_attention_paged.register_fake
+def _(q, kv, slots, pos0, n_real, ring, sinks, pool, block_table, selected, window, m):
+    return torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
 
 def _window_keys(kv, p0, n, ring, window):

@@ -1,0 +1,283 @@
+"""Block-based (paged) caches for the Session: the pool's blocks, block tables, copy-free prefix sharing.
+
+With a paged artifact (`dsv4c.model.common.PagedLayout`) the caches that grow with the sequence (V4:
+compressed entries and the CSA indexer's keys; V3/V3.2: latent, kpe, indexer keys) are pools of
+`N + 1` blocks of `b` positions shared by every sequence, and the graphs read and write them through
+`caches["block_table"] [cache_slots, ⌈max_tokens / b⌉]` (the last pool block is scratch: unused table
+entries point at it). The window ring and the compressors' open-group rows stay per slot. So the memory
+of the growing caches is N blocks, not max_batch × max_tokens positions.
+
+**Allocation.** A request gets, at admission, the blocks of every position it can reach (prompt +
+max_new_tokens), so decoding never runs out of blocks halfway; a request whose blocks cannot be had
+waits for running requests to finish, and one that needs more blocks than the pool holds is refused
+before any work (`PagedCacheError` naming the limit). The table row of a finished request points at
+scratch again and its blocks go back to the pool.
+
+**Prefix sharing (copy-free).** As in runtime/prefix_cache.py, a prompt's full blocks are keyed by the
+hash chain of their token ids; once prefilled, a block is registered under its key. A later prompt that
+starts with registered blocks puts those very blocks into its table (reference-counted): nothing is
+copied for the growing caches. It resumes at the end of the deepest shared block that has boundary state
+(V4: the ring's last W rows and CSA's previous compressor group at that position, stored with the block
+when a prefill chunk ended there; runtime/prefix_cache.py says why storing beats recomputing), restored
+into its slot by one copy. Shared blocks are never written again: a request resumes at a block end
+P = r·b and writes only positions >= P (the compressors write an entry when its group closes, and every
+group of a block before P closed before P), and matched blocks past its resume point are not shared
+(it gets private blocks for them). Unreferenced registered blocks stay cached and are evicted least
+recently used, the deepest of a chain first, when a request needs blocks.
+
+MTP (speculative decoding) with paged caches is not implemented: the Session refuses it.
+
+Legend: b block size (positions), N pool blocks, W window, P a block end (position).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from dsv4c.runtime.prefix_cache import PrefixCache, cache_fields, default_block_size
+
+
+class PagedCacheError(ValueError):
+    """The block pool cannot serve a request (or cannot be built); the message names the limit."""
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Paged caches at compile time: block_size (default: the prefix cache's, the smallest multiple of every
+    compression ratio >= 16) and max_blocks, the pool (default: max_batch × ⌈max_tokens / b⌉, the slot
+    caches' capacity; fewer blocks = less memory, requests then wait for blocks)."""
+    block_size: int | None = None
+    max_blocks: int | None = None
+
+    def layout(self, config, max_tokens: int, max_batch: int):
+        from dsv4c.model.common import PagedLayout
+
+        b = self.block_size or default_block_size(config)
+        ratios = sorted({m for m in config.compress_ratios if m}) if config.is_v4 else []
+        bad = [m for m in ratios if b % m]
+        if b < 1 or bad:
+            raise PagedCacheError(f"PagedConfig.block_size={b}: must be >= 1 and a multiple of every compression "
+                                  f"ratio (not of {bad})")
+        n = self.max_blocks if self.max_blocks is not None else max_batch * -(-max_tokens // b)
+        if n < 1:
+            raise PagedCacheError(f"PagedConfig.max_blocks={n}: the pool needs at least one block")
+        return PagedLayout(b, n)
+
+
+def paged_names(caches: dict[str, torch.Tensor]) -> set[str]:
+    """The flat cache names of the pools (not per slot): the growing fields and the block table."""
+    grow = ("entries", "idx_entries", "latent", "kpe", "index_keys")
+    return {k for k in caches if k == "block_table" or k.split(".", 1)[-1] in grow}
+
+
+@dataclass
+class _Seq:
+    blocks: list[int]  # pool block of each of the sequence's blocks, in order
+    keys: list[bytes]  # hash-chain keys of its prompt's full blocks
+    shared: int  # leading blocks taken from the cache (registered by another request)
+    matched: int  # leading prompt blocks found in the cache at admission
+
+
+class BlockPool:
+    """Blocks, block tables, registration, references and LRU eviction (module docstring). Implements the
+    Session's prefix-cache hooks (admit, check, chunk_ends, after_chunk, release, stats)."""
+
+    def __init__(self, config, caches: dict[str, torch.Tensor], layout, max_batch: int, max_tokens: int,
+                 device: torch.device, share: bool = True):
+        self.config, self.caches, self.device, self.share = config, caches, device, share
+        self.block_size, self.n_blocks = layout.block_size, layout.n_blocks
+        self.table_dev = caches["block_table"]  # [cache_slots, nb] int64, read by the graphs
+        self.table = torch.full(tuple(self.table_dev.shape), self.n_blocks, dtype=torch.int64)
+        self.max_tokens = max_tokens
+        slot_caches = {k: v for k, v in caches.items() if k not in paged_names(caches)}
+        self.boundary_fields = [f for f in cache_fields(config, slot_caches) if not f.grow]
+        self.window = config.sliding_window if config.is_v4 else 0
+        self.refs = [0] * self.n_blocks
+        self.key_of: dict[int, bytes] = {}  # registered block -> key
+        self.by_key: dict[bytes, int] = {}
+        self.boundary: dict[int, dict[str, torch.Tensor]] = {}  # registered block -> boundary rows at its end
+        self.lru: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced blocks, oldest first
+        self.free = list(range(self.n_blocks - 1, -1, -1))
+        self.seqs: dict[int, _Seq] = {}
+        self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
+        self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
+                         "waits": 0}
+
+    def keys(self, ids: list[int]) -> list[bytes]:
+        """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
+        return PrefixCache.keys(self, ids)
+
+    def _has_boundary(self, key: bytes) -> bool:
+        return self.by_key.get(key) in self.boundary
+
+    # ---- admission ------------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def check(self, ids: list[int], max_new: int = 1) -> None:
+        """Refuse, before any work, a request needing more blocks than the pool holds."""
+        need = self.blocks_for(len(ids) + max_new)
+        if need > self.n_blocks:
+            raise PagedCacheError(f"paged cache pool too small: a {len(ids)}-token prompt with max_new_tokens="
+                                  f"{max_new} needs {need} blocks of {self.block_size} tokens, the pool holds "
+                                  f"{self.n_blocks} (PagedConfig.max_blocks); compile with more blocks")
+
+    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None) -> bool:
+        """Give `slot` the blocks of positions [0, tokens) (default len(ids) + 1): the cached blocks of ids'
+        prefix up to the resume point, fresh ones after; restore the slot's boundary state there and set
+        pos[slot]. False: the blocks are held by running requests (wait for one to finish)."""
+        if mtp:
+            raise PagedCacheError("paged caches with MTP speculative decoding are not implemented; use mtp=0")
+        tokens = tokens if tokens is not None else len(ids) + 1
+        self.release(slot)
+        keys = self.keys(ids) if self.share else []
+        j = 0
+        while j < len(keys) and keys[j] in self.by_key:
+            j += 1
+        for k in keys[j:]:  # a registered block whose prefix was evicted is unreachable: free it
+            blk = self.by_key.get(k)
+            if blk is not None and self.refs[blk] == 0:
+                self.lru.pop(blk, None)
+                self._forget(blk)
+                self.free.append(blk)
+        r = self._resume(keys[:j], len(ids))
+        shared = [self.by_key[k] for k in keys[:r]]
+        need = self.blocks_for(tokens) - r
+        avail = len(self.free) + sum(1 for blk in self.lru if blk not in shared)
+        if need > avail:
+            if not self.seqs:
+                self.check(ids, tokens - len(ids))
+                raise PagedCacheError(f"paged cache: {need} free blocks needed, {avail} can be had")
+            self.counters["waits"] += 1
+            return False
+        for blk in shared:
+            self.refs[blk] += 1
+            self.lru.pop(blk, None)
+        blocks = shared + [self._take() for _ in range(need)]
+        self.seqs[slot] = _Seq(blocks, keys, r, j)
+        self._set_row(slot)
+        if r:
+            self._restore(shared[-1], slot, r * self.block_size)
+        pos[slot] = r * self.block_size
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+        self.counters["hit_tokens"] += r * self.block_size
+        return True
+
+    def _resume(self, matched: list[bytes], n: int) -> int:
+        """How many matched blocks to share: leaving >= 1 token to prefill, ending at a block with boundary
+        state (V4; V3 has none and resumes at any block)."""
+        r = min(len(matched), (n - 1) // self.block_size)
+        while r and self.boundary_fields and self.by_key[matched[r - 1]] not in self.boundary:
+            r -= 1
+        return r
+
+    def _take(self) -> int:
+        if not self.free:
+            blk, _ = self.lru.popitem(last=False)
+            self._forget(blk)
+            self.counters["evictions"] += 1
+            return blk
+        return self.free.pop()
+
+    def _forget(self, blk: int) -> None:
+        key = self.key_of.pop(blk, None)
+        if key is not None:
+            del self.by_key[key]
+        self.boundary.pop(blk, None)
+
+    def ensure(self, slot: int, end: int) -> None:
+        """`slot` holds blocks for positions [0, end): take more if not (Session.logits, which admits
+        nothing; an admitted request already holds all it can reach)."""
+        seq = self.seqs.setdefault(slot, _Seq([], [], 0, 0))
+        need = self.blocks_for(end) - len(seq.blocks)
+        if need <= 0:
+            return
+        if need > len(self.free) + len(self.lru):
+            raise PagedCacheError(f"paged cache: position {end} of slot {slot} needs {need} more blocks of "
+                                  f"{self.block_size} tokens, {len(self.free) + len(self.lru)} can be had of "
+                                  f"{self.n_blocks} (PagedConfig.max_blocks)")
+        seq.blocks += [self._take() for _ in range(need)]
+        self._set_row(slot)
+
+    def _set_row(self, slot: int) -> None:
+        row = self.table[slot]
+        row.fill_(self.n_blocks)
+        blocks = self.seqs[slot].blocks if slot in self.seqs else []
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self.table_dev[slot].copy_(row)
+        self.covered[slot] = len(blocks) * self.block_size
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` finished: drop its references; its table row points at scratch again."""
+        seq = self.seqs.pop(slot, None)
+        if seq is None:
+            return
+        for blk in reversed(seq.blocks):  # the deepest first: evicted before its prefix
+            if blk in self.key_of:
+                self.refs[blk] -= 1
+                if self.refs[blk] == 0:
+                    self.lru[blk] = None
+            else:
+                self.free.append(blk)
+        self._set_row(slot)
+
+    def release_all(self) -> None:
+        for s in list(self.seqs):
+            self.release(s)
+
+    # ---- prefill hooks ----------------------------------------------------------------------------
+    def chunk_ends(self, slot: int, start: int, n: int, step: int) -> list[int]:
+        """Chunk ends for prefilling [start, n): every `step` tokens, plus the block ends where a later
+        prompt may resume and boundary state is missing (as PrefixCache.chunk_ends)."""
+        cuts = set(range(start + step, n, step)) | {n}
+        seq = self.seqs.get(slot)
+        if seq is not None and self.share and self.boundary_fields:
+            b, nk = self.block_size, len(seq.keys)
+            for i in {nk, seq.matched, (n - 1) // b}:
+                if 0 < i <= nk and start < i * b < n and not self._has_boundary(seq.keys[i - 1]):
+                    cuts.add(i * b)
+        return sorted(cuts)
+
+    def after_chunk(self, slot: int, end: int) -> None:
+        """Positions [.., end) of `slot` are prefilled: register its prompt blocks that ended by then (not
+        already registered: a duplicate stays private), and store the boundary state at `end`."""
+        seq = self.seqs.get(slot)
+        if seq is None or not self.share:
+            return
+        b = self.block_size
+        for i in range(seq.shared, min(end // b, len(seq.keys))):
+            blk, key = seq.blocks[i], seq.keys[i]
+            if blk in self.key_of or key in self.by_key:
+                continue
+            self.key_of[blk], self.by_key[key] = key, blk
+            self.refs[blk] = 1
+            self.counters["stored_blocks"] += 1
+        if self.boundary_fields and end % b == 0 and 0 < end // b <= len(seq.keys):
+            blk = self.by_key.get(seq.keys[end // b - 1])  # this slot's block, or the registered duplicate's
+            if blk is not None and blk not in self.boundary:
+                self.boundary[blk] = {f.name: self.caches[f.name][slot, self._rows(f, end)].clone()
+                                      for f in self.boundary_fields}
+
+    def _rows(self, f, end: int) -> torch.Tensor:
+        """The slot rows of field f holding positions [max(end - rows, 0), end)."""
+        return torch.arange(max(end - f.rows, 0), end, device=self.device).remainder(f.ring)
+
+    def _restore(self, blk: int, slot: int, end: int) -> None:
+        for f in self.boundary_fields:
+            self.caches[f.name][slot, self._rows(f, end)] = self.boundary[blk][f.name]
+
+    # ---- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        used = self.n_blocks - len(self.free) - len(self.lru)
+        return {"block_size": self.block_size, "blocks_total": self.n_blocks, "blocks_in_use": used,
+                "blocks_cached": len(self.key_of), "blocks_free": len(self.free),
+                "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
+
+
+def paged_bytes(caches: dict[str, torch.Tensor]) -> int:
+    """Bytes of the pools (all blocks, scratch included)."""
+    return sum(t.numel() * t.element_size() for k, t in caches.items() if k in paged_names(caches))

@@ -1,0 +1,241 @@
+"""Paged caches through the Session (runtime/block_pool.py, issue 27 item 1): the growing caches in
+blocks of a shared pool, read and written through the block table, give the logits of the slot caches
+(fp32, 1e-6) for tiny V4 (SWA, CSA, HCA layers), V3 and V3.2, in prefill and decode; prompts sharing a
+prefix share its blocks without copies and each gets its from-scratch result; a tiny pool evicts and
+waits and keeps every answer exact; a pool too small for one request is refused naming the limit.
+
+As tests/test_prefix_cache.py, the Sessions run the eager model's traceable `step` as their graphs (the
+exported graphs: tests/test_paged_ops.py). Both sides prefill in chunks of one block."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4c import ModelConfig
+from dsv4c.export import unflat_caches
+from dsv4c.model import build_model, randomize_
+from dsv4c.runtime import Session
+from dsv4c.runtime.block_pool import PagedCacheError, PagedConfig
+
+
+def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = True, max_batch: int = 3,
+                  max_tokens: int = 96) -> Session:
+    """A Session whose graphs are the eager model's step; prefill chunks of `block` tokens."""
+    cache = model.new_cache(1, max_len=1)
+    cls, n_layers = type(cache.layers[0]), len(cache.layers)
+
+    def main(ids, slots, pos0, n_real, caches, weights):
+        return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
+
+    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": 0, "buckets": [],
+                "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
+                "target": {"name": "cpu"},
+                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k}
+                           for k, t in {"prefill": None, "decode": 1}.items()}}
+    if paged is not None:
+        lay = paged.layout(model.config, max_tokens, max_batch)
+        manifest["paged"] = {"block_size": lay.block_size, "n_blocks": lay.n_blocks}
+    sess = Session(Path("<eager>"), manifest, {"prefill": main, "decode": main}, {}, torch.device("cpu"), None,
+                   prefix_cache=prefix if paged is not None else False)
+    sess.max_num_batched_tokens = block
+    return sess
+
+
+def serve(sess: Session, prompts, max_new: int = 4):
+    """generate() with sampling (one decode step at a time), recording every logits row sampled from."""
+    rec: dict[int, list[torch.Tensor]] = {}
+    emit = sess._emit
+
+    def recording(r, logits):
+        rec.setdefault(r.index, []).append(logits.float().cpu().clone())
+        yield from emit(r, logits)
+
+    sess._emit = recording
+    try:
+        with torch.no_grad():
+            out = sess.generate(prompts, max_new_tokens=max_new, temperature=1.0, seed=5)
+    finally:
+        del sess._emit
+    return [r.tokens for r in out], [torch.stack(rec[i]) for i in range(len(prompts))]
+
+
+def assert_same(ref, got, tol: float = 1e-6) -> None:
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert a.shape == b.shape, i
+        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
+        assert err <= tol, f"request {i}: rel err {err}"
+    assert ref[0] == got[0]
+
+
+def prompts_sharing(V: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """A 40-token base and prompts sharing 13 of it (inside a compression group), 16 (a block end) and 40
+    (past the window), then diverging."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(2, V, (40,), generator=g).tolist()
+    tail = lambda n: torch.randint(2, V, (n,), generator=g).tolist()  # noqa: E731
+    return base, [base[:13] + tail(6), base[:16] + tail(9), base + tail(7), base[:37], base[:24]]
+
+
+NAMES = ("v4-tiny-a", "v3-tiny", "v32-tiny")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: randomize_(build_model(ModelConfig.preset(name), dtype=torch.float32), seed=21 + i).eval()
+            for i, name in enumerate(NAMES)}
+
+
+@pytest.fixture(scope="module")
+def refs(models):
+    """The slot caches' answers to prompts_sharing (no prefix cache), per model."""
+    out = {}
+    for name, model in models.items():
+        base, ps = prompts_sharing(model.config.vocab_size)
+        out[name] = serve(eager_session(model, 8, None), ps, max_new=3)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paged_logits_equal_the_slot_caches_and_shared_prefixes_are_exact(models, refs, name):
+    """Prefill and decode logits of paged caches equal the slot caches'; with prefix sharing the base's
+    blocks are put into the later tables (no copy) and every request still gets its from-scratch answer."""
+    model = models[name]
+    base, ps = prompts_sharing(model.config.vocab_size)
+    ref = refs[name]
+    assert_same(ref, serve(eager_session(model, 8, PagedConfig(block_size=8), prefix=False), ps, max_new=3))
+    sess = eager_session(model, 8, PagedConfig(block_size=8))
+    serve(sess, [base], max_new=1)  # registers its 5 blocks
+    assert_same(ref, serve(sess, ps, max_new=3))
+    st = sess.prefix.stats()
+    # shared blocks, leaving >= 1 token to prefill: 19 tokens sharing 13 -> 8, 25 sharing 16 -> 16, ...
+    assert st["hit_tokens"] == 8 + 16 + 40 + 32 + 16, st
+    assert st["blocks_in_use"] == 0 and st["blocks_cached"] >= 5, st
+
+
+def test_shared_blocks_are_referenced_not_copied_and_never_written(models):
+    """Two running requests share the base's first blocks: their table rows hold the same pool blocks,
+    and those blocks' bytes do not change while both decode."""
+    model = models["v4-tiny-a"]
+    base, _ = prompts_sharing(model.config.vocab_size, seed=4)
+    sess = eager_session(model, 8, PagedConfig(block_size=8))
+    serve(sess, [base], max_new=2)
+    pools = {k: t.clone() for k, t in sess.caches.items() if k.endswith("entries")}
+    pool = sess.prefix
+    shared = [pool.by_key[k] for k in pool.keys(base)[:3]]
+    a, b = base[:24] + [3, 4, 5], base[:24] + [6, 7, 8, 9]
+    rows = {}
+    orig_admit = pool.admit
+
+    def admit(ids, slot, pos, mtp=False, tokens=None):
+        ok = orig_admit(ids, slot, pos, mtp, tokens)
+        rows[slot] = pool.table[slot].clone()
+        return ok
+
+    pool.admit = admit
+    ref = serve(eager_session(model, 8, None), [a, b], max_new=5)
+    got = serve(sess, [a, b], max_new=5)
+    assert_same(ref, got)
+    r0, r1 = rows.values()
+    assert r0[:3].tolist() == r1[:3].tolist() == shared  # the same pool blocks in both tables
+    own = [{x for x in r[3:].tolist() if x != pool.n_blocks} for r in (r0, r1)]  # (scratch: unused entries)
+    assert own[0] and own[1] and own[0].isdisjoint(own[1]) and not own[0] & set(shared)
+    rb = {k: pools[k].shape[1] for k in pools}
+    for k, t in pools.items():
+        assert torch.equal(sess.caches[k][shared], t[shared]), k  # shared blocks never written
+        assert rb[k] * pool.n_blocks < pools[k].numel()  # (pools, not per-slot caches)
+
+
+def test_eviction_and_waiting_under_a_tiny_pool_keep_every_answer_exact(models):
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=2)
+    ps = ps[:4] + [base[::-1], base[::-1][:30] + [3, 4]]
+    ref = serve(eager_session(model, 8, None), ps, max_new=3)
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=8))
+    # waiting changes which requests decode together: batched rows round differently (as in test_batching)
+    assert_same(ref, serve(sess, ps, max_new=3), tol=1e-5)
+    st = sess.prefix.stats()
+    assert st["evictions"] > 0 and st["waits"] > 0 and st["hit_tokens"] > 0 and st["blocks_in_use"] == 0, st
+    assert sess.caches["0.ring"].shape[0] == 4 and sess.caches["1.entries"].shape[0] == 8 + 1  # pool: 8 + scratch
+
+
+def test_a_pool_too_small_for_one_request_is_refused_naming_the_limit(models):
+    model = models["v3-tiny"]
+    sess = eager_session(model, 4, PagedConfig(block_size=4, max_blocks=4))
+    with pytest.raises(PagedCacheError, match=r"pool too small: a 17-token prompt with max_new_tokens=2 needs 5 "
+                                              r"blocks of 4 tokens, the pool holds 4 \(PagedConfig.max_blocks\)"):
+        sess.generate([[5] * 3, [6] * 17], max_new_tokens=2)
+    assert sess.prefix.stats()["requests"] == 0
+    with pytest.raises(PagedCacheError, match="block_size=6: must be >= 1 and a multiple of every compression"):
+        eager_session(models["v4-tiny-a"], 4, PagedConfig(block_size=6))
+    with pytest.raises(PagedCacheError, match="MTP"):
+        sess.generate([[5] * 3], max_new_tokens=2, mtp=1)
+
+
+def test_session_logits_on_paged_caches(models):
+    """Session.logits (no admission) takes blocks as it goes and gives them back."""
+    model = models["v32-tiny"]
+    ids = prompts_sharing(model.config.vocab_size, seed=6)[0]
+    ref = eager_session(model, 8, None).logits(ids)
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=6))
+    got = sess.logits(ids)
+    assert ((ref - got).abs().max() / ref.abs().max()).item() <= 1e-6
+    assert sess.prefix.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_path):
+    """On the GPU: the h200 lowering of paged caches (the Triton attention, indexer and compressor with block
+    tables) captured as CUDA graphs gives the logits and tokens of the slot artifact, with and without
+    prefix sharing, and the paged decode graph is captured whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    common = dict(target="h200", max_tokens=96, max_batch=3, dtype=torch.float32, kernels={"moe_experts": "reference"})
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "slot", **common)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "paged", paged=PagedConfig(block_size=8, max_blocks=24), **common)
+    slot = Session.load(tmp_path / "slot", device="cuda", max_num_batched_tokens=8, prefix_cache=False)
+    paged = Session.load(tmp_path / "paged", device="cuda", max_num_batched_tokens=8, paged=True)
+    assert paged.executors["decode"].mode in ("full", "graphs")
+    assert paged.caches["1.entries"].shape[0] == 24 + 1
+    base, ps = prompts_sharing(slot.config.vocab_size)
+    ref = serve(slot, ps, max_new=6)
+    paged.prefix.share = False
+    got = serve(paged, ps, max_new=6)
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):  # the same kernels reading the same rows
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == got[0]
+    paged.prefix.share = True
+    serve(paged, [base], max_new=1)
+    shared = serve(paged, ps, max_new=6)
+    assert paged.prefix.stats()["hit_tokens"] == 8 + 16 + 40 + 32 + 16
+    for i, (a, b) in enumerate(zip(ref[1], shared[1])):
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
+    assert ref[0] == shared[0]
+
+
+def test_boundary_check_drive_compares_paged_caches_by_slot(models):
+    """runtime/segments.py's boundary check drives the same prompts twice and compares the caches; with
+    paged caches the second run gets other blocks, so it compares each slot's rows in order."""
+    from dsv4c.runtime.segments import _drive
+
+    model = models["v4-tiny-a"]
+    sess = eager_session(model, 8, PagedConfig(block_size=8), prefix=False)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (7, 12)]
+    ids = [torch.randint(0, 250, (2, 1), generator=g) for _ in range(3)]
+    with torch.no_grad():
+        a = _drive(sess, prompts, [0, 2], ids)
+        rows_a = sess.prefix.table[[0, 2]].clone()
+        sess._reset_slot(2)
+        sess.prefix.ensure(1, 30)  # slot 2's blocks go to slot 1: the next run's slot 2 gets other pool blocks
+        b = _drive(sess, prompts, [0, 2], ids)
+    assert not torch.equal(rows_a, sess.prefix.table[[0, 2]]) and "block_table" not in b[1]
+    for k in a[1]:
+        assert torch.equal(a[1][k][:-1], b[1][k][:-1]), k
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
