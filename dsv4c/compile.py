@@ -455,8 +455,9 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
                 return dense(src)
             if kind == "cat":
                 return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
-            W = value(src, None, dtype)
-            H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            W = value(src, None, dtype)  # a sharded artifact's rank: its heads' rows (the shard recipe)
+            dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+            H = W.shape[0] // (dn + dv)
             Wv = W.view(H, dn + dv, cfg.kv_lora_rank)
             return (Wv[:, :dn] if kind == "w_uk" else Wv[:, dn:]).contiguous()
         canon = name[len("model."):]
@@ -507,8 +508,8 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     the single-GPU artifact builds them, and cut to the rank's columns on the format's block boundaries
     (`convert.shard_inter`): a rank holds the single-GPU artifact's bytes of its slice. A tp that cuts
     a block raises naming the limit (`convert.check_inter_split`); nvfp4_w4a4 (static per-layer
-    activation scales) is not sharded yet.
-    Not yet: V3/V3.2 (absorb_mla reads the global head count)."""
+    activation scales) is not sharded yet. V3/V3.2: absorb_mla takes the rank's head count from its
+    kv_b_proj rows, so the absorbed W_UK/W_UV are the rank's heads too."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -520,9 +521,6 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     model = load_model(ckpt, device="meta", dtype=dtype)
     cfg = model.config
     _check_sharded_experts(cfg, plan, tgt.expert_format)
-    if not cfg.is_v4:
-        raise ArtifactError(f"--tp/--ep: sharded compile of {cfg.model_type} is not implemented yet (absorb_mla "
-                            f"reads the global head count); the shard pass itself handles V3/V3.2 graphs")
     check_limits(max_tokens=max_tokens, max_batch=max_batch, mtp_k=mtp_k, buckets=buckets)
     check_output(out, force)
     tmp = _staging(out)  # written beside `out`, renamed into place once complete (as compile_checkpoint)

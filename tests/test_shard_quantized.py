@@ -153,3 +153,43 @@ def test_workers_generate_the_single_process_tokens(arts, capfd):
     assert len(want) == 2
     for tp, ep in PLANS:
         assert tokens(d / f"{fmt}-{tp}{ep}") == want, (fmt, tp, ep)
+
+
+def _expert_kernels(gm) -> list[tuple]:
+    """(op, format) of every routed-experts call after lowering."""
+    out = []
+    for n in gm.graph.nodes:
+        name = n.target.name() if n.op == "call_function" and hasattr(n.target, "name") else ""
+        if name.startswith("dsv4c::moe_experts"):
+            out.append((name, n.args[3] if name.startswith("dsv4c::moe_experts_q") else None))
+    return out
+
+
+def _dsv4c_ops(gm) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(Counter(n.target.name() for n in gm.graph.nodes if n.op == "call_function"
+                        and hasattr(n.target, "name") and n.target.name().startswith("dsv4c::")))
+
+
+def test_h200_ranks_lower_to_the_single_gpu_kernels():
+    """compile's per-rank lowering (shard pass, then the default pipeline) for target h200 picks the
+    single-GPU artifact's expert kernels and formats, and the same custom ops elsewhere (rank 3 of
+    plan (2, 2): experts split over ep and tp; on meta, as compile traces)."""
+    from dsv4c.export import GraphSpec, export_graph
+    from dsv4c.model import build_model
+    from dsv4c.passes import PassContext, default_pipeline, run_pipeline
+    from dsv4c.passes.shard import shard_pass
+
+    cfg = ModelConfig.preset("v4-tiny-a").replace(num_hidden_layers=1, compress_ratios=(4, 0), num_hash_layers=0,
+                                                  hc_sinkhorn_iters=3, moe_intermediate_size=256)
+    eg = export_graph(build_model(cfg, device="meta"), GraphSpec("decode", n_slots=3, max_len=32))
+    for fmt in ("fp8_block", "mxfp4_w4a16"):
+        ctx = PassContext(cfg, "h200", "decode", (), fmt)
+        single, _ = run_pipeline(eg.module(), ctx)
+        rank, recs = run_pipeline(eg.module(), ctx, passes=[("shard", shard_pass(ParallelPlan(2, 2), 3)),
+                                                             *default_pipeline()])
+        assert recs[0].changed and recs[0].stats["collectives"]["expert_remap"] == 1
+        kinds = _expert_kernels(single)
+        assert kinds == _expert_kernels(rank) and len(kinds) == 1 and {k[1] for k in kinds} == {KERNEL_FORMAT[fmt]}
+        assert _dsv4c_ops(rank) == _dsv4c_ops(single), fmt
