@@ -64,7 +64,7 @@ def _dequant(kfmt: str, fields: dict) -> tuple[torch.Tensor, ...]:
     return experts_from_tensors(kfmt, **fields).dequantize()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", (*FORMATS, "bf16"))
 @pytest.mark.parametrize("source", ["float", "release"])
 def test_each_rank_streams_its_slice_of_the_single_gpu_experts(ckpts, fmt, source):
     """Per plan and rank, the streamed fields dequantise to exactly the rank's experts x columns of the
