@@ -121,7 +121,8 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
                                 f"implemented yet")
         return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
                                max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
-                               progress=progress, expert_format=expert_format, fused_mtp=fused_mtp)
+                               progress=progress, expert_format=expert_format, fused_mtp=fused_mtp,
+                               convert_device=convert_device)
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -459,8 +460,9 @@ def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: di
                 return dense(src)
             if kind == "cat":
                 return torch.cat([value(m, None, dtype) for m in src], 0).to(dtype)
-            W = value(src, None, dtype)
-            H, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            W = value(src, None, dtype)  # a sharded artifact's rank: its heads' rows (the shard recipe)
+            dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+            H = W.shape[0] // (dn + dv)
             Wv = W.view(H, dn + dv, cfg.kv_lora_rank)
             return (Wv[:, :dn] if kind == "w_uk" else Wv[:, dn:]).contiguous()
         canon = name[len("model."):]
@@ -498,7 +500,7 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
                     skip: tuple[str, ...] = (), max_tokens: int = 4096, max_batch: int = 8,
                     buckets: tuple[int, ...] | None = None, mtp_k: int = 0, dtype: torch.dtype | None = None,
                     force: bool = False, progress: bool = False, expert_format: str | None = None,
-                    fused_mtp: bool = True) -> dict:
+                    fused_mtp: bool = True, convert_device: str | None = None) -> dict:
     """A sharded artifact: every graph exported once on `meta`, then per rank the shard pass
     (passes/shard.py) and the default pipeline; each rank's weights streamed from the checkpoint one
     tensor at a time and sliced by the shard pass's recipes.
@@ -507,8 +509,12 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
                                           `files` (every file's sha256); `graphs`/`weights` = rank 0's
         ART/rank{r}/graphs/{kind}.pt2     ART/rank{r}/weights/*.safetensors
 
-    Not yet: quantised routed experts (the expert streaming reads whole layers; a format that
-    quantises fails naming it) and V3/V3.2 (absorb_mla reads the global head count)."""
+    Quantised routed experts: each rank's experts are built over their whole intermediate dim, as
+    the single-GPU artifact builds them, and cut to the rank's columns on the format's block boundaries
+    (`convert.shard_inter`): a rank holds the single-GPU artifact's bytes of its slice. A tp that cuts
+    a block raises naming the limit (`convert.check_inter_split`); nvfp4_w4a4 (static per-layer
+    activation scales) is not sharded yet. V3/V3.2: absorb_mla takes the rank's head count from its
+    kv_b_proj rows, so the absorbed W_UK/W_UV are the rank's heads too."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -519,15 +525,13 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     dtype = dtype if dtype is not None else getattr(torch, tgt.dtype)
     model = load_model(ckpt, device="meta", dtype=dtype)
     cfg = model.config
-    if not cfg.is_v4:
-        raise ArtifactError(f"--tp/--ep: sharded compile of {cfg.model_type} is not implemented yet (absorb_mla "
-                            f"reads the global head count); the shard pass itself handles V3/V3.2 graphs")
+    _check_sharded_experts(cfg, plan, tgt.expert_format)
     check_limits(max_tokens=max_tokens, max_batch=max_batch, mtp_k=mtp_k, buckets=buckets)
     check_output(out, force)
     tmp = _staging(out)  # written beside `out`, renamed into place once complete (as compile_checkpoint)
     try:
         manifest = _compile_sharded_into(tmp, ckpt, model, cfg, plan, tgt, target, skip, max_tokens, max_batch,
-                                         buckets, mtp_k, dtype, fused_mtp, progress, t0)
+                                         buckets, mtp_k, dtype, fused_mtp, progress, t0, convert_device)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -537,7 +541,7 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
 
 def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: "ParallelPlan", tgt, target: str,
                           skip, max_tokens: int, max_batch: int, buckets, mtp_k: int, dtype: torch.dtype,
-                          fused_mtp: bool, progress: bool, t0: float) -> dict:
+                          fused_mtp: bool, progress: bool, t0: float, convert_device: str | None = None) -> dict:
     """compile_sharded's work, written into the staging folder `out`."""
     from dsv4c.passes import default_pipeline
     from dsv4c.passes.shard import shard_pass
@@ -558,14 +562,14 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
             ctx = PassContext(cfg, target, kind, (), tgt.expert_format)
             gm, records = run_pipeline(eg.module(), ctx, passes=[("shard", shard_pass(plan, r)), *default_pipeline()],
                                        skip=skip)
-            found = _recipes(records)
-            if any(v[0] == EXPERTS_RECIPE for v in found.values()):
-                raise ArtifactError(f"--tp/--ep with expert format {tgt.expert_format}: sharded quantised routed "
-                                    f"experts are not implemented yet (use --expert-format reference)")
-            recipes.update(found)
-            for w, rec in records[0].stats.get("slices", {}).items():
+            slices = records[0].stats.get("slices", {})
+            recipes.update(_shard_expert_recipes(model, _recipes(records), slices))
+            for w, rec in slices.items():
                 recipes[w] = (SHARD_RECIPE, [tuple(x) for x in rec])
             merge_quant_map(quant_map, records, name)
+            for kind_, rec in recipes.values():  # each quantised module's slice of the unsplit stack
+                if kind_ == EXPERTS_RECIPE and rec["module"] in quant_map.get("modules", {}):
+                    quant_map["modules"][rec["module"]]["shard"] = rec["shard"]
             weights = lift_weights(gm)
             program = export_lifted(gm, spec, example_inputs(model, spec, torch.device("meta")), weights)
             if kind != "prefill":
@@ -576,7 +580,8 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
             graphs[name] = {"file": rel, "kind": kind, "k": k, "tokens_per_seq": spec.tokens,
                             "export_seconds": round(eg.seconds, 2), "weights": sorted(weights),
                             "passes": [_record(x) for x in records]}
-        table = _write_weights(ckpt, cfg, model, weight_specs, recipes, rank_dir, progress, quant_map)
+        table = _write_weights(ckpt, cfg, model, weight_specs, recipes, rank_dir, progress, quant_map,
+                               torch.device(convert_device or ("cuda" if torch.cuda.is_available() else "cpu")))
         for v in table.values():
             v["file"] = f"rank{r}/{v['file']}"
         ranks.append({"rank": r, "coords": list(plan.coords(r)), "graphs": graphs, "weights": table,
@@ -595,6 +600,34 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
     manifest["files"] = _file_table(out)
     _write_manifest(out, manifest)
     return manifest
+
+
+def _check_sharded_experts(cfg: ModelConfig, plan: "ParallelPlan", fmt: str) -> None:
+    """A plan whose tp cuts the quantised experts' blocks, or a format not sharded yet, fails before any work."""
+    from dsv4c.convert import KERNEL_FORMAT, check_inter_split
+
+    kfmt = KERNEL_FORMAT[fmt]
+    if kfmt is None:
+        return
+    if kfmt == "nvfp4_w4a4":
+        raise ArtifactError("--tp/--ep with --expert-format nvfp4_w4a4: its static per-layer activation scales "
+                            "are not sharded yet (use nvfp4_w4a16, mxfp4_w4a16 or fp8_block)")
+    if plan.tp > 1 and cfg.moe_intermediate_size:
+        check_inter_split(kfmt, cfg.moe_intermediate_size, plan.tp)
+
+
+def _shard_expert_recipes(model, found: dict, slices: dict) -> dict:
+    """Add each quantised-experts recipe's shard: which experts and intermediate columns of the
+    unsplit stack this rank holds (from the shard pass's slice of its w1), and the stack's E and I."""
+    out = {}
+    for w, (kind, rec) in found.items():
+        if kind == EXPERTS_RECIPE:
+            w1 = rec["sources"]["w1"]
+            E, I, _ = get_param(model, w1[len("model."):]).shape
+            cut = {d: [lo, hi] for d, lo, hi in slices.get(w1, ())}
+            rec = {**rec, "shard": {"experts": cut.get(0, [0, E]), "inter": cut.get(1, [0, I]), "E": E, "I": I}}
+        out[w] = (kind, rec)
+    return out
 
 
 def _copy_tokenizer(ckpt: Path, out: Path) -> None:

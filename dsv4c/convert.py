@@ -215,6 +215,49 @@ def expert_tensors(kfmt: str, n_experts: int, read: Callable[[int], tuple], ip: 
     return _stack(parts), requant
 
 
+# Where the intermediate dim I sits in each container field: (dim, I per index along that dim, halves).
+# w13 holds W1's rows then W3's (two halves of padded I each); fp4 fields pack two values per byte.
+_INTER_LAYOUT: dict[str, dict[str, tuple[int, int, bool]]] = {
+    "bf16": {"w13": (1, 1, True), "w2": (2, 1, False)},
+    "fp8_block": {"w13": (1, 1, True), "w13_scale": (1, 128, True), "w2": (2, 1, False), "w2_scale": (2, 128, False)},
+    "mxfp4": {"w13": (1, 1, True), "w13_scale": (1, 1, True), "w2": (2, 2, False), "w2_scale": (2, 32, False)},
+    "nvfp4": {"w13": (1, 1, True), "w13_scale": (1, 1, True), "w2": (2, 2, False), "w2_scale": (2, 16, False)},
+}
+
+
+def check_inter_split(kfmt: str, inter: int, parts: int) -> None:
+    """Raise PlanError("tp") unless I = `inter` splits `parts` ways on the format's block boundaries:
+    then every rank's columns are whole blocks of the unsplit container (`shard_inter`), so a sharded
+    artifact holds the single-GPU artifact's bytes (a block straddling two ranks would need its own
+    scale on each, and nvfp4's per-expert global scale of half an expert is another number)."""
+    from dsv4c.parallel import PlanError
+
+    a = ALIGN[kfmt]
+    if inter % parts or (inter // parts) % a:
+        raise PlanError("tp", f"routed experts: moe_intermediate_size {inter} split over tp = {parts} gives "
+                            f"{inter / parts:g} columns per rank, not a multiple of {kfmt}'s block of {a}; "
+                            f"use a smaller tp, more ep, or another --expert-format")
+
+
+def shard_inter(kfmt: str, fields: dict[str, torch.Tensor], ip: int, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Columns [lo, hi) of the intermediate dim of stacked container fields built over the whole
+    (padded) I = `ip`: W1's and W3's rows of w13 (and their scale rows or tiles), w2's input columns
+    (and their scale groups); per-expert global scales unchanged. `lo` and `hi` are multiples of the
+    format's block (`check_inter_split`), so each piece is a whole block with its own scale:
+    the result is the container that slice of I has in the unsplit artifact, byte for byte."""
+    layout = _INTER_LAYOUT[kfmt]
+    out = {}
+    for f, t in fields.items():
+        if f not in layout:
+            out[f] = t
+            continue
+        dim, unit, halves = layout[f]
+        a, b, half = lo // unit, hi // unit, ip // unit
+        parts = [t.narrow(dim, off + a, b - a) for off in ((0, half) if halves else (0,))]
+        out[f] = torch.cat(parts, dim).contiguous()
+    return out
+
+
 def checkpoint_reader_fn(reader, names: dict[str, str]) -> Callable[[int], tuple]:
     """`read(e)` over a CheckpointReader for the stacked experts `names` {"w1", "w3", "w2":
     graph name, "model.<canonical name>"}: the raw MXFP4 codes and scales when the checkpoint stores
@@ -396,12 +439,26 @@ class CheckpointExperts:
             return torch.tensor([self.activation(recipe)[recipe["field"]]], dtype=torch.float32)
         if key != self._key:
             self._fields = {}
-            read = checkpoint_reader_fn(self.reader, recipe["sources"])
-            self._fields, n = expert_tensors(recipe["kernel_format"], recipe["experts"], read,
-                                             recipe["padded"]["I"], recipe["padded"]["D"], self.device)
+            self._fields, n = self._build(recipe)
             self.requantised[key] = n
             self._key = key
         return self._fields[recipe["field"]]
+
+    def _build(self, recipe: dict) -> tuple[dict, int]:
+        """The layer's fields; a sharded artifact's recipe carries `shard` {"experts": [e0, e1], "inter":
+        [lo, hi], "E", "I"} (passes/shard.py's slice of the unquantised stack): experts e0..e1-1 are
+        built over their whole I, exactly as the single-GPU artifact builds them, then cut to [lo, hi)."""
+        kfmt, read = recipe["kernel_format"], checkpoint_reader_fn(self.reader, recipe["sources"])
+        shard = recipe.get("shard")
+        if shard is None:
+            return expert_tensors(kfmt, recipe["experts"], read, recipe["padded"]["I"], recipe["padded"]["D"],
+                                  self.device)
+        (e0, e1), (lo, hi) = shard["experts"], shard["inter"]
+        ip = padded(shard["I"], ALIGN[kfmt])
+        fields, n = expert_tensors(kfmt, e1 - e0, lambda j: read(e0 + j), ip, recipe["padded"]["D"], self.device)
+        if (lo, hi) != (0, shard["I"]):
+            fields = shard_inter(kfmt, fields, ip, lo, hi)
+        return fields, n
 
     def activation(self, recipe: dict) -> dict:
         """The layer's static W4A4 scales: checkpoint input_scale, else calibration (small checkpoints),

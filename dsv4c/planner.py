@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from dsv4c.config import ModelConfig
-from dsv4c.parallel import ParallelPlan
+from dsv4c.parallel import ParallelPlan, PlanError
 
 GiB = 1 << 30
 PREFILL_CHUNK = 2048  # runtime/session.py's default max_num_batched_tokens (min(L, 2048) per prefill chunk)
@@ -129,8 +129,10 @@ def classify(cfg: ModelConfig, name: str) -> tuple[str, str]:
 
 
 # ---- plans --------------------------------------------------------------------------------------
-def plan_problems(cfg: ModelConfig, plan: ParallelPlan) -> list[str]:
-    """Why `plan` cannot shard `cfg` (empty when it can): each split dim must divide."""
+def plan_problems(cfg: ModelConfig, plan: ParallelPlan, expert_format: str | None = None) -> list[str]:
+    """Why `plan` cannot shard `cfg` (empty when it can): each split dim must divide, and with quantised
+    routed experts each rank's intermediate columns must be whole blocks of the format (compile refuses
+    a tp that cuts one: dsv4c/convert.py check_inter_split)."""
     tp, ep = plan.tp, plan.ep
     need = [("num_attention_heads", cfg.num_attention_heads, tp), ("vocab_size", cfg.vocab_size, tp),
             ("moe_intermediate_size", cfg.moe_intermediate_size, tp), ("n_routed_experts", cfg.n_routed_experts, ep)]
@@ -141,7 +143,17 @@ def plan_problems(cfg: ModelConfig, plan: ParallelPlan) -> list[str]:
             need.append(("intermediate_size", cfg.intermediate_size, tp))
         if cfg.has_dsa_indexer:
             need.append(("index_n_heads", cfg.index_n_heads, tp))
-    return [f"{f} {v} is not divisible by {'tp' if d == tp else 'ep'}={d}" for f, v, d in need if v % d]
+    out = [f"{f} {v} is not divisible by {'tp' if d == tp else 'ep'}={d}" for f, v, d in need if v % d]
+    if expert_format is not None and tp > 1 and not out:
+        from dsv4c.convert import KERNEL_FORMAT, check_inter_split
+
+        kfmt = KERNEL_FORMAT.get(expert_format)
+        try:
+            if kfmt is not None:
+                check_inter_split(kfmt, cfg.moe_intermediate_size, tp)
+        except PlanError as e:
+            out.append(str(e))
+    return out
 
 
 def candidate_plans(gpus: int) -> list[ParallelPlan]:
@@ -443,7 +455,7 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     per_seq = layouts[0].bytes_per_slot
     cands, how = [], ""
     for plan in candidate_plans(gpus):
-        c = Candidate(plan, plan_problems(cfg, plan))
+        c = Candidate(plan, plan_problems(cfg, plan, fmt))
         if not c.problems:
             c.weights = weight_bytes(cfg, tensors, plan, fmt, dtype, mtp=bool(mtp_k))
             c.caches = caches

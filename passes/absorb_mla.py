@@ -111,8 +111,9 @@ def _match(lin: Node):
 
 def _rewrite(gm: GraphModule, ctx: PassContext, s: dict) -> dict:
     cfg = ctx.config
-    H, dn, dv, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    dn, dv, c = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     W = get_param(gm, s["weight"]).detach()
+    H = W.shape[0] // (dn + dv)  # this graph's heads: the shard pass may have kept a rank's share
     Wv = W.view(H, dn + dv, c)
     prefix = s["weight"][: -len(".weight")]
     uk_name, uv_name = prefix + ".w_uk", prefix + ".w_uv"

@@ -61,7 +61,8 @@ def scenario(model, graphs: dict, n_slots: int = 3, max_len: int = 32, seed: int
     return out
 
 
-def _worker(rank: int, plan: ParallelPlan, port: int, model, graphs: dict, fulls: dict, out_dir: str) -> None:
+def _worker(rank: int, plan: ParallelPlan, port: int, model, graphs: dict, fulls: dict, out_dir: str,
+            after_shard=None) -> None:
     import torch.distributed as dist
 
     from dsv4c.runtime.distributed import init_groups
@@ -79,6 +80,8 @@ def _worker(rank: int, plan: ParallelPlan, port: int, model, graphs: dict, fulls
             for w, rec in res.stats.get("slices", {}).items():
                 set_param(gm, w, slice_weight(fulls[name][w], rec))
             gm.recompile()
+            if after_shard is not None:  # e.g. quantise the routed experts as compile does after the shard pass
+                graphs[name] = after_shard(name, gm, res.stats)
         torch.save(scenario(model, graphs), Path(out_dir) / f"rank{rank}.pt")
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(stats))
         dist.barrier()
@@ -88,13 +91,14 @@ def _worker(rank: int, plan: ParallelPlan, port: int, model, graphs: dict, fulls
         raise
 
 
-def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path,
-                timeout: float = 120.0) -> tuple[list[dict], list[dict]]:
-    """Every rank's scenario outputs and shard-pass stats per graph, ranks forked from this process."""
+def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path, timeout: float = 120.0,
+                after_shard=None) -> tuple[list[dict], list[dict]]:
+    """Every rank's scenario outputs and shard-pass stats per graph, ranks forked from this process.
+    `after_shard(name, gm, stats) -> gm` runs in each rank on its sharded graph with its weights."""
     fulls = {name: full_weights(gm) for name, gm in graphs.items()}
     ctx = mp.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, plan, port, model, graphs, fulls, str(out_dir)))
+    procs = [ctx.Process(target=_worker, args=(r, plan, port, model, graphs, fulls, str(out_dir), after_shard))
              for r in range(plan.world_size)]
     for p in procs:
         p.start()
@@ -111,3 +115,72 @@ def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path,
                                f"{err.read_text() if err.exists() else ''}")
     return ([torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(plan.world_size)],
             [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(plan.world_size)])
+
+
+# ---- artifacts: one Session per rank ---------------------------------------------------------------
+@torch.no_grad()
+def session_scenario(sess, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The artifact's graphs through a Session: each prompt prefilled into its slot, then
+    DECODE_STEPS greedy decode steps of both together (on a sharded artifact rank 0 mirrors every
+    call to the other ranks). Returns the logits, and the greedy tokens as `tokens`."""
+    g = torch.Generator().manual_seed(seed)
+    V = sess.config.vocab_size
+    out, nxt = {}, []
+    for slot, n in enumerate(PROMPT):
+        sess._reset_slot(slot)
+        logits = sess._run("prefill", torch.randint(0, V, (1, n), generator=g), [slot], [n]).float().cpu()
+        out[f"prefill{slot}"] = logits
+        nxt.append(int(logits[0, -1].argmax()))
+    ids, tokens = torch.tensor(nxt)[:, None], [nxt]
+    for s in range(DECODE_STEPS):
+        step = sess._run("decode", ids, [0, 1], [1, 1]).float().cpu()
+        out[f"decode{s}"] = step
+        ids = step[:, -1].argmax(-1)[:, None]
+        tokens.append(ids[:, 0].tolist())
+    out["tokens"] = torch.tensor(tokens)
+    return out
+
+
+def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dsv4c.runtime import Session
+    from dsv4c.runtime.distributed import send_stop, serve_follower
+
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        sess = Session.load(art)  # checks the plan against this world, registers the groups
+        if rank == 0:
+            try:
+                torch.save(session_scenario(sess), Path(out_dir) / "rank0.pt")
+            finally:
+                send_stop(sess.device)
+        else:
+            serve_follower(sess)
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def run_artifact(art: Path, world: int, out_dir: Path, timeout: float = 300.0) -> dict[str, torch.Tensor]:
+    """`session_scenario` on a sharded artifact: one forked gloo process per rank (rank 0 schedules,
+    the others replay, as `dsv4c run` does); rank 0's outputs."""
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_session_worker, args=(r, world, port, str(art), str(out_dir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            raise TimeoutError(f"{art}: rank {r} did not finish in {timeout}s")
+        if p.exitcode != 0:
+            err = out_dir / f"rank{r}.err"
+            raise RuntimeError(f"{art}: rank {r} exited with {p.exitcode}:\n{err.read_text() if err.exists() else ''}")
+    return torch.load(out_dir / "rank0.pt", weights_only=True)

@@ -114,3 +114,14 @@ def test_single_gpu_weights_equal_the_compiled_artifact(tmp_path):
     mine = weight_bytes(cfg, model_tensors(cfg, torch.bfloat16), ParallelPlan(), "fp8_block", torch.bfloat16,
                         mtp=False)
     assert sum(mine.values()) == art and mine["MTP"] == 0
+
+
+def test_a_tp_that_cuts_the_quantised_experts_blocks_is_a_problem():
+    """compile refuses a tp whose expert columns per rank are not whole blocks of the format; the
+    planner names it for that candidate (v4-tiny-a: I = 32, so tp = 2 leaves 16 columns)."""
+    cfg = ModelConfig.preset("v4-tiny-a")
+    assert plan_problems(cfg, ParallelPlan(tp=2, ep=1)) == []
+    assert plan_problems(cfg, ParallelPlan(tp=2, ep=1), "nvfp4_w4a16") == []  # 16-column groups
+    bad = plan_problems(cfg, ParallelPlan(tp=2, ep=1), "mxfp4_w4a16")
+    assert len(bad) == 1 and "not a multiple of mxfp4's block of 32" in bad[0]
+    assert plan_problems(cfg, ParallelPlan(tp=1, ep=2), "fp8_block") == []  # ep keeps whole experts
