@@ -1,6 +1,7 @@
 """`dsv4c compile` -> artifact -> `Session`: equal to the eager model, and every bad input named."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import zipfile
@@ -19,10 +20,20 @@ from dsv4c.targets import TargetError
 PROMPTS = [[5, 9, 17], [3, 44, 2, 7, 19, 23, 1, 8], [4], [6, 6, 6, 6, 6], [8, 9], [10, 11, 12]]
 
 
+def small(name: str) -> ModelConfig:
+    """The preset with one layer of each kind and no more (export time grows with the layer count):
+    v4-tiny-a keeps its sliding, CSA and HCA layers, hash and learned routing; the V3 presets keep one
+    dense and one MoE layer."""
+    cfg = ModelConfig.preset(name)
+    if cfg.is_v4:
+        return dataclasses.replace(cfg, num_hidden_layers=3, compress_ratios=cfg.compress_ratios[:3] + (0,))
+    return dataclasses.replace(cfg, num_hidden_layers=cfg.first_k_dense_replace + 1)
+
+
 @pytest.fixture(scope="module", params=["v4-tiny-a", "v32-tiny"])
 def compiled(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
-    write_random_checkpoint(ModelConfig.preset(request.param), d / "ckpt", seed=3, dtype=torch.float32)
+    write_random_checkpoint(small(request.param), d / "ckpt", seed=3, dtype=torch.float32)
     manifest = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=64, max_batch=4,
                                   dtype=torch.float32)
     return d, manifest, load_model(d / "ckpt")
@@ -177,7 +188,7 @@ def test_load_errors_name_the_file_or_field(compiled, tmp_path):
 
 
 def test_target_mismatch_needs_emulate(tmp_path):
-    write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
+    write_random_checkpoint(small("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="b200", max_tokens=32, max_batch=2,
                        dtype=torch.float32)
     with pytest.raises(TargetError, match="b200.*capability 10.0"):
@@ -192,7 +203,7 @@ def test_target_mismatch_needs_emulate(tmp_path):
 
 
 def test_mtp_artifact_keeps_a_one_token_decode_graph(tmp_path):
-    write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
+    write_random_checkpoint(small("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
     m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
     assert {n: (g["kind"], g["tokens_per_seq"]) for n, g in m["graphs"].items()} == {
         "prefill": ("prefill", None), "decode": ("decode", 1), "verify": ("decode", 3), "mtp": ("mtp", 3),
