@@ -1,13 +1,13 @@
 """`dsv4c compile` -> artifact -> `Session`: equal to the eager model, and every bad input named."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import zipfile
 
 import pytest
 import torch
+from cut_presets import small
 
 from dsv4c import ModelConfig, load_model, write_random_checkpoint
 from dsv4c.cli import main as cli_main
@@ -18,16 +18,6 @@ from dsv4c.runtime import Session
 from dsv4c.targets import TargetError
 
 PROMPTS = [[5, 9, 17], [3, 44, 2, 7, 19, 23, 1, 8], [4], [6, 6, 6, 6, 6], [8, 9], [10, 11, 12]]
-
-
-def small(name: str) -> ModelConfig:
-    """The preset with one layer of each kind and no more (export time grows with the layer count):
-    v4-tiny-a keeps its sliding, CSA and HCA layers, hash and learned routing; the V3 presets keep one
-    dense and one MoE layer."""
-    cfg = ModelConfig.preset(name)
-    if cfg.is_v4:
-        return dataclasses.replace(cfg, num_hidden_layers=3, compress_ratios=cfg.compress_ratios[:3] + (0,))
-    return dataclasses.replace(cfg, num_hidden_layers=cfg.first_k_dense_replace + 1)
 
 
 @pytest.fixture(scope="module", params=["v4-tiny-a", "v32-tiny"])
@@ -83,7 +73,7 @@ def test_session_logits_equal_eager_and_chunked_prefill_equals_one_shot(compiled
         sess.max_num_batched_tokens = saved
     with pytest.raises(ValueError, match="max_num_batched_tokens: between 1 and the artifact's max_tokens"):
         Session.load(d / "art", max_num_batched_tokens=10_000)
-    assert Session.load(d / "art", max_num_batched_tokens=5).max_num_batched_tokens == 5
+    # a valid max_num_batched_tokens is kept: checked on test_graphs_auto_...'s load (one load less)
 
 
 @torch.no_grad()
@@ -124,7 +114,9 @@ def test_graphs_auto_captures_whole_steps_only_where_every_segment_can_be(compil
     whole, split = SimpleNamespace(n_capturable=3, segments=[0, 1, 2]), SimpleNamespace(n_capturable=2, segments=[0, 1, 2])
     assert (_executor_mode("auto", whole), _executor_mode("auto", split)) == ("full", "graphs")
     assert _executor_mode("piecewise", whole) == "graphs" and _executor_mode("off", whole) == "eager"
-    assert Session.load(compiled[0] / "art", graphs="auto").executors == {}  # no GPU: auto is off
+    sess = Session.load(compiled[0] / "art", graphs="auto", max_num_batched_tokens=5)
+    assert sess.executors == {}  # no GPU: auto is off
+    assert sess.max_num_batched_tokens == 5  # a valid max_num_batched_tokens is kept
 
 
 def test_sampling_is_seeded(session):
