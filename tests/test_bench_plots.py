@@ -3,6 +3,7 @@ model runs."""
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +50,13 @@ def test_plot_from_a_saved_result(tmp_path, script, result):
 
 
 @pytest.mark.parametrize("script, result", SCRIPTS, ids=[s for s, _ in SCRIPTS])
-def test_plot_from_needs_an_output(tmp_path, script, result):
+def test_plot_from_needs_an_output(tmp_path, script, result, monkeypatch, capsys):
+    """In process (the script run as __main__, argparse's exit caught): the subprocess runs above already
+    cover the scripts as commands, and each subprocess pays torch's import."""
     src = tmp_path / "res.json"
     src.write_text(json.dumps(result()))
-    r = _plot(script, "--plot-from", str(src))
-    assert r.returncode == 2 and "--plot-from needs --plot" in r.stderr
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), "--plot-from", str(src)])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # whatever the script adds to it is undone
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    assert e.value.code == 2 and "--plot-from needs --plot" in capsys.readouterr().err

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cut_presets import small
 
-from dsv4c import ModelConfig, write_random_checkpoint
+from dsv4c import write_random_checkpoint
 from dsv4c.compile import compile_checkpoint
 from dsv4c.runtime.segments import SegmentExecutor, boundary_sizes, verify_artifact_boundaries
 
@@ -12,7 +13,7 @@ from dsv4c.runtime.segments import SegmentExecutor, boundary_sizes, verify_artif
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     d = tmp_path_factory.mktemp("boundary")
-    write_random_checkpoint(ModelConfig.preset("v32-tiny"), d / "ckpt", seed=2, dtype=torch.float32)
+    write_random_checkpoint(small("v32-tiny"), d / "ckpt", seed=2, dtype=torch.float32)  # dense + MoE layer
     m = compile_checkpoint(d / "ckpt", d / "art", target="h200", max_tokens=32, max_batch=4, dtype=torch.float32,
                            buckets=(1, 2, 4), kernels={"moe_experts": "gathered"})
     return d / "art", m
@@ -65,7 +66,7 @@ def test_boundary_sizes_cover_every_bucket_gap_at_its_most_padding():
 def test_a_batch_above_every_bucket_is_checked_on_the_eager_path(tmp_path):
     """max_batch 3 with buckets 1, 2: batch 3 runs eagerly (no bucket fits); the check records it
     with bucket None instead of failing the compile."""
-    write_random_checkpoint(ModelConfig.preset("v32-tiny"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    write_random_checkpoint(small("v32-tiny"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
     m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=32, max_batch=3,
                            dtype=torch.float32, buckets=(1, 2), kernels={"moe_experts": "gathered"})
     rep = m["boundary_check"]

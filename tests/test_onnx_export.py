@@ -1,11 +1,11 @@
 """ONNX export of the dense pieces (dsv4c/onnx_export.py, issue 30): onnxruntime vs torch on recorded inputs,
 the composed Session (ONNX dense pieces + torch MoE/cache ops), and the reasons for what stays in torch.
 
-To stay within the CI budget each graph exports only its last dense piece (max_pieces=1: the final MoE
-combine, mHC head, norm and LM head, with the graph's dynamic rows);
+To stay within the CI budget the bundled model is cut to its first two layers (its trained weights) and each
+graph exports only its last dense piece (max_pieces=1: the final MoE combine, mHC head, norm and LM head,
+with the graph's dynamic rows);
 `dsv4c export-onnx` and examples/onnx_roundtrip.py export all of them."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,20 +14,19 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from cut_presets import bundle_cut, small  # noqa: E402
+
 from dsv4c.checkpoint import write_random_checkpoint  # noqa: E402
 from dsv4c.cli import main  # noqa: E402
 from dsv4c.compile import compile_checkpoint  # noqa: E402
-from dsv4c.config import ModelConfig  # noqa: E402
 from dsv4c.onnx_export import REL_TOL, compose, export_onnx  # noqa: E402
 from dsv4c.runtime import Session  # noqa: E402
-
-BUNDLE = Path(__file__).resolve().parents[1] / "examples" / "models" / "v4-tiny-pystdlib"
 
 
 @pytest.fixture(scope="module")
 def bundled(tmp_path_factory):
     d = tmp_path_factory.mktemp("onnx")
-    compile_checkpoint(BUNDLE, d / "art", target="cpu", max_tokens=32, max_batch=2)
+    compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=32, max_batch=2)
     index = export_onnx(d / "art", d / "onnx", verify=True, graphs=("prefill", "decode"), max_pieces=1)
     return d, index
 
@@ -75,8 +74,7 @@ def test_composed_decode_gives_the_sessions_greedy_tokens(bundled):
 
 
 def test_v3_tiny_exports_and_says_why_cache_and_moe_ops_do_not(tmp_path):
-    cfg = ModelConfig.preset("v3-tiny")
-    write_random_checkpoint(cfg, tmp_path / "ck", seed=1)
+    write_random_checkpoint(small("v3-tiny"), tmp_path / "ck", seed=1)  # one dense, one MoE layer
     compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2)
     index = export_onnx(tmp_path / "art", tmp_path / "onnx", segments="all", verify=True, graphs=("decode",),
                         max_pieces=1)

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from cut_presets import small
 from dsv4c.kernels.tolerances import FORMAT_VS_FP32_REL_ERR, KERNEL_REL_ERR, rel_err
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.convert import (
@@ -215,7 +216,7 @@ def test_capability_is_checked_at_compile_time(monkeypatch, tmp_path):
     with pytest.raises(QuantizeError, match="nvfp4_w4a4 needs CUDA compute capability 10.0"):
         check_format(bad)
     monkeypatch.setitem(TARGETS, "h200", bad)
-    write_random_checkpoint(ModelConfig.preset("v3-tiny"), tmp_path / "ck", seed=1, dtype=torch.float32)
+    write_random_checkpoint(small("v3-tiny"), tmp_path / "ck", seed=1, dtype=torch.float32)
     with pytest.raises(QuantizeError, match="capability 10.0"):
         compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2)
     assert not (tmp_path / "art" / "manifest.json").exists()
@@ -248,7 +249,7 @@ def artifacts(tmp_path_factory):
     out = {}
     for preset, target, quant, mtp in (("v4-tiny-a", "h200", "release", 1), ("v3-tiny", "b200", "none", 0)):
         ck, art = d / f"{preset}-ck", d / f"{preset}-{target}"
-        write_random_checkpoint(ModelConfig.preset(preset), ck, seed=3, quant=quant, dtype=torch.float32)
+        write_random_checkpoint(small(preset), ck, seed=3, quant=quant, dtype=torch.float32)
         man = compile_checkpoint(ck, art, target=target, max_tokens=32, max_batch=2, mtp_k=mtp, buckets=(1, 2),
                                  verify_boundaries=False,  # tests/test_boundary_check.py covers the check
                                  dense_format="fp8_block" if target == "h200" else None)  # FP8 dense: opt-in
@@ -403,7 +404,7 @@ def test_mxfp4_artifact_graphs_carry_no_e8m0_dtype(tmp_path):
     from dsv4c.runtime import Session
 
     ck = tmp_path / "ck"
-    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), ck, seed=4, quant="release", dtype=torch.float32)
+    write_random_checkpoint(small("v4-tiny-a"), ck, seed=4, quant="release", dtype=torch.float32)
     man = compile_checkpoint(ck, tmp_path / "art", target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
                              expert_format="mxfp4_w4a16", verify_boundaries=False)
     assert {q["kernel_format"] for q in man["quant_map"]["modules"].values()} == {"mxfp4"}

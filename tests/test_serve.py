@@ -23,6 +23,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from cut_presets import bundle_cut
+
 from dsv4c.compile import compile_checkpoint
 from dsv4c.runtime import Session
 
@@ -41,27 +43,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bundle_cut(dst: Path, layers: int) -> Path:
-    """The bundled checkpoint's first `layers` layers (and its MTP block), tokenizer and chat template."""
-    from dsv4c import load_model, save_checkpoint
-    from dsv4c.model import build_model
-
-    full = load_model(BUNDLE, dtype=torch.bfloat16)
-    cfg = full.config
-    ratios = cfg.compress_ratios[:layers] + cfg.compress_ratios[-1:]  # the last: the MTP block's
-    cut = build_model(cfg.replace(num_hidden_layers=layers, compress_ratios=ratios), device="meta")
-    names = set(cut.state_dict())
-    cut.load_state_dict({k: v for k, v in full.state_dict().items() if k in names}, strict=True, assign=True)
-    save_checkpoint(cut, dst, quant="release")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (dst / f).write_bytes((BUNDLE / f).read_bytes())
-    return dst
-
-
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("serve")
-    compile_checkpoint(_bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=LIMIT, max_batch=SLOTS)
+    compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=LIMIT, max_batch=SLOTS)
     return d / "art"
 
 

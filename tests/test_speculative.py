@@ -3,7 +3,8 @@ sampling keeps the target distribution, and rollback leaves the caches of a fres
 
 Most tests run the Session over the eager model's traceable `step`/`mtp_step` ("eager graphs": the
 same call signature, flat caches, slots, positions and n_real as the compiled graphs), which keeps them
-fast; the `compiled` tests run an artifact of the bundled model compiled with --mtp 3 (slow: export)."""
+fast; the `compiled` tests run an artifact of the bundled model's first three layers compiled with --mtp 3
+(slow: export)."""
 from __future__ import annotations
 
 import dataclasses
@@ -571,22 +572,37 @@ def test_bad_mtp_arguments_are_named(bundled):
 
 
 # ------------------------------------------------------------------------------------------------
-# the compiled artifact (bundled model, --mtp 3, target cpu)
+# the compiled artifact (bundled model's first three layers, --mtp 3, target cpu)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def cut(tmp_path_factory):
+    """The bundled model's first three layers (sliding, CSA, HCA: every cache kind; trained weights and
+    MTP block) as a checkpoint, its eager model, and plain greedy's tokens on `prompts`: what the
+    compiled tests compile and compare with (half the export work of all six layers; its MTP still
+    has drafts accepted)."""
+    from cut_presets import bundle_cut
+
+    ck = bundle_cut(tmp_path_factory.mktemp("cut") / "ckpt", 3)
+    model = load_model(ck, dtype=torch.float32).eval()
+    ps = prompts(model.config.vocab_size)
+    with torch.no_grad():
+        ref = [r.tokens for r in eager_session(model).generate(ps, max_new_tokens=20)]
+    return ck, model, (ps, ref)
+
+
+@pytest.fixture(scope="module")
+def compiled(cut):
     from dsv4c.compile import compile_checkpoint
 
-    out = tmp_path_factory.mktemp("mtp") / "art"
-    compile_checkpoint(BUNDLE, out, target="cpu", max_tokens=104, max_batch=4, mtp_k=3, dtype=torch.float32)
+    out = cut[0].parent / "art"
+    compile_checkpoint(cut[0], out, target="cpu", max_tokens=104, max_batch=4, mtp_k=3, dtype=torch.float32)
     return Session.load(out)
 
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, bundled, plain):
-    model, _ = bundled
-    ps, ref = plain
+def test_compiled_artifact_greedy_mtp_equals_plain_and_rolls_back(compiled, cut):
+    _, model, (ps, ref) = cut
     sess = compiled
     assert sess.caches["0.ring"].shape[1] == model.config.sliding_window + 3  # extra_ring_slots = K
     assert speculator(sess).fused and speculator(sess).mtp_caches["0.ring"].shape[1] == model.config.sliding_window + 3
@@ -623,10 +639,10 @@ def test_compiled_fused_graph_in_the_manifest(compiled):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_compiled_fused_graph_in_the_executor(compiled, plain):
+def test_compiled_fused_graph_in_the_executor(compiled, cut):
     """The fused graph through the SegmentExecutor (emulated buckets 1/2/4, as the cpu target has none):
     a batch of 3 (one padded row with n_real = 0) gives plain greedy's tokens."""
-    ps, ref = plain
+    _, _, (ps, ref) = cut
     sess = Session(compiled.art, {**compiled.manifest, "buckets": [1, 2, 4]}, compiled.graphs, compiled.weights,
                    compiled.device, None, graph_mode="emulate")  # the loaded graphs and weights, shared
     ex = sess.executors["verify_mtp"]
@@ -643,10 +659,10 @@ def test_compiled_fused_graph_in_the_executor(compiled, plain):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_artifact_without_the_fused_graph_still_speculates(compiled, plain):
+def test_artifact_without_the_fused_graph_still_speculates(compiled, cut):
     """An artifact compiled before verify_mtp existed (this one's manifest and graphs without it: the
     Session is built from them as `Session.load` does) speculates through verify + mtp, exactly."""
-    ps, ref = plain
+    _, _, (ps, ref) = cut
     m = {**compiled.manifest, "graphs": {k: g for k, g in compiled.manifest["graphs"].items() if k != "verify_mtp"}}
     graphs = {k: g for k, g in compiled.graphs.items() if k != "verify_mtp"}
     sess = Session(compiled.art, m, graphs, compiled.weights, compiled.device, None)
