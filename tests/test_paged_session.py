@@ -18,6 +18,7 @@ from dsv4c.export import unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.block_pool import PagedCacheError, PagedConfig
+from session_probe import serve
 
 
 def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = True, max_batch: int = 3,
@@ -41,24 +42,6 @@ def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = T
                    prefix_cache=prefix if paged is not None else False)
     sess.max_num_batched_tokens = block
     return sess
-
-
-def serve(sess: Session, prompts, max_new: int = 4):
-    """generate() with sampling (one decode step at a time), recording every logits row sampled from."""
-    rec: dict[int, list[torch.Tensor]] = {}
-    emit = sess._emit
-
-    def recording(r, logits):
-        rec.setdefault(r.index, []).append(logits.float().cpu().clone())
-        yield from emit(r, logits)
-
-    sess._emit = recording
-    try:
-        with torch.no_grad():
-            out = sess.generate(prompts, max_new_tokens=max_new, temperature=1.0, seed=5)
-    finally:
-        del sess._emit
-    return [r.tokens for r in out], [torch.stack(rec[i]) for i in range(len(prompts))]
 
 
 def assert_same(ref, got, tol: float = 1e-6) -> None:

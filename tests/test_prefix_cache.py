@@ -18,6 +18,7 @@ from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, PrefixCacheError
+from session_probe import serve
 
 
 def eager_session(model, block: int, prefix: PrefixCacheConfig | bool, max_batch: int = 3, max_tokens: int = 96,
@@ -45,24 +46,6 @@ def eager_session(model, block: int, prefix: PrefixCacheConfig | bool, max_batch
     sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None, prefix_cache=prefix)
     sess.max_num_batched_tokens = block
     return sess
-
-
-def serve(sess: Session, prompts, max_new: int = 4, **kw):
-    """generate(), recording every logits row a request samples from (sampling: one step at a time)."""
-    rec: dict[int, list[torch.Tensor]] = {}
-    emit = sess._emit
-
-    def recording(r, logits):
-        rec.setdefault(r.index, []).append(logits.float().cpu().clone())
-        yield from emit(r, logits)
-
-    sess._emit = recording
-    try:
-        with torch.no_grad():
-            out = sess.generate(prompts, max_new_tokens=max_new, temperature=kw.pop("temperature", 1.0), seed=5, **kw)
-    finally:
-        del sess._emit
-    return [r.tokens for r in out], [torch.stack(rec[i]) for i in range(len(prompts))]
 
 
 def assert_same(ref, got, decode_tol: float = 1e-6) -> None:
