@@ -91,15 +91,11 @@ def _worker(rank: int, plan: ParallelPlan, port: int, model, graphs: dict, fulls
         raise
 
 
-def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path, timeout: float = 120.0,
-                after_shard=None) -> tuple[list[dict], list[dict]]:
-    """Every rank's scenario outputs and shard-pass stats per graph, ranks forked from this process.
-    `after_shard(name, gm, stats) -> gm` runs in each rank on its sharded graph with its weights."""
-    fulls = {name: full_weights(gm) for name, gm in graphs.items()}
+def _fork_ranks(what, targets: list, out_dir: Path, timeout: float) -> None:
+    """Fork one process per (fn, args) in `targets` (rank order), wait up to `timeout`, and raise naming
+    `what` and the rank that hung (killed) or failed (with its rank{r}.err)."""
     ctx = mp.get_context("fork")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, plan, port, model, graphs, fulls, str(out_dir), after_shard))
-             for r in range(plan.world_size)]
+    procs = [ctx.Process(target=fn, args=args) for fn, args in targets]
     for p in procs:
         p.start()
     for p in procs:
@@ -108,11 +104,20 @@ def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path, timeout:
         if p.is_alive():
             p.kill()
             p.join()
-            raise TimeoutError(f"{plan}: rank {r} did not finish in {timeout}s")
-        err = out_dir / f"rank{r}.err"
+            raise TimeoutError(f"{what}: rank {r} did not finish in {timeout}s")
         if p.exitcode != 0:
-            raise RuntimeError(f"{plan}: rank {r} exited with {p.exitcode}:\n"
-                               f"{err.read_text() if err.exists() else ''}")
+            err = out_dir / f"rank{r}.err"
+            raise RuntimeError(f"{what}: rank {r} exited with {p.exitcode}:\n{err.read_text() if err.exists() else ''}")
+
+
+def run_sharded(model, graphs: dict, plan: ParallelPlan, out_dir: Path, timeout: float = 120.0,
+                after_shard=None) -> tuple[list[dict], list[dict]]:
+    """Every rank's scenario outputs and shard-pass stats per graph, ranks forked from this process.
+    `after_shard(name, gm, stats) -> gm` runs in each rank on its sharded graph with its weights."""
+    fulls = {name: full_weights(gm) for name, gm in graphs.items()}
+    port = free_port()
+    _fork_ranks(plan, [(_worker, (r, plan, port, model, graphs, fulls, str(out_dir), after_shard))
+                       for r in range(plan.world_size)], out_dir, timeout)
     return ([torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(plan.world_size)],
             [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(plan.world_size)])
 
@@ -168,19 +173,7 @@ def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str) ->
 def run_artifact(art: Path, world: int, out_dir: Path, timeout: float = 300.0) -> dict[str, torch.Tensor]:
     """`session_scenario` on a sharded artifact: one forked gloo process per rank (rank 0 schedules,
     the others replay, as `dsv4c run` does); rank 0's outputs."""
-    ctx = mp.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_session_worker, args=(r, world, port, str(art), str(out_dir))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join()
-            raise TimeoutError(f"{art}: rank {r} did not finish in {timeout}s")
-        if p.exitcode != 0:
-            err = out_dir / f"rank{r}.err"
-            raise RuntimeError(f"{art}: rank {r} exited with {p.exitcode}:\n{err.read_text() if err.exists() else ''}")
+    _fork_ranks(art, [(_session_worker, (r, world, port, str(art), str(out_dir))) for r in range(world)], out_dir,
+                timeout)
     return torch.load(out_dir / "rank0.pt", weights_only=True)
