@@ -175,9 +175,16 @@ def main(argv=None) -> int:
                                                        "fused_rounds", "fallback_refreshes")})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-                if not a.no_auto:
+                if not a.no_auto:  # its decision from generate's stats (that run also warms any calibration), then timed
                     pol = spec_stats(sess, prompts, n_new, T, "auto")["policy"] or {}
+                    cell = run_cell(sess, prompts, n_new, T, "auto")
+                    fixed = [r for r in rows if r["batch"] == B and r["temperature"] == T and r["k"] != "auto"]
+                    best = max(fixed, key=lambda r: r["tokens_per_s"])
                     rows.append({"batch": B, "temperature": T, "k": "auto", "auto_k": pol.get("k"),
+                                 "tokens_per_s": round(cell["tokens_per_s"], 2),
+                                 "speedup": round(cell["tokens_per_s"] / base, 3),
+                                 "vs_best_fixed": round(cell["tokens_per_s"] / best["tokens_per_s"], 3),
+                                 "best_fixed_k": best["k"],
                                  "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup"),
                                  "measured_speedup": pol.get("measured_speedup")})
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
@@ -204,7 +211,9 @@ def table(rows: list[dict], sess, art) -> str:
            "|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         if r["k"] == "auto":
-            out.append(f"| {r['batch']} | {r['temperature']} | auto → {r['auto_k']} | | | {r['reason']} | | | |")
+            out.append(f"| {r['batch']} | {r['temperature']} | auto → {r['auto_k']} | {r['tokens_per_s']:.1f} | "
+                       f"{r['speedup']:.2f}x ({r['vs_best_fixed']:.2f}x of best k = {r['best_fixed_k']}) | "
+                       f"{r['reason']} | | | |")
             continue
         alpha = ", ".join(f(x) for x in r.get("alpha", [])) or "-"
         out.append(f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "

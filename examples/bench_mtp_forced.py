@@ -35,6 +35,8 @@ the verify and draft graphs as compiled: T = 1 + K rows per sequence in every ca
     python examples/bench_mtp_forced.py --slice build/forced_slice --compile-batches 1,8,32,64 --compile-only
     python examples/bench_mtp_forced.py --slice build/forced_slice --compile-batches 1,8,32,64 \
         --batches 1,8 --budget-s 200 --out $OUT/forced_slice_1_8.json
+    # the same with the verify's argmax equal to the decode's (bf16 near-ties otherwise end the forced drafts)
+    python examples/bench_mtp_forced.py --bundled --deterministic --work build/forced_bundled --batches 1,8
     python examples/bench_mtp_forced.py --bundled --device cpu --quick          # CPU smoke run
     python examples/bench_mtp_forced.py --roofline-only v4-flash                # the bound grid only
 
@@ -275,24 +277,25 @@ def bound_table(cfg: ModelConfig, batches, alphas, ks, K: int, ctx_len: int) -> 
 # ------------------------------------------------------------------------------------------------
 # artifacts
 # ------------------------------------------------------------------------------------------------
-def compile_bundled(work: Path, device: str, K: int, batches: list[int], max_tokens: int, log=print) -> Path:
+def compile_bundled(work: Path, device: str, K: int, batches: list[int], max_tokens: int, log=print,
+                    deterministic: bool = False) -> Path:
     """The bundled trained model compiled for the device's target with --mtp K and buckets = the
     batches (reused when `work/art` exists and covers them). Only the buckets the grid runs: every
     bucket of every graph is captured (and its Triton kernels compiled) at the graph's first call."""
     from dsv4c.compile import compile_checkpoint
 
-    art = work / "art"
-    if _reusable(art, K, batches, max_tokens, log):
+    art = work / ("art_det" if deterministic else "art")
+    if _reusable(art, K, batches, max_tokens, log, deterministic):
         return art
     t0 = time.perf_counter()
     compile_checkpoint(BUNDLE, art, target="h200" if device.startswith("cuda") else "cpu", max_tokens=max_tokens,
                        max_batch=max(max(batches), 2), buckets=tuple(sorted(batches)), mtp_k=K, progress=True,
-                       verify_boundaries=False, force=True)
+                       verify_boundaries=False, force=True, deterministic=deterministic)
     log(f"bundled model compiled (--mtp {K}, buckets {sorted(batches)}) in {time.perf_counter() - t0:.0f}s")
     return art
 
 
-def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print) -> bool:
+def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print, deterministic: bool = False) -> bool:
     """Whether the artifact at `art` was compiled with --mtp K, buckets covering `batches` and room for
     `max_tokens`; one that exists but does not fit is named and recompiled."""
     f = art / "manifest.json"
@@ -300,7 +303,7 @@ def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print)
         return False
     m = json.loads(f.read_text())
     ok = (int(m.get("mtp_k", 0)) == K and set(batches) <= set(m.get("buckets") or ())
-          and m["limits"]["max_tokens"] >= max_tokens)
+          and m["limits"]["max_tokens"] >= max_tokens and bool(m.get("deterministic")) == deterministic)
     if not ok:
         log(f"{art}: compiled with --mtp {m.get('mtp_k')}, buckets {m.get('buckets')}, max_tokens "
             f"{m['limits']['max_tokens']}; this run needs --mtp {K}, buckets {sorted(batches)}, {max_tokens}: "
@@ -370,6 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no cell after this many seconds from the start (the JSON says what was skipped)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: batches 1,2, α 0.8, k 1,2, 8 tokens")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="with --bundled: compile and load in deterministic mode, so the verify's argmax equals the "
+                         "k = 0 decode's and the measured α is the requested one in bf16 too")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.quick:
@@ -382,6 +388,8 @@ def main(argv=None) -> int:
         ctx_len = a.prompt_len + a.new_tokens // 2
         print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, ctx_len))
         return 0
+    if a.deterministic and not a.bundled:
+        ap.error("--deterministic is implemented for --bundled only (the slice's and --art's compiles are fixed)")
     if not set(batches) <= set(compile_batches):
         ap.error(f"--batches {batches} must be among --compile-batches {compile_batches}")
     max_tokens = max(a.prompt_len, 64) + a.new_tokens + 4 * a.k + 8
@@ -395,14 +403,16 @@ def main(argv=None) -> int:
     elif a.bundled:
         if a.work is None:
             tmp = tempfile.TemporaryDirectory()
-        art = compile_bundled(a.work or Path(tmp.name), a.device, a.k, compile_batches, max_tokens, log)
+        art = compile_bundled(a.work or Path(tmp.name), a.device, a.k, compile_batches, max_tokens, log,
+                              deterministic=a.deterministic)
     else:
         art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log)
     timings["compile_or_reuse_s"] = round(time.perf_counter() - t0, 2)
     if a.compile_only:
         return 0
     t0 = time.perf_counter()
-    sess = Session.load(art, device=a.device, graphs="full" if torch.device(a.device).type == "cuda" else None)
+    sess = Session.load(art, device=a.device, graphs="full" if torch.device(a.device).type == "cuda" else None,
+                        deterministic=a.deterministic)
     only_buckets(sess, batches)
     timings["load_s"] = round(time.perf_counter() - t0, 2)
     m = sess.manifest
@@ -410,6 +420,7 @@ def main(argv=None) -> int:
     timings["artifact_export_s"] = {n: g.get("export_seconds") for n, g in m["graphs"].items()}
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     head = {"artifact": str(art), "gpu": gpu, "target": m["target"]["name"], "mtp_k": m["mtp_k"],
+            "deterministic": a.deterministic,
             "buckets": m["buckets"], "new_tokens": a.new_tokens, "timings": timings}
 
     def write(rows: list[dict], complete: bool = False) -> None:
