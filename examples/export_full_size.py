@@ -7,6 +7,9 @@ Run: python examples/export_full_size.py v4-flash decode
 Recorded (2-core CPU shared by other jobs, load ~13; 2026-12-02): v4-flash decode --tp 8 --ranks 0
 (cpu target): build 5.8 s, export 231 s (25 000 nodes), rank 0 shard 12.9 s, shard + lower 139 s,
 442 weights sliced, 86 tp all-reduces + 43 world all-reduces + 1 all-gather, peak RSS 888 MB.
+v4-pro decode --tp 8 --ranks 0 (cpu target; 2026-12-02, same machine, load ~5): build 3.9 s, export 166 s
+(35 494 nodes), rank 0 shard 19.1 s, shard + lower 158 s, 622 weights sliced, 122 tp all-reduces + 61 world
+all-reduces + 1 all-gather, peak RSS 1036 MB.
 """
 from __future__ import annotations
 
