@@ -5,6 +5,7 @@ Public API::
 
     sinkhorn(c0, iters, eps, block_m=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
     sinkhorn_ref(c0, iters, eps) -> Tensor             # the model's eager math (the spec)
+    sinkhorn_cuda_order(c0, iters, eps) -> Tensor      # the same with PyTorch's CUDA summation orders (N = 4)
     hc_pre(X, fn, base, scale, eps, hc_eps, iters) -> (u, post, comb)   # two launches
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
     hc_post(y, X, post, comb) -> Tensor                # one launch
@@ -25,8 +26,31 @@ columns by (column sum + eps). Eagerly that is 6·iters − 1 tiny ATen kernels 
 iters = 20, N = 4); here one program holds BLOCK_M whole matrices in registers for all iterations,
 so a site is one launch. ITERS is a constexpr (the loop bound; the Triton interpreter cannot range
 over a runtime scalar): one compiled variant per model config. The kernel performs the same operations in the same order as the eager code; divisions
-are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`), so fp32 results agree with
-`sinkhorn_ref` to a few ulp (the sums of N terms and `exp` may round differently).
+are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`) and `exp` is libdevice's
+accurate expf, as in torch's CUDA softmax; for N = 4 every sum is added in PyTorch's CUDA order
+(`_sinkhorn4_io`), other N sum in Triton's order (a few ulp from `sinkhorn_ref`).
+
+Rounding like eager (issue 22; every kernel here). On the random-weight slice's prefill graph a
+kernel whose fp32 values are a few ulp off eager's moves single bf16 roundings, and the logits
+feel it (BENCHMARKS.md, 2026-12-01: fuse_hc 40 -> 37 dB). So each kernel does eager's fp32
+operations one by one: the pre/post launches are compiled without FMA contraction
+(`enable_fp_fusion=False`, which Triton otherwise applies to every a·b + c), explicit `tl.fma` only
+where eager's own kernel fuses (the batched GEMM of hc_post's einsum); sigmoid = 1 / (1 + expf(-t))
+with an IEEE division and libdevice's expf (Triton's tl.sigmoid/tl.exp are approximate); rsqrt =
+the hardware rsqrt.approx, which is what torch.rsqrt (CUDA's rsqrtf) runs; u sums the rounded
+products pre_k·X[k] in the order of PyTorch's reduction over a non-innermost dim; the 4 x 4
+Sinkhorn adds its sums in the orders of torch's CUDA softmax and reductions (`sinkhorn_cuda_order`).
+What is left is z = fn·vec(X), a dot of N·D terms (16384 at Flash dims) that cuBLAS (eager) and the
+split-K kernel add in different orders: z then differs by an ulp or so, and u rounds differently in a
+few elements in 10^4. In ulps of u itself that looked large (up to 14 on the H200 at 2 x 256 tokens,
+issue 22): where the streams cancel, |u| is far below the terms pre_k·X[k] whose rounding error it
+carries, so the tests bound the error by the terms' scale. From HC_EAGER_Z_MIN tokens (prefill
+chunks) hc_pre therefore takes z from eager's own ops (`_eager_z`: the fp32 copy of X and torch's
+linear, the same cuBLAS call as eager's, and the sum of squares in PyTorch's CUDA order): u, post and
+comb are then expected bit-exact with eager on CUDA (the `gpu` tests check it), at the price of that copy and an fp32 GEMM (a 512-token
+chunk at Flash dims: 32 MB written and read once more per site). Decode batches keep the split-K
+launch. hc_post is bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if
+cuBLAS's fp32 batched GEMM of K = N adds its FMAs in order as the CPU's does, on CUDA (`gpu` tests).
 
 Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape, no host sync:
 capture-safe (split_at_routers.OP_CAPTURE). M = 0 launches nothing.
@@ -38,12 +62,17 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels.norm import row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
 
 @triton.jit
-def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,15 +80,110 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
     j = tl.arange(0, N)
     offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
     mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
-    x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
-    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2), mask=mask)
+    if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4), one [BLOCK_M] vector per matrix entry
+        _sinkhorn4_io(c_ptr, out_ptr, m[:, None].to(tl.int64) * 16, (m < M)[:, None], eps, ITERS, INTERPRET)
+    else:
+        x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
+        tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+
+
+# Sinkhorn of 4 x 4 matrices with PyTorch's CUDA summation orders (eager's on the GPU): softmax's sum of a
+# row as its warp shuffle adds it, (e0 + e2) + (e1 + e3); a row sum (`c.sum(-1)`: one lane per element,
+# halving shuffle offsets) the same; a column sum (`c.sum(-2)`: a reduction over a non-innermost dim, one
+# thread per output) in order, ((c0 + c1) + c2) + c3. Entries are [BLOCK, 1] tensors (one per matrix
+# position, any number of matrices), so every sum is explicit arithmetic and rounds exactly as written.
+@triton.jit
+def _softmax4(a, b, c, d, eps, INTERPRET: tl.constexpr):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    ea = _exp_like_torch(a - mx, INTERPRET)
+    eb = _exp_like_torch(b - mx, INTERPRET)
+    ec = _exp_like_torch(c - mx, INTERPRET)
+    ed = _exp_like_torch(d - mx, INTERPRET)
+    s = (ea + ec) + (eb + ed)
+    return tl.div_rn(ea, s) + eps, tl.div_rn(eb, s) + eps, tl.div_rn(ec, s) + eps, tl.div_rn(ed, s) + eps
 
 
 @triton.jit
-def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr):
+def _row4(a, b, c, d, eps):
+    s = ((a + c) + (b + d)) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _col4(a, b, c, d, eps):
+    s = (((a + b) + c) + d) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _sinkhorn4_io(src_ptr, dst_ptr, base, mask, eps, ITERS: tl.constexpr, INTERPRET: tl.constexpr):
+    # matrices at src_ptr + base (16 fp32 each, row-major) -> dst_ptr + base; c<i><j> is entry (i, j)
+    c00 = tl.load(src_ptr + base + 0, mask=mask, other=0.0)
+    c01 = tl.load(src_ptr + base + 1, mask=mask, other=0.0)
+    c02 = tl.load(src_ptr + base + 2, mask=mask, other=0.0)
+    c03 = tl.load(src_ptr + base + 3, mask=mask, other=0.0)
+    c10 = tl.load(src_ptr + base + 4, mask=mask, other=0.0)
+    c11 = tl.load(src_ptr + base + 5, mask=mask, other=0.0)
+    c12 = tl.load(src_ptr + base + 6, mask=mask, other=0.0)
+    c13 = tl.load(src_ptr + base + 7, mask=mask, other=0.0)
+    c20 = tl.load(src_ptr + base + 8, mask=mask, other=0.0)
+    c21 = tl.load(src_ptr + base + 9, mask=mask, other=0.0)
+    c22 = tl.load(src_ptr + base + 10, mask=mask, other=0.0)
+    c23 = tl.load(src_ptr + base + 11, mask=mask, other=0.0)
+    c30 = tl.load(src_ptr + base + 12, mask=mask, other=0.0)
+    c31 = tl.load(src_ptr + base + 13, mask=mask, other=0.0)
+    c32 = tl.load(src_ptr + base + 14, mask=mask, other=0.0)
+    c33 = tl.load(src_ptr + base + 15, mask=mask, other=0.0)
+    tl.debug_barrier()  # every thread has read before any writes (dst may be src)
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps, INTERPRET)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps, INTERPRET)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps, INTERPRET)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps, INTERPRET)
+    c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _row4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _row4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _row4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _row4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    tl.store(dst_ptr + base + 0, c00, mask=mask)
+    tl.store(dst_ptr + base + 1, c01, mask=mask)
+    tl.store(dst_ptr + base + 2, c02, mask=mask)
+    tl.store(dst_ptr + base + 3, c03, mask=mask)
+    tl.store(dst_ptr + base + 4, c10, mask=mask)
+    tl.store(dst_ptr + base + 5, c11, mask=mask)
+    tl.store(dst_ptr + base + 6, c12, mask=mask)
+    tl.store(dst_ptr + base + 7, c13, mask=mask)
+    tl.store(dst_ptr + base + 8, c20, mask=mask)
+    tl.store(dst_ptr + base + 9, c21, mask=mask)
+    tl.store(dst_ptr + base + 10, c22, mask=mask)
+    tl.store(dst_ptr + base + 11, c23, mask=mask)
+    tl.store(dst_ptr + base + 12, c30, mask=mask)
+    tl.store(dst_ptr + base + 13, c31, mask=mask)
+    tl.store(dst_ptr + base + 14, c32, mask=mask)
+    tl.store(dst_ptr + base + 15, c33, mask=mask)
+
+
+@triton.jit
+def _exp_like_torch(x, INTERPRET: tl.constexpr):
+    # torch's CUDA kernels call expf: libdevice's accurate exp, not Triton's tl.exp (ex2.approx of a rounded
+    # x·log2(e), whose error grows with |x|); libdevice does not run under the interpreter (numpy's exp)
+    if INTERPRET:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr, INTERPRET: tl.constexpr):
     """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
     # softmax over j, then + eps
-    e = tl.exp(x - tl.max(x, axis=J_AXIS, keep_dims=True))
+    e = _exp_like_torch(x - tl.max(x, axis=J_AXIS, keep_dims=True), INTERPRET)
     c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
     # columns: sum over i
     c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
@@ -98,8 +222,27 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     if bm < 1 or bm & (bm - 1):
         raise ValueError(f"sinkhorn: block_m must be a power of two, got {bm}")
     _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
-                                           num_warps=1 if bm * n * n <= 512 else 2)
+                                           INTERPRET=interpret_flag(x), num_warps=1 if bm * n * n <= 512 else 2)
     return out
+
+
+def sinkhorn_cuda_order(c0: torch.Tensor, iters: int, eps: float, exp=torch.exp) -> torch.Tensor:
+    """The eager Sinkhorn of 4 x 4 matrices (c0 [..., 4, 4] fp32) with the sums added in PyTorch's CUDA
+    orders (the comment above `_softmax4`), in torch ops: what the kernels compute for N = 4, and on CUDA
+    (exp = expf) eager's own result. `exp`: the exponential (the tests pass the interpreter's numpy one)."""
+    def rows(c):  # Σ_j as a 4-lane shuffle tree
+        return ((c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3]))[..., None]
+
+    def cols(c):  # Σ_i in order
+        return (((c[..., 0, :] + c[..., 1, :]) + c[..., 2, :]) + c[..., 3, :])[..., None, :]
+
+    e = exp(c0 - c0.amax(-1, keepdim=True))
+    c = e / rows(e) + eps
+    c = c / (cols(c) + eps)
+    for _ in range(iters - 1):
+        c = c / (rows(c) + eps)
+        c = c / (cols(c) + eps)
+    return c
 
 
 def sinkhorn_ref(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -155,6 +298,9 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
+# Tokens from which hc_pre takes z = fn·vec(X) from eager's own GEMM (prefill chunks; module doc): the
+# fp32 copy of X and cuBLAS's fp32 GEMM cost more than the split-K kernel, which the decode batches keep.
+HC_EAGER_Z_MIN = 128
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -210,30 +356,61 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 
 @triton.jit
+def _sigmoid_like_torch(t, INTERPRET: tl.constexpr):
+    # torch's CUDA sigmoid: 1 / (1 + expf(-t)), an IEEE division (Triton's tl.sigmoid: approximate exp and /)
+    return tl.div_rn(tl.full(t.shape, 1.0, tl.float32), 1.0 + _exp_like_torch(-t, INTERPRET))
+
+
+@triton.jit
+def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr,
+                     VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
+    # ssp[m] = Σ_k x[m, k]² in PyTorch's CUDA order for the launch's rows (eager's mean of vec(X)²)
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(ssp_ptr + row, row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
+
+
+@triton.jit
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    # Launched without FMA contraction: every product and sum below is rounded once, as the eager
+    # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
     n = tl.arange(0, N)
     sm = s < S
     zrow = (s.to(tl.int64) * M + pid_m) * MIXP  # [S_P] offsets of this token's partial rows
     ss = tl.sum(tl.load(ssp_ptr + s.to(tl.int64) * M + pid_m, mask=sm, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt_rn(ss * inv_k + eps)  # rsqrt(mean(x²) + eps)
+    r = tl.math.rsqrt(ss * inv_k + eps)  # eager: mean, + eps, torch.rsqrt (rsqrt.approx, as CUDA's rsqrtf)
     z_pre = tl.sum(tl.load(zp_ptr + zrow[:, None] + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-    pre = tl.sigmoid(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n)) + hc_eps  # [N]
+    pre = _sigmoid_like_torch(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n), INTERPRET) + hc_eps  # [N]
 
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
-    xoffs = pid_m.to(tl.int64) * N * D + n[:, None] * D + d[None, :]
-    x = tl.load(x_ptr + xoffs, mask=dm[None, :], other=0.0).to(tl.float32)  # [N, BLOCK_D]
-    u = tl.sum(pre[:, None] * x, axis=0)
+    # u = Σ_k pre_k·X[k]: eager multiplies (rounded), then sums the N products as PyTorch's reduction over
+    # a non-innermost dim does: accumulator k % 4 takes the k-th product in order, then ((a0 + a1) + a2) + a3
+    a0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(N):
+        pk = tl.sum(tl.where(n == k, pre, 0.0), axis=0)  # pre[k] (adds zeros: exact)
+        xk = tl.load(x_ptr + pid_m.to(tl.int64) * N * D + k * D + d, mask=dm, other=0.0).to(tl.float32)
+        if k % 4 == 0:
+            a0 = a0 + pk * xk
+        elif k % 4 == 1:
+            a1 = a1 + pk * xk
+        elif k % 4 == 2:
+            a2 = a2 + pk * xk
+        else:
+            a3 = a3 + pk * xk
+    u = ((a0 + a1) + a2) + a3
     tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
 
     if pid_d == 0:
         z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
+        post = 2 * _sigmoid_like_torch(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n), INTERPRET)
         tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
         ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
         zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
@@ -243,9 +420,13 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
         # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
         tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
         tl.debug_barrier()
-        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
-        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+        if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+            one = tl.arange(0, 1)[:, None]
+            _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+        else:
+            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1, INTERPRET)
+            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
 
 @triton.jit
@@ -260,9 +441,9 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
     for jj in tl.static_range(N):
         cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
         xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
-        acc += cj[:, None] * xj[None, :]
+        acc = tl.fma(cj[:, None], xj[None, :], acc)  # eager's einsum is a batched GEMM: one FMA per j, in order
     p = tl.load(post_ptr + tok * N + k)
-    out = p[:, None] * y[None, :] + acc
+    out = p[:, None] * y[None, :] + acc  # eager: post·y rounded, then + mixed (launched without FMA fusion)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
 
@@ -301,12 +482,15 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None, rows: bool | None = None):
+           finish_warps: int | None = None, rows: bool | None = None, eager_z: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
     second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
-    M <= HC_ROWS_MAX tokens). CPU tensors run under the Triton interpreter."""
+    M <= HC_ROWS_MAX tokens). `eager_z` (default: M >= HC_EAGER_Z_MIN tokens and not `rows`) takes z
+    from eager's own ops instead of the first launch: the fp32 copy of X, torch's linear (cuBLAS on
+    CUDA) and the sum of squares in PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it
+    u, post and comb, round exactly as eager's on CUDA. CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -323,23 +507,39 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
         return u, post, comb
     if k == 0:
         raise ValueError("hc_pre: D must be >= 1")
-    mixp = max(16, triton.next_power_of_2(mix))
-    splits = triton.cdiv(k, chunk)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
-    ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    if m <= HC_ROWS_MAX if rows is None else rows:
-        _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
-                                         num_warps=HC_ROWS_WARPS)
+    use_rows = m <= HC_ROWS_MAX if rows is None else rows
+    if eager_z if eager_z is not None else (not use_rows and m >= HC_EAGER_Z_MIN):
+        zp, ssp, mixp, splits = _eager_z(x, fn, m, k, mix)
     else:
-        _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                          BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+        mixp = max(16, triton.next_power_of_2(mix))
+        splits = triton.cdiv(k, chunk)
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
+        ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
+        if use_rows:
+            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                             num_warps=HC_ROWS_WARPS)
+        else:
+            _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                              BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
         x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
         ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-        num_warps=finish_warps or HC_FINISH_WARPS)
+        INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
     return u, post, comb
+
+
+def _eager_z(x: torch.Tensor, fn: torch.Tensor, m: int, k: int, mix: int):
+    """(zp [1, M, MIX], ssp [1, M], MIX, 1): z = linear(vec(X) in fp32, fn), eager's call, and Σ vec(X)² in
+    PyTorch's CUDA order for M rows (hc_project's mean, before its · fl(1/K))."""
+    zp = torch.nn.functional.linear(x.view(m, k).float(), fn).view(1, m, mix)
+    ssp = torch.empty((1, m), dtype=torch.float32, device=x.device)
+    lay = reduce_layout(m, k)
+    _hc_sumsq_kernel[(m,)](x, ssp, k, BW=lay.lanes, YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
+                           LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
+                           num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+    return zp, ssp, mix, 1
 
 
 def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -376,7 +576,7 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return out
     bd = min(block_d, triton.next_power_of_2(d))
     _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                             num_warps=4 if n * bd >= 1024 else 1)
+                                             num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
     return out
 
 

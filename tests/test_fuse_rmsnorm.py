@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4c.kernels.norm import rms_norm, rms_norm_ref
+from dsv4c.kernels.norm import ORDER_ROWS, ReduceLayout, reduce_layout, rms_norm, rms_norm_ref, torch_cuda_row_sum
 from dsv4c.model import register_ops
 from dsv4c.model.common import RMSNorm
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -63,6 +63,36 @@ def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
     assert _rel(ref, want) <= tol  # the threshold holds for the model's own math too
     if got.numel():  # the weight matters (a kernel ignoring it fails here)
         assert _rel(got, _norm64(x, torch.ones_like(w), EPS, cast_first)) > 0.05
+
+
+@pytest.mark.parametrize("rows,C,want", [
+    # (lanes, warps splitting a row, steps, float4 loads), derived by hand from Reduce.cuh's setReduceConfig
+    (512, 4096, (32, 1, 32, True)),   # prefill: a warp per row, 32 float4 loads per lane
+    (1, 4096, (512, 1, 2, True)),     # decode batch 1: one 512-lane block on the row
+    (2, 4096, (256, 1, 4, True)),
+    (20, 8192, (32, 16, 4, True)),    # >= 256 values per thread: the row split over 16 warps
+    (16, 64, (32, 1, 1, False)),      # C < 128: scalar loads, 2 per lane
+    (3, 100, (64, 1, 1, False)),
+])
+def test_reduce_layout_is_pytorchs_cuda_configuration(rows, C, want):
+    assert reduce_layout(rows, C) == ReduceLayout(*want)
+
+
+@pytest.mark.parametrize("rows,C", [(16, 1024), (20, 8192), (7, 64)])
+def test_kernel_sums_in_pytorchs_cuda_order(rows, C):
+    """Issue 22: the kernel's fp32 output is exactly eager's CUDA formula with the sum of squares added in
+    PyTorch's CUDA order for >= 16 rows (`torch_cuda_row_sum(rows=ORDER_ROWS)`): rounded squares, no FMA,
+    fl(1/C), rsqrt, x·r, w·r; for any row count (batch-invariant: row 0 alone gives the same bits). (The
+    CPU eager model sums in another order; this order differs from a plain sum on these rows.)"""
+    g = torch.Generator().manual_seed(rows + C)
+    x = 3 * torch.randn(rows, C, generator=g)  # fp32 in and out (the interpreter's bf16 cast truncates)
+    w = 1 + 0.2 * torch.randn(C, generator=g)
+    ss = torch_cuda_row_sum(x * x, rows=ORDER_ROWS)
+    assert not torch.equal(ss, (x * x).sum(-1))
+    want = w * (x * torch.rsqrt(ss[:, None] * torch.tensor(1.0 / C) + EPS))
+    got = rms_norm(x, w, EPS)
+    assert torch.equal(got, want)
+    assert torch.equal(rms_norm(x[:1], w, EPS), got[:1])
 
 
 def test_non_contiguous_input():
@@ -234,3 +264,23 @@ def test_kernel_rounds_once_like_eager_at_prefill_size(C):
     ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
     d = (a - b).abs() / ulp
     assert d.max() <= 1.0 and (d > 0).float().mean() <= 0.01, (d.max().item(), (d > 0).float().mean().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 64, 512])
+@pytest.mark.parametrize("C", [4096, 1024, 512, 64])
+def test_kernel_is_bit_exact_with_eager_on_cuda(rows, C):
+    """Issue 22: the first assert checks the summation order itself: `torch_cuda_row_sum` (reduce_layout, for
+    this row count) against torch's own mean of the squares. From 16 rows on (prefill; decode at batch >=
+    16), where PyTorch's block shape no longer depends on the row count, the V4-order kernel equals
+    RMSNorm.forward bit for bit; below, it keeps the 16-row order (batch invariance) and is within an ulp."""
+    g = torch.Generator().manual_seed(rows * C)
+    x = (3 * torch.randn(rows, C, generator=g)).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=g)).to(torch.bfloat16).cuda()
+    sq = x.float().pow(2)
+    assert torch.equal(torch_cuda_row_sum(sq) * torch.tensor(1.0 / C, device="cuda"), sq.mean(-1)), reduce_layout(rows, C)
+    got, want = torch.ops.dsv4c.rms_norm(x, w, EPS, False), rms_norm_ref(x, w, EPS, False)
+    if rows >= ORDER_ROWS:
+        assert torch.equal(got, want), (got != want).float().mean().item()
+    else:
+        assert torch.equal(got, torch.ops.dsv4c.rms_norm(x.repeat(ORDER_ROWS, 1), w, EPS, False)[:rows])
