@@ -3,12 +3,12 @@ normalisation, and the whole pre- and post-mix of a site.
 
 Public API::
 
-    sinkhorn(c0, iters, eps, block_m=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
+    sinkhorn(c0, iters, eps, block_m=None, exact=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
     sinkhorn_ref(c0, iters, eps) -> Tensor             # the model's eager math (the spec)
     sinkhorn_cuda_order(c0, iters, eps) -> Tensor      # the same with PyTorch's CUDA summation orders (N = 4)
-    hc_pre(X, fn, base, scale, eps, hc_eps, iters) -> (u, post, comb)   # two launches
+    hc_pre(X, fn, base, scale, eps, hc_eps, iters, exact=None) -> (u, post, comb)   # two launches
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
-    hc_post(y, X, post, comb) -> Tensor                # one launch
+    hc_post(y, X, post, comb, exact=None) -> Tensor    # one launch
     hc_post_ref(...)                                   # HyperConnection.post, unchanged
 
 Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the reference)::
@@ -17,6 +17,14 @@ Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the 
     dsv4c::hc_pre(Tensor X, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters)
         -> (Tensor u, Tensor post, Tensor comb)
     dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb) -> Tensor
+    dsv4c::hc_pre_rows, dsv4c::hc_post_bi, dsv4c::sinkhorn_bi   # the same, one variant at any M (deterministic)
+
+Two variants of each kernel, chosen by the launch's M (tokens, matrices): from EXACT_ROWS_MIN
+(kernels/norm.py; prefill chunks) the exact kernels (`*_exact_kernel`, below), under it (decode:
+batch x (1 + k) tokens) the fast kernels, unchanged from before issue 22's exact kernels (which made
+the slice's decode step 0.26 ms slower on the H200). `exact=` overrides the choice. The deterministic
+mode (passes/make_batch_invariant.py) needs a row's bits independent of M, so its ops take the fast
+variant at any M.
 
 The pre/post kernels are described above their code, below the Sinkhorn kernel.
 
@@ -25,12 +33,13 @@ Semantics (deepseek_v4.md, mHC): per [N, N] matrix, softmax over the last dim (m
 columns by (column sum + eps). Eagerly that is 6·iters − 1 tiny ATen kernels per mHC site (119 for
 iters = 20, N = 4); here one program holds BLOCK_M whole matrices in registers for all iterations,
 so a site is one launch. ITERS is a constexpr (the loop bound; the Triton interpreter cannot range
-over a runtime scalar): one compiled variant per model config. The kernel performs the same operations in the same order as the eager code; divisions
-are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`) and `exp` is libdevice's
-accurate expf, as in torch's CUDA softmax; for N = 4 every sum is added in PyTorch's CUDA order
-(`_sinkhorn4_io`), other N sum in Triton's order (a few ulp from `sinkhorn_ref`).
+over a runtime scalar): one compiled variant per model config. The kernels perform the same operations in the same order as the eager code; divisions
+are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`). The fast kernel sums in Triton's
+order with `tl.exp` (a few ulp from `sinkhorn_ref`); the exact one's `exp` is libdevice's accurate expf,
+as in torch's CUDA softmax, and for N = 4 every sum is added in PyTorch's CUDA order (`_sinkhorn4_io`),
+other N in Triton's order.
 
-Rounding like eager (issue 22; every kernel here). On the random-weight slice's prefill graph a
+The exact variants: rounding like eager (issue 22). On the random-weight slice's prefill graph a
 kernel whose fp32 values are a few ulp off eager's moves single bf16 roundings, and the logits
 feel it (BENCHMARKS.md, 2026-12-01: fuse_hc 40 -> 37 dB). So each kernel does eager's fp32
 operations one by one: the pre/post launches are compiled without FMA contraction
@@ -44,12 +53,12 @@ What is left is z = fn·vec(X), a dot of N·D terms (16384 at Flash dims) that c
 split-K kernel add in different orders: z then differs by an ulp or so, and u rounds differently in a
 few elements in 10^4. In ulps of u itself that looked large (up to 14 on the H200 at 2 x 256 tokens,
 issue 22): where the streams cancel, |u| is far below the terms pre_k·X[k] whose rounding error it
-carries, so the tests bound the error by the terms' scale. From HC_EAGER_Z_MIN tokens (prefill
+carries, so the tests bound the error by the terms' scale. From EXACT_ROWS_MIN tokens (prefill
 chunks) hc_pre therefore takes z from eager's own ops (`_eager_z`: the fp32 copy of X and torch's
 linear, the same cuBLAS call as eager's, and the sum of squares in PyTorch's CUDA order): u, post and
 comb are then expected bit-exact with eager on CUDA (the `gpu` tests check it), at the price of that copy and an fp32 GEMM (a 512-token
-chunk at Flash dims: 32 MB written and read once more per site). Decode batches keep the split-K
-launch. hc_post is bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if
+chunk at Flash dims: 32 MB written and read once more per site). Decode batches keep the fast split-K
+launch. The exact hc_post is bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if
 cuBLAS's fp32 batched GEMM of K = N adds its FMAs in order as the CPU's does, on CUDA (`gpu` tests).
 
 Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape, no host sync:
@@ -65,14 +74,27 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4c.kernels._tl import interpret_flag
-from dsv4c.kernels.norm import row_sumsq, reduce_layout
+from dsv4c.kernels.norm import EXACT_ROWS_MIN, row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
 
 @triton.jit
-def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr):
+    # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
+    pid = tl.program_id(0)
+    m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, N)
+    j = tl.arange(0, N)
+    offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
+    mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
+    x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
+    tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2), mask=mask)
+
+
+@triton.jit
+def _sinkhorn_exact_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           INTERPRET: tl.constexpr):
     # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -84,7 +106,21 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
         _sinkhorn4_io(c_ptr, out_ptr, m[:, None].to(tl.int64) * 16, (m < M)[:, None], eps, ITERS, INTERPRET)
     else:
         x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
-        tl.store(out_ptr + offs, _sinkhorn_tile(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+        tl.store(out_ptr + offs, _sinkhorn_tile_exact(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr):
+    """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
+    # softmax over j, then + eps
+    e = tl.exp(x - tl.max(x, axis=J_AXIS, keep_dims=True))
+    c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
+    # columns: sum over i
+    c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
+    for _ in range(ITERS - 1):
+        c = tl.div_rn(c, tl.sum(c, axis=J_AXIS, keep_dims=True) + eps)  # rows
+        c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)  # columns
+    return c
 
 
 # Sinkhorn of 4 x 4 matrices with PyTorch's CUDA summation orders (eager's on the GPU): softmax's sum of a
@@ -180,7 +216,8 @@ def _exp_like_torch(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr, INTERPRET: tl.constexpr):
+def _sinkhorn_tile_exact(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
     # softmax over j, then + eps
     e = _exp_like_torch(x - tl.max(x, axis=J_AXIS, keep_dims=True), INTERPRET)
@@ -208,10 +245,13 @@ def _check(c0: torch.Tensor, iters: int, eps: float) -> int:
     return n
 
 
-def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = None) -> torch.Tensor:
+def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = None,
+             exact: bool | None = None) -> torch.Tensor:
     """Sinkhorn of every [N, N] matrix of c0 [..., N, N] (fp32, any leading dims, any strides: a
     non-contiguous c0 is copied once). `block_m` (matrices per program, a power of two) defaults to
-    min(64, next_pow2(M)). CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1)."""
+    min(64, next_pow2(M)). `exact` picks the variant (default: M >= EXACT_ROWS_MIN matrices): True
+    `_sinkhorn_exact_kernel` (PyTorch's CUDA orders, libdevice exp), False `_sinkhorn_kernel`. CPU
+    tensors run under the Triton interpreter (TRITON_INTERPRET=1)."""
     n = _check(c0, iters, eps)
     x = c0.contiguous()
     out = torch.empty_like(x)
@@ -221,8 +261,13 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     bm = block_m if block_m is not None else min(64, triton.next_power_of_2(m))
     if bm < 1 or bm & (bm - 1):
         raise ValueError(f"sinkhorn: block_m must be a power of two, got {bm}")
-    _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
-                                           INTERPRET=interpret_flag(x), num_warps=1 if bm * n * n <= 512 else 2)
+    if m >= EXACT_ROWS_MIN if exact is None else exact:
+        _sinkhorn_exact_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
+                                                     INTERPRET=interpret_flag(x),
+                                                     num_warps=1 if bm * n * n <= 512 else 2)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
+                                               num_warps=1 if bm * n * n <= 512 else 2)
     return out
 
 
@@ -298,9 +343,6 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
-# Tokens from which hc_pre takes z = fn·vec(X) from eager's own GEMM (prefill chunks; module doc): the
-# fp32 copy of X and cuBLAS's fp32 GEMM cost more than the split-K kernel, which the decode batches keep.
-HC_EAGER_Z_MIN = 128
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -373,7 +415,46 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                          BLOCK_D: tl.constexpr):
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, S_P)
+    n = tl.arange(0, N)
+    sm = s < S
+    zrow = (s.to(tl.int64) * M + pid_m) * MIXP  # [S_P] offsets of this token's partial rows
+    ss = tl.sum(tl.load(ssp_ptr + s.to(tl.int64) * M + pid_m, mask=sm, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(ss * inv_k + eps)  # rsqrt(mean(x²) + eps)
+    z_pre = tl.sum(tl.load(zp_ptr + zrow[:, None] + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+    pre = tl.sigmoid(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n)) + hc_eps  # [N]
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    xoffs = pid_m.to(tl.int64) * N * D + n[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + xoffs, mask=dm[None, :], other=0.0).to(tl.float32)  # [N, BLOCK_D]
+    u = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
+
+    if pid_d == 0:
+        z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
+        tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
+        ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
+        zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
+        c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
+        # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
+        # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
+        # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
+        tl.debug_barrier()
+        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+        comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+
+
+@triton.jit
+def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
+                                M, D, S, inv_k, eps, hc_eps,
+                                ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
+                                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
     # Launched without FMA contraction: every product and sum below is rounded once, as the eager
     # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
@@ -425,12 +506,31 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
             _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
         else:
             c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1, INTERPRET)
+            comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
             tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
 
 @triton.jit
 def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, N)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    tok = pid_m.to(tl.int64)
+    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
+    for jj in tl.static_range(N):
+        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
+        xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc += cj[:, None] * xj[None, :]
+    p = tl.load(post_ptr + tok * N + k)
+    out = p[:, None] * y[None, :] + acc
+    tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=dm[None, :])
+
+
+@triton.jit
+def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -482,15 +582,18 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None, rows: bool | None = None, eager_z: bool | None = None):
+           finish_warps: int | None = None, rows: bool | None = None, exact: bool | None = None,
+           eager_z: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
     second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
-    M <= HC_ROWS_MAX tokens). `eager_z` (default: M >= HC_EAGER_Z_MIN tokens and not `rows`) takes z
-    from eager's own ops instead of the first launch: the fp32 copy of X, torch's linear (cuBLAS on
-    CUDA) and the sum of squares in PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it
-    u, post and comb, round exactly as eager's on CUDA. CPU tensors run under the Triton interpreter."""
+    M <= HC_ROWS_MAX tokens). `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True
+    the exact-order finish (`_hc_pre_finish_exact_kernel`), False the fast one (`_hc_pre_finish_kernel`).
+    `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
+    of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
+    PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
+    eager's on CUDA. CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -508,7 +611,10 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if k == 0:
         raise ValueError("hc_pre: D must be >= 1")
     use_rows = m <= HC_ROWS_MAX if rows is None else rows
-    if eager_z if eager_z is not None else (not use_rows and m >= HC_EAGER_Z_MIN):
+    use_exact = m >= EXACT_ROWS_MIN if exact is None else exact
+    if eager_z and not use_exact:
+        raise ValueError("hc_pre: eager_z needs the exact finish (exact=True)")
+    if use_exact and (eager_z if eager_z is not None else not use_rows):
         zp, ssp, mixp, splits = _eager_z(x, fn, m, k, mix)
     else:
         mixp = max(16, triton.next_power_of_2(mix))
@@ -523,10 +629,16 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                               BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
     bd = min(block_d, triton.next_power_of_2(d))
-    _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
-        x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
-        ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-        INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
+    if use_exact:
+        _hc_pre_finish_exact_kernel[(m, triton.cdiv(d, bd))](
+            x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
+            ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+            INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
+            x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
+            ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+            num_warps=finish_warps or HC_FINISH_WARPS)
     return u, post, comb
 
 
@@ -563,9 +675,11 @@ def _check_post(y, X, post, comb) -> tuple[int, int]:
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            block_d: int = HC_BLOCK_D) -> torch.Tensor:
+            block_d: int = HC_BLOCK_D, exact: bool | None = None) -> torch.Tensor:
     """The mHC post-mix: X'[..., k, :] = post[..., k]·y + Σ_j comb[..., j, k]·X[..., j, :], fp32 math,
-    in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch."""
+    in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch.
+    `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True `_hc_post_exact_kernel` (no
+    FMA contraction but eager's own), False `_hc_post_kernel`."""
     n, d = _check_post(y, X, post, comb)
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post: block_d must be a power of two, got {block_d}")
@@ -575,8 +689,12 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if m == 0:
         return out
     bd = min(block_d, triton.next_power_of_2(d))
-    _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                             num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
+    if m >= EXACT_ROWS_MIN if exact is None else exact:
+        _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                                       num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                                 num_warps=4 if n * bd >= 1024 else 1)
     return out
 
 
@@ -625,15 +743,47 @@ def _hc_post_fake(y, X, post, comb):
 @torch.library.custom_op("dsv4c::hc_pre_rows", mutates_args=())
 def hc_pre_rows_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_pre` with the one-row-per-program first launch at every token count (the deterministic mode:
-    the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in another order).
-    CPU: the model's function, as `dsv4c::hc_pre`."""
+    """`hc_pre` with the one-row-per-program first launch and the fast finish at every token count (the
+    deterministic mode: the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in
+    another order, and to the exact variant from EXACT_ROWS_MIN). CPU: the model's function, as
+    `dsv4c::hc_pre`."""
     if X.device.type == "cpu":
         _check_pre(X, fn, base, scale, iters)
         return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
-    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False)
 
 
 @hc_pre_rows_op.register_fake
 def _hc_pre_rows_fake(X, fn, base, scale, eps, hc_eps, iters):
     return _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters)
+
+
+@torch.library.custom_op("dsv4c::hc_post_bi", mutates_args=())
+def hc_post_bi_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`hc_post` with the fast kernel at every token count (the deterministic mode: `dsv4c::hc_post` picks
+    its variant by the token count). CPU: the model's function, as `dsv4c::hc_post`."""
+    if X.device.type == "cpu":
+        _check_post(y, X, post, comb)
+        return hc_post_ref(y, X, post, comb)
+    return hc_post(y, X, post, comb, exact=False)
+
+
+@hc_post_bi_op.register_fake
+def _hc_post_bi_fake(y, X, post, comb):
+    return torch.empty_like(X)
+
+
+@torch.library.custom_op("dsv4c::sinkhorn_bi", mutates_args=())
+def sinkhorn_bi_op(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn` with the fast kernel and one matrix per program at every matrix count (the deterministic
+    mode: `dsv4c::sinkhorn` picks its variant, and the fast kernel its tile, by the count). CPU: the model's
+    function, as `dsv4c::sinkhorn`."""
+    if c0.device.type == "cpu":
+        _check(c0, iters, eps)
+        return sinkhorn_ref(c0, iters, eps)
+    return sinkhorn(c0, iters, eps, block_m=1, exact=False)
+
+
+@sinkhorn_bi_op.register_fake
+def _sinkhorn_bi_fake(c0, iters, eps):
+    return torch.empty_like(c0)

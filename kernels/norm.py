@@ -1,15 +1,16 @@
-"""RMSNorm (`dsv4c.model.common.RMSNorm`) as one Triton kernel that rounds like the eager model on CUDA.
+"""RMSNorm (`dsv4c.model.common.RMSNorm`) as one Triton kernel, in two variants chosen by row count.
 
 Public API::
 
-    rms_norm(x, w, eps, cast_first=False) -> Tensor   # the Triton kernel, one launch
-    rms_norm_ref(x, w, eps, cast_first=False)         # RMSNorm.forward, unchanged (the spec)
+    rms_norm(x, w, eps, cast_first=False, exact=None) -> Tensor   # one launch (variant: below)
+    rms_norm_ref(x, w, eps, cast_first=False)         # RMSNorm.forward, unchanged (the spec of both)
     reduce_layout(rows, C) -> ReduceLayout            # PyTorch's CUDA order for a row's mean
-    torch_cuda_row_sum(v, rows=None) -> Tensor        # that order in torch ops (the kernel's spec)
+    torch_cuda_row_sum(v, rows=None) -> Tensor        # that order in torch ops (the exact kernel's spec)
 
-Custom op (the target of passes/fuse_rmsnorm.py; CPU = the reference)::
+Custom ops (the target of passes/fuse_rmsnorm.py; CPU = the reference)::
 
-    dsv4c::rms_norm(Tensor x, Tensor w, float eps, bool cast_first) -> Tensor
+    dsv4c::rms_norm(Tensor x, Tensor w, float eps, bool cast_first) -> Tensor     # variant by rows
+    dsv4c::rms_norm_bi(Tensor x, Tensor w, float eps, bool cast_first) -> Tensor  # the fast one always
 
 Semantics, per row of x [..., C] (r = x·rsqrt(mean(x²) + eps) in fp32):
     V4 order (cast_first=False):  out = (w_f32 · r).to(x.dtype)
@@ -18,7 +19,15 @@ Semantics, per row of x [..., C] (r = x·rsqrt(mean(x²) + eps) in fp32):
 Eagerly that is ~6 ATen launches per norm (casts, pow, mean, add, rsqrt, two muls); here one
 program per row. Grid = rows, fixed by the shape, no host sync: capture-safe.
 
-Rounding like eager (issue 22). Every fp32 operation of the eager graph is done once, in its order:
+Variants. Launches of at least EXACT_ROWS_MIN rows (prefill chunks) run `_rms_norm_exact_kernel`,
+which rounds like eager on CUDA (below); fewer rows (decode: batch x (1 + k) tokens) run
+`_rms_norm_kernel`, one row in registers, a tree sum in Triton's order: fp32 a few ulp from eager,
+low-precision outputs within one rounding. The exact kernel cost the slice's decode step 0.26 ms
+on the H200 (BENCHMARKS.md, 2026-12-02), so decode keeps the fast kernel, unchanged. Both are
+batch-invariant on their own (a row's order is fixed by C); the choice by row count is not, so the
+deterministic mode uses `dsv4c::rms_norm_bi` (the fast kernel at any row count).
+
+The exact kernel: rounding like eager (issue 22). Every fp32 operation of the eager graph is done once, in its order:
 x² rounded (no FMA: the kernel is compiled with `enable_fp_fusion=False`), the sum of the squares in
 the order PyTorch's CUDA reduction kernel (ATen/native/cuda/Reduce.cuh, `mean` = MeanOps) sums one
 row, times fl(1/C), + eps, `rsqrt` (the hardware rsqrt.approx, as CUDA's rsqrtf), x·rsqrt, w·r,
@@ -34,10 +43,11 @@ thread adds its accumulators in order ((a0 + a1) + a2) + a3, then the lanes are 
 with halving offsets (v[l] += v[l + BW/2], then + BW/4, ..., Reduce.cuh's warp shuffles, offsets
 decreasing since PyTorch 2.9), then the warps likewise. BW and YS depend on R below 16 rows (wide
 blocks); the kernel always takes the layout of >= 16 rows (ORDER_ROWS): bit-exact with eager there
-(prefill, decode at batch >= 16) and batch-invariant. Exact for C < 128 or C % 4 == 0 (every model width);
+(every launch it gets) and one order for any row count. Exact for C < 128 or C % 4 == 0 (every model width);
 other widths ignore the per-row alignment head PyTorch sums first (a valid fp32 sum, not eager's).
 The CPU reduction sums in another order: on CPU tensors the kernel runs under the Triton interpreter
-and matches `torch_cuda_row_sum`, not the CPU eager model bit for bit.
+and matches `torch_cuda_row_sum`, not the CPU eager model bit for bit. (`row_sumsq`, its sum of
+squares, is also kernels/mhc.py's for hc_pre's exact path.)
 """
 from __future__ import annotations
 
@@ -49,10 +59,11 @@ import triton
 import triton.language as tl
 
 MAX_C = 16384  # one row per program
-# The kernel sums every row in PyTorch's order for this many rows or more (where Reduce.cuh's block is
-# 32 lanes wide whatever the count): the prefill graphs' case, and one order for any batch, so the
-# kernel stays batch-invariant (passes/make_batch_invariant.py relies on it). Fewer rows (decode at
-# batch < 16) widen eager's block; there the kernel is an ulp or so off eager's sum, as before.
+# Launches with at least this many rows take the exact-order kernels (this file and kernels/mhc.py);
+# decode launches (batch x (1 + k) rows, <= 127) keep the fast ones.
+EXACT_ROWS_MIN = 128
+# The exact kernel sums every row in PyTorch's order for this many rows or more (where Reduce.cuh's
+# block is 32 lanes wide whatever the count): the prefill graphs' case, and one order for any row count.
 ORDER_ROWS = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_THREADS = 512  # Reduce.cuh's MAX_NUM_THREADS for fp32
@@ -148,9 +159,23 @@ def row_sumsq(row_ptr, C, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexp
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BW: tl.constexpr,
-                     YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr, LOG_BW: tl.constexpr,
-                     LOG_YS: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BLOCK_C: tl.constexpr):
+    # x [R, C] contiguous rows; w [C]; out [R, C]
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    cm = c < C
+    x = tl.load(x_ptr + row * C + c, mask=cm, other=0.0).to(tl.float32)
+    r = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) * inv_c + eps))
+    w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    if CAST_FIRST:
+        r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * C + c, (w * r).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _rms_norm_exact_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BW: tl.constexpr,
+                           YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr, LOG_BW: tl.constexpr,
+                           LOG_YS: tl.constexpr):
     # x [R, C] contiguous rows; w [C]; out [R, C]; one program per row
     row = tl.program_id(0).to(tl.int64)
     ss = row_sumsq(x_ptr + row * C, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
@@ -187,9 +212,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, eps: float) -> int:
     return c
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False,
+             exact: bool | None = None) -> torch.Tensor:
     """RMSNorm of every row of x [..., C] with weight w [C] (any strides: a non-contiguous x is
-    copied once). C <= MAX_C. CPU tensors run under the Triton interpreter."""
+    copied once). C <= MAX_C. `exact` picks the variant (module doc; default: rows >= EXACT_ROWS_MIN):
+    True the exact-order kernel, False the fast one. CPU tensors run under the Triton interpreter."""
     c = _check(x, w, eps)
     if c > MAX_C:
         raise ValueError(f"rms_norm: C = {c} exceeds MAX_C = {MAX_C} (one row per program)")
@@ -198,12 +225,26 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = Fa
     rows = xc.numel() // c if c else 0
     if rows == 0:
         return out
-    lay = reduce_layout(ORDER_ROWS, c)
-    _rms_norm_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BW=lay.lanes,
-                              YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
-                              LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
-                              num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+    if rows >= EXACT_ROWS_MIN if exact is None else exact:
+        _launch_exact(xc, wc, out, rows, c, eps, cast_first)
+    else:
+        _launch_fast(xc, wc, out, rows, c, eps, cast_first)
     return out
+
+
+def _launch_fast(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
+    # decode-sized launches: the kernel and launch of the tree's decode path before issue 22's re-land
+    block = triton.next_power_of_2(c)
+    _rms_norm_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BLOCK_C=block,
+                              num_warps=max(1, min(16, block // 512)))
+
+
+def _launch_exact(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
+    lay = reduce_layout(ORDER_ROWS, c)
+    _rms_norm_exact_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BW=lay.lanes,
+                                    YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
+                                    LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
+                                    num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False) -> torch.Tensor:
@@ -225,3 +266,19 @@ def rms_norm_op(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool) 
 @rms_norm_op.register_fake
 def _rms_norm_fake(x, w, eps, cast_first):
     return x.new_empty(x.shape, dtype=out_dtype(x, w, cast_first))
+
+
+@torch.library.custom_op("dsv4c::rms_norm_bi", mutates_args=())
+def rms_norm_bi_op(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool) -> torch.Tensor:
+    """`rms_norm` with the fast kernel at every row count (the deterministic mode,
+    passes/make_batch_invariant.py: `dsv4c::rms_norm` picks its variant by the launch's rows, so a row's
+    bits would depend on the rows sharing the call). CPU: the model's function, as `dsv4c::rms_norm`."""
+    if x.device.type == "cpu":
+        _check(x, w, eps)
+        return rms_norm_ref(x, w, eps, cast_first)
+    return rms_norm(x, w, eps, cast_first, exact=False)
+
+
+@rms_norm_bi_op.register_fake
+def _rms_norm_bi_fake(x, w, eps, cast_first):
+    return _rms_norm_fake(x, w, eps, cast_first)

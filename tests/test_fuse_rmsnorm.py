@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4c.kernels.norm import ORDER_ROWS, ReduceLayout, reduce_layout, rms_norm, rms_norm_ref, torch_cuda_row_sum
+import dsv4c.kernels.norm as norm_mod
+from dsv4c.kernels.norm import (EXACT_ROWS_MIN, ORDER_ROWS, ReduceLayout, reduce_layout, rms_norm, rms_norm_ref,
+                                 torch_cuda_row_sum)
 from dsv4c.model import register_ops
 from dsv4c.model.common import RMSNorm
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -50,11 +52,12 @@ def _norm64(x, w, eps, cast_first):
     ((2, 40), torch.bfloat16, torch.float32, True),         # V3 order, fp32 weight: fp32 output
     ((0, 1, 64), torch.float32, torch.float32, False),      # no rows: no launch
 ])
-def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
+@pytest.mark.parametrize("exact", [False, True])  # the fast (decode) and the exact-order (prefill) kernel
+def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first, exact):
     g = torch.Generator().manual_seed(shape[-1] + len(shape))
     x = (3 * torch.randn(shape, generator=g)).to(x_dt)
     w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(w_dt)
-    got = rms_norm(x, w, EPS, cast_first)
+    got = rms_norm(x, w, EPS, cast_first, exact=exact)
     want = _norm64(x, w, EPS, cast_first)
     ref = rms_norm_ref(x, w, EPS, cast_first)
     assert got.shape == x.shape and got.dtype == ref.dtype
@@ -80,7 +83,7 @@ def test_reduce_layout_is_pytorchs_cuda_configuration(rows, C, want):
 
 @pytest.mark.parametrize("rows,C", [(16, 1024), (20, 8192), (7, 64)])
 def test_kernel_sums_in_pytorchs_cuda_order(rows, C):
-    """Issue 22: the kernel's fp32 output is exactly eager's CUDA formula with the sum of squares added in
+    """Issue 22: the exact kernel's fp32 output is exactly eager's CUDA formula with the sum of squares added in
     PyTorch's CUDA order for >= 16 rows (`torch_cuda_row_sum(rows=ORDER_ROWS)`): rounded squares, no FMA,
     fl(1/C), rsqrt, x·r, w·r; for any row count (batch-invariant: row 0 alone gives the same bits). (The
     CPU eager model sums in another order; this order differs from a plain sum on these rows.)"""
@@ -90,9 +93,44 @@ def test_kernel_sums_in_pytorchs_cuda_order(rows, C):
     ss = torch_cuda_row_sum(x * x, rows=ORDER_ROWS)
     assert not torch.equal(ss, (x * x).sum(-1))
     want = w * (x * torch.rsqrt(ss[:, None] * torch.tensor(1.0 / C) + EPS))
-    got = rms_norm(x, w, EPS)
+    got = rms_norm(x, w, EPS, exact=True)
     assert torch.equal(got, want)
-    assert torch.equal(rms_norm(x[:1], w, EPS), got[:1])
+    assert torch.equal(rms_norm(x[:1], w, EPS, exact=True), got[:1])
+    assert not torch.equal(rms_norm(x, w, EPS, exact=False), want)  # the fast kernel sums in Triton's order
+
+
+class _Launches:
+    """Stands in for the module's two kernels and records which one each launch took."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        for name in ("_rms_norm_kernel", "_rms_norm_exact_kernel"):
+            monkeypatch.setattr(norm_mod, name, self._kernel(name))
+
+    def _kernel(self, name):
+        class K:
+            def __getitem__(_, grid):
+                return lambda *a, **kw: self.names.append((name, grid, kw.get("enable_fp_fusion", True)))
+        return K()
+
+
+def test_the_row_count_picks_the_variant(monkeypatch):
+    """Decode-sized launches (< EXACT_ROWS_MIN rows: batch x (1 + k)) run the fast kernel with FMA fusion
+    on, as before issue 22's exact kernels; prefill-sized ones the exact kernel without; `exact` and the
+    deterministic op `dsv4c::rms_norm_bi` override the count (its CPU path is the model's function)."""
+    rec = _Launches(monkeypatch)
+    w = torch.ones(64)
+    for rows in (1, 8, 64, EXACT_ROWS_MIN - 1, EXACT_ROWS_MIN, 512):
+        rms_norm(torch.zeros(rows, 1, 64), w, EPS)
+    rms_norm(torch.zeros(512, 64), w, EPS, exact=False)
+    rms_norm(torch.zeros(2, 64), w, EPS, exact=True)
+    fast, exact = ("_rms_norm_kernel", True), ("_rms_norm_exact_kernel", False)
+    assert [(n, f) for n, _, f in rec.names] == [fast] * 4 + [exact] * 2 + [fast, exact]
+    assert [g for _, g, _ in rec.names][:6] == [(1,), (8,), (64,), (127,), (128,), (512,)]
+    assert EXACT_ROWS_MIN > 64  # decode at batch 64 (k = 0) keeps the fast kernel
+    x, w = torch.randn(3, 40).to(torch.bfloat16), torch.rand(40) + 0.5
+    assert torch.equal(torch.ops.dsv4c.rms_norm_bi(x, w, EPS, False), rms_norm_ref(x, w, EPS, False))
+    assert OP_CAPTURE["dsv4c.rms_norm_bi"] is None
 
 
 def test_non_contiguous_input():
@@ -273,14 +311,17 @@ def test_kernel_is_bit_exact_with_eager_on_cuda(rows, C):
     """Issue 22: the first assert checks the summation order itself: `torch_cuda_row_sum` (reduce_layout, for
     this row count) against torch's own mean of the squares. From 16 rows on (prefill; decode at batch >=
     16), where PyTorch's block shape no longer depends on the row count, the V4-order kernel equals
-    RMSNorm.forward bit for bit; below, it keeps the 16-row order (batch invariance) and is within an ulp."""
+    RMSNorm.forward bit for bit (the exact kernel, which the op runs from EXACT_ROWS_MIN rows); below, it keeps
+    the 16-row order (one order for any row count) and is within an ulp."""
     g = torch.Generator().manual_seed(rows * C)
     x = (3 * torch.randn(rows, C, generator=g)).to(torch.bfloat16).cuda()
     w = (1 + 0.2 * torch.randn(C, generator=g)).to(torch.bfloat16).cuda()
     sq = x.float().pow(2)
     assert torch.equal(torch_cuda_row_sum(sq) * torch.tensor(1.0 / C, device="cuda"), sq.mean(-1)), reduce_layout(rows, C)
-    got, want = torch.ops.dsv4c.rms_norm(x, w, EPS, False), rms_norm_ref(x, w, EPS, False)
+    got, want = rms_norm(x, w, EPS, False, exact=True), rms_norm_ref(x, w, EPS, False)
     if rows >= ORDER_ROWS:
         assert torch.equal(got, want), (got != want).float().mean().item()
     else:
-        assert torch.equal(got, torch.ops.dsv4c.rms_norm(x.repeat(ORDER_ROWS, 1), w, EPS, False)[:rows])
+        assert torch.equal(got, rms_norm(x.repeat(ORDER_ROWS, 1), w, EPS, False, exact=True)[:rows])
+    if rows >= EXACT_ROWS_MIN:
+        assert torch.equal(torch.ops.dsv4c.rms_norm(x, w, EPS, False), got)
