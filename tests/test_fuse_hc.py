@@ -526,7 +526,7 @@ def test_sinkhorn_is_bit_exact_with_eager_on_cuda():
 
 @pytest.mark.gpu
 def test_hc_pre_is_bit_exact_with_eager_at_prefill_size():
-    """Issue 22: at a prefill's 2 x 256 tokens (>= HC_EAGER_Z_MIN) hc_pre takes z from eager's own GEMM and the
+    """Issue 22: at a prefill's 2 x 256 tokens (>= EXACT_ROWS_MIN) hc_pre takes z from eager's own GEMM and the
     sum of squares in PyTorch's order; with torch's sigmoid and rsqrt and the Sinkhorn in PyTorch's summation
     orders, u, post and comb equal eager's on CUDA bit for bit (fuse_hc is then exact on prefill graphs)."""
     X, fn, base, scale = (t.cuda() for t in _site((2, 256), 4, 4096, torch.bfloat16, seed=3))
