@@ -446,8 +446,10 @@ def fusion_cause(res: dict) -> list[str]:
             L += [f"Cause (fusion passes, prefill): the lowest pinned figure is {_db(worst)} dB ({name}), "
                   f"{verdict} (floor {_db(spread)} dB, the chunked evaluation, pinned). On the CPU the fused ops run "
                   "the model's own functions and these passes are bit-exact in bf16 (tests/test_fuse_hc.py, "
-                  "tests/test_fuse_rmsnorm.py); on the GPU their Triton kernels compute the same fp32 formulas with "
-                  "other summation orders, which moves single bf16 roundings, and the random slice amplifies any "
+                  "tests/test_fuse_rmsnorm.py); on the GPU their Triton kernels follow PyTorch's CUDA summation orders "
+                  "in launches of at least 128 rows (prefill chunks: rms_norm, Sinkhorn, hc_post, hc_pre's dot products "
+                  "from eager's GEMM; decode batches keep the faster kernels); an order that still differs moves single "
+                  "bf16 roundings, and the random slice amplifies any "
                   "such change (the prefill graph's later tokens attend to keys it computed itself; the decode "
                   "graph starts from eager's cache).", ""]
     return L
