@@ -534,3 +534,22 @@ def test_hc_pre_is_bit_exact_with_eager_at_prefill_size():
                                                                                             HC_EPS, ITERS)
     for name, a, b in zip(("u", "post", "comb"), got, want):
         assert torch.equal(a, b), (name, (a != b).float().mean().item())
+
+
+@pytest.mark.gpu
+def test_deterministic_ops_rows_do_not_depend_on_the_token_count_on_cuda():
+    """hc_pre_rows, hc_post_bi and sinkhorn_bi (the deterministic mode's ops): a token's bits are the same alone,
+    among decode-sized and among prefill-sized launches (the default ops change kernels at EXACT_ROWS_MIN)."""
+    M = 2 * EXACT_ROWS_MIN
+    X, fn, base, scale = (t.cuda() for t in _site((M, 1), 4, 4096, torch.bfloat16, seed=9))
+    y = torch.randn(M, 1, 4096, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).cuda()
+    ops = torch.ops.dsv4c
+    pre = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    post = ops.hc_post_bi(y, X, pre[1], pre[2])
+    c0 = (2 * torch.randn(M, 1, 4, 4, generator=torch.Generator().manual_seed(7))).cuda()
+    sk = ops.sinkhorn_bi(c0, ITERS, HC_EPS)
+    for m in (1, 8, EXACT_ROWS_MIN - 1, EXACT_ROWS_MIN):
+        assert all(torch.equal(a, b[:m]) for a, b in zip(ops.hc_pre_rows(X[:m], fn, base, scale, EPS, HC_EPS, ITERS),
+                                                          pre)), m
+        assert torch.equal(ops.hc_post_bi(y[:m], X[:m], pre[1][:m], pre[2][:m]), post[:m]), m
+        assert torch.equal(ops.sinkhorn_bi(c0[:m], ITERS, HC_EPS), sk[:m]), m

@@ -325,3 +325,15 @@ def test_kernel_is_bit_exact_with_eager_on_cuda(rows, C):
         assert torch.equal(got, rms_norm(x.repeat(ORDER_ROWS, 1), w, EPS, False, exact=True)[:rows])
     if rows >= EXACT_ROWS_MIN:
         assert torch.equal(torch.ops.dsv4c.rms_norm(x, w, EPS, False), got)
+
+
+@pytest.mark.gpu
+def test_deterministic_op_rows_do_not_depend_on_the_row_count_on_cuda():
+    """`dsv4c::rms_norm_bi` (the deterministic mode's norm): a row's bits are the same alone, among decode-sized
+    and among prefill-sized launches (the default op changes kernel at EXACT_ROWS_MIN rows)."""
+    x = (3 * torch.randn(2 * EXACT_ROWS_MIN, 1, 4096, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(4096, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16).cuda()
+    full = torch.ops.dsv4c.rms_norm_bi(x, w, EPS, False)
+    for m in (1, 8, EXACT_ROWS_MIN - 1, EXACT_ROWS_MIN):
+        assert torch.equal(torch.ops.dsv4c.rms_norm_bi(x[:m], w, EPS, False), full[:m]), m
+    assert torch.equal(full[:8], torch.ops.dsv4c.rms_norm(x[:8], w, EPS, False))  # decode-sized: the same kernel
