@@ -14,8 +14,11 @@ routing tap that records its own decisions: `flips` is, per MoE layer, the share
 top-k expert set differs from eager's (routing free). With `pin_routing=True` each graph also runs
 with eager's decisions fed to its experts in place of its own router outputs: `pinned` holds that
 run's SNR / max abs / cosine (only the kernels' and formats' error is left), `pinned_flips` the
-graph's own router against eager's with eager-routed inputs (local flips, no cascade). The first
-row of each graph carries `margins`: per layer, the distribution of eager's top-k margins.
+graph's own router against eager's with eager-routed inputs (local flips, no cascade). The sparse
+attention's indexers (V4 CSA, V3.2 DSA) are recorded and pinned the same way: `index_flips` and
+`pinned_index_flips`, per indexer, the share of query tokens whose selected compressed entries differ
+(present when the graph has indexers). The first row of each graph carries `margins`: per layer, the
+distribution of eager's top-k margins.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 from dsv4c.export import GraphSpec, export_graph, flat_caches
 from dsv4c.passes import PassContext, run_pipeline
 from dsv4c.passes.pin_routing import tapped
-from dsv4c.routing import RoutingTable, RoutingTap, margin_summary, record_routing, routing_flips
+from dsv4c.routing import RoutingTable, RoutingTap, index_flips, margin_summary, record_routing, routing_flips
 
 
 def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -112,10 +115,14 @@ def case_metrics(gm, case: _Case, pin_routing: bool) -> dict:
     """The logits error of `gm` on `case` with routing free (and pinned), and the routing flips."""
     out, tap = _run_tapped(gm, case, pin=False)
     m = {**error_metrics(out, case.ref), "flips": routing_flips(case.routing, tap.seen), "_out": out}
+    if case.routing.index:
+        m["index_flips"] = index_flips(case.routing, tap.seen)
     if pin_routing:
         pout, ptap = _run_tapped(gm, case, pin=True)
         m["pinned"] = error_metrics(pout, case.ref)
         m["pinned_flips"] = routing_flips(case.routing, ptap.seen)
+        if case.routing.index:
+            m["pinned_index_flips"] = index_flips(case.routing, ptap.seen)
     return m
 
 
@@ -219,6 +226,15 @@ def routing_tables(rows: list[dict]) -> list[str]:
             lines.append(f"  {f['layer']:10} {'yes' if f['hashed'] else '':4} {f['tokens']:>6} {f['share']:>10.1%} "
                          f"{('-' if pf is None else format(pf['share'], '.1%')):>12} {_e(m.get('p0')):>10} "
                          f"{_e(m.get('p10')):>9} {_e(m.get('p50')):>9}")
+        if last.get("index_flips"):
+            pinned = {f["layer"]: f for f in last.get("pinned_index_flips") or []}
+            lines += [f"{graph}: sparse-attention indexers after {last['name']} (flips: share of query tokens whose "
+                      f"selected compressed entries differ from eager's)",
+                      f"  {'layer':10} {'tokens':>6} {'flips free':>10} {'flips pinned':>12}"]
+            for f in last["index_flips"]:
+                pf = pinned.get(f["layer"])
+                lines.append(f"  {f['layer']:10} {f['tokens']:>6} {f['share']:>10.1%} "
+                             f"{('-' if pf is None else format(pf['share'], '.1%')):>12}")
     return lines
 
 

@@ -1,5 +1,9 @@
 """Routing decisions as data: record the eager model's, tap a graph's, count flips, measure margins.
 
+Two kinds of discrete decision are recorded and can be pinned: the MoE routers' (expert ids and weights,
+`entries`) and the sparse-attention indexers' (the compressed entries each query attends to: V4's CSA
+`Indexer`, V3.2's DSA `Indexer`; `index`). Both flip on near-ties when a lowering rounds differently.
+
 A comparison tool (`dsv4c compare --pin-routing`, `compare.artifact_logits`): nothing here is part
 of a compiled artifact or of the runtime's hot path.
 
@@ -9,11 +13,15 @@ of a compiled artifact or of the runtime's hot path.
                                               # each routed-experts op): feeds the recorded decisions
                                               # to the experts, and records the graph's own
     routing_flips(rec.table, tap.seen)        # per MoE layer: share of tokens whose top-k SET differs
+    index_flips(rec.table, tap.seen)          # per indexer: share of queries whose selected SET differs
 
 Entries are in call order: a model's forward calls its MoE layers in order (hash layers included), the
 MTP block's gate after them; a graph's routed-experts ops sit in the same order. A recorded entry is
 consumed row by row across calls (`RoutingTap` keeps a cursor per entry), so a prompt recorded in one
 eager forward can be replayed through a graph run in chunks (Session's chunked prefill).
+
+An indexer entry holds the selection [B·T, topk] of one call (query rows flattened batch-major, entry ids
+as the op returns them, -1 = none); a graph's indexer ops (`INDEX_OPS`) sit in the same layer order.
 
 Legend: T tokens (B·T rows of a step), K experts per token, E experts.
 """
@@ -40,8 +48,18 @@ class RoutingEntry:
 
 
 @dataclass
+class IndexEntry:
+    """One indexer call: its attention's module name ("layers.1") and the selected entry ids [B·T, topk]
+    int64 (on the CPU; -1 = none)."""
+
+    name: str
+    idx: torch.Tensor
+
+
+@dataclass
 class RoutingTable:
     entries: list[RoutingEntry] = field(default_factory=list)
+    index: list[IndexEntry] = field(default_factory=list)  # the indexers' selections, call order
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -61,13 +79,27 @@ class RoutingTable:
             m.idx, m.weight = torch.cat([m.idx, e.idx]), torch.cat([m.weight, e.weight])
             if m.margins is not None and e.margins is not None:
                 m.margins = torch.cat([m.margins, e.margins])
-        return RoutingTable(list(out.values()))
+        idx: dict[str, IndexEntry] = {}
+        for e in self.index:
+            idx[e.name] = IndexEntry(e.name, torch.cat([idx[e.name].idx, e.idx]) if e.name in idx else e.idx)
+        return RoutingTable(list(out.values()), list(idx.values()))
 
 
 def _gate_classes() -> tuple[type, ...]:
     from dsv4c.model import v3, v4
 
     return (v4.Gate, v3.Gate)
+
+
+def _indexer_classes() -> tuple[type, ...]:
+    from dsv4c.model import v3, v4
+
+    return (v4.Indexer, v3.Indexer)
+
+
+def _layer_name(name: str) -> str:
+    """"layers.1.attn.indexer" -> "layers.1" (V3.2: "model.layers.1.self_attn.indexer" -> "model.layers.1")."""
+    return name.removesuffix(".indexer").removesuffix(".attn").removesuffix(".self_attn")
 
 
 def topk_margins(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -85,9 +117,10 @@ def _v4_selection_scores(gate, u: torch.Tensor) -> torch.Tensor:
 
 
 class record_routing(contextlib.AbstractContextManager):
-    """Record every Gate call of `model` (forward hooks; the model is unchanged): `.table` after the
-    block. With `pin=table`, the gates' outputs are replaced by that table's, row by row (the eager side
-    of a pinned comparison: e.g. an eager model with a perturbed layer, routed as the unperturbed one)."""
+    """Record every Gate and Indexer call of `model` (forward hooks; the model is unchanged): `.table`
+    after the block. With `pin=table`, the gates' (and indexers') outputs are replaced by that table's,
+    row by row (the eager side of a pinned comparison: e.g. an eager model with a perturbed layer,
+    routed as the unperturbed one)."""
 
     def __init__(self, model: nn.Module, pin: RoutingTable | None = None):
         self.model, self.table, self._handles = model, RoutingTable(), []
@@ -117,6 +150,14 @@ class record_routing(contextlib.AbstractContextManager):
                 return None
 
             self._handles.append(gate.register_forward_hook(hook))
+        for name, indexer in [(n, m) for n, m in self.model.named_modules() if isinstance(m, _indexer_classes())]:
+            def index_hook(mod, args, out, short=_layer_name(name)):
+                self.table.index.append(IndexEntry(short, out.detach().reshape(-1, out.shape[-1]).cpu()))
+                if self._pin is not None:
+                    return self._pin(out, slot=len(self.table.index) - 1, index=True)
+                return None
+
+            self._handles.append(indexer.register_forward_hook(index_hook))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -129,7 +170,9 @@ class RoutingTap(nn.Module):
     """Inserted before the routed experts of a graph (passes/pin_routing.py): `tap(idx, w, slot=i)` is
     the i-th router of the graph. Always records the graph's own (idx, w) in `seen`; with `pin=True`
     returns the recorded decisions of entry i instead (the next rows of it: a cursor per entry), cast
-    to the graph's dtypes and device. `reset()` rewinds the cursors and clears `seen`."""
+    to the graph's dtypes and device. After each indexer op: `tap(sel, slot=j, index=True)` (sel
+    [B, T, topk]), the j-th indexer, recorded in `seen.index` and pinned the same way. `reset()`
+    rewinds the cursors and clears `seen`."""
 
     def __init__(self, table: RoutingTable | None = None, pin: bool = False):
         super().__init__()
@@ -140,10 +183,13 @@ class RoutingTap(nn.Module):
 
     def reset(self) -> None:
         self.cursor: dict[int, int] = {}
+        self.index_cursor: dict[int, int] = {}
         self.seen = RoutingTable()
         self._dev_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, idx: torch.Tensor, weight: torch.Tensor, slot: int = 0):
+    def forward(self, idx: torch.Tensor, weight: torch.Tensor | None = None, slot: int = 0, index: bool = False):
+        if index:
+            return self._index(idx, slot)
         name = self.table.entries[slot].name if self.table is not None and slot < len(self.table) else f"router{slot}"
         if not self.pin:
             self._see(name, idx, weight)
@@ -166,15 +212,43 @@ class RoutingTap(nn.Module):
         i, w = self._dev_cache[key]
         return i[start:start + rows].to(idx.dtype), w[start:start + rows].to(weight.dtype)
 
+    def _index(self, sel: torch.Tensor, slot: int) -> torch.Tensor:
+        """The j-th indexer's selection sel [B, T, topk]: recorded; pinned, the recording's next B·T rows."""
+        rows = sel.reshape(-1, sel.shape[-1])
+        recorded = self.table.index if self.table is not None else []
+        name = recorded[slot].name if slot < len(recorded) else f"indexer{slot}"
+        if not self.pin:
+            self.seen.index.append(IndexEntry(name, rows.detach().clone()))
+            return sel
+        if slot >= len(recorded):
+            raise ValueError(f"pinned routing: the graph has an indexer #{slot}, the recorded table only "
+                             f"{len(recorded)} ({[e.name for e in recorded]})")
+        e = recorded[slot]
+        start = self.index_cursor.get(slot, 0)
+        if start + rows.shape[0] > e.idx.shape[0] or rows.shape[1] != e.idx.shape[1]:
+            raise ValueError(f"pinned routing, indexer #{slot} ({e.name}): the graph asks for rows "
+                             f"{start}..{start + rows.shape[0]} of topk={rows.shape[1]}, the recording has "
+                             f"{e.idx.shape[0]} rows of topk={e.idx.shape[1]}")
+        self.index_cursor[slot] = start + rows.shape[0]
+        self.seen.index.append(IndexEntry(name, rows.detach().clone()))
+        key = (-1 - slot, str(sel.device))  # the router cache's keys are >= 0
+        if key not in self._dev_cache:
+            self._dev_cache[key] = (e.idx.to(sel.device), e.idx)
+        return self._dev_cache[key][0][start:start + rows.shape[0]].to(sel.dtype).view(sel.shape)
+
     def _see(self, name: str, idx: torch.Tensor, weight: torch.Tensor) -> None:
         self.seen.entries.append(RoutingEntry(name, idx.detach().clone(), weight.detach().float().clone()))
 
     def unconsumed(self) -> dict[str, int]:
-        """Recorded rows no graph call asked for, per entry (empty: the replay covered the recording)."""
+        """Recorded rows no graph call asked for, per entry (empty: the replay covered the recording);
+        indexer entries as "indexer <name>"."""
         if not self.pin:
             return {}
-        return {e.name: e.idx.shape[0] - self.cursor.get(i, 0) for i, e in enumerate(self.table.entries)
+        left = {e.name: e.idx.shape[0] - self.cursor.get(i, 0) for i, e in enumerate(self.table.entries)
                 if self.cursor.get(i, 0) != e.idx.shape[0]}
+        left.update({f"indexer {e.name}": e.idx.shape[0] - self.index_cursor.get(i, 0)
+                     for i, e in enumerate(self.table.index) if self.index_cursor.get(i, 0) != e.idx.shape[0]})
+        return left
 
 
 # ---- summaries --------------------------------------------------------------------------------
@@ -194,6 +268,20 @@ def routing_flips(ref: RoutingTable, got: RoutingTable) -> list[dict]:
     for a, b in zip(r.entries, g.entries):
         f = set_flips(a.idx, b.idx)
         out.append({"layer": a.name, "hashed": a.hashed, "tokens": int(f.numel()), "flipped": int(f.sum()),
+                    "share": float(f.float().mean()) if f.numel() else 0.0})
+    return out
+
+
+def index_flips(ref: RoutingTable, got: RoutingTable) -> list[dict]:
+    """Per indexer (merged over chunks): {"layer", "tokens", "flipped", "share"}: the query tokens whose set
+    of selected compressed entries differs from the reference's (order within a row ignored)."""
+    r, g = ref.merged().index, got.merged().index
+    if len(r) != len(g):
+        raise ValueError(f"indexer tables differ in length: {len(r)} indexers recorded, {len(g)} seen")
+    out = []
+    for a, b in zip(r, g):
+        f = set_flips(a.idx, b.idx)
+        out.append({"layer": a.name, "tokens": int(f.numel()), "flipped": int(f.sum()),
                     "share": float(f.float().mean()) if f.numel() else 0.0})
     return out
 

@@ -138,7 +138,7 @@ def artifact(model, work: Path, target: str, prompt: int, dev) -> dict:
     from dsv4c.checkpoint import save_checkpoint
     from dsv4c.compare import artifact_logits, eager_routing, error_metrics
     from dsv4c.compile import compile_checkpoint
-    from dsv4c.routing import routing_flips
+    from dsv4c.routing import index_flips, routing_flips
     from dsv4c.runtime import Session
 
     ids = torch.randint(0, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -155,16 +155,17 @@ def artifact(model, work: Path, target: str, prompt: int, dev) -> dict:
     return {"ids": ids, "ref": ref, "table": table, "art": art, "expert_format": man["target"]["expert_format"],
             "checkpoint_s": t_ckpt, "compile_s": t_compile,
             "measure": lambda sess: _measure_artifact(sess, ids, ref, table, artifact_logits, error_metrics,
-                                                      routing_flips)}
+                                                      routing_flips, index_flips)}
 
 
-def _measure_artifact(sess, ids, ref, table, artifact_logits, error_metrics, routing_flips) -> dict:
+def _measure_artifact(sess, ids, ref, table, artifact_logits, error_metrics, routing_flips, index_flips) -> dict:
     free, ftap = artifact_logits(sess, ids)
     pinned, ptap = artifact_logits(sess, ids, table)
     return {"prompt": len(ids), "free": error_metrics(free, ref), "pinned": error_metrics(pinned, ref),
             "argmax_agree_free": float((free.argmax(-1) == ref.argmax(-1)).float().mean()),
             "argmax_agree_pinned": float((pinned.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "flips": routing_flips(table, ftap.seen), "pinned_flips": routing_flips(table, ptap.seen)}
+            "flips": routing_flips(table, ftap.seen), "pinned_flips": routing_flips(table, ptap.seen),
+            "index_flips": index_flips(table, ftap.seen), "pinned_index_flips": index_flips(table, ptap.seen)}
 
 
 def trained_margins(dev) -> dict:
@@ -184,9 +185,11 @@ def trained_margins(dev) -> dict:
 
 # ---- part: the bf16 evaluation floor (issue 22 (a)) -------------------------------------------------
 def _sub_table(table, lo: int, hi: int):
-    from dsv4c.routing import RoutingEntry, RoutingTable
+    """Rows lo..hi of a one-row recording (routers' and indexers' decisions for tokens lo..hi)."""
+    from dsv4c.routing import IndexEntry, RoutingEntry, RoutingTable
 
-    return RoutingTable([RoutingEntry(e.name, e.idx[lo:hi], e.weight[lo:hi], e.hashed) for e in table.entries])
+    return RoutingTable([RoutingEntry(e.name, e.idx[lo:hi], e.weight[lo:hi], e.hashed) for e in table.entries],
+                        [IndexEntry(e.name, e.idx[lo:hi]) for e in table.index])
 
 
 def bf16_floor(model, prompt: int, chunks: int = 2) -> dict:
@@ -443,8 +446,10 @@ def fusion_cause(res: dict) -> list[str]:
             L += [f"Cause (fusion passes, prefill): the lowest pinned figure is {_db(worst)} dB ({name}), "
                   f"{verdict} (floor {_db(spread)} dB, the chunked evaluation, pinned). On the CPU the fused ops run "
                   "the model's own functions and these passes are bit-exact in bf16 (tests/test_fuse_hc.py, "
-                  "tests/test_fuse_rmsnorm.py); on the GPU their Triton kernels compute the same fp32 formulas with "
-                  "other summation orders, which moves single bf16 roundings, and the random slice amplifies any "
+                  "tests/test_fuse_rmsnorm.py); on the GPU their Triton kernels follow PyTorch's CUDA summation orders "
+                  "in launches of at least 128 rows (prefill chunks: rms_norm, Sinkhorn, hc_post, hc_pre's dot products "
+                  "from eager's GEMM; decode batches keep the faster kernels); an order that still differs moves single "
+                  "bf16 roundings, and the random slice amplifies any "
                   "such change (the prefill graph's later tokens attend to keys it computed itself; the decode "
                   "graph starts from eager's cache).", ""]
     return L
@@ -526,19 +531,21 @@ def render(res: dict) -> str:
     L = [f"## Accuracy of the compiled {res['preset']} ({res['target']}), {res['device']}", "",
          f"{res['date']}, commit {res['commit']}, torch {res['torch']}, {res['dtype']}, prompts of {res['prompt']} "
          f"tokens; {res['seconds']:.0f} s. SNR of the logits against the eager model on the same tokens; pinned: "
-         "the graph's experts get eager's routing decisions.", ""]
+         "the graph's experts get eager's routing decisions and its sparse attention eager's indexer selections.",
+         ""]
     for kind, rows in res.get("passes", {}).items():
         if isinstance(rows, dict):
             L += [f"{kind}: {rows.get('skipped')}", ""]
             continue
         L += [f"### Per pass, {kind} graph", "", "| pass | SNR free | SNR pinned | max abs pinned | cosine pinned | "
-              "max layer flips (free) | target met (pinned) |", "|---|---:|---:|---:|---:|---:|---|"]
+              "max layer flips (free) | max indexer flips (free) | target met (pinned) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             p = r.get("pinned") or {}
             bar = TARGET_DB["fp8_block"] if r["name"] in LOSSY else TARGET_DB["fusion"]
             L.append(f"| {r['name']} | {_db(r.get('snr_db'))} | {_db(p.get('snr_db'))} | "
                      f"{p.get('max_abs_err', float('nan')):.3g} | {p.get('cosine', float('nan')):.6f} | "
-                     f"{_flipmax(r.get('flips'))} | {_met(p.get('snr_db'), bar)} |")
+                     f"{_flipmax(r.get('flips'))} | {_flipmax(r.get('index_flips'))} | {_met(p.get('snr_db'), bar)} |")
         L.append("")
     if res.get("formats"):
         L += ["### Per expert format (prefill graph, fused pipeline)", "",
@@ -574,7 +581,8 @@ def render(res: dict) -> str:
                   f"SNR free {_db(a['free']['snr_db'])} dB, pinned **{_db(a['pinned']['snr_db'])} dB** (max abs "
                   f"{a['pinned']['max_abs_err']:.3g}, cosine {a['pinned']['cosine']:.6f}; target {bar:.0f} dB: "
                   f"{_met(a['pinned']['snr_db'], bar)}); argmax agreement free {a['argmax_agree_free']:.1%}, pinned "
-                  f"{a['argmax_agree_pinned']:.1%}; max layer flips free {_flipmax(a['flips'])}.", ""]
+                  f"{a['argmax_agree_pinned']:.1%}; max layer flips free {_flipmax(a['flips'])}, max indexer flips "
+                  f"free {_flipmax(a.get('index_flips'))}.", ""]
     marg = res.get("margins", {})
     if marg:
         L += ["### Top-k margins (eager, unpinned): k-th minus (k+1)-th selection score", "",

@@ -47,7 +47,7 @@ from bench_segments import _commit, build, copy_bandwidth, prefill, step_bytes  
 
 from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
 from dsv4c.model.generate import greedy  # noqa: E402
-from dsv4c.routing import RoutingEntry, RoutingTable  # noqa: E402
+from dsv4c.routing import IndexEntry, RoutingEntry, RoutingTable  # noqa: E402
 
 FORMATS = ("bf16", "fp8_block", "fp8_block_w8a16")
 
@@ -116,9 +116,10 @@ def save_prep(path: Path, key: dict, res: dict, check: tuple) -> None:
     ids, last, greedy_ids, full, routing = check
     entries = [{"name": e.name, "idx": e.idx, "weight": e.weight, "hashed": e.hashed, "margins": e.margins}
                for e in routing.entries]
+    index = [{"name": e.name, "idx": e.idx} for e in routing.index]  # the CSA indexers' selections
     torch.save({"key": key, "res": json.dumps({k: res[k] for k in ("copy_bandwidth_GBps", "rounded", "roofline")},
                                                 default=str),
-                "ids": ids, "last": last, "greedy": greedy_ids, "full": full, "routing": entries}, path)
+                "ids": ids, "last": last, "greedy": greedy_ids, "full": full, "routing": entries, "index": index}, path)
 
 
 def load_prep(path: Path, key: dict) -> tuple[dict, tuple] | None:
@@ -126,11 +127,11 @@ def load_prep(path: Path, key: dict) -> tuple[dict, tuple] | None:
     if not path.exists():
         return None
     d = torch.load(path, weights_only=True)
-    if d["key"] != key:
-        print(f"{path}: saved for {d['key']}, not {key}: rebuilding", flush=True)
+    if d["key"] != key or "index" not in d:
+        print(f"{path}: saved for {d['key']} (indexer selections: {'index' in d}), not {key}: rebuilding", flush=True)
         return None
     routing = RoutingTable([RoutingEntry(e["name"], e["idx"], e["weight"], e["hashed"], e["margins"])
-                            for e in d["routing"]])
+                            for e in d["routing"]], [IndexEntry(e["name"], e["idx"]) for e in d["index"]])
     fields = json.loads(d["res"])
     fields["roofline"] = {int(b): v for b, v in fields["roofline"].items()}
     return fields, (d["ids"], d["last"], d["greedy"], d["full"], routing)

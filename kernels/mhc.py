@@ -3,11 +3,12 @@ normalisation, and the whole pre- and post-mix of a site.
 
 Public API::
 
-    sinkhorn(c0, iters, eps, block_m=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
+    sinkhorn(c0, iters, eps, block_m=None, exact=None) -> Tensor   # [..., N, N] fp32, the Triton kernel
     sinkhorn_ref(c0, iters, eps) -> Tensor             # the model's eager math (the spec)
-    hc_pre(X, fn, base, scale, eps, hc_eps, iters) -> (u, post, comb)   # two launches
+    sinkhorn_cuda_order(c0, iters, eps) -> Tensor      # the same with PyTorch's CUDA summation orders (N = 4)
+    hc_pre(X, fn, base, scale, eps, hc_eps, iters, exact=None) -> (u, post, comb)   # two launches
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
-    hc_post(y, X, post, comb) -> Tensor                # one launch
+    hc_post(y, X, post, comb, exact=None) -> Tensor    # one launch
     hc_post_ref(...)                                   # HyperConnection.post, unchanged
 
 Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the reference)::
@@ -16,6 +17,14 @@ Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the 
     dsv4c::hc_pre(Tensor X, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters)
         -> (Tensor u, Tensor post, Tensor comb)
     dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb) -> Tensor
+    dsv4c::hc_pre_rows, dsv4c::hc_post_bi, dsv4c::sinkhorn_bi   # the same, one variant at any M (deterministic)
+
+Two variants of each kernel, chosen by the launch's M (tokens, matrices): from EXACT_ROWS_MIN
+(kernels/norm.py; prefill chunks) the exact kernels (`*_exact_kernel`, below), under it (decode:
+batch x (1 + k) tokens) the fast kernels, unchanged from before issue 22's exact kernels (which made
+the slice's decode step 0.26 ms slower on the H200). `exact=` overrides the choice. The deterministic
+mode (passes/make_batch_invariant.py) needs a row's bits independent of M, so its ops take the fast
+variant at any M.
 
 The pre/post kernels are described above their code, below the Sinkhorn kernel.
 
@@ -24,9 +33,33 @@ Semantics (deepseek_v4.md, mHC): per [N, N] matrix, softmax over the last dim (m
 columns by (column sum + eps). Eagerly that is 6·iters − 1 tiny ATen kernels per mHC site (119 for
 iters = 20, N = 4); here one program holds BLOCK_M whole matrices in registers for all iterations,
 so a site is one launch. ITERS is a constexpr (the loop bound; the Triton interpreter cannot range
-over a runtime scalar): one compiled variant per model config. The kernel performs the same operations in the same order as the eager code; divisions
-are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`), so fp32 results agree with
-`sinkhorn_ref` to a few ulp (the sums of N terms and `exp` may round differently).
+over a runtime scalar): one compiled variant per model config. The kernels perform the same operations in the same order as the eager code; divisions
+are IEEE round-to-nearest (`tl.div_rn`, not the approximate fp32 `/`). The fast kernel sums in Triton's
+order with `tl.exp` (a few ulp from `sinkhorn_ref`); the exact one's `exp` is libdevice's accurate expf,
+as in torch's CUDA softmax, and for N = 4 every sum is added in PyTorch's CUDA order (`_sinkhorn4_io`),
+other N in Triton's order.
+
+The exact variants: rounding like eager (issue 22). On the random-weight slice's prefill graph a
+kernel whose fp32 values are a few ulp off eager's moves single bf16 roundings, and the logits
+feel it (BENCHMARKS.md, 2026-12-01: fuse_hc 40 -> 37 dB). So each kernel does eager's fp32
+operations one by one: the pre/post launches are compiled without FMA contraction
+(`enable_fp_fusion=False`, which Triton otherwise applies to every a·b + c), explicit `tl.fma` only
+where eager's own kernel fuses (the batched GEMM of hc_post's einsum); sigmoid = 1 / (1 + expf(-t))
+with an IEEE division and libdevice's expf (Triton's tl.sigmoid/tl.exp are approximate); rsqrt =
+the hardware rsqrt.approx, which is what torch.rsqrt (CUDA's rsqrtf) runs; u sums the rounded
+products pre_k·X[k] in the order of PyTorch's reduction over a non-innermost dim; the 4 x 4
+Sinkhorn adds its sums in the orders of torch's CUDA softmax and reductions (`sinkhorn_cuda_order`).
+What is left is z = fn·vec(X), a dot of N·D terms (16384 at Flash dims) that cuBLAS (eager) and the
+split-K kernel add in different orders: z then differs by an ulp or so, and u rounds differently in a
+few elements in 10^4. In ulps of u itself that looked large (up to 14 on the H200 at 2 x 256 tokens,
+issue 22): where the streams cancel, |u| is far below the terms pre_k·X[k] whose rounding error it
+carries, so the tests bound the error by the terms' scale. From EXACT_ROWS_MIN tokens (prefill
+chunks) hc_pre therefore takes z from eager's own ops (`_eager_z`: the fp32 copy of X and torch's
+linear, the same cuBLAS call as eager's, and the sum of squares in PyTorch's CUDA order): u, post and
+comb are then expected bit-exact with eager on CUDA (the `gpu` tests check it), at the price of that copy and an fp32 GEMM (a 512-token
+chunk at Flash dims: 32 MB written and read once more per site). Decode batches keep the fast split-K
+launch. The exact hc_post is bit-exact with eager on the CPU (interpreter, tests/test_fuse_hc.py) and, if
+cuBLAS's fp32 batched GEMM of K = N adds its FMAs in order as the CPU's does, on CUDA (`gpu` tests).
 
 Launch: grid = ceil(M / BLOCK_M) for M = prod(leading dims), fixed by the shape, no host sync:
 capture-safe (split_at_routers.OP_CAPTURE). M = 0 launches nothing.
@@ -38,6 +71,10 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels.norm import EXACT_ROWS_MIN, row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
@@ -56,10 +93,134 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
 
 
 @triton.jit
+def _sinkhorn_exact_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+    # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
+    pid = tl.program_id(0)
+    m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, N)
+    j = tl.arange(0, N)
+    offs = m[:, None, None].to(tl.int64) * (N * N) + i[None, :, None] * N + j[None, None, :]
+    mask = (m < M)[:, None, None] & (offs >= 0)  # full [BLOCK_M, N, N] mask of real matrices
+    if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4), one [BLOCK_M] vector per matrix entry
+        _sinkhorn4_io(c_ptr, out_ptr, m[:, None].to(tl.int64) * 16, (m < M)[:, None], eps, ITERS, INTERPRET)
+    else:
+        x = tl.load(c_ptr + offs, mask=mask, other=0.0)  # [BLOCK_M, N(i), N(j)]
+        tl.store(out_ptr + offs, _sinkhorn_tile_exact(x, eps, ITERS, 1, 2, INTERPRET), mask=mask)
+
+
+@triton.jit
 def _sinkhorn_tile(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr):
     """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
     # softmax over j, then + eps
     e = tl.exp(x - tl.max(x, axis=J_AXIS, keep_dims=True))
+    c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
+    # columns: sum over i
+    c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
+    for _ in range(ITERS - 1):
+        c = tl.div_rn(c, tl.sum(c, axis=J_AXIS, keep_dims=True) + eps)  # rows
+        c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)  # columns
+    return c
+
+
+# Sinkhorn of 4 x 4 matrices with PyTorch's CUDA summation orders (eager's on the GPU): softmax's sum of a
+# row as its warp shuffle adds it, (e0 + e2) + (e1 + e3); a row sum (`c.sum(-1)`: one lane per element,
+# halving shuffle offsets) the same; a column sum (`c.sum(-2)`: a reduction over a non-innermost dim, one
+# thread per output) in order, ((c0 + c1) + c2) + c3. Entries are [BLOCK, 1] tensors (one per matrix
+# position, any number of matrices), so every sum is explicit arithmetic and rounds exactly as written.
+@triton.jit
+def _softmax4(a, b, c, d, eps, INTERPRET: tl.constexpr):
+    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    ea = _exp_like_torch(a - mx, INTERPRET)
+    eb = _exp_like_torch(b - mx, INTERPRET)
+    ec = _exp_like_torch(c - mx, INTERPRET)
+    ed = _exp_like_torch(d - mx, INTERPRET)
+    s = (ea + ec) + (eb + ed)
+    return tl.div_rn(ea, s) + eps, tl.div_rn(eb, s) + eps, tl.div_rn(ec, s) + eps, tl.div_rn(ed, s) + eps
+
+
+@triton.jit
+def _row4(a, b, c, d, eps):
+    s = ((a + c) + (b + d)) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _col4(a, b, c, d, eps):
+    s = (((a + b) + c) + d) + eps
+    return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _sinkhorn4_io(src_ptr, dst_ptr, base, mask, eps, ITERS: tl.constexpr, INTERPRET: tl.constexpr):
+    # matrices at src_ptr + base (16 fp32 each, row-major) -> dst_ptr + base; c<i><j> is entry (i, j)
+    c00 = tl.load(src_ptr + base + 0, mask=mask, other=0.0)
+    c01 = tl.load(src_ptr + base + 1, mask=mask, other=0.0)
+    c02 = tl.load(src_ptr + base + 2, mask=mask, other=0.0)
+    c03 = tl.load(src_ptr + base + 3, mask=mask, other=0.0)
+    c10 = tl.load(src_ptr + base + 4, mask=mask, other=0.0)
+    c11 = tl.load(src_ptr + base + 5, mask=mask, other=0.0)
+    c12 = tl.load(src_ptr + base + 6, mask=mask, other=0.0)
+    c13 = tl.load(src_ptr + base + 7, mask=mask, other=0.0)
+    c20 = tl.load(src_ptr + base + 8, mask=mask, other=0.0)
+    c21 = tl.load(src_ptr + base + 9, mask=mask, other=0.0)
+    c22 = tl.load(src_ptr + base + 10, mask=mask, other=0.0)
+    c23 = tl.load(src_ptr + base + 11, mask=mask, other=0.0)
+    c30 = tl.load(src_ptr + base + 12, mask=mask, other=0.0)
+    c31 = tl.load(src_ptr + base + 13, mask=mask, other=0.0)
+    c32 = tl.load(src_ptr + base + 14, mask=mask, other=0.0)
+    c33 = tl.load(src_ptr + base + 15, mask=mask, other=0.0)
+    tl.debug_barrier()  # every thread has read before any writes (dst may be src)
+    c00, c01, c02, c03 = _softmax4(c00, c01, c02, c03, eps, INTERPRET)
+    c10, c11, c12, c13 = _softmax4(c10, c11, c12, c13, eps, INTERPRET)
+    c20, c21, c22, c23 = _softmax4(c20, c21, c22, c23, eps, INTERPRET)
+    c30, c31, c32, c33 = _softmax4(c30, c31, c32, c33, eps, INTERPRET)
+    c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _row4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _row4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _row4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _row4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _col4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _col4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _col4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _col4(c03, c13, c23, c33, eps)
+    tl.store(dst_ptr + base + 0, c00, mask=mask)
+    tl.store(dst_ptr + base + 1, c01, mask=mask)
+    tl.store(dst_ptr + base + 2, c02, mask=mask)
+    tl.store(dst_ptr + base + 3, c03, mask=mask)
+    tl.store(dst_ptr + base + 4, c10, mask=mask)
+    tl.store(dst_ptr + base + 5, c11, mask=mask)
+    tl.store(dst_ptr + base + 6, c12, mask=mask)
+    tl.store(dst_ptr + base + 7, c13, mask=mask)
+    tl.store(dst_ptr + base + 8, c20, mask=mask)
+    tl.store(dst_ptr + base + 9, c21, mask=mask)
+    tl.store(dst_ptr + base + 10, c22, mask=mask)
+    tl.store(dst_ptr + base + 11, c23, mask=mask)
+    tl.store(dst_ptr + base + 12, c30, mask=mask)
+    tl.store(dst_ptr + base + 13, c31, mask=mask)
+    tl.store(dst_ptr + base + 14, c32, mask=mask)
+    tl.store(dst_ptr + base + 15, c33, mask=mask)
+
+
+@triton.jit
+def _exp_like_torch(x, INTERPRET: tl.constexpr):
+    # torch's CUDA kernels call expf: libdevice's accurate exp, not Triton's tl.exp (ex2.approx of a rounded
+    # x·log2(e), whose error grows with |x|); libdevice does not run under the interpreter (numpy's exp)
+    if INTERPRET:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _sinkhorn_tile_exact(x, eps, ITERS: tl.constexpr, I_AXIS: tl.constexpr, J_AXIS: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """Sinkhorn of the [N(i), N(j)] matrices of the register tile x (axes I_AXIS, J_AXIS)."""
+    # softmax over j, then + eps
+    e = _exp_like_torch(x - tl.max(x, axis=J_AXIS, keep_dims=True), INTERPRET)
     c = tl.div_rn(e, tl.sum(e, axis=J_AXIS, keep_dims=True)) + eps
     # columns: sum over i
     c = tl.div_rn(c, tl.sum(c, axis=I_AXIS, keep_dims=True) + eps)
@@ -84,10 +245,13 @@ def _check(c0: torch.Tensor, iters: int, eps: float) -> int:
     return n
 
 
-def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = None) -> torch.Tensor:
+def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = None,
+             exact: bool | None = None) -> torch.Tensor:
     """Sinkhorn of every [N, N] matrix of c0 [..., N, N] (fp32, any leading dims, any strides: a
     non-contiguous c0 is copied once). `block_m` (matrices per program, a power of two) defaults to
-    min(64, next_pow2(M)). CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1)."""
+    min(64, next_pow2(M)). `exact` picks the variant (default: M >= EXACT_ROWS_MIN matrices): True
+    `_sinkhorn_exact_kernel` (PyTorch's CUDA orders, libdevice exp), False `_sinkhorn_kernel`. CPU
+    tensors run under the Triton interpreter (TRITON_INTERPRET=1)."""
     n = _check(c0, iters, eps)
     x = c0.contiguous()
     out = torch.empty_like(x)
@@ -97,9 +261,33 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     bm = block_m if block_m is not None else min(64, triton.next_power_of_2(m))
     if bm < 1 or bm & (bm - 1):
         raise ValueError(f"sinkhorn: block_m must be a power of two, got {bm}")
-    _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
-                                           num_warps=1 if bm * n * n <= 512 else 2)
+    if m >= EXACT_ROWS_MIN if exact is None else exact:
+        _sinkhorn_exact_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
+                                                     INTERPRET=interpret_flag(x),
+                                                     num_warps=1 if bm * n * n <= 512 else 2)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
+                                               num_warps=1 if bm * n * n <= 512 else 2)
     return out
+
+
+def sinkhorn_cuda_order(c0: torch.Tensor, iters: int, eps: float, exp=torch.exp) -> torch.Tensor:
+    """The eager Sinkhorn of 4 x 4 matrices (c0 [..., 4, 4] fp32) with the sums added in PyTorch's CUDA
+    orders (the comment above `_softmax4`), in torch ops: what the kernels compute for N = 4, and on CUDA
+    (exp = expf) eager's own result. `exp`: the exponential (the tests pass the interpreter's numpy one)."""
+    def rows(c):  # Σ_j as a 4-lane shuffle tree
+        return ((c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3]))[..., None]
+
+    def cols(c):  # Σ_i in order
+        return (((c[..., 0, :] + c[..., 1, :]) + c[..., 2, :]) + c[..., 3, :])[..., None, :]
+
+    e = exp(c0 - c0.amax(-1, keepdim=True))
+    c = e / rows(e) + eps
+    c = c / (cols(c) + eps)
+    for _ in range(iters - 1):
+        c = c / (rows(c) + eps)
+        c = c / (cols(c) + eps)
+    return c
 
 
 def sinkhorn_ref(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -210,6 +398,20 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 
 @triton.jit
+def _sigmoid_like_torch(t, INTERPRET: tl.constexpr):
+    # torch's CUDA sigmoid: 1 / (1 + expf(-t)), an IEEE division (Triton's tl.sigmoid: approximate exp and /)
+    return tl.div_rn(tl.full(t.shape, 1.0, tl.float32), 1.0 + _exp_like_torch(-t, INTERPRET))
+
+
+@triton.jit
+def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr,
+                     VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
+    # ssp[m] = Σ_k x[m, k]² in PyTorch's CUDA order for the launch's rows (eager's mean of vec(X)²)
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(ssp_ptr + row, row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
+
+
+@triton.jit
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
@@ -249,6 +451,66 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
 
 
 @triton.jit
+def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
+                                M, D, S, inv_k, eps, hc_eps,
+                                ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
+                                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    # Launched without FMA contraction: every product and sum below is rounded once, as the eager
+    # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, S_P)
+    n = tl.arange(0, N)
+    sm = s < S
+    zrow = (s.to(tl.int64) * M + pid_m) * MIXP  # [S_P] offsets of this token's partial rows
+    ss = tl.sum(tl.load(ssp_ptr + s.to(tl.int64) * M + pid_m, mask=sm, other=0.0), axis=0)
+    r = tl.math.rsqrt(ss * inv_k + eps)  # eager: mean, + eps, torch.rsqrt (rsqrt.approx, as CUDA's rsqrtf)
+    z_pre = tl.sum(tl.load(zp_ptr + zrow[:, None] + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+    pre = _sigmoid_like_torch(tl.load(scale_ptr) * z_pre + tl.load(base_ptr + n), INTERPRET) + hc_eps  # [N]
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    # u = Σ_k pre_k·X[k]: eager multiplies (rounded), then sums the N products as PyTorch's reduction over
+    # a non-innermost dim does: accumulator k % 4 takes the k-th product in order, then ((a0 + a1) + a2) + a3
+    a0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(N):
+        pk = tl.sum(tl.where(n == k, pre, 0.0), axis=0)  # pre[k] (adds zeros: exact)
+        xk = tl.load(x_ptr + pid_m.to(tl.int64) * N * D + k * D + d, mask=dm, other=0.0).to(tl.float32)
+        if k % 4 == 0:
+            a0 = a0 + pk * xk
+        elif k % 4 == 1:
+            a1 = a1 + pk * xk
+        elif k % 4 == 2:
+            a2 = a2 + pk * xk
+        else:
+            a3 = a3 + pk * xk
+    u = ((a0 + a1) + a2) + a3
+    tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
+
+    if pid_d == 0:
+        z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+        post = 2 * _sigmoid_like_torch(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n), INTERPRET)
+        tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
+        ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
+        zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
+        c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
+        # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
+        # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
+        # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
+        tl.debug_barrier()
+        if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+            one = tl.arange(0, 1)[:, None]
+            _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+        else:
+            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+            comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
+            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+
+
+@triton.jit
 def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
@@ -263,6 +525,25 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
         acc += cj[:, None] * xj[None, :]
     p = tl.load(post_ptr + tok * N + k)
     out = p[:, None] * y[None, :] + acc
+    tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=dm[None, :])
+
+
+@triton.jit
+def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, N)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    tok = pid_m.to(tl.int64)
+    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
+    for jj in tl.static_range(N):
+        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
+        xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc = tl.fma(cj[:, None], xj[None, :], acc)  # eager's einsum is a batched GEMM: one FMA per j, in order
+    p = tl.load(post_ptr + tok * N + k)
+    out = p[:, None] * y[None, :] + acc  # eager: post·y rounded, then + mixed (launched without FMA fusion)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
 
@@ -301,12 +582,18 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
-           finish_warps: int | None = None, rows: bool | None = None):
+           finish_warps: int | None = None, rows: bool | None = None, exact: bool | None = None,
+           eager_z: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
     second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
-    M <= HC_ROWS_MAX tokens). CPU tensors run under the Triton interpreter."""
+    M <= HC_ROWS_MAX tokens). `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True
+    the exact-order finish (`_hc_pre_finish_exact_kernel`), False the fast one (`_hc_pre_finish_kernel`).
+    `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
+    of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
+    PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
+    eager's on CUDA. CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"hc_pre: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
@@ -323,23 +610,48 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
         return u, post, comb
     if k == 0:
         raise ValueError("hc_pre: D must be >= 1")
-    mixp = max(16, triton.next_power_of_2(mix))
-    splits = triton.cdiv(k, chunk)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
-    ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    if m <= HC_ROWS_MAX if rows is None else rows:
-        _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
-                                         num_warps=HC_ROWS_WARPS)
+    use_rows = m <= HC_ROWS_MAX if rows is None else rows
+    use_exact = m >= EXACT_ROWS_MIN if exact is None else exact
+    if eager_z and not use_exact:
+        raise ValueError("hc_pre: eager_z needs the exact finish (exact=True)")
+    if use_exact and (eager_z if eager_z is not None else not use_rows):
+        zp, ssp, mixp, splits = _eager_z(x, fn, m, k, mix)
     else:
-        _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                          BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+        mixp = max(16, triton.next_power_of_2(mix))
+        splits = triton.cdiv(k, chunk)
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
+        ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
+        if use_rows:
+            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                             num_warps=HC_ROWS_WARPS)
+        else:
+            _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                              BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
     bd = min(block_d, triton.next_power_of_2(d))
-    _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
-        x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
-        ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-        num_warps=finish_warps or HC_FINISH_WARPS)
+    if use_exact:
+        _hc_pre_finish_exact_kernel[(m, triton.cdiv(d, bd))](
+            x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
+            ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+            INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
+            x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
+            ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
+            num_warps=finish_warps or HC_FINISH_WARPS)
     return u, post, comb
+
+
+def _eager_z(x: torch.Tensor, fn: torch.Tensor, m: int, k: int, mix: int):
+    """(zp [1, M, MIX], ssp [1, M], MIX, 1): z = linear(vec(X) in fp32, fn), eager's call, and Σ vec(X)² in
+    PyTorch's CUDA order for M rows (hc_project's mean, before its · fl(1/K))."""
+    zp = torch.nn.functional.linear(x.view(m, k).float(), fn).view(1, m, mix)
+    ssp = torch.empty((1, m), dtype=torch.float32, device=x.device)
+    lay = reduce_layout(m, k)
+    _hc_sumsq_kernel[(m,)](x, ssp, k, BW=lay.lanes, YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
+                           LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
+                           num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+    return zp, ssp, mix, 1
 
 
 def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -363,9 +675,11 @@ def _check_post(y, X, post, comb) -> tuple[int, int]:
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            block_d: int = HC_BLOCK_D) -> torch.Tensor:
+            block_d: int = HC_BLOCK_D, exact: bool | None = None) -> torch.Tensor:
     """The mHC post-mix: X'[..., k, :] = post[..., k]·y + Σ_j comb[..., j, k]·X[..., j, :], fp32 math,
-    in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch."""
+    in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch.
+    `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True `_hc_post_exact_kernel` (no
+    FMA contraction but eager's own), False `_hc_post_kernel`."""
     n, d = _check_post(y, X, post, comb)
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post: block_d must be a power of two, got {block_d}")
@@ -375,8 +689,12 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     if m == 0:
         return out
     bd = min(block_d, triton.next_power_of_2(d))
-    _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                             num_warps=4 if n * bd >= 1024 else 1)
+    if m >= EXACT_ROWS_MIN if exact is None else exact:
+        _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                                       num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
+    else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
+        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                                 num_warps=4 if n * bd >= 1024 else 1)
     return out
 
 
@@ -425,15 +743,47 @@ def _hc_post_fake(y, X, post, comb):
 @torch.library.custom_op("dsv4c::hc_pre_rows", mutates_args=())
 def hc_pre_rows_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_pre` with the one-row-per-program first launch at every token count (the deterministic mode:
-    the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in another order).
-    CPU: the model's function, as `dsv4c::hc_pre`."""
+    """`hc_pre` with the one-row-per-program first launch and the fast finish at every token count (the
+    deterministic mode: the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in
+    another order, and to the exact variant from EXACT_ROWS_MIN). CPU: the model's function, as
+    `dsv4c::hc_pre`."""
     if X.device.type == "cpu":
         _check_pre(X, fn, base, scale, iters)
         return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
-    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False)
 
 
 @hc_pre_rows_op.register_fake
 def _hc_pre_rows_fake(X, fn, base, scale, eps, hc_eps, iters):
     return _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters)
+
+
+@torch.library.custom_op("dsv4c::hc_post_bi", mutates_args=())
+def hc_post_bi_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`hc_post` with the fast kernel at every token count (the deterministic mode: `dsv4c::hc_post` picks
+    its variant by the token count). CPU: the model's function, as `dsv4c::hc_post`."""
+    if X.device.type == "cpu":
+        _check_post(y, X, post, comb)
+        return hc_post_ref(y, X, post, comb)
+    return hc_post(y, X, post, comb, exact=False)
+
+
+@hc_post_bi_op.register_fake
+def _hc_post_bi_fake(y, X, post, comb):
+    return torch.empty_like(X)
+
+
+@torch.library.custom_op("dsv4c::sinkhorn_bi", mutates_args=())
+def sinkhorn_bi_op(c0: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn` with the fast kernel and one matrix per program at every matrix count (the deterministic
+    mode: `dsv4c::sinkhorn` picks its variant, and the fast kernel its tile, by the count). CPU: the model's
+    function, as `dsv4c::sinkhorn`."""
+    if c0.device.type == "cpu":
+        _check(c0, iters, eps)
+        return sinkhorn_ref(c0, iters, eps)
+    return sinkhorn(c0, iters, eps, block_m=1, exact=False)
+
+
+@sinkhorn_bi_op.register_fake
+def _sinkhorn_bi_fake(c0, iters, eps):
+    return torch.empty_like(c0)

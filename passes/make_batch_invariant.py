@@ -5,15 +5,18 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
     before:  y = linear(x, w, b)             z = dsv4c.linear_f32(x, w)      y = matmul(h, t(w))
              o = dsv4c.grouped_linear(x, w)  e = dsv4c.moe_experts(x, idx, wt, W1, W3, W2, L)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
+             r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
     after:   y = dsv4c.linear_bi(x, w, b, False)   z = dsv4c.linear_bi(x, w, None, True)
              y = dsv4c.linear_bi(h, w, None, False)
              o = dsv4c.grouped_linear_bi(x, w)     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
+             r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
 
 Why it is valid: each replacement computes the same function up to the order of its fp32 sums
 (kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by
 how many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M, one expert path
-for any token count, row-at-a-time hc mix, reductions as fixed-order sums.
+for any token count, row-at-a-time hc mix, reductions as fixed-order sums, and the fusion kernels'
+fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
 
 What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
 reduction ATen ops it did not match, quantised expert ops (their kernels pick a path by token count),
@@ -44,8 +47,15 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                  "dsv4c.moe_experts_q": "kernels/moe_grouped.py / moe_fp4_gemv.py / moe_fp8_prefill.py pick a path "
                                         "and tile by token count",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
+                 "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
+                 "dsv4c.rms_norm": "kernels/norm.py picks its variant by the row count (EXACT_ROWS_MIN)",
+                 "dsv4c.sinkhorn": "kernels/mhc.py picks its variant and tile by the matrix count",
                  "dsv4c.grouped_linear": "kernels/grouped_linear.py runs the einsum above MAX_M rows",
                  "dsv4c.linear_f32": "cuBLAS"}
+
+
+# the fusion ops (variant chosen by row count) -> the same kernels' fast variant at any row count
+_FIXED_VARIANT = {"dsv4c.rms_norm": "rms_norm_bi", "dsv4c.hc_post": "hc_post_bi", "dsv4c.sinkhorn": "sinkhorn_bi"}
 
 
 def _val(n) -> torch.Tensor | None:
@@ -86,6 +96,8 @@ def _replacement(n: Node):
         return ops.moe_experts_bi.default, tuple(n.args)
     elif t is ops.hc_pre.default:
         return ops.hc_pre_rows.default, tuple(n.args)
+    elif isinstance(t, torch._ops.OpOverload) and op_name(t) in _FIXED_VARIANT:
+        return getattr(ops, _FIXED_VARIANT[op_name(t)]).default, tuple(n.args)
     elif t in (aten.mean.dim, aten.sum.dim_IntList) and not n.kwargs:
         dims = n.args[1]
         if isinstance(dims, (list, tuple)) and len(dims) == 1:

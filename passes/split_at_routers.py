@@ -87,6 +87,9 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.moe_experts_bi": None,
     "dsv4c.sum_bi": None,
     "dsv4c.hc_pre_rows": None,
+    "dsv4c.hc_post_bi": None,
+    "dsv4c.rms_norm_bi": None,
+    "dsv4c.sinkhorn_bi": None,
     # kernels/mhc.py (passes/fuse_sinkhorn.py): one Triton launch, grid fixed by the shape
     "dsv4c.sinkhorn": None,
     # kernels/mhc.py, norm.py, rope.py (passes/fuse_hc.py, fuse_rmsnorm.py, fuse_rope.py): Triton launches,

@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4c.kernels.norm import rms_norm, rms_norm_ref
+import dsv4c.kernels.norm as norm_mod
+from dsv4c.kernels.norm import (EXACT_ROWS_MIN, ORDER_ROWS, ReduceLayout, reduce_layout, rms_norm, rms_norm_ref,
+                                 torch_cuda_row_sum)
 from dsv4c.model import register_ops
 from dsv4c.model.common import RMSNorm
 from dsv4c.passes import PassContext, run_pipeline, verify
@@ -50,11 +52,12 @@ def _norm64(x, w, eps, cast_first):
     ((2, 40), torch.bfloat16, torch.float32, True),         # V3 order, fp32 weight: fp32 output
     ((0, 1, 64), torch.float32, torch.float32, False),      # no rows: no launch
 ])
-def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
+@pytest.mark.parametrize("exact", [False, True])  # the fast (decode) and the exact-order (prefill) kernel
+def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first, exact):
     g = torch.Generator().manual_seed(shape[-1] + len(shape))
     x = (3 * torch.randn(shape, generator=g)).to(x_dt)
     w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(w_dt)
-    got = rms_norm(x, w, EPS, cast_first)
+    got = rms_norm(x, w, EPS, cast_first, exact=exact)
     want = _norm64(x, w, EPS, cast_first)
     ref = rms_norm_ref(x, w, EPS, cast_first)
     assert got.shape == x.shape and got.dtype == ref.dtype
@@ -63,6 +66,71 @@ def test_kernel_matches_fp64(shape, x_dt, w_dt, cast_first):
     assert _rel(ref, want) <= tol  # the threshold holds for the model's own math too
     if got.numel():  # the weight matters (a kernel ignoring it fails here)
         assert _rel(got, _norm64(x, torch.ones_like(w), EPS, cast_first)) > 0.05
+
+
+@pytest.mark.parametrize("rows,C,want", [
+    # (lanes, warps splitting a row, steps, float4 loads), derived by hand from Reduce.cuh's setReduceConfig
+    (512, 4096, (32, 1, 32, True)),   # prefill: a warp per row, 32 float4 loads per lane
+    (1, 4096, (512, 1, 2, True)),     # decode batch 1: one 512-lane block on the row
+    (2, 4096, (256, 1, 4, True)),
+    (20, 8192, (32, 16, 4, True)),    # >= 256 values per thread: the row split over 16 warps
+    (16, 64, (32, 1, 1, False)),      # C < 128: scalar loads, 2 per lane
+    (3, 100, (64, 1, 1, False)),
+])
+def test_reduce_layout_is_pytorchs_cuda_configuration(rows, C, want):
+    assert reduce_layout(rows, C) == ReduceLayout(*want)
+
+
+@pytest.mark.parametrize("rows,C", [(16, 1024), (20, 8192), (7, 64)])
+def test_kernel_sums_in_pytorchs_cuda_order(rows, C):
+    """Issue 22: the exact kernel's fp32 output is exactly eager's CUDA formula with the sum of squares added in
+    PyTorch's CUDA order for >= 16 rows (`torch_cuda_row_sum(rows=ORDER_ROWS)`): rounded squares, no FMA,
+    fl(1/C), rsqrt, x·r, w·r; for any row count (batch-invariant: row 0 alone gives the same bits). (The
+    CPU eager model sums in another order; this order differs from a plain sum on these rows.)"""
+    g = torch.Generator().manual_seed(rows + C)
+    x = 3 * torch.randn(rows, C, generator=g)  # fp32 in and out (the interpreter's bf16 cast truncates)
+    w = 1 + 0.2 * torch.randn(C, generator=g)
+    ss = torch_cuda_row_sum(x * x, rows=ORDER_ROWS)
+    assert not torch.equal(ss, (x * x).sum(-1))
+    want = w * (x * torch.rsqrt(ss[:, None] * torch.tensor(1.0 / C) + EPS))
+    got = rms_norm(x, w, EPS, exact=True)
+    assert torch.equal(got, want)
+    assert torch.equal(rms_norm(x[:1], w, EPS, exact=True), got[:1])
+    assert not torch.equal(rms_norm(x, w, EPS, exact=False), want)  # the fast kernel sums in Triton's order
+
+
+class _Launches:
+    """Stands in for the module's two kernels and records which one each launch took."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        for name in ("_rms_norm_kernel", "_rms_norm_exact_kernel"):
+            monkeypatch.setattr(norm_mod, name, self._kernel(name))
+
+    def _kernel(self, name):
+        class K:
+            def __getitem__(_, grid):
+                return lambda *a, **kw: self.names.append((name, grid, kw.get("enable_fp_fusion", True)))
+        return K()
+
+
+def test_the_row_count_picks_the_variant(monkeypatch):
+    """Decode-sized launches (< EXACT_ROWS_MIN rows: batch x (1 + k)) run the fast kernel with FMA fusion
+    on, as before issue 22's exact kernels; prefill-sized ones the exact kernel without; `exact` and the
+    deterministic op `dsv4c::rms_norm_bi` override the count (its CPU path is the model's function)."""
+    rec = _Launches(monkeypatch)
+    w = torch.ones(64)
+    for rows in (1, 8, 64, EXACT_ROWS_MIN - 1, EXACT_ROWS_MIN, 512):
+        rms_norm(torch.zeros(rows, 1, 64), w, EPS)
+    rms_norm(torch.zeros(512, 64), w, EPS, exact=False)
+    rms_norm(torch.zeros(2, 64), w, EPS, exact=True)
+    fast, exact = ("_rms_norm_kernel", True), ("_rms_norm_exact_kernel", False)
+    assert [(n, f) for n, _, f in rec.names] == [fast] * 4 + [exact] * 2 + [fast, exact]
+    assert [g for _, g, _ in rec.names][:6] == [(1,), (8,), (64,), (127,), (128,), (512,)]
+    assert EXACT_ROWS_MIN > 64  # decode at batch 64 (k = 0) keeps the fast kernel
+    x, w = torch.randn(3, 40).to(torch.bfloat16), torch.rand(40) + 0.5
+    assert torch.equal(torch.ops.dsv4c.rms_norm_bi(x, w, EPS, False), rms_norm_ref(x, w, EPS, False))
+    assert OP_CAPTURE["dsv4c.rms_norm_bi"] is None
 
 
 def test_non_contiguous_input():
@@ -234,3 +302,38 @@ def test_kernel_rounds_once_like_eager_at_prefill_size(C):
     ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
     d = (a - b).abs() / ulp
     assert d.max() <= 1.0 and (d > 0).float().mean() <= 0.01, (d.max().item(), (d > 0).float().mean().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 64, 512])
+@pytest.mark.parametrize("C", [4096, 1024, 512, 64])
+def test_kernel_is_bit_exact_with_eager_on_cuda(rows, C):
+    """Issue 22: the first assert checks the summation order itself: `torch_cuda_row_sum` (reduce_layout, for
+    this row count) against torch's own mean of the squares. From 16 rows on (prefill; decode at batch >=
+    16), where PyTorch's block shape no longer depends on the row count, the V4-order kernel equals
+    RMSNorm.forward bit for bit (the exact kernel, which the op runs from EXACT_ROWS_MIN rows); below, it keeps
+    the 16-row order (one order for any row count) and is within an ulp."""
+    g = torch.Generator().manual_seed(rows * C)
+    x = (3 * torch.randn(rows, C, generator=g)).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=g)).to(torch.bfloat16).cuda()
+    sq = x.float().pow(2)
+    assert torch.equal(torch_cuda_row_sum(sq) * torch.tensor(1.0 / C, device="cuda"), sq.mean(-1)), reduce_layout(rows, C)
+    got, want = rms_norm(x, w, EPS, False, exact=True), rms_norm_ref(x, w, EPS, False)
+    if rows >= ORDER_ROWS:
+        assert torch.equal(got, want), (got != want).float().mean().item()
+    else:
+        assert torch.equal(got, rms_norm(x.repeat(ORDER_ROWS, 1), w, EPS, False, exact=True)[:rows])
+    if rows >= EXACT_ROWS_MIN:
+        assert torch.equal(torch.ops.dsv4c.rms_norm(x, w, EPS, False), got)
+
+
+@pytest.mark.gpu
+def test_deterministic_op_rows_do_not_depend_on_the_row_count_on_cuda():
+    """`dsv4c::rms_norm_bi` (the deterministic mode's norm): a row's bits are the same alone, among decode-sized
+    and among prefill-sized launches (the default op changes kernel at EXACT_ROWS_MIN rows)."""
+    x = (3 * torch.randn(2 * EXACT_ROWS_MIN, 1, 4096, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(4096, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16).cuda()
+    full = torch.ops.dsv4c.rms_norm_bi(x, w, EPS, False)
+    for m in (1, 8, EXACT_ROWS_MIN - 1, EXACT_ROWS_MIN):
+        assert torch.equal(torch.ops.dsv4c.rms_norm_bi(x[:m], w, EPS, False), full[:m]), m
+    assert torch.equal(full[:8], torch.ops.dsv4c.rms_norm(x[:8], w, EPS, False))  # decode-sized: the same kernel

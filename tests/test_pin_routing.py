@@ -198,7 +198,10 @@ def test_plot_routing_from_accuracy_json(tmp_path):
 @pytest.mark.gpu
 def test_gpu_pinned_compare_h200_bf16():
     """On the GPU, bf16, the h200 lowering with its Triton kernels: every fusion pass within bf16 rounding of
-    eager with routing pinned (>= 38 dB, issue 22), and pinning never makes the quantised graph worse."""
+    eager with routing pinned (>= 38 dB, issue 22), and pinning never makes the quantised graph worse.
+    Pinned means the routers' and the CSA indexers' decisions: with the indexers free, lower_f32_linears
+    measured 29.3 dB here on the H200 (its other fp32 summation order moved near-tied top-k selections;
+    tests/test_pin_indexer.py)."""
     from dsv4c import ModelConfig
     from dsv4c.compare import compare_passes
     from dsv4c.model import build_model
@@ -213,7 +216,7 @@ def test_gpu_pinned_compare_h200_bf16():
             if r["name"] in ("quantize_experts", "quantize_dense", "select_kernels"):
                 assert p >= r["snr_db"] - 0.5, (kind, r["name"], p, r["snr_db"])
             else:
-                assert p == math.inf or p >= 38, (kind, r["name"], r["pinned"])
+                assert p == math.inf or p >= 38, (kind, r["name"], r["pinned"], r.get("index_flips"), r["flips"])
 
 
 @pytest.mark.parametrize("kfmt", ["nvfp4", "fp8_block"])

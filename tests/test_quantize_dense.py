@@ -167,7 +167,7 @@ def test_bench_dense_formats_prep_roundtrip(tmp_path):
     import sys
     from pathlib import Path
 
-    from dsv4c.routing import RoutingEntry, RoutingTable
+    from dsv4c.routing import IndexEntry, RoutingEntry, RoutingTable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import bench_dense_formats as bench
@@ -175,7 +175,7 @@ def test_bench_dense_formats_prep_roundtrip(tmp_path):
     a = argparse.Namespace(preset="v4-tiny-b", prompt=40, steps=6, batches=[1, 3], device="cpu")
     routing = RoutingTable([RoutingEntry("layers.0", torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]), True),
                             RoutingEntry("layers.1", torch.tensor([[3, 0]]), torch.tensor([[0.7, 0.3]]), False,
-                                         torch.tensor([0.25]))])
+                                         torch.tensor([0.25]))], [IndexEntry("layers.1", torch.tensor([[0, 3]]))])
     check = ([5, 6], torch.randn(7), [1, 2, 3, 4], torch.randn(2, 7), routing)
     res = {"copy_bandwidth_GBps": 4200.0, "rounded": {"fp8": 3}, "roofline": {1: {"stored_ms": 0.5}, 3: {"stored_ms": 0.7}}}
     bench.save_prep(tmp_path / "prep.pt", bench._prep_key(a), res, check)
@@ -185,5 +185,6 @@ def test_bench_dense_formats_prep_roundtrip(tmp_path):
     for e, f in zip(back[4].entries, routing.entries, strict=True):
         assert (e.name, e.hashed) == (f.name, f.hashed) and torch.equal(e.idx, f.idx) and torch.equal(e.weight, f.weight)
         assert (e.margins is None) == (f.margins is None)
+    assert [(e.name, e.idx.tolist()) for e in back[4].index] == [("layers.1", [[0, 3]])]
     a.prompt = 41
     assert bench.load_prep(tmp_path / "prep.pt", bench._prep_key(a)) is None
