@@ -393,11 +393,14 @@ class Session:
             pass
         return [self._result(r) for r in reqs]
 
-    def _serve(self, reqs: list[_Request], mtp: int | str = 0) -> Iterator[tuple[int, int]]:
+    def _serve(self, reqs: list[_Request], mtp: int | str = 0, on_decode=None) -> Iterator[tuple[int, int]]:
+        """Run `reqs` to the end. `on_decode`: called once, when the first decode step or round is about to
+        be queued (the auto policy's calibration times from there)."""
         if self._live is not None and self._live.busy():
             raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
                                "this session's cache slots; finish or abort them first")
         sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
+        sched.on_decode = on_decode
         sched.waiting.extend(reqs)
         try:
             while sched.busy():
@@ -579,6 +582,7 @@ class _Scheduler:
         self.free = list(range(sess.max_batch))
         self.inflight: _Inflight | None = None  # a decode step enqueued, its tokens not read yet
         self.sampler: tuple[list[_Request], DecodeSampler] | None = None  # the active requests' device sampler
+        self.on_decode = None  # called once before the first decode step or round (Session._serve)
         self.next_id = 0  # the incremental API's request ids
         self.by_id: dict[int, _Request] = {}  # its requests until finished and reported
 
@@ -610,6 +614,9 @@ class _Scheduler:
                 self._retire()
         if not self.active:
             return
+        if self.on_decode is not None:
+            self.on_decode, hook = None, self.on_decode
+            hook()
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
         elif sess.host_steps or any(r.logprobs is not None for r in self.active.values()):
