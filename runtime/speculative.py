@@ -255,8 +255,9 @@ class Speculator:
     # ---- rounds ---------------------------------------------------------------------------------
     def rounds(self, active: dict) -> Iterator[tuple[int, int]]:
         """Rounds for `active` (slot -> request) until one of them finishes, yielding emitted (request
-        index, token) pairs. With the fused graph, rounds are pipelined like `Session._greedy_steps`:
-        round r+1 is queued on round r's device outputs before the host reads round r. Acceptance
+        index, token) pairs. With the fused graph, rounds are pipelined like plain decode steps
+        (`_Scheduler._decode_step`): round r+1 is queued on round r's device outputs before the host
+        reads round r. Acceptance
         (greedy: argmax compare + cumulative-product length; sampling: `_accept_rows` with each
         request's `counter_uniforms`), the emitted token, the next positions and the next first draft
         are all computed on the device; the host gets [B, T+2] int64 per round, copied asynchronously.
