@@ -214,5 +214,6 @@ class DecodeSampler:
             self.base, off = list(pos), {0}
             B, L = len(pos), self.TABLE
             ctr = _to(torch.tensor(pos, dtype=torch.int64), self.device)[:, None] + torch.arange(L, device=self.device)
-            self.table = counter_uniforms(self.seeds.repeat_interleave(L), ctr.reshape(-1), 1).view(B, L)
+            seeds = self.seeds[:, None].expand(B, L).reshape(-1)  # (repeat_interleave may read its size back)
+            self.table = counter_uniforms(seeds, ctr.reshape(-1), 1).view(B, L)
         return self.table[:, next(iter(off))]
