@@ -143,7 +143,8 @@ def test_sampled_steps_are_pipelined_like_greedy_and_auto_k0_is_the_same_path(bu
         spec.calibration.clear()
         spec.observed.clear()
         for T in (0.0, 0.8):
-            spec.calibration[("costs", 4, "sample" if T else "greedy")] = {"step": 1.0, "round": {1: 3.0, 2: 4.0, 3: 5.0}}
+            costly = {"step": 1.0, "round": {1: 3.0, 2: 4.0, 3: 5.0}}  # rounds cost more than they emit
+            spec.calibration[("costs", 4, "sample" if T else "greedy")] = costly
             for _ in range(40):
                 spec.observe(T, 3, 3)
             assert choose_k(sess, spec, SamplingParams(T), 4, ps)[0] == 0
