@@ -31,7 +31,7 @@ class _Timer:
     Prefill calls (and every call on a CPU) are timed one at a time, from an idle GPU (CUDA events: the
     call's host work before its first kernel counts, the host's wait for the result does not). Decode
     calls are not synchronised, since greedy decoding keeps the next step queued behind the current
-    one (session._Scheduler._greedy_step): a decode step's time is the interval between its end and the
+    one (session._Scheduler._decode_step): a decode step's time is the interval between its end and the
     previous decode step's end on the GPU (the first step after a prefill: from its own start). That is the
     time per step a steady decode loop achieves, host work included where the GPU waits for it."""
 

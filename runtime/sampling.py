@@ -1,5 +1,12 @@
 """Token sampling: temperature, then top-k and top-p, then renormalisation (speculative_decoding.md §3.2
-defines acceptance on exactly this processed distribution)."""
+defines acceptance on exactly this processed distribution).
+
+The RNG contract of plain decoding (`Session`, k = 0): the token x_{n+1} that a request samples from the
+logits of position n is `sample_rows(logits, rp, u)` with u = `counter_uniforms(seed, n, 1)[:, 0]`, a pure
+function of the request's seed and the position (`sample_at` on the host, `DecodeSampler` on the device,
+one table of uniforms every `DecodeSampler.TABLE` steps). So a seeded request gets the same tokens
+whichever batch it shares, whether its steps are pipelined or read one at a time. (Before, plain
+decoding drew with `torch.multinomial` from a per-request CPU generator: other tokens for the same seed.)"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,14 +67,24 @@ class RowParams:
     any_top_k: bool
     any_top_p: bool
     all_greedy: bool
+    any_greedy: bool = False
+    divisor: torch.Tensor | None = None  # [B] fp32: the temperature, 1 on greedy rows
 
     @classmethod
     def of(cls, params: list[SamplingParams], device) -> "RowParams":
         t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         tp = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        return cls(t.to(device), k.to(device), tp.to(device), bool(k.any()), bool((tp < 1).any()),
-                   bool((t == 0).all()))
+        div = torch.where(t == 0, 1.0, t)
+        return cls(_to(t, device), _to(k, device), _to(tp, device), bool(k.any()), bool((tp < 1).any()),
+                   bool((t == 0).all()), bool((t == 0).any()), _to(div, device))
+
+
+def _to(x: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`; to a GPU from pinned memory without waiting for queued work."""
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def processed_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
@@ -129,3 +146,74 @@ def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(-1)
     t = (u * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, t, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# plain decoding (k = 0): one token per row, on the device, nothing read back
+# ------------------------------------------------------------------------------------------------
+def sample_rows(logits: torch.Tensor, rp: RowParams, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [B, V]: the argmax on greedy rows, else `draw_rows` at u [B] from the
+    row's processed distribution (`processed_probs_rows`' stages; the final renormalisation and the
+    one-hot rows are skipped: `draw_rows` scales by the row's total, greedy rows take the argmax).
+    -> [B] int64. A handful of kernels, none of which waits for the host."""
+    logits = logits.float()
+    if rp.all_greedy:
+        return logits.argmax(-1)
+    x = logits / rp.divisor[:, None]
+    if rp.any_top_k:
+        V = x.shape[-1]
+        kth = x.sort(-1, descending=True).values.gather(-1, (rp.top_k.clamp(1, V) - 1)[:, None])
+        kth = torch.where((rp.top_k > 0)[:, None], kth, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if rp.any_top_p:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p < rp.top_p[:, None]) | (rp.top_p >= 1)[:, None]
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    tok = draw_rows(probs, u)
+    if rp.any_greedy:
+        tok = torch.where(rp.temperature == 0, logits.argmax(-1), tok)
+    return tok
+
+
+def sample_at(logits: torch.Tensor, p: SamplingParams, seed: int, n: int) -> int:
+    """The token a request with `seed` samples from the logits [V] of position n (host; the module's
+    RNG contract)."""
+    if p.temperature == 0:
+        return int(logits.argmax())
+    u = counter_uniforms(torch.tensor([seed], dtype=torch.int64), torch.tensor([n], dtype=torch.int64), 1)[:, 0]
+    return int(sample_rows(logits[None].float(), RowParams.of([p], "cpu"), u)[0])
+
+
+class DecodeSampler:
+    """`sample_rows` for the decode steps of one fixed batch of requests (their parameters and seeds),
+    with the contract's uniforms: row b's token from the logits of position n uses
+    counter_uniforms(seed_b, n, 1). Every row advances one position per step, so the uniforms of the
+    next TABLE positions are computed at once (the hash is some 30 tiny kernels) and a step takes a
+    column. `tokens` only queues device work."""
+
+    TABLE = 64
+
+    def __init__(self, params: list[SamplingParams], seeds: list[int], device):
+        self.device = torch.device(device)
+        self.rp = RowParams.of(params, self.device)
+        self.seeds = _to(torch.tensor(seeds, dtype=torch.int64), self.device)
+        self.base: list[int] | None = None  # the positions of the table's column 0
+        self.table: torch.Tensor | None = None  # [B, TABLE] fp64
+
+    def tokens(self, logits: torch.Tensor, pos: list[int]) -> torch.Tensor:
+        """logits [B, V] of positions `pos` (host ints) -> tokens [B] int64 on the device."""
+        if self.rp.all_greedy:
+            return logits.float().argmax(-1)
+        return sample_rows(logits, self.rp, self.uniforms(pos))
+
+    def uniforms(self, pos: list[int]) -> torch.Tensor:
+        """u [B]: counter_uniforms(seed_b, pos[b], 1)[:, 0]."""
+        off = None if self.base is None else {p - b for p, b in zip(pos, self.base)}
+        if off is None or len(off) != 1 or not 0 <= next(iter(off)) < self.TABLE:
+            self.base, off = list(pos), {0}
+            B, L = len(pos), self.TABLE
+            ctr = _to(torch.tensor(pos, dtype=torch.int64), self.device)[:, None] + torch.arange(L, device=self.device)
+            seeds = self.seeds[:, None].expand(B, L).reshape(-1)  # (repeat_interleave may read its size back)
+            self.table = counter_uniforms(seeds, ctr.reshape(-1), 1).view(B, L)
+        return self.table[:, next(iter(off))]

@@ -40,7 +40,7 @@ from dsv4c.runtime.distributed import Leader, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
 from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_bytes, paged_names
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
-from dsv4c.runtime.sampling import SamplingParams, sample
+from dsv4c.runtime.sampling import DecodeSampler, SamplingParams, sample_at
 
 
 @dataclass
@@ -129,6 +129,9 @@ class Session:
         self.executors = self._executors(graph_mode)
         self.rank, self.mirror = 0, None  # runtime/distributed.py: rank 0's Leader on a sharded artifact
         self._live: _Scheduler | None = None  # the incremental API's scheduler (add_request / step / abort)
+        # True: decode steps run one at a time with every row's logits on the host (`_emit`), as for requests
+        # that ask for log-probabilities (tests record the rows); the tokens are the same
+        self.host_steps = False
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -390,11 +393,14 @@ class Session:
             pass
         return [self._result(r) for r in reqs]
 
-    def _serve(self, reqs: list[_Request], mtp: int | str = 0) -> Iterator[tuple[int, int]]:
+    def _serve(self, reqs: list[_Request], mtp: int | str = 0, on_decode=None) -> Iterator[tuple[int, int]]:
+        """Run `reqs` to the end. `on_decode`: called once, when the first decode step or round is about to
+        be queued (the auto policy's calibration times from there)."""
         if self._live is not None and self._live.busy():
             raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
                                "this session's cache slots; finish or abort them first")
         sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
+        sched.on_decode = on_decode
         sched.waiting.extend(reqs)
         try:
             while sched.busy():
@@ -499,15 +505,26 @@ class Session:
             self.prefix.release(slot)
         free.append(slot)
 
-    def _greedy_launch(self, ids: torch.Tensor, slots: list[int]) -> "_Inflight":
-        """Enqueue one greedy decode step; the tokens stay on the device (argmax there) and are copied
-        to the host asynchronously."""
-        logits = self._run("decode", ids, slots, [1] * len(slots))           # [B, 1, V] fp32
-        return _Inflight(slots, logits[:, -1].argmax(-1, keepdim=True))       # [B, 1] int64
+    def _decode_launch(self, ids: torch.Tensor, slots: list[int], sampler: DecodeSampler,
+                       logits_out: list | None = None) -> "_Inflight":
+        """Enqueue one decode step; the tokens are chosen on the device (argmax, or `sampler`'s draw at
+        each row's position) and copied to the host asynchronously. `logits_out`: append the step's
+        logits [B, V] (the host-step path reads them)."""
+        pos = self.pos.numpy()[slots].tolist()  # the positions the step feeds (before _run advances them)
+        logits = self._run("decode", ids, slots, [1] * len(slots))[:, -1]   # [B, V] fp32
+        if logits_out is not None:
+            logits_out.append(logits)
+        return _Inflight(slots, sampler.tokens(logits, pos)[:, None])      # [B, 1] int64
 
-    def _emit(self, r: _Request, logits: torch.Tensor) -> Iterator[tuple[int, int]]:
+    def _sampler(self, reqs: list[_Request]) -> DecodeSampler:
+        return DecodeSampler([r.params for r in reqs], [_seed(r) for r in reqs], self.device)
+
+    def _emit(self, r: _Request, logits: torch.Tensor, tok: int | None = None) -> Iterator[tuple[int, int]]:
+        """Push one token chosen from r's logits row [V] (sampled here at the row's position unless `tok`
+        is given), with its log-probabilities when r asks for them."""
         logits = logits.float().cpu()
-        tok = sample(logits, r.params, r.gen)
+        if tok is None:  # the row of position len(ids) + len(out) - 1
+            tok = sample_at(logits, r.params, _seed(r), len(r.ids) + len(r.out) - 1)
         if r.logprobs is not None:
             lsm = logits.log_softmax(-1)
             top = lsm.topk(r.logprobs) if r.logprobs else None
@@ -543,11 +560,14 @@ class _Scheduler:
     once. `generate`/`stream` run one to the end; the incremental API keeps one across `step` calls.
 
     `iterate()` is one scheduling step: admit what fits, then one MTP round (with a speculator) or one
-    decode step for every active request. Greedy steps are pipelined: step t+1 is enqueued with step t's
-    tokens still on the device, before the host reads them, so the GPU runs the steps back to back while
-    the host does the previous step's bookkeeping; the step in flight is carried into the next
-    `iterate()`. Each request's tokens equal one-step-at-a-time greedy decoding (argmax of the same fp32
-    logits; decode rows do not depend on each other). When a request finishes at step t, step t+1 is
+    decode step for every active request. Decode steps are pipelined, greedy and sampled alike: the
+    tokens are chosen on the device (argmax, or `DecodeSampler`'s draw with the request's counter-based
+    uniforms, runtime/sampling.py), and step t+1 is enqueued with step t's tokens still on the device,
+    before the host reads them, so the GPU runs the steps back to back while the host does the previous
+    step's bookkeeping; the step in flight is carried into the next `iterate()`. Each request's tokens
+    equal one-step-at-a-time decoding (the same fp32 logits and draws; decode rows do not depend on each
+    other). Requests that ask for log-probabilities (or `Session.host_steps`) take one step at a time
+    with the logits on the host (`_host_step`), with the same tokens. When a request finishes at step t, step t+1 is
     already in flight: its tokens are used by the requests still running and dropped for the finished
     ones (their slot holds one more cache row, which `_reset_slot` clears before the slot is reused). So
     a request admitted into a freed slot starts one step later than without the pipeline, and `stream()`
@@ -560,7 +580,9 @@ class _Scheduler:
         self.waiting: deque[_Request] = deque()
         self.active: dict[int, _Request] = {}  # by slot
         self.free = list(range(sess.max_batch))
-        self.inflight: _Inflight | None = None  # a greedy step enqueued, its tokens not read yet
+        self.inflight: _Inflight | None = None  # a decode step enqueued, its tokens not read yet
+        self.sampler: tuple[list[_Request], DecodeSampler] | None = None  # the active requests' device sampler
+        self.on_decode = None  # called once before the first decode step or round (Session._serve)
         self.next_id = 0  # the incremental API's request ids
         self.by_id: dict[int, _Request] = {}  # its requests until finished and reported
 
@@ -576,7 +598,7 @@ class _Scheduler:
         while self.waiting and self.free:  # admit: prefill into a free slot, sample the first token
             r, t0 = self.waiting[0], time.perf_counter()
             sess._reset_slot(self.free[0])
-            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, self.make_stats is not None,
+            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, spec is not None,
                                                      tokens=len(r.ids) + r.max_new):
                 break  # its prompt's blocks are held by running requests: wait for one to finish
             self.waiting.popleft()
@@ -592,28 +614,49 @@ class _Scheduler:
                 self._retire()
         if not self.active:
             return
+        if self.on_decode is not None:
+            self.on_decode, hook = None, self.on_decode
+            hook()
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
-        elif all(r.params.temperature == 0 and r.logprobs is None for r in self.active.values()):
-            yield from self._greedy_step()
+        elif sess.host_steps or any(r.logprobs is not None for r in self.active.values()):
+            yield from self._host_step()
         else:
-            slots = sorted(self.active)
-            last = torch.tensor([[self.active[s].out[-1]] for s in slots])
-            rows = sess._run("decode", last, slots, [1] * len(slots))[:, -1].float().cpu()  # one copy
-            for i, s in enumerate(slots):
-                yield from sess._emit(self.active[s], rows[i])
+            yield from self._decode_step()
         self._retire()
 
-    def _greedy_step(self) -> Iterator[tuple[int, int]]:
-        """One greedy decode step for the active requests (see the class docstring)."""
+    def _step_sampler(self, slots: list[int]) -> DecodeSampler:
+        """The device sampler of the active requests (made again when the active set changes)."""
+        reqs = [self.active[s] for s in slots]
+        if self.sampler is None or len(self.sampler[0]) != len(reqs) or any(
+                a is not b for a, b in zip(self.sampler[0], reqs)):
+            self.sampler = (reqs, self.sess._sampler(reqs))
+        return self.sampler[1]
+
+    def _host_step(self) -> Iterator[tuple[int, int]]:
+        """One decode step read at once: the logits go to the host (log-probabilities), the tokens are
+        the device sampler's, as in `_decode_step`."""
+        if self.inflight is not None:
+            yield from self._drain()
+        sess, slots, logits = self.sess, sorted(self.active), []
+        last = torch.tensor([[self.active[s].out[-1]] for s in slots])
+        toks = sess._decode_launch(last, slots, self._step_sampler(slots), logits).read()
+        rows = logits[0].float().cpu()  # one copy
+        for i, s in enumerate(slots):
+            yield from sess._emit(self.active[s], rows[i], toks[i])
+
+    def _decode_step(self) -> Iterator[tuple[int, int]]:
+        """One decode step for the active requests, greedy or sampled on the device (see the class
+        docstring)."""
         sess, active = self.sess, self.active
         slots = sorted(active)
         if self.inflight is not None and self.inflight.slots != slots:
             yield from self._drain()
-        cur = self.inflight or sess._greedy_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots)
+        sampler = self._step_sampler(slots)
+        cur = self.inflight or sess._decode_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots, sampler)
         self.inflight = None
         more = any(len(active[s].out) + 1 < active[s].max_new for s in slots)
-        nxt = sess._greedy_launch(cur.tokens, slots) if more else None
+        nxt = sess._decode_launch(cur.tokens, slots, sampler) if more else None
         done = False
         for s, tok in zip(slots, cur.read()):
             yield from sess._push(active[s], tok)
@@ -670,8 +713,13 @@ class _Scheduler:
             del self.by_id[i]
 
 
+def _seed(r: _Request) -> int:
+    """The request's seed (generate's request i: seed + i), as the RNG contract's counter_uniforms take it."""
+    return r.gen.initial_seed() & ((1 << 63) - 1)
+
+
 class _Inflight:
-    """A greedy step's tokens [B, 1] on the device, and their asynchronous copy to (pinned) host memory."""
+    """A decode step's tokens [B, 1] on the device, and their asynchronous copy to (pinned) host memory."""
 
     def __init__(self, slots: list[int], tokens: torch.Tensor):
         self.slots, self.tokens = slots, tokens

@@ -198,7 +198,8 @@ class Speculator:
         self.host_drafts = False  # True: rounds take the one-round host path (tests compare the two)
         self.forced: ForcedDrafts | None = None  # teacher-forced drafts (benchmark; pipelined rounds only)
         self._prompt_hidden: dict[int, torch.Tensor] = {}
-        self.calibration: dict = {}
+        self.calibration: dict = {}  # mtp="auto": step and round times per (batch, sampling mode)
+        self.calibration_tokens = 64  # tokens per request of each timed calibration generation
         # acceptance observed while running, per temperature bucket: (accepted, proposed) per draft position
         self.observed: dict[float, tuple[list[int], list[int]]] = {}
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
@@ -254,8 +255,9 @@ class Speculator:
     # ---- rounds ---------------------------------------------------------------------------------
     def rounds(self, active: dict) -> Iterator[tuple[int, int]]:
         """Rounds for `active` (slot -> request) until one of them finishes, yielding emitted (request
-        index, token) pairs. With the fused graph, rounds are pipelined like `Session._greedy_steps`:
-        round r+1 is queued on round r's device outputs before the host reads round r. Acceptance
+        index, token) pairs. With the fused graph, rounds are pipelined like plain decode steps
+        (`_Scheduler._decode_step`): round r+1 is queued on round r's device outputs before the host
+        reads round r. Acceptance
         (greedy: argmax compare + cumulative-product length; sampling: `_accept_rows` with each
         request's `counter_uniforms`), the emitted token, the next positions and the next first draft
         are all computed on the device; the host gets [B, T+2] int64 per round, copied asynchronously.
@@ -708,147 +710,110 @@ def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | Non
 # ------------------------------------------------------------------------------------------------
 # the auto policy (spec §6)
 # ------------------------------------------------------------------------------------------------
-PRIOR_ALPHA = 0.8  # first-draft acceptance before any measurement (public V3/R1 figures: 0.8-0.9)
+MIN_ALPHA_CHECKS = 32  # first drafts checked at a temperature bucket before its acceptance is used as it is
+AUTO_MARGIN = 1.05  # a k is chosen over plain decoding only when it predicts at least this speedup
 
 
 def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
              prompts: list[list[int]]) -> tuple[int, dict]:
     """k for `mtp="auto"`: maximise the predicted decode speedup
-        S(k) = τ(k) · t_decode(B) / (t_verify(B) + (k-1)·t_mtp(B) + t_mtp(B)),
-        τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
-    and with the fused graph t_verify + t_mtp (verify and refresh) becomes t_verify_mtp + P_fallback·t_mtp
-    at temperature 0 and t_verify_mtp + t_mtp above it (pipelined sampling rounds always run the refresh
-    call), with step times measured at batch B (calls with n_real = 0 write nothing) and α the
-    acceptance observed in earlier rounds at this temperature bucket (`Speculator.observe`, once
-    MIN_OBSERVED_ROUNDS first drafts were checked), else measured by a short calibration generation
-    of the first of `prompts` (the request's) at this temperature (cached per session and T bucket).
-    k = 0 (plain decoding) when no k predicts a gain of at least 5 %.
-
-    The model counts graph time only. The host work of a round (acceptance, sampling, bookkeeping,
-    per sequence) grows with the batch and is what made it predict 1.2-1.3x at batch 8 and 64 on the
-    H200 where MTP ran at 0.4-0.6x (BENCHMARKS.md, fourth session). So a predicted k is confirmed
-    by measurement: one short plain and one short speculative generation of B of `prompts` (cycled)
-    (cached per B and temperature bucket); k stays only if that measured speedup is at least 5 % too.
-    B copies of one prompt would overstate the gain: their rows accept the same drafts."""
+        S(k) = τ(k) · t_step / t_round(k),   τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
+    with t_step the seconds per plain decode step and t_round(k) the seconds per k-draft round, both
+    measured at batch B in the request's sampling mode (greedy, or sampling with or without top-k /
+    top-p: a sampled step or round runs other device work than a greedy one) by short timed
+    generations of B of `prompts` (`_measure_costs`, cached per B and mode). They time what a steady
+    decode achieves: pipelined steps and rounds, host work included where the GPU waits for it,
+    admission (prefill, the MTP fill) and CUDA-graph capture excluded. α: the acceptance per draft
+    position observed at this temperature bucket (`Speculator.observe`: the calibration generations
+    and every round run since); below MIN_ALPHA_CHECKS first drafts, a K-draft generation at this
+    temperature observes more first. A round's time does not depend on what it accepts (its graph
+    calls are fixed), so S(k) is the speedup a run at acceptance α measures. k = 0 (plain decoding,
+    the same path as mtp=0) unless some k predicts at least AUTO_MARGIN."""
     B = max(1, min(batch, sess.max_batch))
-    cal = spec.calibration
-    tkey = ("times", B)
-    if tkey not in cal:
-        cal[tkey] = _step_times(sess, spec, B)
-    akey = ("alpha", _temperature_bucket(params.temperature))
-    if akey not in cal:
-        cal[akey] = _measure_alpha(sess, spec, params, prompts[0])
-    t = cal[tkey]
-    alpha, p_fallback = cal[akey]
-    alpha, source = _observed_alpha(spec, params.temperature, alpha)
-    # verify + the refresh of the next first draft: one fused call, or verify then mtp. Pipelined
-    # sampling rounds run the refresh call whenever a row is not greedy (its need is known on the device only)
-    if FUSED in t:
-        refresh = t[FUSED] + (p_fallback if params.temperature == 0 else 1.0) * t["mtp"]
-    else:
-        refresh = t["verify"] + t["mtp"]
+    mode = _cost_mode(params)
+    ckey = ("costs", B, mode)
+    if ckey not in spec.calibration:
+        spec.calibration[ckey] = _measure_costs(sess, spec, params, prompts, B)
+    if _first_checks(spec, params.temperature) < MIN_ALPHA_CHECKS:
+        _time_decode(sess, params, prompts, B, spec.K, spec.calibration_tokens)  # observes α
+    costs = spec.calibration[ckey]
+    alpha, source = _observed_alpha(spec, params.temperature)
     best, pred = 0, {0: 1.0}
     for k in range(1, spec.K + 1):
         tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
-        cost = refresh + (k - 1) * t["mtp"]
-        pred[k] = tau * t["decode"] / cost
-        if pred[k] > pred[best] * (1.05 if best == 0 else 1.0):
+        pred[k] = tau * costs["step"] / costs["round"][k]
+        if pred[k] > pred[best] * (AUTO_MARGIN if best == 0 else 1.0):
             best = k
     reason = (f"predicted speedup {pred[best]:.2f}x at k={best}" if best else
-              f"no k predicts >= 1.05x (best {max(pred.values()):.2f}x)")
-    measured = None
-    if best:
-        mkey = ("measured", B, _temperature_bucket(params.temperature))
-        runs = cal.setdefault(mkey, {})
-        if best not in runs:
-            runs[best] = _measure_speedup(sess, params, prompts, B, best)
-        measured = runs[best]
-        if measured < 1.05:
-            reason = (f"predicted {pred[best]:.2f}x at k={best}, but a batch-{B} calibration run measured "
-                      f"{measured:.2f}x")
-            best = 0
-        else:
-            reason += f"; measured {measured:.2f}x"
-    info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature,
+              f"no k predicts >= {AUTO_MARGIN:.2f}x (best {max(pred.values()):.2f}x)")
+    info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature, "mode": mode,
             "alpha": [round(a, 3) for a in alpha], "alpha_source": source,
-            "p_fallback": round(p_fallback, 3),
-            "step_ms": {n: round(v * 1e3, 3) for n, v in t.items()},
+            "step_ms": {0: round(costs["step"] * 1e3, 3),
+                        **{k: round(t * 1e3, 3) for k, t in costs["round"].items()}},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
-            "measured_speedup": None if measured is None else round(measured, 3),
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
     return best, info
 
 
-MIN_OBSERVED_ROUNDS = 64  # first-draft checks before the observed acceptance replaces the calibration run's
+def _cost_mode(params: SamplingParams) -> str:
+    """Which device work a step or round runs: greedy, or sampling with the stages that sort."""
+    if params.temperature == 0:
+        return "greedy"
+    return "sample" + ("+top_k" if params.top_k else "") + ("+top_p" if params.top_p < 1 else "")
 
 
-def _observed_alpha(spec: Speculator, temperature: float, calibrated: list[float]) -> tuple[list[float], str]:
-    """Per-position acceptance for the policy: what earlier rounds at this temperature bucket accepted
-    (once MIN_OBSERVED_ROUNDS first drafts were checked; positions never checked keep the calibrated
-    value), else the calibration run's."""
-    acc, prop = spec.observed.get(_temperature_bucket(temperature), ([], []))
-    if not prop or prop[0] < MIN_OBSERVED_ROUNDS:
-        return list(calibrated), "calibration run"
-    return [a / p if p else c for a, p, c in zip(acc, prop, calibrated)], f"observed over {prop[0]} rounds"
+def _first_checks(spec: Speculator, temperature: float) -> int:
+    _, prop = spec.observed.get(_temperature_bucket(temperature), ([], []))
+    return prop[0] if prop else 0
+
+
+def _observed_alpha(spec: Speculator, temperature: float) -> tuple[list[float], str]:
+    """Per-position acceptance observed at this temperature bucket (0 where a position was never checked:
+    every draft before it was rejected)."""
+    acc, prop = spec.observed.get(_temperature_bucket(temperature), ([0] * spec.K, [0] * spec.K))
+    return [a / p if p else 0.0 for a, p in zip(acc, prop)], f"observed over {prop[0]} rounds"
 
 
 def _temperature_bucket(temp: float) -> float:
     return 0.0 if temp == 0 else min(round(temp * 4) / 4, 2.0)
 
 
-def _step_times(sess, spec: Speculator, B: int, reps: int = 3) -> dict[str, float]:
-    """Seconds per call of decode / verify / mtp (and verify_mtp) at batch B, with n_real = 0 (no cache writes)."""
-    slots = list(range(B))
-    zero = [0] * B
-    K = spec.K
-    hshape = (B, 1 + K, spec.cfg.hc_mult, spec.cfg.hidden_size) if spec.is_v4 else (B, 1 + K, spec.cfg.hidden_size)
-    hidden = torch.zeros(hshape, dtype=getattr(torch, sess.manifest["dtype"]), device=sess.device)
-    pos, mpos = sess.pos.clone(), spec.mtp_pos.clone()
-    calls = {"decode": lambda: sess._run("decode", torch.zeros(B, 1, dtype=torch.int64), slots, zero),
-             "verify": lambda: sess._run("verify", torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero),
-             "mtp": lambda: spec._mtp(hidden, torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero)}
-    if spec.fused:
-        calls[FUSED] = lambda: sess._run(FUSED, torch.zeros(B, 1 + K, dtype=torch.int64), slots, zero,
-                                         caches=spec.fused_caches)
-    out = {}
-    for name, fn in calls.items():
-        fn()  # warm-up (and capture, under an executor)
-        _sync(sess.device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync(sess.device)
-        out[name] = (time.perf_counter() - t0) / reps
-    sess.pos.copy_(pos)
-    spec.mtp_pos.copy_(mpos)
-    return out
+def _measure_costs(sess, spec: Speculator, params: SamplingParams, prompts: list[list[int]], B: int) -> dict:
+    """{"step": seconds per plain decode step, "round": {k: seconds per k-draft round}} at batch B in
+    params' mode (`_time_decode`, k = 0..K)."""
+    n = spec.calibration_tokens
+    times = {k: _time_decode(sess, params, prompts, B, k, n) for k in range(spec.K + 1)}
+    return {"step": times.pop(0), "round": times}
 
 
-def _measure_alpha(sess, spec: Speculator, params: SamplingParams, ids: list[int], n_new: int = 24):
-    """Per-position acceptance and fused-refresh fallback rate of a short K-draft generation
-    of `ids` (one sequence)."""
-    ids = ids[-max(1, sess.max_tokens - n_new - 1):]
-    res = sess.generate([ids], max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
-                        top_k=params.top_k, seed=12345, mtp=spec.K)[0].stats
-    acc = [a if a is not None else 0.0 for a in res["acceptance_per_position"]]
-    if not res["rounds"]:
-        acc = [PRIOR_ALPHA] * spec.K
-    rounds = max(res["rounds"], 1)
-    return acc, res["fallback_refreshes"] / rounds
-
-
-def _measure_speedup(sess, params: SamplingParams, prompts: list[list[int]], B: int, k: int,
-                     n_new: int = 24) -> float:
-    """Decode tokens/s of k-draft speculation over plain decoding, B of `prompts` (cycled), same seed."""
+def _time_decode(sess, params: SamplingParams, prompts: list[list[int]], B: int, k: int, n_new: int) -> float:
+    """Seconds per decode step (k = 0) or per k-draft round of a generation of B of `prompts` (cycled)
+    with params, n_new tokens each and no stop tokens: from the end of admission (device synchronised)
+    to the end, over the steps or rounds run. A short untimed generation first captures the CUDA graphs
+    of this bucket."""
+    n_new = max(2, min(n_new, sess.max_tokens // 2))
     batch = [prompts[i % len(prompts)][-max(1, sess.max_tokens - n_new - 1):] for i in range(B)]
 
-    def tps(mtp: int) -> float:
-        out = sess.generate(batch, max_new_tokens=n_new, temperature=params.temperature, top_p=params.top_p,
-                            top_k=params.top_k, seed=12345, mtp=mtp)
-        return sum(r.stats["tokens_per_s"] for r in out) / len(out)
+    def run(n: int) -> float:
+        reqs = sess._requests(batch, n, params.temperature, params.top_p, params.top_k, 12345, None)
+        for r in reqs:
+            r.stop_ids, r.stop_strs = set(), []  # steady decoding to the end
+        start: list[float] = []
 
-    plain = tps(0)
-    return tps(k) / plain if plain > 0 else 0.0
+        def admitted() -> None:
+            _sync(sess.device)
+            start.append(time.perf_counter())
+
+        with torch.no_grad():
+            for _ in sess._serve(reqs, k, on_decode=admitted):
+                pass
+        _sync(sess.device)
+        steps = max((r.spec.rounds if k else len(r.out) - 1) for r in reqs)
+        return (time.perf_counter() - start[0]) / max(steps, 1)
+
+    if sess.executors:
+        run(min(8, n_new))
+    return run(n_new)
 
 
 def _sync(device: torch.device) -> None:
