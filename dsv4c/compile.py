@@ -111,8 +111,8 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant.
     `paged`: a `dsv4c.runtime.block_pool.PagedConfig`: the caches that grow with the sequence in blocks of
     a shared pool, read through a block table (the manifest's "paged" entry; runtime/block_pool.py)."""
-    if paged is not None and ((plan is not None and not plan.is_single) or mtp_k):
-        raise ArtifactError("paged caches: not implemented with --tp/--ep or --mtp yet (compile without paged)")
+    if paged is not None and plan is not None and not plan.is_single:
+        raise ArtifactError("paged caches: not implemented with --tp/--ep yet (compile without paged)")
     if plan is not None and not plan.is_single:
         if deterministic:
             raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")

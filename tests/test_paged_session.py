@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4c import ModelConfig
-from dsv4c.export import unflat_caches
+from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.block_pool import PagedCacheError, PagedConfig
@@ -22,23 +22,31 @@ from session_probe import serve
 
 
 def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = True, max_batch: int = 3,
-                  max_tokens: int = 96) -> Session:
-    """A Session whose graphs are the eager model's step; prefill chunks of `block` tokens."""
+                  max_tokens: int = 96, mtp_k: int = 0) -> Session:
+    """A Session whose graphs are the eager model's step functions (with `mtp_k`: verify, mtp and the fused
+    verify_mtp too); prefill chunks of `block` tokens."""
     cache = model.new_cache(1, max_len=1)
     cls, n_layers = type(cache.layers[0]), len(cache.layers)
 
     def main(ids, slots, pos0, n_real, caches, weights):
         return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
 
-    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": 0, "buckets": [],
+    def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
+        return model.mtp_step(hidden, ids, slots, pos0, n_real, unflat_caches(caches, cls, 1)[0])
+
+    kinds, graphs = {"prefill": None, "decode": 1}, {"prefill": main, "decode": main}
+    if mtp_k:
+        fused = VerifyMTPStepModule(model, cls, n_layers)
+        kinds.update(verify=1 + mtp_k, mtp=1 + mtp_k, verify_mtp=1 + mtp_k)
+        graphs.update(verify=main, mtp=mtp, verify_mtp=lambda *a: fused(*a[:-1]))
+    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": mtp_k, "buckets": [],
                 "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
                 "target": {"name": "cpu"},
-                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k}
-                           for k, t in {"prefill": None, "decode": 1}.items()}}
+                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
     if paged is not None:
         lay = paged.layout(model.config, max_tokens, max_batch)
         manifest["paged"] = {"block_size": lay.block_size, "n_blocks": lay.n_blocks}
-    sess = Session(Path("<eager>"), manifest, {"prefill": main, "decode": main}, {}, torch.device("cpu"), None,
+    sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None,
                    prefix_cache=prefix if paged is not None else False)
     sess.max_num_batched_tokens = block
     return sess
@@ -111,8 +119,8 @@ def test_shared_blocks_are_referenced_not_copied_and_never_written(models):
     rows = {}
     orig_admit = pool.admit
 
-    def admit(ids, slot, pos, mtp=False, tokens=None):
-        ok = orig_admit(ids, slot, pos, mtp, tokens)
+    def admit(ids, slot, pos, mtp=False, **kw):
+        ok = orig_admit(ids, slot, pos, mtp, **kw)
         rows[slot] = pool.table[slot].clone()
         return ok
 
@@ -152,8 +160,6 @@ def test_a_pool_too_small_for_one_request_is_refused_naming_the_limit(models):
     assert sess.prefix.stats()["requests"] == 0
     with pytest.raises(PagedCacheError, match="block_size=6: must be >= 1 and a multiple of every compression"):
         eager_session(models["v4-tiny-a"], 4, PagedConfig(block_size=6))
-    with pytest.raises(PagedCacheError, match="MTP"):
-        sess.generate([[5] * 3], max_new_tokens=2, mtp=1)
 
 
 def test_session_logits_on_paged_caches(models):
