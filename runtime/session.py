@@ -582,8 +582,8 @@ class _Scheduler:
 
     def iterate(self) -> Iterator[tuple[int, int]]:
         sess, spec = self.sess, self.spec
-        if self.inflight is not None and ((self.waiting and self.free)
-                                          or any(r.finish is not None for r in self.active.values())):
+        admitting = self.waiting and self.free and not (self.hold and self.active)
+        if self.inflight is not None and (admitting or any(r.finish is not None for r in self.active.values())):
             yield from self._drain()  # the active set changes: read the step in flight first
         self._retire()
         while self.waiting and self.free and not (self.hold and self.active):  # admit: prefill into a free

@@ -162,6 +162,58 @@ def test_a_pool_too_small_for_one_request_is_refused_naming_the_limit(models):
         eager_session(models["v4-tiny-a"], 4, PagedConfig(block_size=6))
 
 
+def first_stop(tokens: list[int], logits: torch.Tensor, stop: set[int]):
+    """A generation cut where a stop token ends it: (tokens, logits rows)."""
+    n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:n], logits[:n]
+
+
+def test_blocks_grow_with_the_tokens_so_a_pool_smaller_than_the_reservations_serves_the_batch(models):
+    """A request takes its prompt's blocks at admission and one more each time decode crosses a block end: a
+    9-block pool (the slot caches: 36) serves three requests with max_new_tokens=40 at once (reserving
+    prompt + max_new would need 3 x 7 blocks), since they stop early; logits equal the slot caches'."""
+    model = models["v4-tiny-a"]
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (15, 14, 13)]
+    ref = serve(eager_session(model, 8, None), ps, max_new=8)
+    stop = {toks[6] for toks in ref[0]}  # each request stops by its 7th token
+    cut = [first_stop(t, lg, stop) for t, lg in zip(*ref)]
+    ref = [t for t, _ in cut], [lg for _, lg in cut]
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=9))
+    assert 3 * sess.prefix.blocks_for(13 + 40) > sess.prefix.n_blocks
+    grown = []
+    orig_grow = sess.prefix.grow
+
+    def grow(slot, end):
+        before = len(sess.prefix.seqs[slot].blocks) if slot in sess.prefix.seqs else 0
+        ok = orig_grow(slot, end)
+        grown.append(len(sess.prefix.seqs[slot].blocks) - before)
+        return ok
+
+    sess.prefix.grow = grow
+    got = serve(sess, ps, max_new=40, stop=sorted(stop))
+    assert_same(ref, got)
+    st = sess.prefix.stats()
+    assert st["waits"] == 0 and st["preemptions"] == 0 and st["requests"] == 3 and st["blocks_in_use"] == 0, st
+    assert sum(grown) >= 3 and max(grown) == 1  # blocks taken one at a time, as decode crossed block ends
+
+
+def test_when_no_block_can_be_had_requests_wait_or_are_preempted_and_get_exact_tokens(models):
+    """A 6-block pool: the third request waits for blocks (its prompt needs 3 while two run); when both
+    running requests cross a block end with no block left, the younger is preempted, waits until the older
+    finishes and resumes from prompt + its tokens (sharing its cached prompt block). Greedy tokens (the
+    pipelined decode) equal the slot caches'."""
+    model = models["v4-tiny-a"]
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 9, 20)]
+    ref = serve(eager_session(model, 8, None), ps, max_new=20, temperature=0.0)[0]
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=6))
+    assert [r.tokens for r in sess.generate(ps, max_new_tokens=20, temperature=0.0)] == ref
+    st = sess.prefix.stats()
+    assert st["waits"] > 0 and st["preemptions"] > 0 and st["blocks_in_use"] == 0, st
+    assert st["hit_tokens"] >= 8  # the preempted request's prompt block was shared on resuming
+
+
 def test_session_logits_on_paged_caches(models):
     """Session.logits (no admission) takes blocks as it goes and gives them back."""
     model = models["v32-tiny"]
