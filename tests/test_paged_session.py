@@ -214,6 +214,47 @@ def test_when_no_block_can_be_had_requests_wait_or_are_preempted_and_get_exact_t
     assert st["hit_tokens"] >= 8  # the preempted request's prompt block was shared on resuming
 
 
+def greedy(sess: Session, prompts, max_new: int, mtp: int = 0, forced: dict | None = None):
+    """generate()'s greedy tokens and the drafts MTP rounds accepted; `forced`: teacher-forced drafts of the
+    true continuation, kept with probability 0.7 (acceptance on a random model, runtime/speculative.py)."""
+    from dsv4c.runtime.speculative import ForcedDrafts, speculator
+
+    if mtp:
+        speculator(sess).forced = ForcedDrafts(forced, alpha=0.7) if forced else None
+    with torch.no_grad():
+        res = sess.generate(prompts, max_new_tokens=max_new, temperature=0.0, mtp=mtp)
+    return [r.tokens for r in res], sum(r.stats["accepted_draft_tokens"] for r in res)
+
+
+def test_paged_mtp_gives_the_tokens_of_plain_decoding_with_shared_prefixes_and_a_small_pool(models):
+    """Paged + MTP (k = 1, 2; pipelined verify_mtp rounds write 1 + k positions and roll back by moving the
+    position; drafts teacher-forced so that some are accepted): greedy tokens equal paged k = 0 and slot + MTP,
+    with the base's blocks shared (resuming >= W tokens before each prompt's end) and never written, and
+    under a 9-block pool (waits, blocks grown ahead of queued rounds, preemption)."""
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=3)
+    ps, n = [ps[0], ps[1], ps[2]], 18  # 19, 25 and 47 tokens sharing 13, 16 and 40 of the base
+    plain, _ = greedy(eager_session(model, 8, PagedConfig(block_size=8)), ps, n)
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, plain))}
+    slot, acc = greedy(eager_session(model, 8, None, mtp_k=2), ps, n, mtp=2, forced=truth)
+    assert slot == plain and acc > 0
+    sess = eager_session(model, 8, PagedConfig(block_size=8), mtp_k=2)
+    greedy(sess, [base], 2)
+    pool = sess.prefix
+    shared = [pool.by_key[k] for k in pool.keys(base)]
+    before = {k: t[shared].clone() for k, t in sess.caches.items() if k.endswith("entries")}
+    for k in (1, 2):
+        got, acc = greedy(sess, ps, n, mtp=k, forced=truth)
+        assert got == plain and acc > 0, k
+    st = pool.stats()
+    assert st["hit_tokens"] == 2 * (8 + 16 + 32), st  # each resume <= len - W (W = 8)
+    assert all(torch.equal(sess.caches[k][shared], t) for k, t in before.items())
+    small = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=9), mtp_k=2)
+    got, acc = greedy(small, ps, n, mtp=2, forced=truth)
+    st = small.prefix.stats()
+    assert got == plain and acc > 0 and st["waits"] > 0 and st["preemptions"] > 0 and st["blocks_in_use"] == 0, st
+
+
 def test_session_logits_on_paged_caches(models):
     """Session.logits (no admission) takes blocks as it goes and gives them back."""
     model = models["v32-tiny"]
