@@ -116,6 +116,8 @@ class BlockPool:
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
         self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
+        self.peak = 0  # most blocks held by sequences at once
+        self.dirty = False  # table rows changed on the host only (grow(push=False)); flush() sends them
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0, "preemptions": 0}
 
@@ -206,9 +208,10 @@ class BlockPool:
             del self.by_key[key]
         self.boundary.pop(blk, None)
 
-    def grow(self, slot: int, end: int) -> bool:
+    def grow(self, slot: int, end: int, push: bool = True) -> bool:
         """Blocks for positions [0, min(end, the sequence's limit)) of `slot`: free ones, else evicted least
-        recently used cached ones. All or none: False when they cannot be had (the scheduler preempts)."""
+        recently used cached ones. All or none: False when they cannot be had (the scheduler preempts).
+        `push=False`: the device's table is updated by the next `flush` (one copy for a step's growth)."""
         seq = self.seqs.get(slot)
         if seq is None:
             seq = self.seqs[slot] = _Seq([], [], 0, 0, self.max_tokens)
@@ -218,8 +221,15 @@ class BlockPool:
         if need > len(self.free) + len(self.lru):
             return False
         seq.blocks += [self._take() for _ in range(need)]
-        self._set_row(slot)
+        self._set_row(slot, push)
         return True
+
+    def flush(self) -> None:
+        """Copy the table rows `grow(push=False)` changed to the device (one copy; it waits for the steps
+        queued before it, so a row is never rewritten under a step that reads it)."""
+        if self.dirty:
+            self.table_dev.copy_(self.table)
+            self.dirty = False
 
     def ensure(self, slot: int, end: int) -> None:
         """`grow`, or PagedCacheError naming the limit (Session._run: a step about to write past the blocks
@@ -234,13 +244,17 @@ class BlockPool:
         """Positions the blocks of `slot` cover."""
         return int(self.covered[slot])
 
-    def _set_row(self, slot: int) -> None:
+    def _set_row(self, slot: int, push: bool = True) -> None:
         row = self.table[slot]
         row.fill_(self.n_blocks)
         blocks = self.seqs[slot].blocks if slot in self.seqs else []
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        self.table_dev[slot].copy_(row)
+        if push:
+            self.table_dev[slot].copy_(row)
+        else:
+            self.dirty = True
         self.covered[slot] = len(blocks) * self.block_size
+        self.peak = max(self.peak, self.n_blocks - len(self.free) - len(self.lru))
 
     def release(self, slot: int) -> None:
         """The request in `slot` finished: drop its references; its table row points at scratch again."""
@@ -306,6 +320,7 @@ class BlockPool:
         c = self.counters
         used = self.n_blocks - len(self.free) - len(self.lru)
         return {"block_size": self.block_size, "blocks_total": self.n_blocks, "blocks_in_use": used,
+                "peak_blocks_in_use": self.peak,
                 "blocks_cached": len(self.key_of), "blocks_free": len(self.free),
                 "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
 

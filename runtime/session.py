@@ -667,7 +667,8 @@ class _Scheduler:
             return True
         ok = True
         for s in sorted(slots, key=lambda s: self.active[s].order):
-            ok &= sess.prefix.grow(s, int(sess.pos[s]) + tokens)
+            ok &= sess.prefix.grow(s, int(sess.pos[s]) + tokens, push=False)
+        sess.prefix.flush()
         return ok
 
     def _make_room(self, tokens: int) -> Iterator[tuple[int, int]]:

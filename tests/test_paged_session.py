@@ -184,9 +184,9 @@ def test_blocks_grow_with_the_tokens_so_a_pool_smaller_than_the_reservations_ser
     grown = []
     orig_grow = sess.prefix.grow
 
-    def grow(slot, end):
+    def grow(slot, end, **kw):
         before = len(sess.prefix.seqs[slot].blocks) if slot in sess.prefix.seqs else 0
-        ok = orig_grow(slot, end)
+        ok = orig_grow(slot, end, **kw)
         grown.append(len(sess.prefix.seqs[slot].blocks) - before)
         return ok
 
@@ -195,6 +195,7 @@ def test_blocks_grow_with_the_tokens_so_a_pool_smaller_than_the_reservations_ser
     assert_same(ref, got)
     st = sess.prefix.stats()
     assert st["waits"] == 0 and st["preemptions"] == 0 and st["requests"] == 3 and st["blocks_in_use"] == 0, st
+    assert st["peak_blocks_in_use"] == 9, st
     assert sum(grown) >= 3 and max(grown) == 1  # blocks taken one at a time, as decode crossed block ends
 
 
