@@ -302,6 +302,37 @@ def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_
     assert ref[0] == shared[0]
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_paged_mtp_artifact_in_cuda_graphs_gives_the_plain_greedy_tokens(tmp_path):
+    """On the GPU: a paged artifact with --mtp 2 (verify, mtp and verify_mtp graphs on the block pool, captured
+    as CUDA graphs; a 12-block pool, so blocks grow and requests wait) gives, with k = 1 and 2 (drafts
+    teacher-forced so that some are accepted) and shared prefix blocks, the greedy tokens of k = 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "paged", target="h200", max_tokens=96, max_batch=3, mtp_k=2,
+                       dtype=torch.float32, kernels={"moe_experts": "reference"},
+                       paged=PagedConfig(block_size=8, max_blocks=12))
+    sess = Session.load(tmp_path / "paged", device="cuda", max_num_batched_tokens=8, paged=True)
+    assert sess.executors["verify_mtp"].mode in ("full", "graphs")
+    base, ps = prompts_sharing(sess.config.vocab_size, seed=3)
+    ps, n = [ps[0], ps[1], ps[2]], 18
+    sess.prefix.share = False
+    plain, _ = greedy(sess, ps, n)
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, plain))}
+    sess.prefix.share = True
+    greedy(sess, [base], 2)
+    for k in (1, 2):
+        got, acc = greedy(sess, ps, n, mtp=k, forced=truth)
+        assert got == plain and acc > 0, k
+    st = sess.prefix.stats()
+    assert st["hit_tokens"] > 0 and st["waits"] > 0 and st["blocks_in_use"] == 0, st
+
+
 def test_boundary_check_drive_compares_paged_caches_by_slot(models):
     """runtime/segments.py's boundary check drives the same prompts twice and compares the caches; with
     paged caches the second run gets other blocks, so it compares each slot's rows in order."""
