@@ -253,3 +253,7 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
         same = sum(p == q for p, q in zip(res[x]["tokens"], res[y]["tokens"]))
         summ[f"tokens_equal_{x}_vs_{y}"] = same
         print(f"tokens identical, {x} vs slot {y}: {same}/{len(ps)}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
