@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from dsv4c.artifact_safety import checked_bytes, inside, load_program
@@ -276,7 +277,7 @@ class Session:
         caches = self.caches if caches is None else caches
         if self.paged and kind != "mtp":  # every position the step writes has a block (the scheduler grew
             end = pos.numpy()[slots] + n_real  # them before the step; Session.logits grows here)
-            for i in (end > self.prefix.covered.numpy()[slots]).nonzero()[0]:
+            for i in ((end > self.prefix.covered.numpy()[slots]) & (np.asarray(n_real) > 0)).nonzero()[0]:
                 self.prefix.ensure(slots[i], int(end[i]))
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
@@ -611,6 +612,8 @@ class _Scheduler:
         if not self.active:
             return
         yield from self._make_room(1 + spec.k if spec is not None else 1)
+        if not self.active:  # the step in flight finished them all
+            return
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
         elif all(r.params.temperature == 0 and r.logprobs is None for r in self.active.values()):

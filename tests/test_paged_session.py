@@ -212,6 +212,18 @@ def test_when_no_block_can_be_had_requests_wait_or_are_preempted_and_get_exact_t
     assert [r.tokens for r in sess.generate(ps, max_new_tokens=20, temperature=0.0)] == ref
     st = sess.prefix.stats()
     assert st["waits"] > 0 and st["preemptions"] > 0 and st["blocks_in_use"] == 0, st
+    # the incremental API (the server's): a preempted request can be aborted while it waits; the others finish
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=6))
+    ids = [sess.add_request(p, max_new_tokens=20) for p in ps]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    while sess.has_unfinished():
+        for o in sess.step():
+            got[o.request_id] += o.tokens
+        victim = next((r for r in sess._live.waiting if r.preempted), None)
+        if victim is not None and victim.index == ids[1]:
+            assert sess.abort(victim.index) and not sess.abort(victim.index)
+    assert got[ids[0]] == ref[0] and got[ids[2]] == ref[2] and got[ids[1]] == ref[1][: len(got[ids[1]])]
+    assert len(got[ids[1]]) < 20 and sess.prefix.stats()["blocks_in_use"] == 0
     assert st["hit_tokens"] >= 8  # the preempted request's prompt block was shared on resuming
 
 
