@@ -224,6 +224,15 @@ class BlockPool:
         self._set_row(slot, push)
         return True
 
+    def grow_all(self, slots: list[int], ends: list[int]) -> bool:
+        """`grow` each of `slots` (in this order) to its end, then one `flush`. True when all could grow."""
+        cover = self.covered.numpy()
+        if all(e <= cover[s] for s, e in zip(slots, ends)):  # the common step: no block end crossed
+            return True
+        ok = all([self.grow(s, e, push=False) for s, e in zip(slots, ends)])
+        self.flush()
+        return ok
+
     def flush(self) -> None:
         """Copy the table rows `grow(push=False)` changed to the device (one copy; it waits for the steps
         queued before it, so a row is never rewritten under a step that reads it)."""

@@ -668,11 +668,9 @@ class _Scheduler:
         sess = self.sess
         if not sess.paged:
             return True
-        ok = True
-        for s in sorted(slots, key=lambda s: self.active[s].order):
-            ok &= sess.prefix.grow(s, int(sess.pos[s]) + tokens, push=False)
-        sess.prefix.flush()
-        return ok
+        slots = sorted(slots, key=lambda s: self.active[s].order)
+        pos = sess.pos.numpy()
+        return sess.prefix.grow_all(slots, [int(pos[s]) + tokens for s in slots])
 
     def _make_room(self, tokens: int) -> Iterator[tuple[int, int]]:
         """Every running request holds the blocks of the positions the next step writes (`tokens` each):

@@ -589,10 +589,8 @@ class _Pipeline:
         sess, k = self.sess, self.spec.k
         if not sess.paged:
             return True
-        ok = all([sess.prefix.grow(s, n + (ahead + 1) * (k + 1), push=False)
-                  for s, n, q in zip(self.slots, self.n, self.seqs) if q.req.finish is None])
-        sess.prefix.flush()
-        return ok
+        rows = [(s, n + (ahead + 1) * (k + 1)) for s, n, q in zip(self.slots, self.n, self.seqs) if q.req.finish is None]
+        return sess.prefix.grow_all([s for s, _ in rows], [e for _, e in rows])
 
     def run(self) -> Iterator[tuple[int, int]]:
         reqs = [q.req for q in self.seqs]
