@@ -118,6 +118,7 @@ class BlockPool:
         self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
         self.peak = 0  # most blocks held by sequences at once
         self.dirty = False  # table rows changed on the host only (grow(push=False)); flush() sends them
+        self.version = 0  # bumped at every table change (a sharded run's leader sends the table when it moved)
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0, "preemptions": 0}
 
@@ -258,6 +259,7 @@ class BlockPool:
         row.fill_(self.n_blocks)
         blocks = self.seqs[slot].blocks if slot in self.seqs else []
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        self.version += 1
         if push:
             self.table_dev[slot].copy_(row)
         else:

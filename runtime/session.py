@@ -206,6 +206,9 @@ class Session:
         sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
         if rank is not None:  # a sharded artifact: rank 0 schedules and mirrors, the others replay
             sess.rank, sess.mirror = rank, (Leader(sess) if rank == 0 else None)
+            if sess.paged:  # rank 0 decides the blocks (mirrored); the boundary rows it restores are its own
+                sess.prefix.share = False
+                sess.cache_info["paged"]["prefix_sharing"] = "off: sharded (boundary state not mirrored yet)"
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
         return sess
