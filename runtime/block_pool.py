@@ -32,6 +32,10 @@ group of a block before P closed before P), and matched blocks past its resume p
 (it gets private blocks for them). Unreferenced registered blocks stay cached and are evicted least
 recently used, the deepest of a chain first, when a request needs blocks.
 
+**Sharded (tp/ep).** Each rank has its own pool; this (rank 0's) pool decides the blocks and the leader sends
+the table to the other ranks when it changed (`version`; runtime/distributed.py). Prefix sharing is off on a
+sharded run: the boundary rows restored at a resume would be rank 0's only.
+
 **MTP.** A draft/verify round writes positions n..n+k: the scheduler grows the blocks to cover them before
 the round is queued (pipelined rounds queue the next round only when its blocks can be had without
 preempting). Rollback only moves the position: blocks past the kept length stay with the sequence and the
