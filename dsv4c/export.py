@@ -11,9 +11,9 @@ Four graph kinds, all traced from the models' traceable `step` bodies:
 Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
 flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
 update in place (paged graphs, `GraphSpec.paged`: the growing ones are pools of blocks and the main caches
-end with the one `"block_table"`; the MTP block's caches stay per slot); the mtp graph takes the streams/hidden state first. Positions and slots are device
-tensors, so the graphs carry no data-dependent guards. Tracing works on the `meta` device: a
-full-size config exports without weights.
+end with the one `"block_table"`; the MTP block's caches stay per slot); the mtp graph takes the
+streams/hidden state first. Positions and slots are device tensors, so the graphs carry no
+data-dependent guards. Tracing works on the `meta` device: a full-size config exports without weights.
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ class PagedCacheError(ValueError):
 class PagedConfig:
     """Paged caches at compile time: block_size (default: the prefix cache's, the smallest multiple of every
     compression ratio >= 16) and max_blocks, the pool (default: max_batch × ⌈max_tokens / b⌉, the slot
-    caches' capacity; fewer blocks = less memory, requests then wait for blocks)."""
+    caches' capacity; fewer blocks = less memory: blocks are taken as tokens grow, and requests wait or are
+    preempted when none is left)."""
     block_size: int | None = None
     max_blocks: int | None = None
 

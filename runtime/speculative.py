@@ -589,7 +589,8 @@ class _Pipeline:
         sess, k = self.sess, self.spec.k
         if not sess.paged:
             return True
-        rows = [(s, n + (ahead + 1) * (k + 1)) for s, n, q in zip(self.slots, self.n, self.seqs) if q.req.finish is None]
+        rows = [(s, n + (ahead + 1) * (k + 1)) for s, n, q in zip(self.slots, self.n, self.seqs)
+                if q.req.finish is None]
         return sess.prefix.grow_all([s for s, _ in rows], [e for _, e in rows])
 
     def run(self) -> Iterator[tuple[int, int]]:
