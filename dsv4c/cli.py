@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --paged: positions per block (default: a multiple of every compression ratio, >= 16)")
     s.add_argument("--pool-blocks", type=int, default=None, metavar="N",
                    help="with --paged: blocks in the pool (default: max_batch x max_tokens / B, the slot caches' "
-                        "capacity; fewer use less memory and requests wait for blocks)")
+                        "capacity; fewer use less memory: blocks are taken as tokens grow, and requests wait or "
+                        "are preempted when none is left)")
     s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("inspect", help="print an artifact's manifest readably")

@@ -111,8 +111,6 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant.
     `paged`: a `dsv4c.runtime.block_pool.PagedConfig`: the caches that grow with the sequence in blocks of
     a shared pool, read through a block table (the manifest's "paged" entry; runtime/block_pool.py)."""
-    if paged is not None and ((plan is not None and not plan.is_single) or mtp_k):
-        raise ArtifactError("paged caches: not implemented with --tp/--ep or --mtp yet (compile without paged)")
     if plan is not None and not plan.is_single:
         if deterministic:
             raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")
@@ -122,7 +120,7 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
         return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
                                max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
                                progress=progress, expert_format=expert_format, fused_mtp=fused_mtp,
-                               convert_device=convert_device)
+                               convert_device=convert_device, paged=paged)
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -500,7 +498,7 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
                     skip: tuple[str, ...] = (), max_tokens: int = 4096, max_batch: int = 8,
                     buckets: tuple[int, ...] | None = None, mtp_k: int = 0, dtype: torch.dtype | None = None,
                     force: bool = False, progress: bool = False, expert_format: str | None = None,
-                    fused_mtp: bool = True, convert_device: str | None = None) -> dict:
+                    fused_mtp: bool = True, convert_device: str | None = None, paged=None) -> dict:
     """A sharded artifact: every graph exported once on `meta`, then per rank the shard pass
     (passes/shard.py) and the default pipeline; each rank's weights streamed from the checkpoint one
     tensor at a time and sliced by the shard pass's recipes.
@@ -514,7 +512,8 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     (`convert.shard_inter`): a rank holds the single-GPU artifact's bytes of its slice. A tp that cuts
     a block raises naming the limit (`convert.check_inter_split`); nvfp4_w4a4 (static per-layer
     activation scales) is not sharded yet. V3/V3.2: absorb_mla takes the rank's head count from its
-    kv_b_proj rows, so the absorbed W_UK/W_UV are the rank's heads too."""
+    kv_b_proj rows, so the absorbed W_UK/W_UV are the rank's heads too. `paged` (a PagedConfig): every rank's
+    graphs read its own pool through the one block table that rank 0 decides (runtime/distributed.py)."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -530,8 +529,9 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     check_output(out, force)
     tmp = _staging(out)  # written beside `out`, renamed into place once complete (as compile_checkpoint)
     try:
+        layout = paged.layout(cfg, max_tokens, max_batch) if paged is not None else None
         manifest = _compile_sharded_into(tmp, ckpt, model, cfg, plan, tgt, target, skip, max_tokens, max_batch,
-                                         buckets, mtp_k, dtype, fused_mtp, progress, t0, convert_device)
+                                         buckets, mtp_k, dtype, fused_mtp, progress, t0, convert_device, layout)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -541,7 +541,8 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
 
 def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: "ParallelPlan", tgt, target: str,
                           skip, max_tokens: int, max_batch: int, buckets, mtp_k: int, dtype: torch.dtype,
-                          fused_mtp: bool, progress: bool, t0: float, convert_device: str | None = None) -> dict:
+                          fused_mtp: bool, progress: bool, t0: float, convert_device: str | None = None,
+                          paged=None) -> dict:
     """compile_sharded's work, written into the staging folder `out`."""
     from dsv4c.passes import default_pipeline
     from dsv4c.passes.shard import shard_pass
@@ -552,7 +553,7 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
     exported = []
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
-                         extra_ring_slots=mtp_k if cfg.is_v4 else 0)
+                         extra_ring_slots=mtp_k if cfg.is_v4 else 0, paged=paged)
         exported.append((name, kind, k, spec, export_graph(model, spec)))
     ranks = []
     for r in range(plan.world_size):
@@ -597,6 +598,8 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
         "compile_seconds": round(time.perf_counter() - t0, 2),
         "boundary_check": {"ok": None, "skipped": "sharded artifact: the padding check needs every rank running"},
     }
+    if paged is not None:
+        manifest["paged"] = {"block_size": paged.block_size, "n_blocks": paged.n_blocks}
     manifest["files"] = _file_table(out)
     _write_manifest(out, manifest)
     return manifest

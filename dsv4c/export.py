@@ -10,10 +10,10 @@ Four graph kinds, all traced from the models' traceable `step` bodies:
 
 Every graph takes `(input_ids [B, T], slots [B], pos0 [B], n_real [B], caches)` where `caches` is a
 flat dict `"{layer}.{name}" -> tensor` of static buffers (`[n_slots, ...]`) that the custom ops
-update in place (paged graphs, `GraphSpec.paged`: the growing ones are pools of blocks and the dict ends
-with the one `"block_table"`); the mtp graph takes the streams/hidden state first. Positions and slots are device
-tensors, so the graphs carry no data-dependent guards. Tracing works on the `meta` device: a
-full-size config exports without weights.
+update in place (paged graphs, `GraphSpec.paged`: the growing ones are pools of blocks and the main caches
+end with the one `"block_table"`; the MTP block's caches stay per slot); the mtp graph takes the
+streams/hidden state first. Positions and slots are device tensors, so the graphs carry no
+data-dependent guards. Tracing works on the `meta` device: a full-size config exports without weights.
 """
 from __future__ import annotations
 
@@ -134,12 +134,11 @@ def example_inputs(model: nn.Module, spec: GraphSpec, device) -> tuple:
     B = 2
     T = spec.tokens or 3
     extra = {"extra_ring_slots": spec.extra_ring_slots} if spec.extra_ring_slots else {}
-    if spec.paged is not None:
-        if spec.kind in ("mtp", "verify_mtp"):
-            raise ValueError(f"GraphSpec.paged: the {spec.kind} graph has no paged form yet (paged caches with MTP)")
-        extra["paged"] = spec.paged
-    cache = (model.new_mtp_cache if spec.kind == "mtp" else model.new_cache)(spec.n_slots, max_len=spec.max_len,
-                                                                             **extra)
+    paged = {"paged": spec.paged} if spec.paged is not None else {}  # the MTP block's own caches stay per slot
+    if spec.kind == "mtp":
+        cache = model.new_mtp_cache(spec.n_slots, max_len=spec.max_len, **extra)
+    else:
+        cache = model.new_cache(spec.n_slots, max_len=spec.max_len, **extra, **paged)
     caches = {k: v.to(device) for k, v in flat_caches(cache.layers).items()}
     if spec.kind == "verify_mtp":
         mcache = model.new_mtp_cache(spec.n_slots, max_len=spec.max_len, **extra)

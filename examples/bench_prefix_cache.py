@@ -13,9 +13,12 @@ Stages (each timed; the JSON is rewritten after every stage):
              the others resume at the system prompt's last block and prefill U tokens;
        warm  the same requests again: every request resumes from cached blocks.
 With --paged, a second artifact compiled with `--paged` (the growing caches in blocks of a shared pool,
-runtime/block_pool.py; CUDA graphs capture the paged graphs) runs the same three runs after the first
-Session is freed: `paged_off` (no prefix sharing), `paged_on`, `paged_warm` (prompts share the system
-prompt's blocks without copies); the summary compares its tokens and decode speed with the slot caches'.
+runtime/block_pool.py: blocks grown as requests decode; CUDA graphs capture the paged graphs) runs after the
+first Session is freed: `paged_on`, `paged_warm` (prompts share the system prompt's blocks without copies)
+and, with --paged-off, `paged_off` (no sharing: ~45 s more on the H200). The summary compares its decode
+speed with the slot caches' (same prefix-cache state: paged_on vs on, paged_warm vs warm; issue 27: within
+3 %), its TTFT with the slot caches' without prefix caching, and its greedy tokens with the slot runs'
+(printed as "tokens identical" lines), and records the pool's peak blocks in use.
 
     python examples/bench_prefix_cache.py --paged --work /tmp/dsv4c_pc --out $OUT/prefix_cache_paged.json
 
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, cpu target, 4 x (64 + 8) (a smoke run)")
     ap.add_argument("--paged", action="store_true", help="also compile and run paged caches (module docstring)")
     ap.add_argument("--pool-blocks", type=int, default=None, help="--paged: pool blocks (default: the slot capacity)")
+    ap.add_argument("--paged-off", action="store_true", help="--paged: also the paged run without prefix sharing")
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.target, a.requests, a.system, a.suffix, a.new = "v4-tiny-a", "cpu", 4, 64, 8, 4
@@ -222,22 +226,33 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     sess.prefix.share = False
     sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph capture
     stage("load_and_warmup_paged", t0)
-    for name, share in (("paged_off", False), ("paged_on", True), ("paged_warm", True)):
+    runs = (("paged_off", False),) * a.paged_off + (("paged_on", True), ("paged_warm", True))
+    for name, share in runs:
         t0 = time.perf_counter()
         res[name] = run_paged(sess, ps, a.new, dev, share)
         r = res[name]
         print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
               f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
         stage(name, t0)
-    off = res["off"]
-    res["summary"].update({
-        "paged_decode_vs_slot_off": res["paged_off"]["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+    off, summ = res["off"], res["summary"]
+    summ.update({
         "paged_on_decode_vs_slot_on": res["paged_on"]["decode_tokens_per_s"] / res["on"]["decode_tokens_per_s"],
-        "paged_on_ttft_speedup_vs_paged_off": res["paged_off"]["ttft_submit_ms_mean"]
-        / res["paged_on"]["ttft_submit_ms_mean"],
-        "paged_tokens_equal_slot_off": sum(x == y for x, y in zip(off["tokens"], res["paged_off"]["tokens"])),
-        "paged_on_tokens_equal_slot_on": sum(x == y for x, y in zip(res["on"]["tokens"], res["paged_on"]["tokens"])),
+        "paged_warm_decode_vs_slot_warm": res["paged_warm"]["decode_tokens_per_s"] / res["warm"]["decode_tokens_per_s"],
+        "paged_on_ttft_speedup_vs_slot_off": off["ttft_submit_ms_mean"] / res["paged_on"]["ttft_submit_ms_mean"],
+        "paged_warm_ttft_speedup_vs_slot_off": off["ttft_submit_ms_mean"] / res["paged_warm"]["ttft_submit_ms_mean"],
+        "paged_peak_blocks_in_use": sess.prefix.stats()["peak_blocks_in_use"],
+        "paged_pool_blocks": sess.prefix.n_blocks,
         "paged_cache_bytes_vs_slot": res["paged_cache_bytes"] / res["slot_cache_bytes"]})
+    checks = [("paged_on", "off"), ("paged_on", "on"), ("paged_warm", "off")]
+    if a.paged_off:
+        summ["paged_off_decode_vs_slot_off"] = res["paged_off"]["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+        summ["paged_off_ttft_speedup_vs_paged_on"] = (res["paged_off"]["ttft_submit_ms_mean"]
+                                                      / res["paged_on"]["ttft_submit_ms_mean"])
+        checks.insert(0, ("paged_off", "off"))
+    for x, y in checks:
+        same = sum(p == q for p, q in zip(res[x]["tokens"], res[y]["tokens"]))
+        summ[f"tokens_equal_{x}_vs_{y}"] = same
+        print(f"tokens identical, {x} vs slot {y}: {same}/{len(ps)}", flush=True)
 
 
 if __name__ == "__main__":

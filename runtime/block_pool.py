@@ -7,11 +7,18 @@ compressed entries and the CSA indexer's keys; V3/V3.2: latent, kpe, indexer key
 entries point at it). The window ring and the compressors' open-group rows stay per slot. So the memory
 of the growing caches is N blocks, not max_batch × max_tokens positions.
 
-**Allocation.** A request gets, at admission, the blocks of every position it can reach (prompt +
-max_new_tokens), so decoding never runs out of blocks halfway; a request whose blocks cannot be had
-waits for running requests to finish, and one that needs more blocks than the pool holds is refused
-before any work (`PagedCacheError` naming the limit). The table row of a finished request points at
-scratch again and its blocks go back to the pool.
+**Allocation (grown, not reserved).** A request takes, at admission, the blocks its prompt needs; the
+scheduler (runtime/session.py `_Scheduler`) gives it one more block each time a step is about to write
+past its last block (`grow`: a free block, else the least recently used unreferenced cached block,
+evicted). A request whose prompt blocks cannot be had waits for running requests to finish. When a
+decode step (or MTP round) needs a block and none can be had, the scheduler preempts the most recently
+admitted running request: its blocks go back (its registered prompt blocks stay cached), it returns to
+the head of the waiting queue with the tokens it generated, and no request is admitted until a running
+one finishes; it then resumes by prefilling prompt + generated tokens (sharing its cached blocks again)
+and goes on from its last token. A request that needs more blocks than the whole pool (prompt +
+max_new_tokens) is refused before any work (`PagedCacheError` naming the limit), so the oldest running
+request can always grow. The block table keeps its fixed shape (unused entries point at scratch), so the
+graphs stay capturable. The table row of a finished request points at scratch again.
 
 **Prefix sharing (copy-free).** As in runtime/prefix_cache.py, a prompt's full blocks are keyed by the
 hash chain of their token ids; once prefilled, a block is registered under its key. A later prompt that
@@ -25,7 +32,17 @@ group of a block before P closed before P), and matched blocks past its resume p
 (it gets private blocks for them). Unreferenced registered blocks stay cached and are evicted least
 recently used, the deepest of a chain first, when a request needs blocks.
 
-MTP (speculative decoding) with paged caches is not implemented: the Session refuses it.
+**Sharded (tp/ep).** Each rank has its own pool; this (rank 0's) pool decides the blocks and the leader sends
+the table to the other ranks when it changed (`version`; runtime/distributed.py). Prefix sharing is off on a
+sharded run: the boundary rows restored at a resume would be rank 0's only.
+
+**MTP.** A draft/verify round writes positions n..n+k: the scheduler grows the blocks to cover them before
+the round is queued (pipelined rounds queue the next round only when its blocks can be had without
+preempting). Rollback only moves the position: blocks past the kept length stay with the sequence and the
+next round rewrites their rows (they go back when it finishes). Every write is at a position >= n, past
+the resume point, so shared prefix blocks are never written. The MTP block's own caches (V4: its window
+ring; V3: its latent) stay per slot. With MTP a V4 request resumes at least W tokens before its prompt's
+end (the first draft needs their streams, as runtime/prefix_cache.py); V3 with MTP shares nothing.
 
 Legend: b block size (positions), N pool blocks, W window, P a block end (position).
 """
@@ -47,7 +64,8 @@ class PagedCacheError(ValueError):
 class PagedConfig:
     """Paged caches at compile time: block_size (default: the prefix cache's, the smallest multiple of every
     compression ratio >= 16) and max_blocks, the pool (default: max_batch × ⌈max_tokens / b⌉, the slot
-    caches' capacity; fewer blocks = less memory, requests then wait for blocks)."""
+    caches' capacity; fewer blocks = less memory: blocks are taken as tokens grow, and requests wait or are
+    preempted when none is left)."""
     block_size: int | None = None
     max_blocks: int | None = None
 
@@ -78,6 +96,7 @@ class _Seq:
     keys: list[bytes]  # hash-chain keys of its prompt's full blocks
     shared: int  # leading blocks taken from the cache (registered by another request)
     matched: int  # leading prompt blocks found in the cache at admission
+    limit: int  # positions the sequence can ever write (prompt + max_new_tokens): growth stops there
 
 
 class BlockPool:
@@ -102,8 +121,11 @@ class BlockPool:
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
         self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
+        self.peak = 0  # most blocks held by sequences at once
+        self.dirty = False  # table rows changed on the host only (grow(push=False)); flush() sends them
+        self.version = 0  # bumped at every table change (a sharded run's leader sends the table when it moved)
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
-                         "waits": 0}
+                         "waits": 0, "preemptions": 0}
 
     def keys(self, ids: list[int]) -> list[bytes]:
         """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
@@ -124,13 +146,13 @@ class BlockPool:
                                   f"{max_new} needs {need} blocks of {self.block_size} tokens, the pool holds "
                                   f"{self.n_blocks} (PagedConfig.max_blocks); compile with more blocks")
 
-    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None) -> bool:
-        """Give `slot` the blocks of positions [0, tokens) (default len(ids) + 1): the cached blocks of ids'
-        prefix up to the resume point, fresh ones after; restore the slot's boundary state there and set
-        pos[slot]. False: the blocks are held by running requests (wait for one to finish)."""
-        if mtp:
-            raise PagedCacheError("paged caches with MTP speculative decoding are not implemented; use mtp=0")
-        tokens = tokens if tokens is not None else len(ids) + 1
+    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None,
+              limit: int | None = None) -> bool:
+        """Give `slot` the blocks of positions [0, tokens) (default len(ids): the prompt's): the cached blocks
+        of ids' prefix up to the resume point, fresh ones after; restore the slot's boundary state there and
+        set pos[slot]. `limit`: positions it can ever write (growth stops there; default max_tokens). False:
+        the blocks are held by running requests (wait for one to finish)."""
+        tokens = tokens if tokens is not None else len(ids)
         self.release(slot)
         keys = self.keys(ids) if self.share else []
         j = 0
@@ -142,13 +164,13 @@ class BlockPool:
                 self.lru.pop(blk, None)
                 self._forget(blk)
                 self.free.append(blk)
-        r = self._resume(keys[:j], len(ids))
+        r = self._resume(keys[:j], len(ids), mtp)
         shared = [self.by_key[k] for k in keys[:r]]
-        need = self.blocks_for(tokens) - r
+        need = max(self.blocks_for(tokens) - r, 0)
         avail = len(self.free) + sum(1 for blk in self.lru if blk not in shared)
         if need > avail:
             if not self.seqs:
-                self.check(ids, tokens - len(ids))
+                self.check(ids, max(tokens - len(ids), 0))
                 raise PagedCacheError(f"paged cache: {need} free blocks needed, {avail} can be had")
             self.counters["waits"] += 1
             return False
@@ -156,7 +178,7 @@ class BlockPool:
             self.refs[blk] += 1
             self.lru.pop(blk, None)
         blocks = shared + [self._take() for _ in range(need)]
-        self.seqs[slot] = _Seq(blocks, keys, r, j)
+        self.seqs[slot] = _Seq(blocks, keys, r, j, limit if limit is not None else self.max_tokens)
         self._set_row(slot)
         if r:
             self._restore(shared[-1], slot, r * self.block_size)
@@ -166,10 +188,14 @@ class BlockPool:
         self.counters["hit_tokens"] += r * self.block_size
         return True
 
-    def _resume(self, matched: list[bytes], n: int) -> int:
-        """How many matched blocks to share: leaving >= 1 token to prefill, ending at a block with boundary
-        state (V4; V3 has none and resumes at any block)."""
-        r = min(len(matched), (n - 1) // self.block_size)
+    def _resume(self, matched: list[bytes], n: int, mtp: bool = False) -> int:
+        """How many matched blocks to share: leaving >= 1 token to prefill (>= W with V4 MTP: the first draft
+        needs the last W streams; none shared with V3 MTP, whose MTP cache needs every position's stream),
+        ending at a block with boundary state (V4; V3 has none and resumes at any block)."""
+        if mtp and not self.config.is_v4:
+            return 0
+        keep = self.window if mtp else 1
+        r = min(len(matched), max(n - keep, 0) // self.block_size)
         while r and self.boundary_fields and self.by_key[matched[r - 1]] not in self.boundary:
             r -= 1
         return r
@@ -188,27 +214,63 @@ class BlockPool:
             del self.by_key[key]
         self.boundary.pop(blk, None)
 
-    def ensure(self, slot: int, end: int) -> None:
-        """`slot` holds blocks for positions [0, end): take more if not (Session.logits, which admits
-        nothing; an admitted request already holds all it can reach)."""
-        seq = self.seqs.setdefault(slot, _Seq([], [], 0, 0))
-        need = self.blocks_for(end) - len(seq.blocks)
+    def grow(self, slot: int, end: int, push: bool = True) -> bool:
+        """Blocks for positions [0, min(end, the sequence's limit)) of `slot`: free ones, else evicted least
+        recently used cached ones. All or none: False when they cannot be had (the scheduler preempts).
+        `push=False`: the device's table is updated by the next `flush` (one copy for a step's growth)."""
+        seq = self.seqs.get(slot)
+        if seq is None:
+            seq = self.seqs[slot] = _Seq([], [], 0, 0, self.max_tokens)
+        need = self.blocks_for(min(end, seq.limit)) - len(seq.blocks)
         if need <= 0:
-            return
+            return True
         if need > len(self.free) + len(self.lru):
-            raise PagedCacheError(f"paged cache: position {end} of slot {slot} needs {need} more blocks of "
-                                  f"{self.block_size} tokens, {len(self.free) + len(self.lru)} can be had of "
-                                  f"{self.n_blocks} (PagedConfig.max_blocks)")
+            return False
         seq.blocks += [self._take() for _ in range(need)]
-        self._set_row(slot)
+        self._set_row(slot, push)
+        return True
 
-    def _set_row(self, slot: int) -> None:
+    def grow_all(self, slots: list[int], ends: list[int]) -> bool:
+        """`grow` each of `slots` (in this order) to its end, then one `flush`. True when all could grow."""
+        cover = self.covered.numpy()
+        if all(e <= cover[s] for s, e in zip(slots, ends)):  # the common step: no block end crossed
+            return True
+        ok = all([self.grow(s, e, push=False) for s, e in zip(slots, ends)])
+        self.flush()
+        return ok
+
+    def flush(self) -> None:
+        """Copy the table rows `grow(push=False)` changed to the device (one copy; it waits for the steps
+        queued before it, so a row is never rewritten under a step that reads it)."""
+        if self.dirty:
+            self.table_dev.copy_(self.table)
+            self.dirty = False
+
+    def ensure(self, slot: int, end: int) -> None:
+        """`grow`, or PagedCacheError naming the limit (Session._run: a step about to write past the blocks
+        its sequence holds; Session.logits, which admits nothing, grows this way)."""
+        if not self.grow(slot, end):
+            have = len(self.free) + len(self.lru)
+            raise PagedCacheError(f"paged cache: position {end} of slot {slot} needs more blocks of "
+                                  f"{self.block_size} tokens than the {have} that can be had of {self.n_blocks} "
+                                  f"(PagedConfig.max_blocks)")
+
+    def holds(self, slot: int) -> int:
+        """Positions the blocks of `slot` cover."""
+        return int(self.covered[slot])
+
+    def _set_row(self, slot: int, push: bool = True) -> None:
         row = self.table[slot]
         row.fill_(self.n_blocks)
         blocks = self.seqs[slot].blocks if slot in self.seqs else []
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        self.table_dev[slot].copy_(row)
+        self.version += 1
+        if push:
+            self.table_dev[slot].copy_(row)
+        else:
+            self.dirty = True
         self.covered[slot] = len(blocks) * self.block_size
+        self.peak = max(self.peak, self.n_blocks - len(self.free) - len(self.lru))
 
     def release(self, slot: int) -> None:
         """The request in `slot` finished: drop its references; its table row points at scratch again."""
@@ -274,6 +336,7 @@ class BlockPool:
         c = self.counters
         used = self.n_blocks - len(self.free) - len(self.lru)
         return {"block_size": self.block_size, "blocks_total": self.n_blocks, "blocks_in_use": used,
+                "peak_blocks_in_use": self.peak,
                 "blocks_cached": len(self.key_of), "blocks_free": len(self.free),
                 "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
 

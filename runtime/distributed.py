@@ -48,7 +48,11 @@ def init_groups(plan: ParallelPlan, rank: int) -> dict:
 # Rank 0's Session decides every step; before it runs a graph (or resets a cache slot) it broadcasts
 # the command and the step's inputs, and every other rank does the same on its own shards and caches.
 # Header (int64 [8]): cmd, graph index, B, T, cache set, hidden ndim, hidden dims 2 and 3.
-CMD_RUN, CMD_RESET, CMD_STOP = 1, 2, 3
+# Paged caches: every rank has its own pool, and rank 0's BlockPool decides the blocks; before a run whose
+# block table changed since the last one sent, rank 0 sends CMD_TABLE and the table [slots, blocks], so every
+# rank reads and writes the same blocks of its pool. A reset leaves the pools alone (their blocks follow the
+# table). Prefix sharing is off on a sharded run: the boundary rows it restores are rank 0's only.
+CMD_RUN, CMD_RESET, CMD_STOP, CMD_TABLE = 1, 2, 3, 4  # CMD_TABLE: rank 0's block table follows (paged)
 CACHE_SETS = ("main", "mtp", "fused")  # Session.caches, the MTP caches, verify_mtp's union of both
 _HEADER = 8
 
@@ -87,6 +91,7 @@ class Leader:
         self.sess, self.torch = sess, torch
         self.kinds = sorted(sess.manifest["graphs"])
         self.comm_device = sess.device
+        self.table_version = -1  # paged: the block table version the followers hold
 
     def _header(self, *vals: int) -> None:
         h = self.torch.zeros(_HEADER, dtype=self.torch.int64)
@@ -96,6 +101,11 @@ class Leader:
     def run(self, kind: str, ids, slots, pos0, n_real, hidden, caches: dict) -> None:
         from dsv4c.export import MTP_CACHE_PREFIX
 
+        pool = self.sess.prefix if self.sess.paged else None
+        if pool is not None and pool.version != self.table_version:  # blocks are decided here, once for all ranks
+            self._header(CMD_TABLE)
+            _bcast(pool.table, self.comm_device)
+            self.table_version = pool.version
         cset = 0 if caches is self.sess.caches else (2 if any(k.startswith(MTP_CACHE_PREFIX) for k in caches) else 1)
         B, T = ids.shape
         hs = tuple(hidden.shape[2:]) if hidden is not None else ()
@@ -126,6 +136,7 @@ def serve_follower(sess) -> int:
     import torch
 
     from dsv4c.export import verify_mtp_caches
+    from dsv4c.runtime.block_pool import paged_names
     from dsv4c.runtime.kv_cache import fill_value
 
     kinds = sorted(sess.manifest["graphs"])
@@ -139,6 +150,7 @@ def serve_follower(sess) -> int:
             sets[2] = verify_mtp_caches(sess.caches, sets[1])
         return sets[i]
 
+    pools = paged_names(sess.caches) if sess.paged else set()
     calls = 0
     while True:
         h = _bcast(torch.zeros(_HEADER, dtype=torch.int64), dev).tolist()
@@ -146,7 +158,12 @@ def serve_follower(sess) -> int:
             return calls
         if h[0] == CMD_RESET:
             for name, t in cache_set(h[1]).items():
-                t[h[2]].fill_(fill_value(name))
+                if h[1] == 1 or name not in pools:  # a slot's rows; the pools' blocks follow the table
+                    t[h[2]].fill_(fill_value(name))
+            continue
+        if h[0] == CMD_TABLE:
+            table = sess.caches["block_table"]
+            table.copy_(_bcast(torch.empty(table.shape, dtype=torch.int64), dev))
             continue
         if h[0] != CMD_RUN:
             raise RuntimeError(f"rank {dist.get_rank()}: unknown command {h[0]} from rank 0")

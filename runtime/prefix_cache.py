@@ -185,10 +185,12 @@ class PrefixCache:
                                    f"(or max_bytes) or pass prefix_cache=False")
 
     # ---- admission --------------------------------------------------------------------------------
-    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None) -> bool:
+    def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None,
+              limit: int | None = None) -> bool:
         """Take the cached blocks of ids' prefix and reserve rows for its other full blocks; restore the
         (reset) `slot` from the deepest resumable block and set pos[slot]. False: the rows are held by
-        running requests (wait for them)."""
+        running requests (wait for them). (`tokens`, `limit`: the paged BlockPool's; the slot holds every
+        position here.)"""
         keys = self.keys(ids)
         j = 0
         while j < len(keys) and keys[j] in self.table:

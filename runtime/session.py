@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from dsv4c.artifact_safety import checked_bytes, inside, load_program
@@ -68,8 +69,15 @@ class _Request:
     chunks: int = 0
     finish: str | None = None  # "stop" | "length" ("abort" | "error": the incremental API)
     spec: object = None  # speculative.SpecStats when generated with mtp != 0
+    preempted: int = 0  # times its blocks were taken back (paged caches): it resumes from ids + out[:-1]
+    order: int = 0  # admission order (the scheduler preempts the most recent)
     logprobs: int | None = None  # the incremental API: log-probability of each token and its top-n alternatives
     lps: list = field(default_factory=list)  # (logprob, [(token, logprob)] * n) per token when logprobs is set
+
+    def context(self) -> list[int]:
+        """The tokens its caches hold once (re)admitted: the prompt, and after a preemption the generated
+        tokens but the last (not fed yet)."""
+        return self.ids + self.out[:-1] if self.preempted else self.ids
 
 
 @dataclass
@@ -201,6 +209,9 @@ class Session:
         sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
         if rank is not None:  # a sharded artifact: rank 0 schedules and mirrors, the others replay
             sess.rank, sess.mirror = rank, (Leader(sess) if rank == 0 else None)
+            if sess.paged:  # rank 0 decides the blocks (mirrored); the boundary rows it restores are its own
+                sess.prefix.share = False
+                sess.cache_info["paged"]["prefix_sharing"] = "off: sharded (boundary state not mirrored yet)"
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
         return sess
@@ -270,9 +281,9 @@ class Session:
         `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real."""
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
-        if self.paged:  # every position the step writes has a block (admitted requests hold theirs already)
-            end = pos.numpy()[slots] + n_real
-            for i in (end > self.prefix.covered.numpy()[slots]).nonzero()[0]:
+        if self.paged and kind != "mtp":  # every position the step writes has a block (the scheduler grew
+            end = pos.numpy()[slots] + n_real  # them before the step; Session.logits grows here)
+            for i in ((end > self.prefix.covered.numpy()[slots]) & (np.asarray(n_real) > 0)).nonzero()[0]:
                 self.prefix.ensure(slots[i], int(end[i]))
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
@@ -319,7 +330,7 @@ class Session:
 
     def _prefill(self, req: _Request) -> torch.Tensor:
         """Prefill one prompt (past the prefix restored into its slot); returns the last position's logits [V]."""
-        chunks = self._prefill_chunks(req.ids[int(self.pos[req.slot]):], req.slot, last_row=True)
+        chunks = self._prefill_chunks(req.context()[int(self.pos[req.slot]):], req.slot, last_row=True)
         req.chunks += len(chunks)
         return chunks[-1][-1]
 
@@ -413,9 +424,6 @@ class Session:
         """(the Speculator or None, a per-request SpecStats factory or None) for `mtp` (see generate)."""
         if not mtp:
             return None, None
-        if self.paged:
-            raise PagedCacheError("paged caches with MTP speculative decoding are not implemented; use mtp=0 "
-                                  "(or an artifact compiled without paged caches)")
         from dsv4c.runtime.speculative import plan_speculation
 
         return plan_speculation(self, mtp, reqs)
@@ -464,7 +472,7 @@ class Session:
         the requests that got tokens or finished. A failure raises StepError naming the requests it ran."""
         live = self._live if self._live is not None else self._new_live()
         outs: dict[int, StepOutput] = {}
-        admitted = dict.fromkeys(r.index for r in live.waiting)
+        admitted = dict.fromkeys(r.index for r in live.waiting if not r.preempted)  # (a resumed one was reported)
         try:
             with torch.no_grad():
                 for i, tok in live.iterate():
@@ -572,7 +580,14 @@ class _Scheduler:
     ones (their slot holds one more cache row, which `_reset_slot` clears before the slot is reused). So
     a request admitted into a freed slot starts one step later than without the pipeline, and `stream()`
     yields the running requests' step-t+1 tokens before its first one; each request's own token order is
-    unchanged."""
+    unchanged.
+
+    Paged caches (runtime/block_pool.py): before each decode step / MTP round every running request gets
+    the blocks of the positions it writes (`_make_room`); a pipelined step is queued ahead only when its
+    blocks can be had without preempting. When they cannot be had, the most recently admitted request is
+    preempted (`_preempt`): back to the head of the waiting queue with its tokens, and nothing is admitted
+    until a running request finishes (no admit-preempt thrash); it resumes by prefilling ids + out[:-1]
+    (its first token is not sampled again)."""
 
     def __init__(self, sess: Session, spec=None, make_stats=None, pipelined_rounds: bool = False):
         self.sess, self.spec, self.make_stats = sess, spec, make_stats
@@ -585,28 +600,35 @@ class _Scheduler:
         self.on_decode = None  # called once before the first decode step or round (Session._serve)
         self.next_id = 0  # the incremental API's request ids
         self.by_id: dict[int, _Request] = {}  # its requests until finished and reported
+        self.admissions = 0
+        self.hold = False  # a request was preempted: admit nothing until a running one finishes
 
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
     def iterate(self) -> Iterator[tuple[int, int]]:
         sess, spec = self.sess, self.spec
-        if self.inflight is not None and ((self.waiting and self.free)
-                                          or any(r.finish is not None for r in self.active.values())):
+        admitting = self.waiting and self.free and not (self.hold and self.active)
+        if self.inflight is not None and (admitting or any(r.finish is not None for r in self.active.values())):
             yield from self._drain()  # the active set changes: read the step in flight first
         self._retire()
-        while self.waiting and self.free:  # admit: prefill into a free slot, sample the first token
-            r, t0 = self.waiting[0], time.perf_counter()
+        while self.waiting and self.free and not (self.hold and self.active):  # admit: prefill into a free
+            r, t0 = self.waiting[0], time.perf_counter()                        # slot, sample the first token
             sess._reset_slot(self.free[0])
-            if sess.prefix and not sess.prefix.admit(r.ids, self.free[0], sess.pos, spec is not None,
-                                                     tokens=len(r.ids) + r.max_new):
+            ctx = r.context()
+            if sess.prefix and not sess.prefix.admit(ctx, self.free[0], sess.pos, spec is not None,
+                                                     limit=len(r.ids) + r.max_new):
                 break  # its prompt's blocks are held by running requests: wait for one to finish
             self.waiting.popleft()
-            r.slot, r.t_start = self.free.pop(0), t0
+            self.hold, self.admissions = False, self.admissions + 1
+            r.slot, r.order = self.free.pop(0), self.admissions
+            r.t_start = r.t_start if r.preempted else t0
             self.active[r.slot] = r
             self.by_id[r.index] = r
-            yield from sess._emit(r, spec.prefill(r) if spec else sess._prefill(r))
-            if self.make_stats is not None:
+            logits = spec.prefill(r) if spec else sess._prefill(r)
+            if not r.preempted:  # a resumed request has its next token already
+                yield from sess._emit(r, logits)
+            if self.make_stats is not None and r.spec is None:
                 r.spec = self.make_stats()
             if spec is not None and r.finish is None:
                 spec.admit(r, r.spec)
@@ -617,6 +639,9 @@ class _Scheduler:
         if self.on_decode is not None:
             self.on_decode, hook = None, self.on_decode
             hook()
+        yield from self._make_room(1 + spec.k if spec is not None else 1)
+        if not self.active:  # the step in flight finished them all
+            return
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
         elif sess.host_steps or any(r.logprobs is not None for r in self.active.values()):
@@ -655,7 +680,7 @@ class _Scheduler:
         sampler = self._step_sampler(slots)
         cur = self.inflight or sess._decode_launch(torch.tensor([[active[s].out[-1]] for s in slots]), slots, sampler)
         self.inflight = None
-        more = any(len(active[s].out) + 1 < active[s].max_new for s in slots)
+        more = any(len(active[s].out) + 1 < active[s].max_new for s in slots) and self.grow(slots, 1)
         nxt = sess._decode_launch(cur.tokens, slots, sampler) if more else None
         done = False
         for s, tok in zip(slots, cur.read()):
@@ -680,14 +705,55 @@ class _Scheduler:
                 self.spec.release(s)
             del self.active[s]
             self.sess._free(s, self.free)
+            self.hold = False
+
+    # ---- paged caches: blocks grown as requests decode --------------------------------------------
+    def grow(self, slots: list[int], tokens: int) -> bool:
+        """Paged caches: blocks for the next `tokens` positions of each of `slots` (from its host position,
+        steps in flight included), oldest request first, without preempting. False: some could not grow."""
+        sess = self.sess
+        if not sess.paged:
+            return True
+        slots = sorted(slots, key=lambda s: self.active[s].order)
+        pos = sess.pos.numpy()
+        return sess.prefix.grow_all(slots, [int(pos[s]) + tokens for s in slots])
+
+    def _make_room(self, tokens: int) -> Iterator[tuple[int, int]]:
+        """Every running request holds the blocks of the positions the next step writes (`tokens` each):
+        read the step in flight, then preempt the most recently admitted request, until they can be had."""
+        while not self.grow(list(self.active), tokens):
+            if self.inflight is not None:  # its tokens may finish a request (and free blocks)
+                yield from self._drain()
+                self._retire()
+                continue
+            if len(self.active) == 1:  # cannot happen: check() refused requests larger than the pool
+                (r,) = self.active.values()
+                raise PagedCacheError(f"paged cache: request {r.index} alone cannot get blocks for position "
+                                      f"{int(self.sess.pos[r.slot]) + tokens} ({self.sess.prefix.n_blocks} blocks "
+                                      f"of {self.sess.prefix.block_size} tokens, PagedConfig.max_blocks)")
+            self._preempt(max(self.active.values(), key=lambda r: r.order))
+
+    def _preempt(self, r: _Request) -> None:
+        """Take r's blocks back (its registered prompt blocks stay cached); it waits at the head of the
+        queue and resumes from ids + out[:-1] once a running request finishes."""
+        if self.spec is not None:
+            self.spec.release(r.slot)
+        del self.active[r.slot]
+        self.sess._free(r.slot, self.free)
+        r.slot, r.preempted = -1, r.preempted + 1
+        self.waiting.appendleft(r)
+        self.hold = True
+        self.sess.prefix.counters["preemptions"] += 1
 
     def abort(self, request_id: int) -> bool:
         r = self.by_id.get(request_id)
-        if r is None:
+        if r is None or (r.preempted and any(w is r for w in self.waiting)):  # waiting (a preempted one: known by id)
             r = next((w for w in self.waiting if w.index == request_id), None)
             if r is None:
                 return False
             self.waiting.remove(r)
+            r.finish = "abort"
+            self.by_id.pop(request_id, None)
             return True
         if r.finish is not None:
             return False

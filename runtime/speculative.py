@@ -210,7 +210,7 @@ class Speculator:
     def prefill(self, r) -> torch.Tensor:
         """Prefill r's prompt into its slot (as Session._prefill), keeping the streams the MTP needs;
         returns the last position's logits [V]."""
-        rest = r.ids[int(self.sess.pos[r.slot]):]  # past the prefix the prefix cache restored
+        rest = r.context()[int(self.sess.pos[r.slot]):]  # past the prefix the prefix cache restored
         chunks = self.sess._prefill_chunks(rest, r.slot, outputs=True)
         r.chunks += len(chunks)
         hidden = torch.cat([c[1][0] for c in chunks])  # [T_prompt, (N,) D]
@@ -222,14 +222,15 @@ class Speculator:
         """Fill the MTP cache of r's slot over the prompt with true inputs (h_j, x_{j+1}) and keep the
         MTP output at the last prompt position: the draft of the first round. Call after the first
         token was sampled (it is x_{j+1} of the last prompt position)."""
-        s, n = r.slot, len(r.ids)
+        s, ctx = r.slot, r.context()  # the prompt (and, resumed after a preemption, the tokens but the last)
+        n = len(ctx)
         for name, t in self.mtp_caches.items():
             t[s].fill_(fill_value(name))
         if self.sess.mirror is not None:  # a sharded run: the followers reset theirs too
             self.sess.mirror.reset("mtp", s)
         hidden = self._prompt_hidden.pop(s)
         start = n - hidden.shape[0]
-        nxt = torch.tensor(r.ids[start + 1:] + [r.out[-1]])
+        nxt = torch.tensor(ctx[start + 1:] + [r.out[-1]])
         self.mtp_pos[s] = start
         T = 1 + self.K
         for i in range(0, hidden.shape[0], T):  # the mtp graph takes T = 1 + K rows: pad the last chunk
@@ -584,11 +585,21 @@ class _Pipeline:
         k = self.spec.k
         return all(n + ahead * (k + 1) + k < self.sess.max_tokens for n in self.n)
 
+    def grow(self, ahead: int) -> bool:
+        """Paged caches: blocks for a round queued `ahead` unread rounds after the last read one (it writes
+        positions < n + (ahead + 1)(k + 1)), without preempting (the scheduler grew them for ahead = 0)."""
+        sess, k = self.sess, self.spec.k
+        if not sess.paged:
+            return True
+        rows = [(s, n + (ahead + 1) * (k + 1)) for s, n, q in zip(self.slots, self.n, self.seqs)
+                if q.req.finish is None]
+        return sess.prefix.grow_all([s for s, _ in rows], [e for _, e in rows])
+
     def run(self) -> Iterator[tuple[int, int]]:
         reqs = [q.req for q in self.seqs]
         cur = self.launch(self.state)
         while True:
-            more = self.fits(1) and any(len(r.out) + 1 < r.max_new for r in reqs)
+            more = self.fits(1) and any(len(r.out) + 1 < r.max_new for r in reqs) and self.grow(1)
             nxt = self.launch(cur.state) if more else None
             done = yield from self.take(cur)
             if nxt is None or done:

@@ -265,3 +265,47 @@ def test_capture_safety_table_of_the_paged_ops():
                 syncs = host_sync_ops(reference_impl(impl), *[a.clone() if isinstance(a, torch.Tensor) else a
                                                               for a in args])
                 assert bool(syncs) == (OP_CAPTURE[impl] is not None), (impl, syncs[:3])
+
+
+@pytest.mark.long  # ~21 s of CPU, most of it the export
+def test_exported_paged_verify_mtp_graph_equals_the_slot_caches():
+    """Paged + MTP (issue 27 item 2): the exported verify_mtp graph (k = 2, lowered for the h200 target; CPU
+    forms) on paged main caches (the MTP block's ring stays per slot) gives the eager fused step's five
+    outputs on slot caches, over rounds that roll back (the next round starts 1 or 3 positions later and
+    rewrites the rejected rows)."""
+    from cut_presets import small
+    from dsv4c.export import VerifyMTPStepModule, verify_mtp_caches
+
+    model = randomize_(build_model(small("v4-tiny-a"), dtype=torch.float32), seed=7).eval()
+    n_slots, L, K = 3, 48, 2
+    lay = PagedLayout(8, 16)
+    gm = export_graph(model, GraphSpec("verify_mtp", k=K, n_slots=n_slots, max_len=L, extra_ring_slots=K,
+                                       paged=lay)).module()
+    gm = select_kernels(gm, PassContext(model.config, "h200", "verify_mtp")).graph
+    sc, pc = (model.new_cache(n_slots, max_len=L, extra_ring_slots=K, paged=p) for p in (None, lay))
+    smc, pmc = (model.new_mtp_cache(n_slots, max_len=L, extra_ring_slots=K) for _ in range(2))
+    slot_c = verify_mtp_caches(flat_caches(sc.layers), flat_caches(smc.layers))
+    paged_c = verify_mtp_caches(flat_caches(pc.layers), flat_caches(pmc.layers))
+    paged_c["block_table"][0], paged_c["block_table"][1] = torch.tensor([9, 3, 14, 0, 7, 11]), torch.tensor([2, 15, 5,
+                                                                                                              8, 1, 12])
+    eager = VerifyMTPStepModule(model, type(sc.layers[0]), len(sc.layers))
+    g = torch.Generator().manual_seed(8)
+    V = model.config.vocab_size
+    slots = torch.tensor([1, 0])
+    with torch.no_grad():
+        prompt = torch.randint(0, V, (2, 13), generator=g)
+        n_real = torch.tensor([13, 11])
+        for c in (sc, pc):
+            model(prompt, c, n_real=n_real, slots=slots)
+        pos = n_real.clone()
+        for adv in (1, 3, 1, 3, 3):  # accepted drafts + 1 of each round (rollback: the position moves)
+            ids = torch.randint(0, V, (2, 1 + K), generator=g)
+            nr = torch.full((2,), 1 + K)
+            want = eager(ids, slots, pos, nr, slot_c)
+            got = gm(ids, slots, pos, nr, paged_c)
+            for i, (w, x) in enumerate(zip(want, got)):
+                if w.is_floating_point():
+                    assert (w - x).abs().max() <= 1e-6 * w.abs().max(), (adv, i)
+                else:
+                    assert torch.equal(w, x), (adv, i)
+            pos += adv

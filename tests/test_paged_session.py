@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4c import ModelConfig
-from dsv4c.export import unflat_caches
+from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.block_pool import PagedCacheError, PagedConfig
@@ -22,23 +22,31 @@ from session_probe import serve
 
 
 def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = True, max_batch: int = 3,
-                  max_tokens: int = 96) -> Session:
-    """A Session whose graphs are the eager model's step; prefill chunks of `block` tokens."""
+                  max_tokens: int = 96, mtp_k: int = 0) -> Session:
+    """A Session whose graphs are the eager model's step functions (with `mtp_k`: verify, mtp and the fused
+    verify_mtp too); prefill chunks of `block` tokens."""
     cache = model.new_cache(1, max_len=1)
     cls, n_layers = type(cache.layers[0]), len(cache.layers)
 
     def main(ids, slots, pos0, n_real, caches, weights):
         return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
 
-    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": 0, "buckets": [],
+    def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
+        return model.mtp_step(hidden, ids, slots, pos0, n_real, unflat_caches(caches, cls, 1)[0])
+
+    kinds, graphs = {"prefill": None, "decode": 1}, {"prefill": main, "decode": main}
+    if mtp_k:
+        fused = VerifyMTPStepModule(model, cls, n_layers)
+        kinds.update(verify=1 + mtp_k, mtp=1 + mtp_k, verify_mtp=1 + mtp_k)
+        graphs.update(verify=main, mtp=mtp, verify_mtp=lambda *a: fused(*a[:-1]))
+    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": mtp_k, "buckets": [],
                 "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
                 "target": {"name": "cpu"},
-                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k}
-                           for k, t in {"prefill": None, "decode": 1}.items()}}
+                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
     if paged is not None:
         lay = paged.layout(model.config, max_tokens, max_batch)
         manifest["paged"] = {"block_size": lay.block_size, "n_blocks": lay.n_blocks}
-    sess = Session(Path("<eager>"), manifest, {"prefill": main, "decode": main}, {}, torch.device("cpu"), None,
+    sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None,
                    prefix_cache=prefix if paged is not None else False)
     sess.max_num_batched_tokens = block
     return sess
@@ -111,8 +119,8 @@ def test_shared_blocks_are_referenced_not_copied_and_never_written(models):
     rows = {}
     orig_admit = pool.admit
 
-    def admit(ids, slot, pos, mtp=False, tokens=None):
-        ok = orig_admit(ids, slot, pos, mtp, tokens)
+    def admit(ids, slot, pos, mtp=False, **kw):
+        ok = orig_admit(ids, slot, pos, mtp, **kw)
         rows[slot] = pool.table[slot].clone()
         return ok
 
@@ -152,8 +160,112 @@ def test_a_pool_too_small_for_one_request_is_refused_naming_the_limit(models):
     assert sess.prefix.stats()["requests"] == 0
     with pytest.raises(PagedCacheError, match="block_size=6: must be >= 1 and a multiple of every compression"):
         eager_session(models["v4-tiny-a"], 4, PagedConfig(block_size=6))
-    with pytest.raises(PagedCacheError, match="MTP"):
-        sess.generate([[5] * 3], max_new_tokens=2, mtp=1)
+
+
+def first_stop(tokens: list[int], logits: torch.Tensor, stop: set[int]):
+    """A generation cut where a stop token ends it: (tokens, logits rows)."""
+    n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:n], logits[:n]
+
+
+def test_blocks_grow_with_the_tokens_so_a_pool_smaller_than_the_reservations_serves_the_batch(models):
+    """A request takes its prompt's blocks at admission and one more each time decode crosses a block end: a
+    9-block pool (the slot caches: 36) serves three requests with max_new_tokens=40 at once (reserving
+    prompt + max_new would need 3 x 7 blocks), since they stop early; logits equal the slot caches'."""
+    model = models["v4-tiny-a"]
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (15, 14, 13)]
+    ref = serve(eager_session(model, 8, None), ps, max_new=8)
+    stop = {toks[6] for toks in ref[0]}  # each request stops by its 7th token
+    cut = [first_stop(t, lg, stop) for t, lg in zip(*ref)]
+    ref = [t for t, _ in cut], [lg for _, lg in cut]
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=9))
+    assert 3 * sess.prefix.blocks_for(13 + 40) > sess.prefix.n_blocks
+    grown = []
+    orig_grow = sess.prefix.grow
+
+    def grow(slot, end, **kw):
+        before = len(sess.prefix.seqs[slot].blocks) if slot in sess.prefix.seqs else 0
+        ok = orig_grow(slot, end, **kw)
+        grown.append(len(sess.prefix.seqs[slot].blocks) - before)
+        return ok
+
+    sess.prefix.grow = grow
+    got = serve(sess, ps, max_new=40, stop=sorted(stop))
+    assert_same(ref, got)
+    st = sess.prefix.stats()
+    assert st["waits"] == 0 and st["preemptions"] == 0 and st["requests"] == 3 and st["blocks_in_use"] == 0, st
+    assert st["peak_blocks_in_use"] == 9, st
+    assert sum(grown) >= 3 and max(grown) == 1  # blocks taken one at a time, as decode crossed block ends
+
+
+def test_when_no_block_can_be_had_requests_wait_or_are_preempted_and_get_exact_tokens(models):
+    """A 6-block pool: the third request waits for blocks (its prompt needs 3 while two run); when both
+    running requests cross a block end with no block left, the younger is preempted, waits until the older
+    finishes and resumes from prompt + its tokens (sharing its cached prompt block). Greedy tokens (the
+    pipelined decode) equal the slot caches'."""
+    model = models["v4-tiny-a"]
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 9, 20)]
+    ref = serve(eager_session(model, 8, None), ps, max_new=20, temperature=0.0)[0]
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=6))
+    assert [r.tokens for r in sess.generate(ps, max_new_tokens=20, temperature=0.0)] == ref
+    st = sess.prefix.stats()
+    assert st["waits"] > 0 and st["preemptions"] > 0 and st["blocks_in_use"] == 0, st
+    # the incremental API (the server's): a preempted request can be aborted while it waits; the others finish
+    sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=6))
+    ids = [sess.add_request(p, max_new_tokens=20) for p in ps]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    while sess.has_unfinished():
+        for o in sess.step():
+            got[o.request_id] += o.tokens
+        victim = next((r for r in sess._live.waiting if r.preempted), None)
+        if victim is not None and victim.index == ids[1]:
+            assert sess.abort(victim.index) and not sess.abort(victim.index)
+    assert got[ids[0]] == ref[0] and got[ids[2]] == ref[2] and got[ids[1]] == ref[1][: len(got[ids[1]])]
+    assert len(got[ids[1]]) < 20 and sess.prefix.stats()["blocks_in_use"] == 0
+    assert st["hit_tokens"] >= 8  # the preempted request's prompt block was shared on resuming
+
+
+def greedy(sess: Session, prompts, max_new: int, mtp: int = 0, forced: dict | None = None):
+    """generate()'s greedy tokens and the drafts MTP rounds accepted; `forced`: teacher-forced drafts of the
+    true continuation, kept with probability 0.7 (acceptance on a random model, runtime/speculative.py)."""
+    from dsv4c.runtime.speculative import ForcedDrafts, speculator
+
+    if mtp:
+        speculator(sess).forced = ForcedDrafts(forced, alpha=0.7) if forced else None
+    with torch.no_grad():
+        res = sess.generate(prompts, max_new_tokens=max_new, temperature=0.0, mtp=mtp)
+    return [r.tokens for r in res], sum(r.stats["accepted_draft_tokens"] for r in res)
+
+
+def test_paged_mtp_gives_the_tokens_of_plain_decoding_with_shared_prefixes_and_a_small_pool(models):
+    """Paged + MTP (k = 1, 2; pipelined verify_mtp rounds write 1 + k positions and roll back by moving the
+    position; drafts teacher-forced so that some are accepted): greedy tokens equal paged k = 0 and slot + MTP,
+    with the base's blocks shared (resuming >= W tokens before each prompt's end) and never written, and
+    under a 9-block pool (waits, blocks grown ahead of queued rounds, preemption)."""
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=3)
+    ps, n = [ps[0], ps[1], ps[2]], 18  # 19, 25 and 47 tokens sharing 13, 16 and 40 of the base
+    plain, _ = greedy(eager_session(model, 8, PagedConfig(block_size=8)), ps, n)
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, plain))}
+    slot, acc = greedy(eager_session(model, 8, None, mtp_k=2), ps, n, mtp=2, forced=truth)
+    assert slot == plain and acc > 0
+    sess = eager_session(model, 8, PagedConfig(block_size=8), mtp_k=2)
+    greedy(sess, [base], 2)
+    pool = sess.prefix
+    shared = [pool.by_key[k] for k in pool.keys(base)]
+    before = {k: t[shared].clone() for k, t in sess.caches.items() if k.endswith("entries")}
+    for k in (1, 2):
+        got, acc = greedy(sess, ps, n, mtp=k, forced=truth)
+        assert got == plain and acc > 0, k
+    st = pool.stats()
+    assert st["hit_tokens"] == 2 * (8 + 16 + 32), st  # each resume <= len - W (W = 8)
+    assert all(torch.equal(sess.caches[k][shared], t) for k, t in before.items())
+    small = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=9), mtp_k=2)
+    got, acc = greedy(small, ps, n, mtp=2, forced=truth)
+    st = small.prefix.stats()
+    assert got == plain and acc > 0 and st["waits"] > 0 and st["preemptions"] > 0 and st["blocks_in_use"] == 0, st
 
 
 def test_session_logits_on_paged_caches(models):
@@ -202,6 +314,37 @@ def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_
     assert ref[0] == shared[0]
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_paged_mtp_artifact_in_cuda_graphs_gives_the_plain_greedy_tokens(tmp_path):
+    """On the GPU: a paged artifact with --mtp 2 (verify, mtp and verify_mtp graphs on the block pool, captured
+    as CUDA graphs; a 12-block pool, so blocks grow and requests wait) gives, with k = 1 and 2 (drafts
+    teacher-forced so that some are accepted) and shared prefix blocks, the greedy tokens of k = 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "paged", target="h200", max_tokens=96, max_batch=3, mtp_k=2,
+                       dtype=torch.float32, kernels={"moe_experts": "reference"},
+                       paged=PagedConfig(block_size=8, max_blocks=12))
+    sess = Session.load(tmp_path / "paged", device="cuda", max_num_batched_tokens=8, paged=True)
+    assert sess.executors["verify_mtp"].mode in ("full", "graphs")
+    base, ps = prompts_sharing(sess.config.vocab_size, seed=3)
+    ps, n = [ps[0], ps[1], ps[2]], 18
+    sess.prefix.share = False
+    plain, _ = greedy(sess, ps, n)
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, plain))}
+    sess.prefix.share = True
+    greedy(sess, [base], 2)
+    for k in (1, 2):
+        got, acc = greedy(sess, ps, n, mtp=k, forced=truth)
+        assert got == plain and acc > 0, k
+    st = sess.prefix.stats()
+    assert st["hit_tokens"] > 0 and st["waits"] > 0 and st["blocks_in_use"] == 0, st
+
+
 def test_boundary_check_drive_compares_paged_caches_by_slot(models):
     """runtime/segments.py's boundary check drives the same prompts twice and compares the caches; with
     paged caches the second run gets other blocks, so it compares each slot's rows in order."""
@@ -222,3 +365,28 @@ def test_boundary_check_drive_compares_paged_caches_by_slot(models):
     for k in a[1]:
         assert torch.equal(a[1][k][:-1], b[1][k][:-1]), k
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+
+
+@pytest.mark.long  # two compiles and a gloo world of 2: ~2 min of CPU
+def test_sharded_paged_artifact_on_gloo_gives_the_single_process_paged_logits(tmp_path):
+    """Paged + tp (issue 27 item 3): compile --tp 2 --paged; each rank has its own pool, the block table is
+    decided by rank 0 and sent to the other rank when it changes (runtime/distributed.py CMD_TABLE). Prefill
+    and greedy decode on a gloo world of 2 give the single-process paged artifact's logits and tokens."""
+    from cut_presets import small
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.parallel import ParallelPlan
+    from tests.shard_cases import run_artifact, session_scenario
+
+    write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ckpt", seed=2, dtype=torch.float32)
+    kw = dict(target="cpu", max_tokens=32, max_batch=2, dtype=torch.float32, paged=PagedConfig(block_size=8,
+                                                                                                 max_blocks=5))
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "single", verify_boundaries=False, **kw)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "tp2", plan=ParallelPlan(2, 1), **kw)
+    ref = session_scenario(Session.load(tmp_path / "single"))
+    got = run_artifact(tmp_path / "tp2", 2, tmp_path)
+    for k in ref:
+        if k != "tokens":
+            err = ((got[k] - ref[k]).abs().max() / ref[k].abs().max()).item()
+            assert err <= 1e-5, f"{k}: rel err {err:.2e}"
+    assert torch.equal(got["tokens"], ref["tokens"])
