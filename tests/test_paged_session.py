@@ -173,11 +173,15 @@ def test_blocks_grow_with_the_tokens_so_a_pool_smaller_than_the_reservations_ser
     9-block pool (the slot caches: 36) serves three requests with max_new_tokens=40 at once (reserving
     prompt + max_new would need 3 x 7 blocks), since they stop early; logits equal the slot caches'."""
     model = models["v4-tiny-a"]
-    g = torch.Generator().manual_seed(11)
-    ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (15, 14, 13)]
-    ref = serve(eager_session(model, 8, None), ps, max_new=8)
-    stop = {toks[6] for toks in ref[0]}  # each request stops by its 7th token
-    cut = [first_stop(t, lg, stop) for t, lg in zip(*ref)]
+    for seed in range(11, 31):  # prompts whose 7th sampled tokens occur nowhere earlier: each request stops at its 7th
+        g = torch.Generator().manual_seed(seed)
+        ps = [torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (15, 14, 13)]
+        ref = serve(eager_session(model, 8, None), ps, max_new=8)
+        stop = {toks[6] for toks in ref[0]}
+        cut = [first_stop(t, lg, stop) for t, lg in zip(*ref)]
+        if all(len(t) == 7 for t, _ in cut):
+            break
+    assert all(len(t) == 7 for t, _ in cut), "no seed in 11..30 gives three requests that stop at their 7th token"
     ref = [t for t, _ in cut], [lg for _, lg in cut]
     sess = eager_session(model, 8, PagedConfig(block_size=8, max_blocks=9))
     assert 3 * sess.prefix.blocks_for(13 + 40) > sess.prefix.n_blocks
