@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from cut_presets import small
 
 from dsv4c.checkpoint import write_random_checkpoint
 from dsv4c.cli import main
@@ -105,8 +106,8 @@ def test_single_gpu_weights_equal_the_compiled_artifact(tmp_path):
     """Exact count: the planner's bytes for tp = ep = 1 are the artifact's weight bytes (V3 with FP8-block
     experts: 64-wide dims zero-padded to 128 as quantize_experts does, and absorb_mla's W_UK/W_UV beside the
     prefill graph's kv_b_proj). One compile, to stay cheap; V4 with MXFP4 experts and MTP was checked the
-    same way by hand."""
-    cfg = ModelConfig.preset("v3-tiny")
+    same way by hand. v3-tiny cut to one dense + one MoE layer (cut_presets.small): every tensor kind once."""
+    cfg = small("v3-tiny")
     write_random_checkpoint(cfg, tmp_path / "ck", seed=0)
     manifest = compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2,
                                   expert_format="fp8_block")

@@ -10,6 +10,7 @@ import copy
 import networkx as nx
 import pytest
 import torch
+from cut_presets import small
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4c import ModelConfig
@@ -20,6 +21,8 @@ from dsv4c.passes.split_at_routers import (OP_CAPTURE, SegmentPlan, apply_plan, 
                                            plan_segments, reference_impl, split_at_routers)
 from dsv4c.runtime.segments import SegmentExecutor
 
+# cut_presets.small: one layer of each kind (v4: sliding, CSA, HCA, hash and learned routing; v3: one dense,
+# one MoE); the plan, the split and the executor are per MoE layer, so the layer count changes nothing here
 PRESETS = ["v4-tiny-a", "v3-tiny", "v32-tiny"]
 KINDS = ["decode", "prefill"]
 REL = 1e-5
@@ -32,7 +35,7 @@ _graphs: dict = {}
 
 def _model(preset):
     if preset not in _models:
-        _models[preset] = build_model(ModelConfig.preset(preset))
+        _models[preset] = build_model(small(preset))
     return _models[preset]
 
 
@@ -409,7 +412,7 @@ def test_cuda_graphs_replay_equals_eager_for_non_bucket_batch_sizes():
 
 def _static_graph(preset, n_slots, device, kernels=(("moe_experts", "gathered"),)):
     """A decode graph lowered for h200: capture-safe cache ops (+ gathered experts), split."""
-    m = build_model(ModelConfig.preset(preset), device=device)
+    m = build_model(small(preset), device=device)
     ctx = PassContext(m.config, "h200", "decode", kernels)
     gm = export_graph(m, GraphSpec("decode", k=K, n_slots=n_slots, max_len=MAX_LEN)).module()
     gm, _ = run_pipeline(gm, ctx)
