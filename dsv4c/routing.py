@@ -166,11 +166,19 @@ class record_routing(contextlib.AbstractContextManager):
         self._handles.clear()
 
 
+def _same_sets(own: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """[rows]: whether each row of `own` selects the same set as the row of `pinned` ([rows, k] each)."""
+    return (own.sort(dim=-1).values == pinned.sort(dim=-1).values).all(dim=-1)
+
+
 class RoutingTap(nn.Module):
     """Inserted before the routed experts of a graph (passes/pin_routing.py): `tap(idx, w, slot=i)` is
     the i-th router of the graph. Always records the graph's own (idx, w) in `seen`; with `pin=True`
     returns the recorded decisions of entry i instead (the next rows of it: a cursor per entry), cast
-    to the graph's dtypes and device. After each indexer op: `tap(sel, slot=j, index=True)` (sel
+    to the graph's dtypes and device, for the rows whose selected set differs from eager's: a row that
+    selects eager's set keeps its own order and weights (they differ from eager's by the router kernel's
+    rounding, an error pinning is meant to leave), so pinning changes nothing where no decision flipped.
+    After each indexer op: `tap(sel, slot=j, index=True)` (sel
     [B, T, topk]), the j-th indexer, recorded in `seen.index` and pinned the same way. `reset()`
     rewinds the cursors and clears `seen`."""
 
@@ -210,7 +218,9 @@ class RoutingTap(nn.Module):
         if key not in self._dev_cache:
             self._dev_cache[key] = (e.idx.to(idx.device), e.weight.to(idx.device))
         i, w = self._dev_cache[key]
-        return i[start:start + rows].to(idx.dtype), w[start:start + rows].to(weight.dtype)
+        i, w = i[start:start + rows].to(idx.dtype), w[start:start + rows].to(weight.dtype)
+        same = _same_sets(idx, i)[:, None]  # a decision that agrees with eager's is not replaced
+        return torch.where(same, idx, i), torch.where(same, weight, w)
 
     def _index(self, sel: torch.Tensor, slot: int) -> torch.Tensor:
         """The j-th indexer's selection sel [B, T, topk]: recorded; pinned, the recording's next B·T rows."""
@@ -234,7 +244,8 @@ class RoutingTap(nn.Module):
         key = (-1 - slot, str(sel.device))  # the router cache's keys are >= 0
         if key not in self._dev_cache:
             self._dev_cache[key] = (e.idx.to(sel.device), e.idx)
-        return self._dev_cache[key][0][start:start + rows.shape[0]].to(sel.dtype).view(sel.shape)
+        pinned = self._dev_cache[key][0][start:start + rows.shape[0]].to(sel.dtype)
+        return torch.where(_same_sets(rows, pinned)[:, None], rows, pinned).view(sel.shape)
 
     def _see(self, name: str, idx: torch.Tensor, weight: torch.Tensor) -> None:
         self.seen.entries.append(RoutingEntry(name, idx.detach().clone(), weight.detach().float().clone()))

@@ -13,10 +13,8 @@ from dsv4c.runtime.sampling import (DecodeSampler, RowParams, SamplingParams, co
                                     processed_probs, sample_at, sample_rows)
 from dsv4c.runtime.speculative import choose_k, speculator
 from session_probe import serve
+from test_mtp_pipeline import PARAMS
 from test_speculative import BUNDLE, chi2_pvalue, eager_session, prompts
-
-PARAMS = [SamplingParams(0.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.9, top_p=0.8),
-          SamplingParams(1.3, top_p=0.5, top_k=5)]
 
 
 @pytest.fixture(scope="module")
