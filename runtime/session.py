@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from dsv4c.artifact_safety import checked_bytes, inside, load_program
@@ -282,8 +281,9 @@ class Session:
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
         if self.paged and kind != "mtp":  # every position the step writes has a block (the scheduler grew
-            end = pos.numpy()[slots] + n_real  # them before the step; Session.logits grows here)
-            for i in ((end > self.prefix.covered.numpy()[slots]) & (np.asarray(n_real) > 0)).nonzero()[0]:
+            n = torch.as_tensor(n_real)  # them before the step; Session.logits grows here)
+            end = pos[slots] + n
+            for i in ((end > self.prefix.covered[slots]) & (n > 0)).nonzero().flatten().tolist():
                 self.prefix.ensure(slots[i], int(end[i]))
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
