@@ -1,9 +1,44 @@
-"""A Session probe shared by the cache tests: generate() recording the logits row each request samples from."""
+"""Session probes shared by the cache tests: a Session over the eager model's step functions, and generate()
+recording the logits row each request samples from."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
+from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.runtime import Session
+
+
+def eager_session(model, block: int, prefix, max_batch: int = 3, max_tokens: int = 96, mtp_k: int = 0,
+                  paged=None) -> Session:
+    """A Session whose graphs are the eager model's step functions (with `mtp_k`: verify, mtp and the fused
+    verify_mtp too); prefill chunks of `block` tokens. `prefix`: Session's prefix_cache; `paged`: a
+    PagedConfig for paged caches (None: slot caches)."""
+    cache = model.new_cache(1, max_len=1)
+    cls, n_layers = type(cache.layers[0]), len(cache.layers)
+
+    def main(ids, slots, pos0, n_real, caches, weights):
+        return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
+
+    def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
+        return model.mtp_step(hidden, ids, slots, pos0, n_real, unflat_caches(caches, cls, 1)[0])
+
+    kinds, graphs = {"prefill": None, "decode": 1}, {"prefill": main, "decode": main}
+    if mtp_k:
+        fused = VerifyMTPStepModule(model, cls, n_layers)
+        kinds.update(verify=1 + mtp_k, mtp=1 + mtp_k, verify_mtp=1 + mtp_k)
+        graphs.update(verify=main, mtp=mtp, verify_mtp=lambda *a: fused(*a[:-1]))
+    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": mtp_k, "buckets": [],
+                "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
+                "target": {"name": "cpu"},
+                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
+    if paged is not None:
+        lay = paged.layout(model.config, max_tokens, max_batch)
+        manifest["paged"] = {"block_size": lay.block_size, "n_blocks": lay.n_blocks}
+    sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None, prefix_cache=prefix)
+    sess.max_num_batched_tokens = block
+    return sess
 
 
 def serve(sess: Session, prompts, max_new: int = 4, **kw):

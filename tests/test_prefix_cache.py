@@ -8,44 +8,14 @@ scratch do the same float operations: a wrong restore (a missing ring row, compr
 as an error of order 1, the tolerance is 1e-6 of max |logit| (fp32)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from dsv4c import ModelConfig
-from dsv4c.export import VerifyMTPStepModule, unflat_caches
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, PrefixCacheError
-from session_probe import serve
-
-
-def eager_session(model, block: int, prefix: PrefixCacheConfig | bool, max_batch: int = 3, max_tokens: int = 96,
-                  mtp_k: int = 0) -> Session:
-    """A Session whose graphs are the eager model's step functions; prefill chunks of one block."""
-    cache = model.new_cache(1, max_len=1)
-    cls, n_layers = type(cache.layers[0]), len(cache.layers)
-
-    def main(ids, slots, pos0, n_real, caches, weights):
-        return model.step(ids, slots, pos0, n_real, unflat_caches(caches, cls, n_layers))
-
-    def mtp(hidden, ids, slots, pos0, n_real, caches, weights):
-        return model.mtp_step(hidden, ids, slots, pos0, n_real, unflat_caches(caches, cls, 1)[0])
-
-    kinds = {"prefill": None, "decode": 1}
-    graphs = {"prefill": main, "decode": main}
-    if mtp_k:
-        fused = VerifyMTPStepModule(model, cls, n_layers)
-        kinds.update(verify=1 + mtp_k, mtp=1 + mtp_k, verify_mtp=1 + mtp_k)
-        graphs.update(verify=main, mtp=mtp, verify_mtp=lambda *a: fused(*a[:-1]))
-    manifest = {"model_config": model.config.to_dict(), "dtype": "float32", "mtp_k": mtp_k, "buckets": [],
-                "limits": {"max_tokens": max_tokens, "max_batch": max_batch, "cache_slots": max_batch + 1},
-                "target": {"name": "cpu"},
-                "graphs": {k: {"weights": [], "tokens_per_seq": t, "kind": k} for k, t in kinds.items()}}
-    sess = Session(Path("<eager>"), manifest, graphs, {}, torch.device("cpu"), None, prefix_cache=prefix)
-    sess.max_num_batched_tokens = block
-    return sess
+from session_probe import eager_session, serve
 
 
 def assert_same(ref, got, decode_tol: float = 1e-6) -> None:
