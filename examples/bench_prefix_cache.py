@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -199,6 +200,7 @@ def main(argv=None) -> int:
         del sess, prefix
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+        shutil.rmtree(art)  # the slot artifact's results are in; checkpoint + two slice artifacts overfill a 64 GB disk
         paged_runs(a, res, ckpt, ps, dev, V, stage)
     print(json.dumps(res["summary"], indent=1))
     a.out.write_text(json.dumps(res, indent=1, default=str))
