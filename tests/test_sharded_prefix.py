@@ -124,3 +124,66 @@ def test_every_rank_restores_its_own_prefix_state_and_rank_0_gives_the_single_pr
         assert toks == ref[0], case
         for i, (a, b) in enumerate(zip(ref[1], rows)):  # 1e-5: see the module docstring
             assert rel(a, b) <= 1e-5, f"{case}: request {i}: rel err {rel(a, b)}"
+
+
+# ---- end to end: compiled sharded artifacts ------------------------------------------------------------
+def _artifact_rank(rank: int, world: int, port: int, art: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dsv4c.runtime import Session
+    from dsv4c.runtime.distributed import send_stop, serve_follower
+
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        sess = Session.load(art)  # prefix caching on (the default)
+        if rank == 0:
+            try:
+                base, ps = prompts_sharing(sess.config.vocab_size)
+                serve(sess, [base], max_new=1)
+                torch.save({"served": serve(sess, ps, max_new=3), "stats": sess.prefix.stats()},
+                           Path(out_dir) / "rank0.pt")
+            finally:
+                send_stop(sess.device)
+        else:
+            serve_follower(sess)
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.long  # three compiles and two gloo worlds of 2: minutes of CPU
+@torch.no_grad()
+def test_sharded_artifacts_with_prefix_caching_give_the_single_process_logits(tmp_path):
+    """Compiled tp = 2 --paged (copy-free sharing, boundary rows per rank) and ep = 2 slot-cache (prefix pool
+    per rank) artifacts with prefix caching on: prompts sharing a prefix that ends inside a compression group,
+    on a block end and past the window give the single-process artifact's logits (fp32, 1e-5 as the other
+    sharded tests) and tokens, with hits on rank 0."""
+    from cut_presets import small
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.parallel import ParallelPlan
+    from dsv4c.runtime import Session
+
+    write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    kw = dict(target="cpu", max_tokens=64, max_batch=2, dtype=torch.float32)
+    paged = PagedConfig(block_size=BLOCK, max_blocks=12)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "single", verify_boundaries=False, paged=paged, **kw)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "tp2", plan=ParallelPlan(2, 1), paged=paged, **kw)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "ep2", plan=ParallelPlan(1, 2), **kw)
+    single = Session.load(tmp_path / "single", prefix_cache=False)
+    base, ps = prompts_sharing(single.config.vocab_size)
+    ref = serve(single, ps, max_new=3)
+    for name in ("tp2", "ep2"):
+        out = tmp_path / f"{name}-out"
+        out.mkdir()
+        port = free_port()
+        _fork_ranks(name, [(_artifact_rank, (r, 2, port, str(tmp_path / name), str(out))) for r in range(2)], out,
+                    300.0)
+        got = torch.load(out / "rank0.pt", weights_only=False)
+        assert got["stats"]["hit_tokens"] > 0, (name, got["stats"])
+        assert got["served"][0] == ref[0], name
+        for i, (a, b) in enumerate(zip(ref[1], got["served"][1])):
+            assert rel(a, b) <= 1e-5, f"{name}: request {i}: rel err {rel(a, b)}"
