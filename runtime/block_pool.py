@@ -33,8 +33,9 @@ group of a block before P closed before P), and matched blocks past its resume p
 recently used, the deepest of a chain first, when a request needs blocks.
 
 **Sharded (tp/ep).** Each rank has its own pool; this (rank 0's) pool decides the blocks and the leader sends
-the table to the other ranks when it changed (`version`; runtime/distributed.py). Prefix sharing is off on a
-sharded run: the boundary rows restored at a resume would be rank 0's only.
+the table to the other ranks when it changed (`version`; runtime/distributed.py), so a shared block holds each
+rank's own rows of the same tokens. The boundary copies (`store_boundary`, `restore_boundary`,
+`forget_boundary`) are mirrored (`mirror`: the Leader): every rank stores and restores its own slot's rows.
 
 **MTP.** A draft/verify round writes positions n..n+k: the scheduler grows the blocks to cover them before
 the round is queued (pipelined rounds queue the next round only when its blocks can be had without

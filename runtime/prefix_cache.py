@@ -40,6 +40,10 @@ SWA), so with MTP a V4 request resumes no later than W tokens before its end; V3
 every prompt position, so V3 requests with MTP are not restored (their blocks are still stored). The
 verify graph writes past the prompt into the slot only: stored blocks are copies, never written again.
 
+**Sharded runs.** Rank 0's cache decides; each copy (`store_rows`, `store_boundary_row`, `restore_rows`) is
+mirrored to the other ranks (`mirror`: runtime/distributed.py's Leader), which build the same pool and make
+the same copy of their own caches.
+
 Legend: b block size, P a block end (position), W window, m compress ratio, c overlap (2 for m = 4),
 R kept compressor rows, N pool blocks.
 """
