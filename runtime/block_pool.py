@@ -33,8 +33,9 @@ group of a block before P closed before P), and matched blocks past its resume p
 recently used, the deepest of a chain first, when a request needs blocks.
 
 **Sharded (tp/ep).** Each rank has its own pool; this (rank 0's) pool decides the blocks and the leader sends
-the table to the other ranks when it changed (`version`; runtime/distributed.py). Prefix sharing is off on a
-sharded run: the boundary rows restored at a resume would be rank 0's only.
+the table to the other ranks when it changed (`version`; runtime/distributed.py), so a shared block holds each
+rank's own rows of the same tokens. The boundary copies (`store_boundary`, `restore_boundary`,
+`forget_boundary`) are mirrored (`mirror`: the Leader): every rank stores and restores its own slot's rows.
 
 **MTP.** A draft/verify round writes positions n..n+k: the scheduler grows the blocks to cover them before
 the round is queued (pipelined rounds queue the next round only when its blocks can be had without
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4c.runtime.distributed import OP_PAGED_FORGET, OP_PAGED_RESTORE, OP_PAGED_STORE
 from dsv4c.runtime.prefix_cache import PrefixCache, cache_fields, default_block_size
 
 
@@ -126,6 +128,7 @@ class BlockPool:
         self.version = 0  # bumped at every table change (a sharded run's leader sends the table when it moved)
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0, "preemptions": 0}
+        self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors the boundary copies
 
     def keys(self, ids: list[int]) -> list[bytes]:
         """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
@@ -181,7 +184,7 @@ class BlockPool:
         self.seqs[slot] = _Seq(blocks, keys, r, j, limit if limit is not None else self.max_tokens)
         self._set_row(slot)
         if r:
-            self._restore(shared[-1], slot, r * self.block_size)
+            self.restore_boundary(shared[-1], slot, r * self.block_size)
         pos[slot] = r * self.block_size
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
@@ -212,7 +215,7 @@ class BlockPool:
         key = self.key_of.pop(blk, None)
         if key is not None:
             del self.by_key[key]
-        self.boundary.pop(blk, None)
+        self.forget_boundary(blk)
 
     def grow(self, slot: int, end: int, push: bool = True) -> bool:
         """Blocks for positions [0, min(end, the sequence's limit)) of `slot`: free ones, else evicted least
@@ -320,16 +323,30 @@ class BlockPool:
         if self.boundary_fields and end % b == 0 and 0 < end // b <= len(seq.keys):
             blk = self.by_key.get(seq.keys[end // b - 1])  # this slot's block, or the registered duplicate's
             if blk is not None and blk not in self.boundary:
-                self.boundary[blk] = {f.name: self.caches[f.name][slot, self._rows(f, end)].clone()
-                                      for f in self.boundary_fields}
+                self.store_boundary(blk, slot, end)
 
     def _rows(self, f, end: int) -> torch.Tensor:
         """The slot rows of field f holding positions [max(end - rows, 0), end)."""
         return torch.arange(max(end - f.rows, 0), end, device=self.device).remainder(f.ring)
 
-    def _restore(self, blk: int, slot: int, end: int) -> None:
+    # ---- boundary copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) --
+    def store_boundary(self, blk: int, slot: int, end: int) -> None:
+        """Keep `slot`'s boundary rows at position `end` (the end of block `blk`) with the block."""
+        self.boundary[blk] = {f.name: self.caches[f.name][slot, self._rows(f, end)].clone()
+                              for f in self.boundary_fields}
+        if self.mirror is not None:
+            self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
+
+    def restore_boundary(self, blk: int, slot: int, end: int) -> None:
+        """Write block `blk`'s boundary rows into `slot` (resuming at position `end`)."""
         for f in self.boundary_fields:
             self.caches[f.name][slot, self._rows(f, end)] = self.boundary[blk][f.name]
+        if self.mirror is not None:
+            self.mirror.prefix(OP_PAGED_RESTORE, blk, slot, end)
+
+    def forget_boundary(self, blk: int) -> None:
+        if self.boundary.pop(blk, None) is not None and self.mirror is not None:
+            self.mirror.prefix(OP_PAGED_FORGET, blk)
 
     # ---- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:

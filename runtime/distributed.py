@@ -51,10 +51,19 @@ def init_groups(plan: ParallelPlan, rank: int) -> dict:
 # Paged caches: every rank has its own pool, and rank 0's BlockPool decides the blocks; before a run whose
 # block table changed since the last one sent, rank 0 sends CMD_TABLE and the table [slots, blocks], so every
 # rank reads and writes the same blocks of its pool. A reset leaves the pools alone (their blocks follow the
-# table). Prefix sharing is off on a sharded run: the boundary rows it restores are rank 0's only.
-CMD_RUN, CMD_RESET, CMD_STOP, CMD_TABLE = 1, 2, 3, 4  # CMD_TABLE: rank 0's block table follows (paged)
+# table).
+# Prefix caching: rank 0's prefix cache (runtime/prefix_cache.py, or the paged BlockPool) decides what is
+# stored and restored; each copy it makes between a slot and its store is sent as CMD_PREFIX (header: cmd,
+# op, three ints, the length of a row list that follows), and every rank makes the same copy on its own
+# caches into its own store (`PrefixReplica`): each rank's boundary state is its own shards'.
+CMD_RUN, CMD_RESET, CMD_STOP, CMD_TABLE, CMD_PREFIX = 1, 2, 3, 4, 5  # CMD_TABLE: rank 0's block table follows
 CACHE_SETS = ("main", "mtp", "fused")  # Session.caches, the MTP caches, verify_mtp's union of both
 _HEADER = 8
+# CMD_PREFIX ops. Slot caches (PrefixCache): SETUP (block size, pool blocks: the followers build the same
+# pool), STORE (slot; rows [2, n]: pool row and block number of each block whose growing rows are stored),
+# BOUNDARY (pool row, slot, end), RESTORE (slot; rows [n]: the pool rows of the blocks restored in order).
+# Paged (BlockPool): PAGED_STORE / PAGED_RESTORE (block, slot, end), PAGED_FORGET (block).
+OP_SETUP, OP_STORE, OP_BOUNDARY, OP_RESTORE, OP_PAGED_STORE, OP_PAGED_RESTORE, OP_PAGED_FORGET = range(1, 8)
 
 
 def rank_view(art, manifest: dict) -> tuple[dict, int | None]:
@@ -92,6 +101,7 @@ class Leader:
         self.kinds = sorted(sess.manifest["graphs"])
         self.comm_device = sess.device
         self.table_version = -1  # paged: the block table version the followers hold
+        self.prefix_setup = False  # slot caches: the followers built rank 0's prefix cache pool (OP_SETUP)
 
     def _header(self, *vals: int) -> None:
         h = self.torch.zeros(_HEADER, dtype=self.torch.int64)
@@ -118,8 +128,56 @@ class Leader:
     def reset(self, cache_set: str, slot: int) -> None:
         self._header(CMD_RESET, CACHE_SETS.index(cache_set), slot)
 
+    def prefix(self, op: int, *vals: int, rows: list[int] | None = None) -> None:
+        """Mirror one copy of the prefix cache (OP_*: up to three ints, and a row list)."""
+        if not self.sess.paged and not self.prefix_setup:
+            self.prefix_setup = True  # before the first copy: the same pool on every rank
+            self.prefix(OP_SETUP, self.sess.prefix.block_size, self.sess.prefix.n_blocks)
+        n = len(rows) if rows else 0
+        self._header(CMD_PREFIX, op, *vals, *(0,) * (3 - len(vals)), n)
+        if n:
+            _bcast(self.torch.tensor(rows, dtype=self.torch.int64), self.comm_device)
+
     def stop(self) -> None:
         self._header(CMD_STOP)
+
+
+def attach(sess, rank: int) -> None:
+    """Make a loaded Session rank `rank` of a sharded run: rank 0 schedules and mirrors its graph calls,
+    cache resets and prefix-cache copies (`Leader`); a follower replays them (`serve_follower`) and its
+    prefix store is built and filled by those commands (slot caches: from rank 0's OP_SETUP)."""
+    sess.rank = rank
+    if rank == 0:
+        sess.mirror = Leader(sess)
+        if sess.prefix is not None:
+            sess.prefix.mirror = sess.mirror
+    elif not sess.paged:
+        sess.prefix = None  # not its own: rank 0's OP_SETUP builds the pool its copies address
+
+
+def _replay_prefix(sess, op: int, a: int, b: int, c: int, rows: list[int]) -> None:
+    """A follower's side of one prefix-cache copy (Leader.prefix), on its own caches and store."""
+    from dsv4c.runtime.prefix_cache import PrefixCache, PrefixCacheConfig
+
+    if op == OP_SETUP:
+        sess.prefix = PrefixCache(sess.config, sess.caches, sess.max_tokens, sess.max_batch, sess.device,
+                                  PrefixCacheConfig(block_size=a, max_blocks=b))
+    elif sess.prefix is None:
+        raise RuntimeError(f"rank {dist.get_rank()}: prefix-cache op {op} from rank 0 before its pool (OP_SETUP)")
+    elif op == OP_STORE:
+        sess.prefix.store_rows(rows[: len(rows) // 2], rows[len(rows) // 2:], a)
+    elif op == OP_BOUNDARY:
+        sess.prefix.store_boundary_row(a, b, c)
+    elif op == OP_RESTORE:
+        sess.prefix.restore_rows(rows, a)
+    elif op == OP_PAGED_STORE:
+        sess.prefix.store_boundary(a, b, c)
+    elif op == OP_PAGED_RESTORE:
+        sess.prefix.restore_boundary(a, b, c)
+    elif op == OP_PAGED_FORGET:
+        sess.prefix.forget_boundary(a)
+    else:
+        raise RuntimeError(f"rank {dist.get_rank()}: unknown prefix-cache op {op} from rank 0")
 
 
 def send_stop(device) -> None:
@@ -160,6 +218,10 @@ def serve_follower(sess) -> int:
             for name, t in cache_set(h[1]).items():
                 if h[1] == 1 or name not in pools:  # a slot's rows; the pools' blocks follow the table
                     t[h[2]].fill_(fill_value(name))
+            continue
+        if h[0] == CMD_PREFIX:
+            rows = _bcast(torch.empty(h[5], dtype=torch.int64), dev).tolist() if h[5] else []
+            _replay_prefix(sess, h[1], h[2], h[3], h[4], rows)
             continue
         if h[0] == CMD_TABLE:
             table = sess.caches["block_table"]

@@ -40,6 +40,10 @@ SWA), so with MTP a V4 request resumes no later than W tokens before its end; V3
 every prompt position, so V3 requests with MTP are not restored (their blocks are still stored). The
 verify graph writes past the prompt into the slot only: stored blocks are copies, never written again.
 
+**Sharded runs.** Rank 0's cache decides; each copy (`store_rows`, `store_boundary_row`, `restore_rows`) is
+mirrored to the other ranks (`mirror`: runtime/distributed.py's Leader), which build the same pool and make
+the same copy of their own caches.
+
 Legend: b block size, P a block end (position), W window, m compress ratio, c overlap (2 for m = 4),
 R kept compressor rows, N pool blocks.
 """
@@ -52,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4c.runtime.distributed import OP_BOUNDARY, OP_RESTORE, OP_STORE
 from dsv4c.runtime.kv_cache import free_bytes
 
 
@@ -164,6 +169,7 @@ class PrefixCache:
         self.holds: dict[int, _Hold] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0}
+        self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors every copy
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, ids: list[int]) -> list[bytes]:
@@ -221,7 +227,7 @@ class PrefixCache:
         self.holds[slot] = hold
         r = self._resume_blocks(hold, j, len(ids), mtp)
         if r:
-            self._restore(hold.blocks[:r], slot)
+            self.restore_rows([blk.row for blk in hold.blocks[:r]], slot)
         pos[slot] = r * self.block_size
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
@@ -287,7 +293,7 @@ class PrefixCache:
         b = self.block_size
         new = [blk for blk in hold.blocks if not blk.stored and (blk.index + 1) * b <= end]
         if new:
-            self._store_growing(new, slot)
+            self.store_rows([blk.row for blk in new], [blk.index for blk in new], slot)
             for blk in new:
                 blk.stored = True
                 other = self.table.get(blk.key)
@@ -303,35 +309,45 @@ class PrefixCache:
         if self.has_boundary and end % b == 0 and 0 < end // b <= len(hold.blocks):
             last = hold.blocks[end // b - 1]
             if not last.boundary:
-                self._store_boundary(last, slot, end)
+                self.store_boundary_row(last.row, slot, end)
                 last.boundary = True
 
-    # ---- copies -----------------------------------------------------------------------------------
-    def _store_growing(self, blocks: list[_Block], slot: int) -> None:
-        rows = torch.tensor([blk.row for blk in blocks], device=self.device)
+    # ---- copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) ----------
+    def store_rows(self, rows: list[int], index: list[int], slot: int) -> None:
+        """Copy the growing rows of `slot`'s blocks number `index` into pool rows `rows`."""
+        dst = torch.tensor(rows, device=self.device)
         for f in self.fields:
             if f.grow:
-                src = torch.cat([torch.arange(blk.index * f.rows, (blk.index + 1) * f.rows) for blk in blocks])
-                self.pool[f.name][rows] = self.caches[f.name][slot, src.to(self.device)].unflatten(0, (len(blocks),
-                                                                                                     f.rows))
+                src = torch.cat([torch.arange(k * f.rows, (k + 1) * f.rows) for k in index])
+                self.pool[f.name][dst] = self.caches[f.name][slot, src.to(self.device)].unflatten(0, (len(rows),
+                                                                                                   f.rows))
+        if self.mirror is not None:
+            self.mirror.prefix(OP_STORE, slot, rows=rows + index)
 
-    def _store_boundary(self, blk: _Block, slot: int, end: int) -> None:
+    def store_boundary_row(self, row: int, slot: int, end: int) -> None:
+        """Copy `slot`'s boundary rows at position `end` (a block end) into pool row `row`."""
         for f in self.fields:
             if not f.grow:
                 idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
-                self.pool[f.name][blk.row] = self.caches[f.name][slot, idx]
+                self.pool[f.name][row] = self.caches[f.name][slot, idx]
+        if self.mirror is not None:
+            self.mirror.prefix(OP_BOUNDARY, row, slot, end)
 
-    def _restore(self, blocks: list[_Block], slot: int) -> None:
-        rows = torch.tensor([blk.row for blk in blocks], device=self.device)
-        P = len(blocks) * self.block_size
+    def restore_rows(self, rows: list[int], slot: int) -> None:
+        """Fill (reset) `slot` with the growing rows of pool rows `rows` (its first blocks, in order) and the
+        boundary rows of the last."""
+        src = torch.tensor(rows, device=self.device)
+        P = len(rows) * self.block_size
         for f in self.fields:
             dst = self.caches[f.name][slot]
             if f.grow:
-                dst[: len(blocks) * f.rows] = self.pool[f.name][rows].flatten(0, 1)
+                dst[: len(rows) * f.rows] = self.pool[f.name][src].flatten(0, 1)
             else:
                 lo = max(P - f.rows, 0)
                 idx = torch.arange(lo, P, device=self.device)
-                dst[idx.remainder(f.ring)] = self.pool[f.name][blocks[-1].row, lo - (P - f.rows):]
+                dst[idx.remainder(f.ring)] = self.pool[f.name][rows[-1], lo - (P - f.rows):]
+        if self.mirror is not None:
+            self.mirror.prefix(OP_RESTORE, slot, rows=rows)
 
     # ---- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -36,7 +36,7 @@ from dsv4c.config import ModelConfig
 from dsv4c.export import retarget_device
 from dsv4c.model import register_ops
 from dsv4c.targets import Target, check_runnable
-from dsv4c.runtime.distributed import Leader, rank_view
+from dsv4c.runtime.distributed import attach, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
 from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_bytes, paged_names
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
@@ -205,12 +205,10 @@ class Session:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(inside(art, "tokenizer.json", "tokenizer")))
-        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache)
-        if rank is not None:  # a sharded artifact: rank 0 schedules and mirrors, the others replay
-            sess.rank, sess.mirror = rank, (Leader(sess) if rank == 0 else None)
-            if sess.paged:  # rank 0 decides the blocks (mirrored); the boundary rows it restores are its own
-                sess.prefix.share = False
-                sess.cache_info["paged"]["prefix_sharing"] = "off: sharded (boundary state not mirrored yet)"
+        # a sharded artifact: rank 0 schedules and mirrors (blocks, prefix-cache copies too), the others replay
+        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache if not rank else False)
+        if rank is not None:
+            attach(sess, rank)  # runtime/distributed.py
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
         return sess
