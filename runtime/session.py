@@ -3,8 +3,10 @@
 `Session.load(ART)` checks the manifest (format version, every file's sha256, the target against this
 device), loads the stateless graphs and binds the weights by name, then allocates the static caches
 (`max_batch` sequence slots of `max_tokens` positions). Generation is batched with continuous batching:
-prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, and
-then decode together, one token per sequence per step, through the one decode graph. A finished
+prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, several
+requests' chunks per prefill call (`Session._prefill_rows`: rows padded to the longest chunk, n_real per
+row, rows x that chunk within `max_num_batched_tokens`), and then decode together, one token per sequence
+per step, through the one decode graph. A finished
 sequence frees its slot for the next prompt at once. `generate`/`stream` run that scheduler (`_Scheduler`)
 to the end; the incremental API (`add_request`, `step`, `abort`; runtime/engine.py serves HTTP with it)
 runs the same scheduler one step per call.
@@ -127,7 +129,10 @@ class StepError(RuntimeError):
 
 
 PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot prefill of the slice needs
-#                       16 GiB for one layer's attention scores; chunks give the same logits (tests)
+#                       16 GiB for one layer's attention scores; chunks give the same logits (tests). A batched
+#                       prefill call counts rows x T against it: the graph's memory (attention scores, MoE
+#                       workspace, [B, T, V] fp32 logits) follows B·T with the padding, and 2048 tokens already
+#                       amortise a call's fixed cost (the slice: ~7,700 tok/s at 2048-token chunks)
 
 
 class Session:
@@ -177,8 +182,9 @@ class Session:
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
-        a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
-        (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
+        a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill call, padding
+        included: rows x the longest chunk (default min(max_tokens, PREFILL_CHUNK); a prompt longer than this
+        is prefilled in chunks). An artifact compiled by other source than the running
         dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py).
         `prefix_cache`: reuse the state of cached prompt prefixes (runtime/prefix_cache.py; exact), a
         PrefixCacheConfig, or False..
