@@ -186,3 +186,33 @@ def test_deterministic_artifacts_prefill_one_request_per_call(models):
     manifest = {**base.manifest, "deterministic": True}
     sess = Session(Path("<eager>"), manifest, base.graphs, {}, torch.device("cpu"), None)
     assert sess.max_prefill_rows == 1 and base.max_prefill_rows == base.max_batch
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_batched_prefill_gives_the_one_at_a_time_logits(tmp_path):
+    """On the GPU: the h200 lowering's prefill graph (its fusion kernels over B x T rows) run with several
+    requests per call gives each request the logits (fp32) and tokens of one request per call, with cached
+    prefixes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv4c import write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.runtime import Session
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=96, max_batch=6,
+                       dtype=torch.float32, kernels={"moe_experts": "reference"})
+    base, ps = prompts(256, seed=5)
+    out = []
+    for rows in (1, 6):
+        sess = Session.load(tmp_path / "art", device="cuda", max_num_batched_tokens=BUDGET,
+                            prefix_cache=PrefixCacheConfig(BLOCK))
+        sess.max_prefill_rows = rows
+        serve(sess, [base], max_new=1)
+        st = dict(sess.prefill_stats)
+        out.append(serve(sess, ps, max_new=4))
+        calls, nrows = sess.prefill_stats["calls"] - st["calls"], sess.prefill_stats["rows"] - st["rows"]
+        assert (calls < nrows) == (rows > 1), (calls, nrows)
+        assert sess.prefix.stats()["hit_tokens"] > 0
+    assert_same(*out, tol=1e-4)  # GPU GEMMs pick their kernels by shape too
