@@ -22,6 +22,11 @@ speed with the slot caches' (same prefix-cache state: paged_on vs on, paged_warm
 
     python examples/bench_prefix_cache.py --paged --work /tmp/dsv4c_pc --out $OUT/prefix_cache_paged.json
 
+Prefill is batched across requests (runtime/session.py `_prefill_rows`): admitted requests' chunks share prefill
+calls of at most max_num_batched_tokens tokens (rows x the longest chunk), so with the prefix cache the R - 1
+requests resuming at the system prompt's last block prefill their U tokens together, 2048 // U rows per call;
+each run records its prefill calls and the mean rows per call (`prefill_calls`).
+
 Per run: TTFT per request from the submission of all R (`ttft_submit`, what a client waits, queueing
 included) and from its admission (`ttft_admit`, the Session's own ttft_s), the time until every request has
 its first token, and decode tokens/s after that (all rows decoding together through the same slot caches:
@@ -64,6 +69,7 @@ def _sync(dev) -> None:
 def serve(sess, ps: list[list[int]], new: int, dev) -> dict:
     """Submit every prompt at once (greedy); TTFT from submission and from admission, decode tokens/s."""
     _sync(dev)
+    before = dict(sess.prefill_stats)
     t0 = time.perf_counter()
     first: dict[int, float] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(ps))}
@@ -74,13 +80,15 @@ def serve(sess, ps: list[list[int]], new: int, dev) -> dict:
         tokens[i].append(tok)
     _sync(dev)
     total = time.perf_counter() - t0
+    calls = {k: v - before[k] for k, v in sess.prefill_stats.items()}
     all_first = max(first.values())
     ttft = sorted(first.values())
     return {"ttft_submit_ms_mean": 1e3 * statistics.mean(ttft), "ttft_submit_ms_p50": 1e3 * statistics.median(ttft),
             "ttft_submit_ms_max": 1e3 * ttft[-1], "all_first_tokens_s": all_first,
             "decode_s": total - all_first,
             "decode_tokens_per_s": len(ps) * (new - 1) / max(total - all_first, 1e-9), "total_s": total,
-            "tokens": [tokens[i] for i in range(len(ps))]}
+            "tokens": [tokens[i] for i in range(len(ps))],
+            "prefill_calls": {**calls, "mean_rows_per_call": calls["rows"] / max(calls["calls"], 1)}}
 
 
 @torch.no_grad()
@@ -176,7 +184,8 @@ def main(argv=None) -> int:
         res[name] = run(sess, ps, a.new, dev, pc)
         r = res[name]
         print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
-              f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
+              f"decode {r['decode_tokens_per_s']:.0f} tok/s, {r['prefill_calls']['calls']} prefill calls "
+              f"({r['prefill_calls']['mean_rows_per_call']:.1f} rows each)", flush=True)
         stage(name, t0)
     t0 = time.perf_counter()
     sess.prefix = None
@@ -195,7 +204,10 @@ def main(argv=None) -> int:
         "hit_rate_on": res["on"]["prefix_stats"]["this_run"]["hit_tokens"]
         / max(res["on"]["prefix_stats"]["this_run"]["prompt_tokens"], 1),
         "tokens_equal_on": sum(x == y for x, y in zip(off["tokens"], res["on"]["tokens"])),
-        "tokens_equal_warm": sum(x == y for x, y in zip(off["tokens"], res["warm"]["tokens"])), "of": a.requests})
+        "tokens_equal_warm": sum(x == y for x, y in zip(off["tokens"], res["warm"]["tokens"])), "of": a.requests,
+        "prefill_calls": {k: res[k]["prefill_calls"]["calls"] for k in ("off", "on", "warm")},
+        "prefill_mean_rows_per_call": {k: round(res[k]["prefill_calls"]["mean_rows_per_call"], 2)
+                                       for k in ("off", "on", "warm")}})
     if a.paged:
         del sess, prefix
         if dev.type == "cuda":
@@ -234,7 +246,8 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
         res[name] = run_paged(sess, ps, a.new, dev, share)
         r = res[name]
         print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
-              f"decode {r['decode_tokens_per_s']:.0f} tok/s", flush=True)
+              f"decode {r['decode_tokens_per_s']:.0f} tok/s, {r['prefill_calls']['calls']} prefill calls "
+              f"({r['prefill_calls']['mean_rows_per_call']:.1f} rows each)", flush=True)
         stage(name, t0)
     off, summ = res["off"], res["summary"]
     summ.update({
@@ -245,6 +258,9 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
         "paged_peak_blocks_in_use": sess.prefix.stats()["peak_blocks_in_use"],
         "paged_pool_blocks": sess.prefix.n_blocks,
         "paged_cache_bytes_vs_slot": res["paged_cache_bytes"] / res["slot_cache_bytes"]})
+    for name, _ in runs:
+        summ["prefill_calls"][name] = res[name]["prefill_calls"]["calls"]
+        summ["prefill_mean_rows_per_call"][name] = round(res[name]["prefill_calls"]["mean_rows_per_call"], 2)
     checks = [("paged_on", "off"), ("paged_on", "on"), ("paged_warm", "off")]
     if a.paged_off:
         summ["paged_off_decode_vs_slot_off"] = res["paged_off"]["decode_tokens_per_s"] / off["decode_tokens_per_s"]

@@ -3,8 +3,10 @@
 `Session.load(ART)` checks the manifest (format version, every file's sha256, the target against this
 device), loads the stateless graphs and binds the weights by name, then allocates the static caches
 (`max_batch` sequence slots of `max_tokens` positions). Generation is batched with continuous batching:
-prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, and
-then decode together, one token per sequence per step, through the one decode graph. A finished
+prompts wait for a free cache slot, are prefilled in chunks of at most `max_num_batched_tokens`, several
+requests' chunks per prefill call (`Session._prefill_rows`: rows padded to the longest chunk, n_real per
+row, rows x that chunk within `max_num_batched_tokens`), and then decode together, one token per sequence
+per step, through the one decode graph. A finished
 sequence frees its slot for the next prompt at once. `generate`/`stream` run that scheduler (`_Scheduler`)
 to the end; the incremental API (`add_request`, `step`, `abort`; runtime/engine.py serves HTTP with it)
 runs the same scheduler one step per call.
@@ -80,6 +82,30 @@ class _Request:
 
 
 @dataclass
+class _Fill:
+    """One slot's prefill in progress (`Session._prefill_rows`): `ids` for positions [start, ends[-1]) of
+    `slot`, run in chunks that end at `ends`; `outs`: what each chunk gave; `req`: the scheduler's request."""
+
+    slot: int
+    ids: list[int]
+    start: int
+    ends: list[int]
+    req: _Request | None = None
+    k: int = 0  # chunks run
+    at: int = 0  # position prefilled up to
+    outs: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.at = self.start
+
+    def next_len(self) -> int:
+        return self.ends[self.k] - self.at
+
+    def next_ids(self) -> list[int]:
+        return self.ids[self.at - self.start:self.ends[self.k] - self.start]
+
+
+@dataclass
 class StepOutput:
     """What one `Session.step` produced for one request: its new tokens (and their log-probabilities when
     asked for), and how it finished (None while it runs). `admitted`: perf_counter time at which it got its
@@ -103,7 +129,10 @@ class StepError(RuntimeError):
 
 
 PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot prefill of the slice needs
-#                       16 GiB for one layer's attention scores; chunks give the same logits (tests)
+#                       16 GiB for one layer's attention scores; chunks give the same logits (tests). A batched
+#                       prefill call counts rows x T against it: the graph's memory (attention scores, MoE
+#                       workspace, [B, T, V] fp32 logits) follows B·T with the padding, and 2048 tokens already
+#                       amortise a call's fixed cost (the slice: ~7,700 tok/s at 2048-token chunks)
 
 
 class Session:
@@ -117,6 +146,10 @@ class Session:
         self.cache_slots = manifest["limits"]["cache_slots"]  # max_batch + the scratch slot
         # prefill chunk: bounded, since the prefill graph's attention holds [H, T, keys] scores
         self.max_num_batched_tokens = min(self.max_tokens, PREFILL_CHUNK)
+        # prefill rows per call (Session._prefill_rows). A deterministic artifact prefills one request per call:
+        # its promise is that a request's logits do not depend on the requests it runs with
+        self.max_prefill_rows = 1 if manifest.get("deterministic") else self.max_batch
+        self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0}  # prefill graph calls
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.paged = self._paged_layout()  # PagedLayout of a paged artifact (runtime/block_pool.py), else None
@@ -149,8 +182,9 @@ class Session:
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
-        a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill chunk
-        (default min(max_tokens, PREFILL_CHUNK)). An artifact compiled by other source than the running
+        a CPU); see the module docstring. `max_num_batched_tokens`: prompt tokens per prefill call, padding
+        included: rows x the longest chunk (default min(max_tokens, PREFILL_CHUNK); a prompt longer than this
+        is prefilled in chunks). An artifact compiled by other source than the running
         dsv4c warns naming the changed modules, or raises with `strict_source=True` (dsv4c/provenance.py).
         `prefix_cache`: reuse the state of cached prompt prefixes (runtime/prefix_cache.py; exact), a
         PrefixCacheConfig, or False..
@@ -308,23 +342,64 @@ class Session:
         ids = dev[3 * B:].view(ids.shape) if host_ids else ids
         return ids, dev[:B], dev[B:2 * B], dev[2 * B:3 * B]
 
+    def _fill(self, ids: list[int], slot: int, req: "_Request | None" = None) -> "_Fill":
+        """Prefill job of `ids` into `slot` from its current position: cut in chunks of at most
+        max_num_batched_tokens, plus the prefix cache's chunk ends at block ends (computed now, per row)."""
+        step, p0 = self.max_num_batched_tokens, int(self.pos[slot])
+        n = p0 + len(ids)
+        ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
+        return _Fill(slot, ids, p0, [min(j, n) for j in ends], req)
+
+    def _prefill_rows(self, fills: list["_Fill"], take=None) -> Iterator["_Fill"]:
+        """Run `fills` through the prefill graph, several rows per call; yield each fill once its last chunk
+        ran, with `fill.outs` = take(outputs) per chunk (outputs: every graph output of the row's chunk,
+        [1, n, ...], batch dim kept; default take: the tuple itself).
+
+        A call takes the next chunk of each unfinished fill, oldest first, while rows x the longest chunk
+        stays within max_num_batched_tokens (padded positions count: the graph computes them) and the rows
+        within `max_prefill_rows`; a fill that does not fit waits for the next call, and the oldest always
+        runs, so a fill's chunks go in order. Rows are padded to the longest chunk; n_real keeps the padding
+        from writing any cache entry (the padding contract of the ops). The prefix cache's `after_chunk`
+        runs per row, at that row's chunk end (a block end where the cuts put one)."""
+        yield from (f for f in fills if not f.ends)  # nothing to prefill
+        pending = [f for f in fills if f.ends]
+        budget, cap = self.max_num_batched_tokens, max(1, self.max_prefill_rows)
+        while pending:
+            rows, T = [], 0
+            for f in pending:
+                t = f.next_len()
+                if rows and (len(rows) == cap or (len(rows) + 1) * max(T, t) > budget):
+                    continue
+                rows.append(f)
+                T = max(T, t)
+            ids = torch.zeros(len(rows), T, dtype=torch.int64)  # [B, T]: padded past each row's n_real
+            for b, f in enumerate(rows):
+                ids[b, :f.next_len()] = torch.tensor(f.next_ids())
+            n_real = [f.next_len() for f in rows]
+            out = self._run("prefill", ids, [f.slot for f in rows], n_real, outputs=True)
+            st = self.prefill_stats
+            st["calls"], st["rows"] = st["calls"] + 1, st["rows"] + len(rows)
+            st["tokens"], st["padded_tokens"] = st["tokens"] + sum(n_real), st["padded_tokens"] + len(rows) * T
+            for b, f in enumerate(rows):
+                o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
+                f.outs.append(o if take is None else take(o))
+                f.at = f.ends[f.k]
+                f.k += 1
+                if self.prefix:
+                    self.prefix.after_chunk(f.slot, f.at)
+            del out
+            done = [f for f in rows if f.k == len(f.ends)]
+            pending = [f for f in pending if f.k < len(f.ends)]
+            yield from done
+
     def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False) -> list:
         """Prefill `ids` into `slot` from its current position, in chunks of max_num_batched_tokens (the prefix
         cache adds chunk ends at block ends); logits [T_chunk, V] each (`outputs=True`: every graph output of
         each chunk, batch dim kept; `last_row`: only each chunk's last row, [1, V], so a long prompt does not
-        hold T x V fp32 logits)."""
-        step, outs, p0 = self.max_num_batched_tokens, [], int(self.pos[slot])
-        n = p0 + len(ids)
-        ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
-        i = p0
-        for j in ends:
-            j = min(j, n)
-            o = self._run("prefill", torch.tensor([ids[i - p0:j - p0]]), [slot], [j - i], outputs=True)
-            outs.append(o if outputs else o[0][0][-1:].clone() if last_row else o[0][0])  # clone: frees the chunk
-            if self.prefix:
-                self.prefix.after_chunk(slot, j)
-            i = j
-        return outs
+        hold T x V fp32 logits). One sequence: several run together through `_prefill_rows`."""
+        take = None if outputs else (lambda o: o[0][0][-1:].clone()) if last_row else (lambda o: o[0][0])
+        (f,) = self._prefill_rows([self._fill(ids, slot)], take)  # clone: frees the chunk
+        return f.outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
         """Prefill one prompt (past the prefix restored into its slot); returns the last position's logits [V]."""
@@ -610,28 +685,7 @@ class _Scheduler:
         if self.inflight is not None and (admitting or any(r.finish is not None for r in self.active.values())):
             yield from self._drain()  # the active set changes: read the step in flight first
         self._retire()
-        while self.waiting and self.free and not (self.hold and self.active):  # admit: prefill into a free
-            r, t0 = self.waiting[0], time.perf_counter()                        # slot, sample the first token
-            sess._reset_slot(self.free[0])
-            ctx = r.context()
-            if sess.prefix and not sess.prefix.admit(ctx, self.free[0], sess.pos, spec is not None,
-                                                     limit=len(r.ids) + r.max_new):
-                break  # its prompt's blocks are held by running requests: wait for one to finish
-            self.waiting.popleft()
-            self.hold, self.admissions = False, self.admissions + 1
-            r.slot, r.order = self.free.pop(0), self.admissions
-            r.t_start = r.t_start if r.preempted else t0
-            self.active[r.slot] = r
-            self.by_id[r.index] = r
-            logits = spec.prefill(r) if spec else sess._prefill(r)
-            if not r.preempted:  # a resumed request has its next token already
-                yield from sess._emit(r, logits)
-            if self.make_stats is not None and r.spec is None:
-                r.spec = self.make_stats()
-            if spec is not None and r.finish is None:
-                spec.admit(r, r.spec)
-            if r.finish is not None:
-                self._retire()
+        yield from self._admit()
         if not self.active:
             return
         if self.on_decode is not None:
@@ -647,6 +701,66 @@ class _Scheduler:
         else:
             yield from self._decode_step()
         self._retire()
+
+    # ---- admission: waves of requests prefilled together --------------------------------------------
+    def _admit(self) -> Iterator[tuple[int, int]]:
+        """Admit what fits, in waves: each wave's requests take free slots (and their cached prefix), then
+        prefill together (`Session._prefill_rows`: several rows per prefill call) and sample their first
+        tokens as their last chunks finish."""
+        while self.waiting and self.free and not (self.hold and self.active):
+            wave, blocked = self._admit_wave()
+            if wave:
+                yield from self._prefill_wave(wave)
+            if not wave or (blocked and all(r.finish is None for r in wave)):
+                break  # nothing admitted, or blocks held by running requests that none of the wave freed
+
+    def _admit_wave(self) -> tuple[list[_Request], bool]:
+        """Take waiting requests, in order, into free slots (restoring their cached prefix). Stops before a
+        request that shares a prompt block with what this wave prefills past its resume points: admitted after
+        the wave, it resumes from those blocks (as one request after another would). -> (the wave, True when
+        stopped because the prompt's blocks are held by running requests)."""
+        sess, spec, wave = self.sess, self.spec, []
+        sharing = sess.prefix is not None and getattr(sess.prefix, "share", True)
+        claimed: set[bytes] = set()  # keys of the wave's prompt blocks past its members' resume points
+        while self.waiting and self.free and not (self.hold and self.active):
+            r, t0 = self.waiting[0], time.perf_counter()
+            ctx = r.context()
+            keys = sess.prefix.keys(ctx) if sharing else []
+            if claimed and not claimed.isdisjoint(keys):
+                return wave, False
+            sess._reset_slot(self.free[0])
+            if sess.prefix and not sess.prefix.admit(ctx, self.free[0], sess.pos, spec is not None,
+                                                     limit=len(r.ids) + r.max_new):
+                return wave, True  # its prompt's blocks are held by running requests: wait for one to finish
+            self.waiting.popleft()
+            self.hold, self.admissions = False, self.admissions + 1
+            r.slot, r.order = self.free.pop(0), self.admissions
+            r.t_start = r.t_start if r.preempted else t0
+            self.active[r.slot] = r
+            self.by_id[r.index] = r
+            claimed.update(keys[int(sess.pos[r.slot]) // sess.prefix.block_size:] if sharing else ())
+            wave.append(r)
+        return wave, False
+
+    def _prefill_wave(self, wave: list[_Request]) -> Iterator[tuple[int, int]]:
+        """Prefill the wave's prompts together; each request samples its first token (a resumed one has it)
+        as soon as its last chunk ran, then joins the MTP speculator."""
+        sess, spec = self.sess, self.spec
+        fills = [sess._fill(r.context()[int(sess.pos[r.slot]):], r.slot, r) for r in wave]
+        take = spec.take if spec is not None else (lambda o: o[0][0, -1].clone())  # plain: the last logits row [V]
+        for f in sess._prefill_rows(fills, take):
+            r = f.req
+            r.chunks += len(f.outs)
+            logits = spec.prefilled(r, f.outs) if spec is not None else f.outs[-1]
+            f.outs = []
+            if not r.preempted:  # a resumed request has its next token already
+                yield from sess._emit(r, logits)
+            if self.make_stats is not None and r.spec is None:
+                r.spec = self.make_stats()
+            if spec is not None and r.finish is None:
+                spec.admit(r, r.spec)
+            if r.finish is not None:
+                self._retire()
 
     def _step_sampler(self, slots: list[int]) -> DecodeSampler:
         """The device sampler of the active requests (made again when the active set changes)."""

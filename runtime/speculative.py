@@ -213,10 +213,24 @@ class Speculator:
         rest = r.context()[int(self.sess.pos[r.slot]):]  # past the prefix the prefix cache restored
         chunks = self.sess._prefill_chunks(rest, r.slot, outputs=True)
         r.chunks += len(chunks)
-        hidden = torch.cat([c[1][0] for c in chunks])  # [T_prompt, (N,) D]
+        return self.prefilled(r, [self.take(o) for o in chunks])
+
+    def take(self, o: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """What admission keeps of one prefill chunk's outputs (one row's, [1, n, ...]; the scheduler prefills
+        several requests per call, Session._prefill_rows): the chunk's last logits row [V] and its hidden rows
+        [n', (N,) D] that the MTP fill reads (V4: the last W, its MTP block is SWA; V3: all)."""
+        h = o[1][0]
+        if self.is_v4:
+            h = h[-self.cfg.sliding_window:]
+        return o[0][0, -1].clone(), h.clone()
+
+    def prefilled(self, r, taken: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """r's prompt is prefilled (`taken`: `take` of each chunk, in order): keep the hidden rows the MTP fill
+        needs for `admit`; returns the last position's logits [V]."""
+        hidden = torch.cat([h for _, h in taken])  # [T_kept, (N,) D]
         keep = self.cfg.sliding_window if self.is_v4 else hidden.shape[0]  # V4's MTP block is SWA
         self._prompt_hidden[r.slot] = hidden[-keep:]
-        return chunks[-1][0][0, -1]
+        return taken[-1][0]
 
     def admit(self, r, stats: SpecStats) -> None:
         """Fill the MTP cache of r's slot over the prompt with true inputs (h_j, x_{j+1}) and keep the
