@@ -591,6 +591,7 @@ class _Scheduler:
 
     def __init__(self, sess: Session, spec=None, make_stats=None, pipelined_rounds: bool = False):
         self.sess, self.spec, self.make_stats = sess, spec, make_stats
+        self.auto = getattr(spec, "auto", None)  # mtp="auto": its AutoRun (runtime/speculative.py), bound per step
         self.pipelined_rounds = pipelined_rounds  # MTP: rounds until a request finishes (generate), else one
         self.waiting: deque[_Request] = deque()
         self.active: dict[int, _Request] = {}  # by slot
@@ -607,6 +608,10 @@ class _Scheduler:
         return bool(self.waiting or self.active)
 
     def iterate(self) -> Iterator[tuple[int, int]]:
+        if self.spec is not None:
+            self.spec.auto = self.auto  # the Speculator is the session's; this scheduler's auto run steers it
+            if self.auto is not None and self.auto.k == 0:
+                self._stop_speculating()
         sess, spec = self.sess, self.spec
         admitting = self.waiting and self.free and not (self.hold and self.active)
         if self.inflight is not None and (admitting or any(r.finish is not None for r in self.active.values())):
@@ -649,6 +654,15 @@ class _Scheduler:
         else:
             yield from self._decode_step()
         self._retire()
+
+    def _stop_speculating(self) -> None:
+        """mtp="auto" chose plain decoding while running: the running requests go on with plain decode steps
+        (their main caches and positions are those of the last round read; the MTP state is dropped), and
+        later admissions are plain."""
+        for s in list(self.active):
+            self.spec.release(s)
+        self.spec.auto = None
+        self.spec = None
 
     def _step_sampler(self, slots: list[int]) -> DecodeSampler:
         """The device sampler of the active requests (made again when the active set changes)."""

@@ -212,6 +212,7 @@ def _controlled(spec, B: int, rounds: dict, accepted: list[int]) -> None:
     K = 3 round per entry of `accepted` (its accepted drafts)."""
     spec.calibration.clear()
     spec.observed.clear()
+    spec.auto_last.clear()  # no hysteresis against an earlier test's decision
     spec.calibration[("costs", B, "greedy")] = {"step": 1.0, "round": rounds}
     for a in accepted:
         spec.observe(0.0, a, 3)
@@ -329,7 +330,7 @@ def test_gpu_pipelined_rounds_equal_the_host_round_and_plain_decode(h200, monkey
     spec = speculator(sess)
     launches = []
     launch = sp._Pipeline.launch
-    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: launches.append(1) or launch(self, st))
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, *a: launches.append(1) or launch(self, *a))
     plain = [r.tokens for r in sess.generate(ps, max_new_tokens=48)]
     for k in (1, 2, 3):
         runs = {}
