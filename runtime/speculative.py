@@ -619,12 +619,12 @@ class _Pipeline:
 
     def run(self) -> Iterator[tuple[int, int]]:
         reqs = [q.req for q in self.seqs]
-        cur = self.launch(self.state, self.spec.k)
+        cur = self.launch(self.state)
         while True:
             k = self.next_k()
             more = (k > 0 and self.fits(1, k) and any(len(r.out) + 1 < r.max_new for r in reqs)
                     and self.grow(1, k))
-            nxt = self.launch(cur.state, k) if more else None
+            nxt = self.launch(cur.state) if more else None  # launches next_k() = k
             done = yield from self.take(cur)
             if nxt is None or done:
                 if nxt is not None:  # in flight: keep the tokens of the requests still running
@@ -664,9 +664,10 @@ class _Pipeline:
             spec.auto.after_round(k)
         return done
 
-    def launch(self, st: _DevState, k: int) -> _Launched:
-        """Queue one round of k drafts on `st`; nothing here waits for the device."""
+    def launch(self, st: _DevState, k: int | None = None) -> _Launched:
+        """Queue one round of k drafts (default: `next_k()`) on `st`; nothing here waits for the device."""
         spec, ctx = self.spec, self.ctx
+        k = self.next_k() if k is None else k
         K, T, V = spec.K, 1 + spec.K, spec.cfg.vocab_size
         B, dev = st.pos.shape[0], st.pos.device
         self.kmax = max(self.kmax, k)
