@@ -397,8 +397,8 @@ class Session:
                  top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
         `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
-        output equals plain greedy, sampling keeps its distribution); "auto" picks k by calibration
-        (runtime/speculative.py). Needs an artifact compiled with --mtp K."""
+        output equals plain greedy, sampling keeps its distribution); "auto" picks k from calibrated costs
+        and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`). Needs an artifact compiled with --mtp K."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
         for _ in self._serve(reqs, mtp):
             pass
@@ -434,8 +434,10 @@ class Session:
     # seeded generator, and decode rows do not depend on each other). Not thread-safe: one caller.
     def set_mtp(self, mtp: int | str = 0, prompt=None) -> dict:
         """MTP speculative decoding for the incremental API: 0, k = 1..K, or "auto", decided now (auto:
-        calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one). Only while
-        no incremental request runs. -> the decision (k, and the auto policy's reasoning)."""
+        calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one; while steps run
+        it re-chooses k from the acceptance it observes and may go to plain decoding, which then holds
+        until the next set_mtp: probing back needs MTP admission). Only while no incremental request
+        runs. -> the decision (k, and the auto policy's reasoning)."""
         if self._live is not None and self._live.busy():
             raise RuntimeError("set_mtp: incremental requests are running")
         if prompt is None:
