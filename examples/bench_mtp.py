@@ -193,6 +193,15 @@ def main(argv=None) -> int:
     ks = list(range(K + 1))
     rows = []
     t_start = time.perf_counter()
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps({
+                "device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
+                "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"], "mtp_k": K,
+                "new_tokens": n_new, "repeats": a.repeats, "grid_wall_s": round(time.perf_counter() - t_start, 1),
+                "rows": rows}, indent=1) + "\n")
+
     with torch.no_grad():
         for B in batches:
             sets = prompt_sets(B, a.repeats)
@@ -219,16 +228,13 @@ def main(argv=None) -> int:
                                     "fallback_refreshes": st.get("fallback_refreshes")})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
+                    save()
                 if not a.no_auto:
                     rows.append(auto_row(sess, sets, n_new, T, B, base, rows))
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
-    wall_s = time.perf_counter() - t_start
+                    save()
     print(table(rows, sess, art))
-    if a.out:
-        Path(a.out).write_text(json.dumps({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
-                                           "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"],
-                                           "mtp_k": K, "new_tokens": n_new, "repeats": a.repeats,
-                                           "grid_wall_s": round(wall_s, 1), "rows": rows}, indent=1) + "\n")
+    save()
     if a.plot:
         plot_grid({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art), "rows": rows}, a.plot)
     return 0
