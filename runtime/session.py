@@ -398,7 +398,8 @@ class Session:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
         `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
         output equals plain greedy, sampling keeps its distribution); "auto" picks k from calibrated costs
-        and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`). Needs an artifact compiled with --mtp K."""
+        and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`).
+        Needs an artifact compiled with --mtp K."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
         for _ in self._serve(reqs, mtp):
             pass
