@@ -5,8 +5,16 @@ decode speedup against k = 0, at batch 1 / 8 / 64 and temperature 0 / 0.7 / 1.0,
 The model is compiled with --mtp K (default 3) for the device's target unless --art names an artifact.
 Decode throughput counts generated tokens after each request's first one, over the time from the end
 of admission (every request prefilled, its first token sampled and its MTP cache filled; the device
-synchronised) to the end. `auto` is timed like the fixed k, after one untimed auto generate (which
-runs its calibration).
+synchronised) to the end. Each cell is `--repeats` generate calls (default 3), call i on the prompts
+rotated by i·batch (batch 1 decodes three different prompts), and reports total tokens / total decode
+time: one prompt's continuation at one k says more about that text than about k (greedy bf16 text
+differs between k, and with it the acceptance). Acceptance statistics are those of the timed calls.
+
+`auto` runs as a user's session would: one untimed auto call first (a cell's first auto call
+calibrates the costs at that batch size and sampling mode; its wall time is reported as
+`first_call_s`), then the `--repeats` timed calls in the same session, so the acceptance auto observed
+in earlier calls (and its re-choices every few rounds inside a call) carry over, as they would across
+a user's requests. The row lists the k each timed call started and ended with, its probes and switches.
 
     python examples/bench_mtp.py --out mtp.json                    # GPU (h200 target, bf16)
     python examples/bench_mtp.py --device cpu --quick --out q.json # CPU check (fp32, small grid)
@@ -46,7 +54,7 @@ def compile_bundle(device: str, k: int, max_batch: int, max_tokens: int, out: Pa
 
 def run_cell(sess, prompts: list[str], n_new: int, temperature: float, mtp) -> dict:
     """One generate over `prompts`; decode tokens/s from the end of admission (Session._serve's
-    on_decode hook) and the outputs."""
+    on_decode hook), the outputs and each request's stats (GenerationResult.stats)."""
     t_first = None
     t0 = time.perf_counter()
     outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -63,19 +71,45 @@ def run_cell(sess, prompts: list[str], n_new: int, temperature: float, mtp) -> d
     t_end = time.perf_counter()
     n_tok = sum(len(o) - 1 for o in outs.values())
     return {"decode_tokens": n_tok, "decode_s": t_end - (t_first or t0), "total_s": t_end - t0,
-            "tokens_per_s": n_tok / max(t_end - (t_first or t0), 1e-9), "outputs": outs}
+            "tokens_per_s": n_tok / max(t_end - (t_first or t0), 1e-9), "outputs": outs,
+            "stats": [sess._result(r).stats for r in reqs]}
 
 
-def spec_stats(sess, prompts, n_new, temperature, mtp) -> dict:
-    """Acceptance per position, mean accepted length and histogram over all requests (generate stats)."""
-    res = sess.generate(prompts, max_new_tokens=n_new, temperature=temperature, seed=1, mtp=mtp, stop=[])
-    merged = merge_spec_stats([r.stats for r in res]) if mtp != 0 else None
-    if merged is None:
-        return {"policy": res[0].stats.get("mtp_policy")}
-    return {"alpha": merged["acceptance_per_position"], "histogram": merged["accept_histogram"],
-            "mean_accepted_length": merged["mean_accepted_length"],
-            "fused_rounds": merged.get("fused_rounds"), "fallback_refreshes": merged.get("fallback_refreshes"),
-            "policy": merged.get("mtp_policy")}
+def run_repeats(sess, prompt_sets: list[list[str]], n_new: int, temperature: float, mtp) -> dict:
+    """`run_cell` over each prompt set in turn: total decode tokens / total decode seconds, the outputs per
+    set, the merged speculation statistics and each call's auto policy."""
+    cells = [run_cell(sess, ps, n_new, temperature, mtp) for ps in prompt_sets]
+    tok, sec = sum(c["decode_tokens"] for c in cells), sum(c["decode_s"] for c in cells)
+    merged = merge_spec_stats([st for c in cells for st in c["stats"]]) if mtp != 0 else None
+    return {"tokens_per_s": tok / max(sec, 1e-9), "decode_s": sec, "outputs": [c["outputs"] for c in cells],
+            "spec": merged, "policies": [c["stats"][0].get("mtp_policy") or {} for c in cells]}
+
+
+def prompt_sets(B: int, repeats: int) -> list[list[str]]:
+    """Call i's batch: B prompts from PROMPTS starting at i·B (cycled)."""
+    return [[PROMPTS[(i * B + j) % len(PROMPTS)] for j in range(B)] for i in range(repeats)]
+
+
+def auto_row(sess, sets: list[list[str]], n_new: int, T: float, B: int, base: float, rows: list[dict]) -> dict:
+    """The auto cell: one untimed auto call (the cell's calibration on first use), then the timed calls in
+    the same session (see the module docstring)."""
+    first = run_cell(sess, sets[0], n_new, T, "auto")
+    pol0 = first["stats"][0].get("mtp_policy") or {}
+    cell = run_repeats(sess, sets, n_new, T, "auto")
+    pols = cell["policies"]
+    fixed = [r for r in rows if r["batch"] == B and r["temperature"] == T and r["k"] != "auto"]
+    best = max(fixed, key=lambda r: r["tokens_per_s"])
+    last = pols[-1]
+    return {"batch": B, "temperature": T, "k": "auto", "auto_k": last.get("k_last", last.get("k")),
+            "calls_k": [[p.get("k"), p.get("k_last", p.get("k"))] for p in pols],
+            "probes": sum(bool(p.get("probe")) for p in pols) + sum(
+                h.get("reason") == "probe" for p in pols for h in p.get("history", [])),
+            "switches": sum(h.get("reason") == "observed" for p in pols for h in p.get("history", [])),
+            "tokens_per_s": round(cell["tokens_per_s"], 2), "speedup": round(cell["tokens_per_s"] / base, 3),
+            "vs_best_fixed": round(cell["tokens_per_s"] / best["tokens_per_s"], 3), "best_fixed_k": best["k"],
+            "first_call_s": round(first["total_s"], 3), "first_call_k": [pol0.get("k"), pol0.get("k_last")],
+            "reason": last.get("reason"), "predicted_speedup": last.get("predicted_speedup"),
+            "alpha": last.get("alpha"), "step_ms": last.get("step_ms"), "step_ms_spread": last.get("step_ms_spread")}
 
 
 def plot_grid(res: dict, path: str) -> None:
@@ -126,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128; --quick 12)")
     ap.add_argument("--quick", action="store_true", help="small grid, for a CPU check")
     ap.add_argument("--no-auto", action="store_true", help="skip the mtp='auto' decision per cell")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed generate calls per cell, each on other prompts (see the module docstring)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--plot", help="also plot speedup vs batch per temperature to this PNG")
     ap.add_argument("--plot-from", help="plot a saved --out JSON to --plot and exit")
@@ -156,47 +192,49 @@ def main(argv=None) -> int:
     K = int(sess.manifest["mtp_k"])
     ks = list(range(K + 1))
     rows = []
+    t_start = time.perf_counter()
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps({
+                "device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
+                "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"], "mtp_k": K,
+                "new_tokens": n_new, "repeats": a.repeats, "grid_wall_s": round(time.perf_counter() - t_start, 1),
+                "rows": rows}, indent=1) + "\n")
+
     with torch.no_grad():
         for B in batches:
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(B)]
+            sets = prompt_sets(B, a.repeats)
             for k in ks:  # warm-up per batch and k (CUDA-graph capture happens here)
-                run_cell(sess, prompts, 4, 0.0, k)
-            ref_outputs: dict = {}  # k = 0, temperature 0: the greedy reference of this batch
+                run_cell(sess, sets[0], 4, 0.0, k)
+            ref_outputs: list = []  # k = 0, temperature 0: the greedy reference of this batch, per call
             for T in temps:
                 base = None
                 for k in ks:
-                    cell = run_cell(sess, prompts, n_new, T, k)
+                    cell = run_repeats(sess, sets, n_new, T, k)
                     base = cell["tokens_per_s"] if k == 0 else base
                     row = {"batch": B, "temperature": T, "k": k, "tokens_per_s": round(cell["tokens_per_s"], 2),
-                           "speedup": round(cell["tokens_per_s"] / base, 3), "decode_s": round(cell["decode_s"], 3)}
+                           "speedup": round(cell["tokens_per_s"] / base, 3), "decode_s": round(cell["decode_s"], 3),
+                           "calls": a.repeats}
                     if k and T == 0:
-                        row["greedy_equal_to_k0"] = all(cell["outputs"][i] == ref_outputs[i] for i in ref_outputs)
+                        row["greedy_equal_to_k0"] = cell["outputs"] == ref_outputs
                     if k == 0 and T == 0:
                         ref_outputs = cell["outputs"]
                     if k:
-                        st = spec_stats(sess, prompts, n_new, T, k)
-                        row.update({n: st[n] for n in ("alpha", "mean_accepted_length", "histogram",
-                                                       "fused_rounds", "fallback_refreshes")})
+                        st = cell["spec"]
+                        row.update({"alpha": st["acceptance_per_position"],
+                                    "mean_accepted_length": st["mean_accepted_length"],
+                                    "histogram": st["accept_histogram"], "fused_rounds": st.get("fused_rounds"),
+                                    "fallback_refreshes": st.get("fallback_refreshes")})
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-                if not a.no_auto:  # its decision from generate's stats (that run also warms any calibration), then timed
-                    pol = spec_stats(sess, prompts, n_new, T, "auto")["policy"] or {}
-                    cell = run_cell(sess, prompts, n_new, T, "auto")
-                    fixed = [r for r in rows if r["batch"] == B and r["temperature"] == T and r["k"] != "auto"]
-                    best = max(fixed, key=lambda r: r["tokens_per_s"])
-                    rows.append({"batch": B, "temperature": T, "k": "auto", "auto_k": pol.get("k"),
-                                 "tokens_per_s": round(cell["tokens_per_s"], 2),
-                                 "speedup": round(cell["tokens_per_s"] / base, 3),
-                                 "vs_best_fixed": round(cell["tokens_per_s"] / best["tokens_per_s"], 3),
-                                 "best_fixed_k": best["k"],
-                                 "reason": pol.get("reason"), "predicted_speedup": pol.get("predicted_speedup"),
-                                 "alpha": pol.get("alpha"), "step_ms": pol.get("step_ms")})
+                    save()
+                if not a.no_auto:
+                    rows.append(auto_row(sess, sets, n_new, T, B, base, rows))
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
+                    save()
     print(table(rows, sess, art))
-    if a.out:
-        Path(a.out).write_text(json.dumps({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
-                                           "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"],
-                                           "mtp_k": K, "new_tokens": n_new, "rows": rows}, indent=1) + "\n")
+    save()
     if a.plot:
         plot_grid({"device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art), "rows": rows}, a.plot)
     return 0

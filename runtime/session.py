@@ -470,8 +470,9 @@ class Session:
                  top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
         `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
-        output equals plain greedy, sampling keeps its distribution); "auto" picks k by calibration
-        (runtime/speculative.py). Needs an artifact compiled with --mtp K."""
+        output equals plain greedy, sampling keeps its distribution); "auto" picks k from calibrated costs
+        and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`).
+        Needs an artifact compiled with --mtp K."""
         reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
         for _ in self._serve(reqs, mtp):
             pass
@@ -507,8 +508,10 @@ class Session:
     # seeded generator, and decode rows do not depend on each other). Not thread-safe: one caller.
     def set_mtp(self, mtp: int | str = 0, prompt=None) -> dict:
         """MTP speculative decoding for the incremental API: 0, k = 1..K, or "auto", decided now (auto:
-        calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one). Only while
-        no incremental request runs. -> the decision (k, and the auto policy's reasoning)."""
+        calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one; while steps run
+        it re-chooses k from the acceptance it observes and may go to plain decoding, which then holds
+        until the next set_mtp: probing back needs MTP admission). Only while no incremental request
+        runs. -> the decision (k, and the auto policy's reasoning)."""
         if self._live is not None and self._live.busy():
             raise RuntimeError("set_mtp: incremental requests are running")
         if prompt is None:
@@ -664,6 +667,7 @@ class _Scheduler:
 
     def __init__(self, sess: Session, spec=None, make_stats=None, pipelined_rounds: bool = False):
         self.sess, self.spec, self.make_stats = sess, spec, make_stats
+        self.auto = getattr(spec, "auto", None)  # mtp="auto": its AutoRun (runtime/speculative.py), bound per step
         self.pipelined_rounds = pipelined_rounds  # MTP: rounds until a request finishes (generate), else one
         self.waiting: deque[_Request] = deque()
         self.active: dict[int, _Request] = {}  # by slot
@@ -680,6 +684,10 @@ class _Scheduler:
         return bool(self.waiting or self.active)
 
     def iterate(self) -> Iterator[tuple[int, int]]:
+        if self.spec is not None:
+            self.spec.auto = self.auto  # the Speculator is the session's; this scheduler's auto run steers it
+            if self.auto is not None and self.auto.k == 0:
+                self._stop_speculating()
         sess, spec = self.sess, self.spec
         admitting = self.waiting and self.free and not (self.hold and self.active)
         if self.inflight is not None and (admitting or any(r.finish is not None for r in self.active.values())):
@@ -701,6 +709,15 @@ class _Scheduler:
         else:
             yield from self._decode_step()
         self._retire()
+
+    def _stop_speculating(self) -> None:
+        """mtp="auto" chose plain decoding while running: the running requests go on with plain decode steps
+        (their main caches and positions are those of the last round read; the MTP state is dropped), and
+        later admissions are plain."""
+        for s in list(self.active):
+            self.spec.release(s)
+        self.spec.auto = None
+        self.spec = None
 
     # ---- admission: waves of requests prefilled together --------------------------------------------
     def _admit(self) -> Iterator[tuple[int, int]]:

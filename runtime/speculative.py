@@ -49,6 +49,7 @@ V vocab, N hc streams, D hidden.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -120,6 +121,11 @@ class SpecStats:
         self.histogram = self.histogram or [0] * (self.k + 1)
 
     def record(self, a: int, k_round: int) -> None:
+        if k_round > len(self.proposed):  # mtp="auto" moved to a larger k (or probed at K)
+            grow = k_round - len(self.proposed)
+            self.proposed += [0] * grow
+            self.accepted += [0] * grow
+            self.histogram += [0] * grow
         self.rounds += 1
         self.histogram[a] += 1
         for j in range(min(a + 1, k_round)):
@@ -200,8 +206,12 @@ class Speculator:
         self._prompt_hidden: dict[int, torch.Tensor] = {}
         self.calibration: dict = {}  # mtp="auto": step and round times per (batch, sampling mode)
         self.calibration_tokens = 64  # tokens per request of each timed calibration generation
-        # acceptance observed while running, per temperature bucket: (accepted, proposed) per draft position
-        self.observed: dict[float, tuple[list[int], list[int]]] = {}
+        self.calibration_repeats = CALIBRATION_REPEATS  # interleaved timings of each k (median)
+        # acceptance observed while running, per temperature bucket (forgetting: `Acceptance`)
+        self.observed: dict[float, Acceptance] = {}
+        self.auto: AutoRun | None = None  # mtp="auto": the running call's policy (None: a fixed k)
+        self.auto_last: dict[tuple, int] = {}  # the k auto last ran per cell (hysteresis across calls)
+        self.probe_budget: dict[tuple, float] = {}  # seconds of probing earned per cell (PROBE_SHARE)
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
@@ -257,11 +267,11 @@ class Speculator:
         self.seqs[s] = _Seq(r, stats, logits[0, last], z[0, last])
 
     def observe(self, temperature: float, a: int, k_round: int) -> None:
-        """Count one round's acceptance for `mtp="auto"` (`choose_k` prefers it to its calibration run)."""
-        acc, prop = self.observed.setdefault(_temperature_bucket(temperature), ([0] * self.K, [0] * self.K))
-        for j in range(min(a + 1, k_round)):
-            prop[j] += 1
-            acc[j] += j < a
+        """Count one row's round for `mtp="auto"` (its acceptance estimate at this temperature bucket)."""
+        self.acceptance(temperature).add(a, k_round)
+
+    def acceptance(self, temperature: float) -> "Acceptance":
+        return self.observed.setdefault(_temperature_bucket(temperature), Acceptance.empty(self.K))
 
     def release(self, slot: int) -> None:
         self.seqs.pop(slot, None)
@@ -329,6 +339,8 @@ class Speculator:
         if fused is not None:
             live = self._take_fused(slots, seqs, drafts, accepted, n0, live, *fused)
         self._refresh(slots, seqs, hidden, drafts, accepted, n0, live)
+        if self.auto is not None:
+            self.auto.after_round(self.k)
 
     def _verify_general(self, slots, seqs, n0, ks):
         """Steps 1-3 for any mix of sampling and greedy rows: drafts and the target distributions on
@@ -534,8 +546,8 @@ class _Launched:
     """A queued round: the next round's state (device) and an asynchronous copy of its results
     [B, T + 2] int64 (committed tokens d_1..d_a, y then junk; a; 1 where the row took the refresh)."""
 
-    def __init__(self, state: _DevState, packed: torch.Tensor):
-        self.state = state
+    def __init__(self, state: _DevState, packed: torch.Tensor, k: int):
+        self.state, self.k = state, k
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.host.copy_(packed, non_blocking=True)
@@ -588,33 +600,45 @@ class _Pipeline:
                         torch.ones(B, dtype=torch.int64, device=dev),
                         torch.full((B,), 1 + spec.k, dtype=torch.int64, device=dev),
                         RowParams.of([r.params for r in reqs], dev), seeds.to(dev), forced)
+        self.n_verify = {spec.k: self.ctx.n_verify}  # [B] 1 + k per k this call runs (auto changes k)
+        self.kmax = spec.k  # the largest k of a round launched (fits / grow bound the unread ones by it)
         self.n = sess.pos[self.slots].tolist()  # positions of the round last read (host)
         last = torch.tensor([r.out[-1] for r in reqs], dtype=torch.int64)
         self.state = _DevState(last.to(dev), sess.pos[self.slots].to(dev),
                                torch.stack([q.draft_logits for q in self.seqs]),
                                torch.stack([q.draft_z for q in self.seqs]))
 
-    def fits(self, ahead: int) -> bool:
-        """A round queued `ahead` unread rounds after the last read one writes positions < max_tokens."""
-        k = self.spec.k
-        return all(n + ahead * (k + 1) + k < self.sess.max_tokens for n in self.n)
+    def fits(self, ahead: int, k: int | None = None) -> bool:
+        """A round of k drafts queued `ahead` unread rounds (of at most `kmax` drafts) after the last read
+        one writes positions < max_tokens."""
+        k = self.spec.k if k is None else k
+        kk = max(self.kmax, k)
+        return all(n + ahead * (kk + 1) + k < self.sess.max_tokens for n in self.n)
 
-    def grow(self, ahead: int) -> bool:
+    def grow(self, ahead: int, k: int | None = None) -> bool:
         """Paged caches: blocks for a round queued `ahead` unread rounds after the last read one (it writes
-        positions < n + (ahead + 1)(k + 1)), without preempting (the scheduler grew them for ahead = 0)."""
-        sess, k = self.sess, self.spec.k
+        positions < n + ahead (kmax + 1) + k + 1), without preempting (the scheduler grew them for ahead = 0)."""
+        sess = self.sess
+        k = self.spec.k if k is None else k
+        kk = max(self.kmax, k)
         if not sess.paged:
             return True
-        rows = [(s, n + (ahead + 1) * (k + 1)) for s, n, q in zip(self.slots, self.n, self.seqs)
+        rows = [(s, n + ahead * (kk + 1) + k + 1) for s, n, q in zip(self.slots, self.n, self.seqs)
                 if q.req.finish is None]
         return sess.prefix.grow_all([s for s, _ in rows], [e for _, e in rows])
+
+    def next_k(self) -> int:
+        """Drafts of the next round: the fixed k, or auto's current choice (0: stop, plain decoding next)."""
+        return self.spec.k if self.spec.auto is None else self.spec.auto.k
 
     def run(self) -> Iterator[tuple[int, int]]:
         reqs = [q.req for q in self.seqs]
         cur = self.launch(self.state)
         while True:
-            more = self.fits(1) and any(len(r.out) + 1 < r.max_new for r in reqs) and self.grow(1)
-            nxt = self.launch(cur.state) if more else None
+            k = self.next_k()
+            more = (k > 0 and self.fits(1, k) and any(len(r.out) + 1 < r.max_new for r in reqs)
+                    and self.grow(1, k))
+            nxt = self.launch(cur.state) if more else None  # launches next_k() = k
             done = yield from self.take(cur)
             if nxt is None or done:
                 if nxt is not None:  # in flight: keep the tokens of the requests still running
@@ -628,7 +652,7 @@ class _Pipeline:
 
     def take(self, out: _Launched):
         """Read a round: commit each running request's tokens, positions and counters. -> any finished."""
-        spec, sess, k, T = self.spec, self.sess, self.spec.k, 1 + self.spec.K
+        spec, sess, k, T = self.spec, self.sess, out.k, 1 + self.spec.K
         done = False
         for i, (q, row) in enumerate(zip(self.seqs, out.read())):
             r = q.req
@@ -650,13 +674,19 @@ class _Pipeline:
                 q.stats.fused_rounds += not refreshed
                 q.stats.fallback_refreshes += refreshed
             done |= r.finish is not None
+        if spec.auto is not None:
+            spec.auto.after_round(k)
         return done
 
-    def launch(self, st: _DevState) -> _Launched:
-        """Queue one round on `st`; nothing here waits for the device."""
+    def launch(self, st: _DevState, k: int | None = None) -> _Launched:
+        """Queue one round of k drafts (default: `next_k()`) on `st`; nothing here waits for the device."""
         spec, ctx = self.spec, self.ctx
-        k, K, T, V = spec.k, spec.K, 1 + spec.K, spec.cfg.vocab_size
+        k = self.next_k() if k is None else k
+        K, T, V = spec.K, 1 + spec.K, spec.cfg.vocab_size
         B, dev = st.pos.shape[0], st.pos.device
+        self.kmax = max(self.kmax, k)
+        if k not in self.n_verify:
+            self.n_verify[k] = torch.full((B,), 1 + k, dtype=torch.int64, device=dev)
         greedy = ctx.rp.all_greedy
         U = None if greedy else counter_uniforms(ctx.seeds, st.pos, 2 * K + 1)  # [B, 2K+1]
         lg, z = st.dlogits, st.dz
@@ -685,7 +715,7 @@ class _Pipeline:
         ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
         ids[:, 0] = st.last
         ids[:, 1:1 + k] = D
-        logits, hidden, mlogits, mz, mids = spec._run_dev(FUSED, ids, ctx, st.pos, ctx.n_verify,
+        logits, hidden, mlogits, mz, mids = spec._run_dev(FUSED, ids, ctx, st.pos, self.n_verify[k],
                                                           caches=spec.fused_caches)
         mids = mids.to(torch.int64)
         ar = torch.arange(B, device=dev)
@@ -711,7 +741,7 @@ class _Pipeline:
             nxt_z = torch.where(need.view((B,) + (1,) * (nxt_z.dim() - 1)), rz[ar, a], nxt_z)
             refreshed = need.long()
         packed = torch.cat([toks, a[:, None], refreshed[:, None]], 1)
-        return _Launched(_DevState(y, st.pos + a + 1, nxt_logits, nxt_z), packed)
+        return _Launched(_DevState(y, st.pos + a + 1, nxt_logits, nxt_z), packed, k)
 
 
 def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | None, Callable[[], SpecStats]]:
@@ -722,13 +752,15 @@ def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | Non
         if K < 1:
             return None, lambda: SpecStats(0, policy={"k": 0, "reason": "the artifact has no MTP graphs"})
         spec = speculator(sess)
-        k, info = choose_k(sess, spec, reqs[0].params, len(reqs), [r.ids for r in reqs])
-        spec.k = max(k, 1)
-        return (spec if k else None), (lambda: SpecStats(k, policy=info))
+        run = plan_auto(sess, spec, reqs)
+        spec.auto = run if run.k else None
+        if run.k:
+            spec.k = run.k
+        return (spec if run.k else None), (lambda: SpecStats(run.k_first, policy=run.info))
     if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= K:
         raise ValueError(f"mtp: expected 0..{K} (the artifact's --mtp K) or 'auto', got {mtp!r}")
     spec = speculator(sess)
-    spec.k = mtp
+    spec.k, spec.auto = mtp, None
     return spec, lambda: SpecStats(mtp)
 
 
@@ -737,46 +769,214 @@ def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | Non
 # ------------------------------------------------------------------------------------------------
 MIN_ALPHA_CHECKS = 32  # first drafts checked at a temperature bucket before its acceptance is used as it is
 AUTO_MARGIN = 1.05  # a k is chosen over plain decoding only when it predicts at least this speedup
+SWITCH_MARGIN = 1.02  # hysteresis: a running k >= 1 gives way only to a k predicting this much more
+RECHOOSE_ROUNDS = 8  # rounds read between two re-choices while speculating
+ACCEPT_WINDOW = 256  # the acceptance counts halve every this many first-draft checks (or plain decode rows)
+PROBE_ROUNDS = 8  # rounds at K of one probe (every draft position's acceptance)
+PROBE_SHARE = 0.01  # probes spend at most this share of the decode time that earned them
+CALIBRATION_REPEATS = 3  # interleaved timings of each k; the median is the cost
+
+
+@dataclass
+class Acceptance:
+    """Acceptance per draft position observed at one temperature bucket: accepted / proposed counts
+    (draft j is proposed only when drafts 1..j-1 were accepted). They forget: every ACCEPT_WINDOW
+    first-draft checks, and every ACCEPT_WINDOW rows decoded without drafts, all counts halve. A uniform
+    scale keeps each α_j; it only lets the next observations weigh more, so the estimate follows the
+    traffic (the last few hundred rounds) and a probe after a long plain stretch decides alone."""
+
+    acc: list[float]
+    prop: list[float]
+    checks: int = 0  # first-draft checks ever (forgetting does not lower it)
+    since: int = 0  # first-draft checks since the last halving
+
+    @classmethod
+    def empty(cls, K: int) -> "Acceptance":
+        return cls([0.0] * K, [0.0] * K)
+
+    def add(self, a: int, k_round: int) -> None:
+        for j in range(min(a + 1, k_round)):
+            self.prop[j] += 1
+            self.acc[j] += j < a
+        if k_round:
+            self.checks += 1
+            self.since += 1
+            if self.since >= ACCEPT_WINDOW:
+                self.forget(self.since)
+
+    def forget(self, rows: float) -> None:
+        f = 0.5 ** (rows / ACCEPT_WINDOW)
+        self.acc = [x * f for x in self.acc]
+        self.prop = [x * f for x in self.prop]
+        self.since = 0
+
+    def alpha(self) -> list[float]:
+        """α_j (0 where position j was never checked: every draft before it was rejected)."""
+        return [a / p if p > 0 else 0.0 for a, p in zip(self.acc, self.prop)]
+
+
+def predicted_speedups(costs: dict, alpha: list[float]) -> dict[int, float]:
+    """S(k) = τ(k) · t_step / t_round(k), τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i; S(0) = 1."""
+    pred = {0: 1.0}
+    for k, t in sorted(costs["round"].items()):
+        tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
+        pred[k] = tau * costs["step"] / t
+    return pred
+
+
+def pick_k(pred: dict[int, float], current: int = 0) -> int:
+    """The k to run next from `current`: the best predicted one when it beats the current one by the
+    margin (AUTO_MARGIN to leave plain decoding, SWITCH_MARGIN between k's and back to k = 0), else the
+    current one: predictions within noise of each other do not flip-flop."""
+    best = max(pred, key=lambda k: (pred[k], -k))  # the smallest k of equal prediction
+    margin = AUTO_MARGIN if current == 0 else SWITCH_MARGIN
+    return best if pred[best] > pred.get(current, 0.0) * margin else current
+
+
+def could_pay(costs: dict) -> bool:
+    """Whether some k reaches AUTO_MARGIN even if every draft were accepted (else probing is pointless)."""
+    return max((k + 1) * costs["step"] / t for k, t in costs["round"].items()) > AUTO_MARGIN
+
+
+class AutoRun:
+    """mtp="auto" while one call runs (a generate/stream call, or the incremental API's scheduler): the k
+    of the next rounds (`k`; 0: plain decoding from here on). Every RECHOOSE_ROUNDS rounds read it
+    predicts S(k) again from the calibrated costs and the acceptance observed so far (`Speculator.observe`
+    counts every row of every round) and moves with hysteresis (`pick_k`). A probe runs PROBE_ROUNDS
+    rounds at K, which check every draft position: at plain decoding's k = 0 nothing is observed, so
+    `plan_auto` may start a call with one; below K the deeper positions go unobserved, so a run at
+    1 <= k < K probes now and then. Probes are paid from a budget (`Speculator.probe_budget`) that
+    earns PROBE_SHARE of the decode time of the cell, and a probe starts only when its worst-case cost
+    (nothing accepted) is in the budget: together they cost at most PROBE_SHARE of the decode time."""
+
+    def __init__(self, spec: Speculator, cell: tuple, temperature: float, costs: dict, k: int, probe: bool,
+                 info: dict):
+        self.spec, self.cell, self.temperature, self.costs, self.info = spec, cell, temperature, costs, info
+        self.k_first = k
+        self.k_run = k  # the chosen k
+        self.probe_left = PROBE_ROUNDS if probe else 0
+        self.rounds = 0
+        self.history: list[dict] = info.setdefault("history", [])
+        self._sync_spec()
+
+    @property
+    def k(self) -> int:
+        return self.spec.K if self.probe_left else self.k_run
+
+    def after_round(self, k: int) -> None:
+        """A round of k drafts was read (its rows observed): account the budget, end a probe, re-choose."""
+        spec = self.spec
+        self.rounds += 1
+        if self.probe_left:
+            self.probe_left -= 1
+            if not self.probe_left:
+                self.rechoose("after a probe at k=%d" % spec.K)
+            return
+        spec.probe_budget[self.cell] = spec.probe_budget.get(self.cell, 0.0) + PROBE_SHARE * self.costs["round"][k]
+        if self.rounds % RECHOOSE_ROUNDS:
+            return
+        self.rechoose("observed")
+        k = self.k_run
+        if 1 <= k < spec.K:  # deeper positions are not checked at k: probe them when the budget allows
+            cost = PROBE_ROUNDS * max(self.costs["round"][spec.K] - self.costs["round"][k], 0.0)
+            if spec.probe_budget[self.cell] >= cost:
+                spec.probe_budget[self.cell] -= cost
+                self.probe_left = PROBE_ROUNDS
+                self.history.append({"round": self.rounds, "k": spec.K, "reason": "probe"})
+        self._sync_spec()
+
+    def rechoose(self, why: str) -> None:
+        alpha = self.spec.acceptance(self.temperature).alpha()
+        pred = predicted_speedups(self.costs, alpha)
+        k = pick_k(pred, self.k_run)
+        if k != self.k_run or why.startswith("after"):
+            self.history.append({"round": self.rounds, "k": k, "reason": why,
+                                 "alpha": [round(a, 3) for a in alpha],
+                                 "predicted_speedup": {j: round(v, 3) for j, v in pred.items()}})
+        self.k_run = k
+        self.spec.auto_last[self.cell] = k
+        self.info["k_last"] = k
+        self._sync_spec()
+
+    def _sync_spec(self) -> None:
+        if self.k:
+            self.spec.k = self.k
+
+
+def plan_auto(sess, spec: Speculator, reqs: list) -> AutoRun:
+    """`mtp="auto"` for a call's requests: the k to start with (`choose_k`, with hysteresis against the
+    k the last call of this cell ran), and whether the call starts with a probe (k = 0 chosen, the
+    cell could pay at some acceptance, and the budget holds the probe's worst-case cost: PROBE_ROUNDS
+    rounds at K accepting nothing, plus the MTP fill of the admitted prompts, about one mtp call per
+    1 + K prompt rows of the window)."""
+    params = reqs[0].params
+    B = max(1, min(len(reqs), sess.max_batch))
+    cell = (B, _cost_mode(params), _temperature_bucket(params.temperature))
+    k, info = choose_k(sess, spec, params, len(reqs), [r.ids for r in reqs], current=spec.auto_last.get(cell, 0))
+    costs = spec.calibration[("costs", B, cell[1])]
+    probe = False
+    if k == 0:  # plain decoding: it earns probe budget and the acceptance counts age by its rows
+        steps = max(r.max_new for r in reqs)
+        spec.probe_budget[cell] = spec.probe_budget.get(cell, 0.0) + PROBE_SHARE * steps * costs["step"]
+        spec.acceptance(params.temperature).forget(steps * B)
+        if could_pay(costs):
+            K, T = spec.K, 1 + spec.K
+            window = sess.config.sliding_window if sess.config.is_v4 else sess.max_tokens
+            mtp_call = max(costs["round"].get(2, costs["round"][1]) - costs["round"][1], 0.0)
+            fill = sum(-(-min(len(r.ids), window) // T) for r in reqs) * mtp_call
+            cost = PROBE_ROUNDS * max(costs["round"][K] - costs["step"], 0.0) + fill
+            info["probe_cost_ms"] = round(cost * 1e3, 3)
+            if spec.probe_budget[cell] >= cost:
+                spec.probe_budget[cell] -= cost
+                probe = True
+                info["reason"] += f"; probing k={K} for {PROBE_ROUNDS} rounds"
+    spec.auto_last[cell] = k
+    info["k_last"] = k
+    info["probe"] = probe
+    return AutoRun(spec, cell, params.temperature, costs, k, probe, info)
 
 
 def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
-             prompts: list[list[int]]) -> tuple[int, dict]:
+             prompts: list[list[int]], current: int = 0) -> tuple[int, dict]:
     """k for `mtp="auto"`: maximise the predicted decode speedup
         S(k) = τ(k) · t_step / t_round(k),   τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
     with t_step the seconds per plain decode step and t_round(k) the seconds per k-draft round, both
     measured at batch B in the request's sampling mode (greedy, or sampling with or without top-k /
     top-p: a sampled step or round runs other device work than a greedy one) by short timed
-    generations of B of `prompts` (`_measure_costs`, cached per B and mode). They time what a steady
-    decode achieves: pipelined steps and rounds, host work included where the GPU waits for it,
-    admission (prefill, the MTP fill) and CUDA-graph capture excluded. α: the acceptance per draft
-    position observed at this temperature bucket (`Speculator.observe`: the calibration generations
-    and every round run since); below MIN_ALPHA_CHECKS first drafts, a K-draft generation at this
-    temperature observes more first. A round's time does not depend on what it accepts (its graph
-    calls are fixed), so S(k) is the speedup a run at acceptance α measures. k = 0 (plain decoding,
-    the same path as mtp=0) unless some k predicts at least AUTO_MARGIN."""
+    generations of B of `prompts` (`_measure_costs`: CALIBRATION_REPEATS interleaved timings of each
+    k, the median; cached per B and mode). They time what a steady decode achieves: pipelined steps
+    and rounds, host work included where the GPU waits for it, admission (prefill, the MTP fill) and
+    CUDA-graph capture excluded. α: the acceptance per draft position observed at this temperature
+    bucket (`Speculator.observe`: the calibration generations and every round run since, forgetting
+    old ones: `Acceptance`); before MIN_ALPHA_CHECKS first drafts were ever checked there, a K-draft
+    generation at this temperature observes more first. A round's time does not depend on what it
+    accepts (its graph calls are fixed), so S(k) is the speedup a run at acceptance α measures. The
+    choice from `current` (the k running) is `pick_k`: k = 0 (plain decoding, the same path as mtp=0)
+    unless some k predicts at least AUTO_MARGIN, and no switch within SWITCH_MARGIN."""
     B = max(1, min(batch, sess.max_batch))
     mode = _cost_mode(params)
     ckey = ("costs", B, mode)
     if ckey not in spec.calibration:
         spec.calibration[ckey] = _measure_costs(sess, spec, params, prompts, B)
-    if _first_checks(spec, params.temperature) < MIN_ALPHA_CHECKS:
+    if spec.acceptance(params.temperature).checks < MIN_ALPHA_CHECKS:
         _time_decode(sess, params, prompts, B, spec.K, spec.calibration_tokens)  # observes α
     costs = spec.calibration[ckey]
     alpha, source = _observed_alpha(spec, params.temperature)
-    best, pred = 0, {0: 1.0}
-    for k in range(1, spec.K + 1):
-        tau = 1 + sum(math.prod(alpha[: j + 1]) for j in range(k))
-        pred[k] = tau * costs["step"] / costs["round"][k]
-        if pred[k] > pred[best] * (AUTO_MARGIN if best == 0 else 1.0):
-            best = k
+    pred = predicted_speedups(costs, alpha)
+    best = pick_k(pred, current)
+    top = max(pred.values())
     reason = (f"predicted speedup {pred[best]:.2f}x at k={best}" if best else
-              f"no k predicts >= {AUTO_MARGIN:.2f}x (best {max(pred.values()):.2f}x)")
+              f"no k predicts >= {AUTO_MARGIN:.2f}x (best {top:.2f}x)")
+    if best == current and pred[best] < top:
+        reason += f" (kept: k={max(pred, key=pred.get)} predicts {top:.2f}x, within the switching margin)"
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature, "mode": mode,
             "alpha": [round(a, 3) for a in alpha], "alpha_source": source,
             "step_ms": {0: round(costs["step"] * 1e3, 3),
                         **{k: round(t * 1e3, 3) for k, t in costs["round"].items()}},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
+    if "spread" in costs:
+        info["step_ms_spread"] = costs["spread"]
     return best, info
 
 
@@ -787,16 +987,10 @@ def _cost_mode(params: SamplingParams) -> str:
     return "sample" + ("+top_k" if params.top_k else "") + ("+top_p" if params.top_p < 1 else "")
 
 
-def _first_checks(spec: Speculator, temperature: float) -> int:
-    _, prop = spec.observed.get(_temperature_bucket(temperature), ([], []))
-    return prop[0] if prop else 0
-
-
 def _observed_alpha(spec: Speculator, temperature: float) -> tuple[list[float], str]:
-    """Per-position acceptance observed at this temperature bucket (0 where a position was never checked:
-    every draft before it was rejected)."""
-    acc, prop = spec.observed.get(_temperature_bucket(temperature), ([0] * spec.K, [0] * spec.K))
-    return [a / p if p else 0.0 for a, p in zip(acc, prop)], f"observed over {prop[0]} rounds"
+    """Per-position acceptance observed at this temperature bucket (`Acceptance.alpha`)."""
+    acc = spec.acceptance(temperature)
+    return acc.alpha(), f"observed over {acc.checks} rounds (weight {acc.prop[0]:.0f})"
 
 
 def _temperature_bucket(temp: float) -> float:
@@ -805,17 +999,29 @@ def _temperature_bucket(temp: float) -> float:
 
 def _measure_costs(sess, spec: Speculator, params: SamplingParams, prompts: list[list[int]], B: int) -> dict:
     """{"step": seconds per plain decode step, "round": {k: seconds per k-draft round}} at batch B in
-    params' mode (`_time_decode`, k = 0..K)."""
-    n = spec.calibration_tokens
-    times = {k: _time_decode(sess, params, prompts, B, k, n) for k in range(spec.K + 1)}
-    return {"step": times.pop(0), "round": times}
+    params' mode: `calibration_repeats` passes over k = 0..K (interleaved, so a slow stretch of the
+    machine hits every k alike), each a timed generation (`_time_decode`, the pipelined path the calls
+    run, after one untimed generation per k that captures its CUDA graphs); the median per k.
+    "spread": (max - min) / median per k, in percent."""
+    n, ks = spec.calibration_tokens, range(spec.K + 1)
+    if sess.executors:
+        for k in ks:
+            _time_decode(sess, params, prompts, B, k, min(8, n), warm=False)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(max(1, spec.calibration_repeats)):
+        for k in ks:
+            times[k].append(_time_decode(sess, params, prompts, B, k, n, warm=False))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    spread = {k: round(100 * (max(v) - min(v)) / med[k], 1) if med[k] > 0 else 0.0 for k, v in times.items()}
+    return {"step": med.pop(0), "round": med, "spread": spread}
 
 
-def _time_decode(sess, params: SamplingParams, prompts: list[list[int]], B: int, k: int, n_new: int) -> float:
+def _time_decode(sess, params: SamplingParams, prompts: list[list[int]], B: int, k: int, n_new: int,
+                 warm: bool = True) -> float:
     """Seconds per decode step (k = 0) or per k-draft round of a generation of B of `prompts` (cycled)
     with params, n_new tokens each and no stop tokens: from the end of admission (device synchronised)
-    to the end, over the steps or rounds run. A short untimed generation first captures the CUDA graphs
-    of this bucket."""
+    to the end, over the steps or rounds run. `warm`: a short untimed generation first captures the
+    CUDA graphs of this bucket."""
     n_new = max(2, min(n_new, sess.max_tokens // 2))
     batch = [prompts[i % len(prompts)][-max(1, sess.max_tokens - n_new - 1):] for i in range(B)]
 
@@ -836,7 +1042,7 @@ def _time_decode(sess, params: SamplingParams, prompts: list[list[int]], B: int,
         steps = max((r.spec.rounds if k else len(r.out) - 1) for r in reqs)
         return (time.perf_counter() - start[0]) / max(steps, 1)
 
-    if sess.executors:
+    if warm and sess.executors:
         run(min(8, n_new))
     return run(n_new)
 

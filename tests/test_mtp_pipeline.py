@@ -212,6 +212,7 @@ def _controlled(spec, B: int, rounds: dict, accepted: list[int]) -> None:
     K = 3 round per entry of `accepted` (its accepted drafts)."""
     spec.calibration.clear()
     spec.observed.clear()
+    spec.auto_last.clear()  # no hysteresis against an earlier test's decision
     spec.calibration[("costs", B, "greedy")] = {"step": 1.0, "round": rounds}
     for a in accepted:
         spec.observe(0.0, a, 3)

@@ -522,7 +522,7 @@ def test_choose_k_follows_the_measurements(bundled):
         k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
         assert k == 2 and info["predicted_speedup"][2] == pytest.approx(tau[2] / 1.3, abs=1e-3)
         assert info["predicted_speedup"][1] == pytest.approx(tau[1] / 1.2, abs=1e-3)
-        assert info["alpha"] == [round(a, 3) for a in alpha] and info["alpha_source"] == "observed over 100 rounds"
+        assert info["alpha"] == [round(a, 3) for a in alpha] and info["alpha_source"].startswith("observed over 100 rounds")
         assert info["step_ms"] == {0: 1e3, 1: 1.2e3, 2: 1.3e3, 3: 2.5e3} and info["mode"] == "greedy"
         # rounds that cost more than they emit: plain decoding
         spec.calibration[("costs", 1, "greedy")] = {"step": 1.0, "round": {1: 2.0, 2: 2.8, 3: 3.5}}
@@ -538,15 +538,17 @@ def test_choose_k_follows_the_measurements(bundled):
         k, info = choose_k(sess, spec, SamplingParams(1.0), 9, [[5, 6, 7]])
         costs = spec.calibration[("costs", 4, "sample")]
         assert set(costs["round"]) == {1, 2, 3} and costs["step"] > 0 and info["batch"] == 4
-        assert spec.observed[1.0][1][0] > 0 and info["alpha_source"].startswith("observed")
+        assert spec.observed[1.0].prop[0] > 0 and info["alpha_source"].startswith("observed")
+        assert all(costs["spread"][k] >= 0 for k in range(4))  # interleaved repeats: their spread is reported
         spec.calibration[("costs", 4, "sample")] = {"step": 1.0, "round": {1: 3.5, 2: 4.0, 3: 4.5}}
         assert choose_k(sess, spec, SamplingParams(1.0), 4, [[5]])[0] == 0
-        # acceptance observed later moves the decision: every first draft rejected
+        # acceptance observed later moves the decision: every first draft rejected; the counts forget, so
+        # 900 rejections weigh more than against the 100 rounds before (90 / 1000 without forgetting)
         spec.calibration[("costs", 1, "greedy")] = {"step": 1.0, "round": {1: 1.2, 2: 1.3, 3: 2.5}}
         for _ in range(900):
             spec.observe(0.0, 0, 3)
         k, info = choose_k(sess, spec, SamplingParams(0.0), 1, [[5]])
-        assert k == 0 and info["alpha"][0] == pytest.approx(0.09, abs=1e-3)
+        assert k == 0 and info["alpha"][0] < 0.09 / 2
     finally:
         spec.calibration.clear()
         spec.calibration.update(saved)
