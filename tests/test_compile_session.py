@@ -179,6 +179,9 @@ def test_load_errors_name_the_file_or_field(compiled, tmp_path):
         Session.load(art3)
 
 
+@pytest.mark.long  # a second compile (b200); tests/test_quantize_experts.py::
+# test_emulated_session_logits_within_the_format_threshold[b200] checks the same refusal and emulated run on
+# its b200 artifact, and test_compile_never_overwrites below the FileExistsError cases
 def test_target_mismatch_needs_emulate(tmp_path):
     write_random_checkpoint(small("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="b200", max_tokens=32, max_batch=2,
@@ -194,15 +197,32 @@ def test_target_mismatch_needs_emulate(tmp_path):
     assert (tmp_path / "ckpt" / "config.json").is_file()
 
 
-def test_mtp_artifact_keeps_a_one_token_decode_graph(tmp_path):
-    write_random_checkpoint(small("v3-tiny"), tmp_path / "ckpt", seed=1, dtype=torch.float32)
-    m = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
+@pytest.fixture(scope="module")
+def mtp_compiled(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mtp")
+    write_random_checkpoint(small("v3-tiny"), d / "ckpt", seed=1, dtype=torch.float32)
+    m = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
+    return d, m
+
+
+def test_mtp_artifact_keeps_a_one_token_decode_graph(mtp_compiled):
+    d, m = mtp_compiled
     assert {n: (g["kind"], g["tokens_per_seq"]) for n, g in m["graphs"].items()} == {
         "prefill": ("prefill", None), "decode": ("decode", 1), "verify": ("decode", 3), "mtp": ("mtp", 3),
         "verify_mtp": ("verify_mtp", 3)}
-    model = load_model(tmp_path / "ckpt")
-    out = Session.load(tmp_path / "art").generate([[1, 2, 3]], max_new_tokens=4)[0].tokens
+    model = load_model(d / "ckpt")
+    out = Session.load(d / "art").generate([[1, 2, 3]], max_new_tokens=4)[0].tokens
     assert out == greedy(model, torch.tensor([[1, 2, 3]]), 4)[0].tolist()
+
+
+def test_compile_never_overwrites(mtp_compiled):
+    d, _ = mtp_compiled
+    with pytest.raises(FileExistsError):
+        compile_checkpoint(d / "ckpt", d / "art", target="cpu")
+    with pytest.raises(FileExistsError, match="only a dsv4c artifact"):  # --force never wipes other folders
+        compile_checkpoint(d / "ckpt", d / "ckpt", target="cpu", force=True)
+    assert (d / "ckpt" / "config.json").is_file()
+    assert Session.load(d / "art").manifest["mtp_k"] == 2  # the refused compiles left the artifact as it was
 
 
 def test_cli_inspect_and_run(compiled, capsys, tmp_path):

@@ -210,7 +210,7 @@ def test_compare_shows_the_quantization_snr():
     assert by["absorb_mla"]["snr_prev_db"] > 80 and by["select_kernels"]["snr_prev_db"] == float("inf")
 
 
-def test_capability_is_checked_at_compile_time(monkeypatch, tmp_path):
+def test_capability_is_checked_at_compile_time(monkeypatch, tmp_path, mxfp4_artifact):
     check_format(TARGETS["b200"])  # compiling for b200 is allowed anywhere
     bad = dataclasses.replace(TARGETS["h200"], expert_format="nvfp4_w4a4")
     with pytest.raises(QuantizeError, match="nvfp4_w4a4 needs CUDA compute capability 10.0"):
@@ -225,11 +225,12 @@ def test_capability_is_checked_at_compile_time(monkeypatch, tmp_path):
     with pytest.raises(QuantizeError, match="capability 10.0"):
         compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h100", max_tokens=32, max_batch=2,
                            expert_format="nvfp4_w4a4")
-    man = compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2,
-                             expert_format="nvfp4_w4a16", verify_boundaries=False)
-    assert man["target"]["expert_format"] == "nvfp4_w4a16" and "--expert-format" in man["target"]["expert_format_reason"]
-    assert man["quant_map"]["expert_format"] == "nvfp4_w4a16"
-    assert {q["kernel_format"] for q in man["quant_map"]["modules"].values()} == {"nvfp4"}
+    # (the chosen format: mxfp4_w4a16 on h200, whose own is fp8_block: the compile the e8m0 test below reads too)
+    man = mxfp4_artifact[2]
+    assert TARGETS["h200"].expert_format != "mxfp4_w4a16"
+    assert man["target"]["expert_format"] == "mxfp4_w4a16" and "--expert-format" in man["target"]["expert_format_reason"]
+    assert man["quant_map"]["expert_format"] == "mxfp4_w4a16"
+    assert {q["kernel_format"] for q in man["quant_map"]["modules"].values()} == {"mxfp4"}
 
 
 def test_pass_context_expert_format_overrides_the_target(graphs):
@@ -398,22 +399,30 @@ def test_cuda_moe_experts_q_is_capture_safe():
     assert torch.equal(out, want)
 
 
-def test_mxfp4_artifact_graphs_carry_no_e8m0_dtype(tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_artifact(tmp_path_factory):
+    """h200 with --expert-format mxfp4_w4a16 on a V4 release checkpoint (MXFP4 experts)."""
+    d = tmp_path_factory.mktemp("mxfp4")
+    ck, art = d / "ck", d / "art"
+    write_random_checkpoint(small("v4-tiny-a"), ck, seed=4, quant="release", dtype=torch.float32)
+    man = compile_checkpoint(ck, art, target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
+                             expert_format="mxfp4_w4a16", verify_boundaries=False)
+    return ck, art, man
+
+
+def test_mxfp4_artifact_graphs_carry_no_e8m0_dtype(mxfp4_artifact):
     """torch 2.11's export serialiser has no float8_e8m0fnu: an h200 compile with MXFP4 experts
     failed there while saving the graphs. The scales travel as uint8 bytes; the op views them back."""
     from dsv4c.runtime import Session
 
-    ck = tmp_path / "ck"
-    write_random_checkpoint(small("v4-tiny-a"), ck, seed=4, quant="release", dtype=torch.float32)
-    man = compile_checkpoint(ck, tmp_path / "art", target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
-                             expert_format="mxfp4_w4a16", verify_boundaries=False)
+    ck, art, man = mxfp4_artifact
     assert {q["kernel_format"] for q in man["quant_map"]["modules"].values()} == {"mxfp4"}
     for g in man["graphs"].values():
-        ep = torch.export.load(str(tmp_path / "art" / g["file"]))
+        ep = torch.export.load(str(art / g["file"]))
         dtypes = {n.meta["val"].dtype for n in ep.graph.nodes
                   if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
         assert torch.uint8 in dtypes and torch.float8_e8m0fnu not in dtypes, (g["file"], dtypes)
-    sess = Session.load(tmp_path / "art", emulate=True)
+    sess = Session.load(art, emulate=True)
     ids = [3, 9, 27, 4, 11]
     model = load_model(ck, dtype=torch.float32).eval()  # the eager model (the spec), not a second compile
     with torch.no_grad():

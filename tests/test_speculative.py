@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import cut_presets
 
 from dsv4c import ModelConfig, load_model
 from dsv4c.export import VerifyMTPStepModule, unflat_caches
@@ -482,9 +483,10 @@ def test_end_to_end_sampling_distribution_tiny_vocab():
     """A V4 model with an 8-token vocabulary: the (first, second) generated tokens of mtp=2 sampling
     follow p(x1)·p(x2 | x1) computed from the model's own logits. The rounds run the fused graph: rows whose
     tokens were the argmax keep its MTP output, the others refresh separately (both happen here)."""
-    cfg = dataclasses.replace(ModelConfig.preset("v4-tiny-a"), vocab_size=8, eos_token_id=None, bos_token_id=None)
+    # cut_presets.small(): one layer of each kind (sliding, CSA, HCA) and the MTP block; the property needs no more
+    cfg = dataclasses.replace(cut_presets.small("v4-tiny-a"), vocab_size=8, eos_token_id=None, bos_token_id=None)
     model = randomize_(build_model(cfg, dtype=torch.float32), seed=2).eval()  # a random MTP: mostly rejected
-    sess = eager_session(model, max_batch=8, max_tokens=16, mtp_k=2)
+    sess = eager_session(model, max_batch=96, max_tokens=16, mtp_k=2)  # each generate() below in one batch
     prompt, params, n = [3, 5, 2, 7], SamplingParams(1.0, 0.9), 480
     p1 = processed_probs(sess.logits(prompt)[-1], params)
     target = torch.stack([p1[a] * processed_probs(sess.logits(prompt + [a])[-1], params) for a in range(8)])
