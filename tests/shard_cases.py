@@ -146,7 +146,7 @@ def session_scenario(sess, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str) -> None:
+def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str, scenario=None) -> None:
     import torch.distributed as dist
 
     from dsv4c.runtime import Session
@@ -159,7 +159,7 @@ def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str) ->
         sess = Session.load(art)  # checks the plan against this world, registers the groups
         if rank == 0:
             try:
-                torch.save(session_scenario(sess), Path(out_dir) / "rank0.pt")
+                torch.save((scenario or session_scenario)(sess), Path(out_dir) / "rank0.pt")
             finally:
                 send_stop(sess.device)
         else:
@@ -170,10 +170,10 @@ def _session_worker(rank: int, world: int, port: int, art: str, out_dir: str) ->
         raise
 
 
-def run_artifact(art: Path, world: int, out_dir: Path, timeout: float = 300.0) -> dict[str, torch.Tensor]:
-    """`session_scenario` on a sharded artifact: one forked gloo process per rank (rank 0 schedules,
-    the others replay, as `dsv4c run` does); rank 0's outputs."""
+def run_artifact(art: Path, world: int, out_dir: Path, timeout: float = 300.0, scenario=None) -> dict:
+    """`scenario(sess)` (default `session_scenario`) on a sharded artifact: one forked gloo process per rank
+    (rank 0 schedules and runs it, the others replay, as `dsv4c run` does); what rank 0's scenario returned."""
     port = free_port()
-    _fork_ranks(art, [(_session_worker, (r, world, port, str(art), str(out_dir))) for r in range(world)], out_dir,
-                timeout)
+    _fork_ranks(art, [(_session_worker, (r, world, port, str(art), str(out_dir), scenario)) for r in range(world)],
+                out_dir, timeout)
     return torch.load(out_dir / "rank0.pt", weights_only=True)

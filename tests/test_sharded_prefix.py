@@ -25,7 +25,7 @@ from dsv4c.model import build_model, randomize_
 from dsv4c.runtime.block_pool import PagedConfig
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig
 from session_probe import eager_session, serve
-from shard_cases import _fork_ranks, free_port
+from shard_cases import _fork_ranks, free_port, run_artifact
 
 BLOCK = 8
 
@@ -127,31 +127,11 @@ def test_every_rank_restores_its_own_prefix_state_and_rank_0_gives_the_single_pr
 
 
 # ---- end to end: compiled sharded artifacts ------------------------------------------------------------
-def _artifact_rank(rank: int, world: int, port: int, art: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from dsv4c.runtime import Session
-    from dsv4c.runtime.distributed import send_stop, serve_follower
-
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        sess = Session.load(art)  # prefix caching on (the default)
-        if rank == 0:
-            try:
-                base, ps = prompts_sharing(sess.config.vocab_size)
-                serve(sess, [base], max_new=1)
-                torch.save({"served": serve(sess, ps, max_new=3), "stats": sess.prefix.stats()},
-                           Path(out_dir) / "rank0.pt")
-            finally:
-                send_stop(sess.device)
-        else:
-            serve_follower(sess)
-        dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+def _prefix_scenario(sess) -> dict:
+    """Rank 0's part of the end-to-end test: fill the cache with the shared prefix, then serve the prompts."""
+    base, ps = prompts_sharing(sess.config.vocab_size)
+    serve(sess, [base], max_new=1)
+    return {"served": serve(sess, ps, max_new=3), "stats": sess.prefix.stats()}
 
 
 @pytest.mark.long  # three compiles and two gloo worlds of 2: minutes of CPU
@@ -179,10 +159,7 @@ def test_sharded_artifacts_with_prefix_caching_give_the_single_process_logits(tm
     for name in ("tp2", "ep2"):
         out = tmp_path / f"{name}-out"
         out.mkdir()
-        port = free_port()
-        _fork_ranks(name, [(_artifact_rank, (r, 2, port, str(tmp_path / name), str(out))) for r in range(2)], out,
-                    300.0)
-        got = torch.load(out / "rank0.pt", weights_only=False)
+        got = run_artifact(tmp_path / name, 2, out, scenario=_prefix_scenario)
         assert got["stats"]["hit_tokens"] > 0, (name, got["stats"])
         assert got["served"][0] == ref[0], name
         for i, (a, b) in enumerate(zip(ref[1], got["served"][1])):
