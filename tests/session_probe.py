@@ -60,3 +60,12 @@ def serve(sess: Session, prompts, max_new: int = 4, **kw):
         del sess._emit
         sess.host_steps = False
     return [r.tokens for r in out], [torch.stack(rec[i]) for i in range(len(prompts))]
+
+
+def assert_same(ref, got, tol: float = 1e-6) -> None:
+    """`serve` results `ref` and `got`: equal tokens, every request's logits within `tol` of ref's max."""
+    for i, (a, b) in enumerate(zip(ref[1], got[1])):
+        assert a.shape == b.shape, i
+        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
+        assert err <= tol, f"request {i}: rel err {err}"
+    assert ref[0] == got[0]

@@ -14,6 +14,8 @@ on V4, against 0 to 6e-7 between two chunkings of the one-at-a-time path.
 The Sessions run the eager model's `step` as their graphs (tests/session_probe.py), as the prefix-cache tests."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from dsv4c import ModelConfig
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime.block_pool import PagedConfig
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig
+from session_probe import assert_same as same_as_serve
 from session_probe import eager_session, serve
 
 BUDGET, BLOCK = 32, 8  # max_num_batched_tokens (tokens per prefill call, padding counted), prefix block size
@@ -73,12 +76,7 @@ def both(model, ps, base=None, **kw):
     return out
 
 
-def assert_same(ref, got, tol: float = 1e-5) -> None:
-    for i, (a, b) in enumerate(zip(ref[1], got[1])):
-        assert a.shape == b.shape, i
-        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
-        assert err <= tol, f"request {i}: rel err {err}"
-    assert ref[0] == got[0]
+assert_same = partial(same_as_serve, tol=1e-5)  # 1e-5: see the module docstring
 
 
 def assert_batched(one, many) -> None:

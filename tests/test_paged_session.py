@@ -16,21 +16,13 @@ from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
 from dsv4c.runtime.block_pool import PagedCacheError, PagedConfig
 from session_probe import eager_session as probe_session
-from session_probe import serve
+from session_probe import assert_same, serve
 
 
 def eager_session(model, block: int, paged: PagedConfig | None, prefix: bool = True, **kw) -> Session:
     """tests/session_probe.eager_session with paged caches (`paged`; the prefix cache follows `prefix`) or
     slot caches without a prefix cache (None)."""
     return probe_session(model, block, prefix if paged is not None else False, paged=paged, **kw)
-
-
-def assert_same(ref, got, tol: float = 1e-6) -> None:
-    for i, (a, b) in enumerate(zip(ref[1], got[1])):
-        assert a.shape == b.shape, i
-        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
-        assert err <= tol, f"request {i}: rel err {err}"
-    assert ref[0] == got[0]
 
 
 def prompts_sharing(V: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
