@@ -12,6 +12,13 @@ Stages (each timed; the JSON is rewritten after every stage):
        on    an empty prefix cache: the first request prefills everything and stores its blocks,
              the others resume at the system prompt's last block and prefill U tokens;
        warm  the same requests again: every request resumes from cached blocks.
+With --profile-prefill, once the slot runs are done, the prefill paths behind those TTFTs are timed and
+profiled (torch.profiler, kernels grouped by name): one request resuming from the cached system prompt
+(1 x U tokens), 16 such requests in one prefill call (16 x U), one request without the cache (S + U tokens,
+chunks of max_num_batched_tokens) and one 2048-token prompt (one chunk); each is `generate(..., max_new_tokens=1)`,
+so admission, the prefix restore and the first token are in it. `--runs on,warm` skips the cache-off run (a
+profiling pass needs no baseline; the summary then has no speedups).
+
 With --paged, a second artifact compiled with `--paged` (the growing caches in blocks of a shared pool,
 runtime/block_pool.py: blocks grown as requests decode; CUDA graphs capture the paged graphs) runs after the
 first Session is freed: `paged_on`, `paged_warm` (prompts share the system prompt's blocks without copies)
@@ -50,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_artifact import _run, dsv4c, round_to_release_  # noqa: E402
 from bench_segments import _commit, build  # noqa: E402
+from profile_step import kernel_table  # noqa: E402
 
 from dsv4c.checkpoint import save_checkpoint  # noqa: E402
 
@@ -116,6 +124,48 @@ def run(sess, ps, new, dev, prefix) -> dict:
     return res
 
 
+PROFILE_SCENARIOS = ("hit_1", "hit_16", "cold_full", "cold_2048")
+
+
+def _scenario(name: str, ps: list[list[int]], U: int) -> tuple[list[list[int]], bool]:
+    """-> (prompts, use the prefix cache) of a profiled prefill scenario."""
+    return {"hit_1": (ps[1:2], True), "hit_16": (ps[1:17], True), "cold_full": (ps[:1], False),
+            "cold_2048": ([ps[0][:2048]], False)}[name]
+
+
+@torch.no_grad()
+def prefill_profile(sess, prefix, ps: list[list[int]], U: int, dev, top: int = 25, reps: int = 3) -> dict:
+    """Time (median of `reps`, synchronised) and profile each scenario's `generate(max_new_tokens=1)`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out = {}
+    for name in PROFILE_SCENARIOS:
+        batch, cached = _scenario(name, ps, U)
+        sess.prefix = prefix if cached else None
+        sess.generate(batch, max_new_tokens=1)  # warm-up: this shape's kernels
+        ms = []
+        for _ in range(reps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            sess.generate(batch, max_new_tokens=1)
+            _sync(dev)
+            ms.append(1e3 * (time.perf_counter() - t0))
+        with profile(activities=acts) as prof:
+            sess.generate(batch, max_new_tokens=1)
+            _sync(dev)
+        kern, n_kern, kern_us = kernel_table(prof, top)
+        tokens = sum(U if cached else len(p) for p in batch)  # a hit resumes at the system prompt's end
+        out[name] = {"rows": len(batch), "prefilled_tokens": tokens, "ms": statistics.median(ms), "ms_all": ms,
+                     "kernels": n_kern, "kernel_ms": kern_us / 1e3, "top_kernels": kern}
+        print(f"[profile {name}] {len(batch)} rows, {tokens} tokens prefilled: {out[name]['ms']:.1f} ms "
+              f"({n_kern} kernels, {kern_us / 1e3:.1f} ms of kernel time)", flush=True)
+        for r in kern[:12]:
+            print(f"  {r['us'] / 1e3:8.2f} ms  x{r['count']:<5d} {r['name'][:100]}", flush=True)
+    sess.prefix = prefix
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="v4-flash-slice")
@@ -131,7 +181,14 @@ def main(argv=None) -> int:
     ap.add_argument("--paged", action="store_true", help="also compile and run paged caches (module docstring)")
     ap.add_argument("--pool-blocks", type=int, default=None, help="--paged: pool blocks (default: the slot capacity)")
     ap.add_argument("--paged-off", action="store_true", help="--paged: also the paged run without prefix sharing")
+    ap.add_argument("--runs", default="off,on,warm", help="slot-cache runs, comma list of off,on,warm (default all)")
+    ap.add_argument("--profile-prefill", action="store_true", help="time and profile the prefill paths (docstring)")
     a = ap.parse_args(argv)
+    runs = a.runs.split(",")
+    if not runs or set(runs) - {"off", "on", "warm"}:
+        ap.error(f"--runs: a comma list of off, on, warm; got {a.runs!r}")
+    if a.paged and runs != ["off", "on", "warm"]:
+        ap.error("--paged compares against every slot run: leave --runs at off,on,warm")
     if a.quick:
         a.preset, a.target, a.requests, a.system, a.suffix, a.new = "v4-tiny-a", "cpu", 4, 64, 8, 4
     dev = torch.device(a.device)
@@ -180,6 +237,8 @@ def main(argv=None) -> int:
     stage("load_and_warmup", t0)
     ps = prompts(V, a.requests, a.system, a.suffix)
     for name, pc in (("off", None), ("on", prefix), ("warm", prefix)):
+        if name not in runs:
+            continue
         t0 = time.perf_counter()
         res[name] = run(sess, ps, a.new, dev, pc)
         r = res[name]
@@ -193,6 +252,13 @@ def main(argv=None) -> int:
     sess.prefix = prefix
     res["ttft_admit_ms_on"] = 1e3 * statistics.median(admit_ttft(sess, ps[:4], 2))  # all hits by now
     stage("admission_ttft", t0)
+    if a.profile_prefill:
+        t0 = time.perf_counter()
+        res["prefill_profile"] = prefill_profile(sess, prefix, ps, a.suffix, dev)
+        stage("prefill_profile", t0)
+    if runs != ["off", "on", "warm"]:
+        a.out.write_text(json.dumps(res, indent=1, default=str))
+        return 0
     off = res["off"]
     res["summary"] = {
         f"{k}_ttft_speedup": off["ttft_submit_ms_mean"] / res[k]["ttft_submit_ms_mean"] for k in ("on", "warm")}
