@@ -23,8 +23,10 @@ Function (identical to the static op): for the query of row b, token t at qpos =
     selected >= 0 (distinct indices, as the indexer's top-k gives; a duplicate would count twice
     here and once in the static op); HCA (`selected` None) the rows i < (qpos + 1) // m.
   o = Σ softmax(q·k / sqrt(d)) k with exp(sinks[h]) added to the denominator only; o fp32.
-  Then ring[slots[b], (pos0 + t) mod S] = kv[b, t] for t < n_real[b]; rows t >= n_real write nothing
-  (the static op sends them to the scratch slot instead; its contents stay unspecified).
+  Then ring[slots[b], (pos0 + t) mod S] = kv[b, t] for n_real[b] - S <= t < n_real[b] (the last S real
+  rows: a prefill chunk longer than the ring leaves its newest S positions); other rows write nothing
+  (the static op sends them to the scratch slot instead; its contents stay unspecified). T is any length:
+  decode (1), verify (1 + k) and prefill chunks alike.
 
 Design (flash decoding):
   1. `_attn_split_kernel`, grid (B·T, cdiv(H, BH), SPLIT). The keys of one query form a virtual list
@@ -241,9 +243,11 @@ def _attn_split_kernel(
             k = tl.load(ring_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
             m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
 
-        # chunk rows t' <= t (t - t' < W)
+        # chunk rows t' <= t (t - t' < W): blocks from the window's first row on (a long prefill chunk
+        # does not scan its earlier rows)
         ncb = tl.cdiv(t + 1, BLOCK_N)
-        for i in range(_first_block(0, nwb, sp, SPLIT, INTERPRET), _loop_bound(ncb, INTERPRET), SPLIT):
+        c_lo = tl.maximum(t - W + 1, 0) // BLOCK_N
+        for i in range(_first_block(c_lo, nwb, sp, SPLIT, INTERPRET), _loop_bound(ncb, INTERPRET), SPLIT):
             tp = i * BLOCK_N + n
             valid = (tp <= t) & (t - tp < W)
             k = tl.load(kv_ptr + b.to(tl.int64) * skv_b + tp[:, None] * skv_t + dd[None, :],
@@ -296,7 +300,7 @@ def _combine_kernel(kv_ptr, ring_ptr, slots_ptr, pos0_ptr, nreal_ptr, sinks_ptr,
                     skv_b, skv_t, T, H, S,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
     # o [B·T, H, D] fp32 from the SPLIT partials (skipped when SPLIT = 1: the first kernel wrote o);
-    # then head block 0 writes kv[b, t] to ring[slots[b], (pos0[b] + t) mod S] if t < n_real[b]
+    # then head block 0 writes kv[b, t] to ring[slots[b], (pos0[b] + t) mod S] if n_real[b] - S <= t < n_real[b]
     bt = tl.program_id(0)
     hb = tl.program_id(1)
     dd = tl.arange(0, BLOCK_D)
@@ -322,7 +326,8 @@ def _combine_kernel(kv_ptr, ring_ptr, slots_ptr, pos0_ptr, nreal_ptr, sinks_ptr,
     if hb == 0:
         b = bt // T
         t = bt % T
-        if t < tl.load(nreal_ptr + b):
+        nr = tl.load(nreal_ptr + b)
+        if (t < nr) & (t >= nr - S):
             slot = tl.load(slots_ptr + b)
             row = (tl.load(pos0_ptr + b) + t) % S
             x = tl.load(kv_ptr + b.to(tl.int64) * skv_b + t * skv_t + dd, mask=dm)
@@ -355,8 +360,8 @@ def _check(q, kv, slots, pos0, n_real, ring, sinks, entries, selected, window, m
             raise ValueError(f"{name}: {tname} must be contiguous int64 [{B}], got {x.dtype} {list(x.shape)}")
     if sinks.dtype != torch.float32 or tuple(sinks.shape) != (H,) or not sinks.is_contiguous():
         raise ValueError(f"{name}: sinks must be contiguous float32 [{H}], got {sinks.dtype} {list(sinks.shape)}")
-    if T > S:
-        raise ValueError(f"{name}: chunk of T={T} tokens exceeds the S={S} ring rows")
+    if S < 1:
+        raise ValueError(f"{name}: ring must have at least one row per slot, got {list(ring.shape)}")
     if window < 1:
         raise ValueError(f"{name}: window must be >= 1, got {window}")
     if block_table is not None:  # paged: entries is the pool [N + 1, RB, d]

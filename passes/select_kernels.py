@@ -4,11 +4,13 @@
     after:   v4_attention_static(q, kv, slots, pos0, n_real, ring, ...)     # fixed shapes, no host sync
 
 The two ops take the same arguments and compute the same function (tests/test_static_ops.py checks
-each pair on random state), so swapping the call target is the whole rewrite. The swap applies to
-graphs with a fixed number of tokens per row (decode, verify, MTP); a prefill graph keeps the
-reference ops, whose chunk can be longer than the window ring. The static cache ops write what they
-must not write to the cache's last slot (dsv4c/model/static_ops.py: the scratch slot), which the
-runtime reserves.
+each pair on random state), so swapping the call target is the whole rewrite. The swap applies to every
+graph: decode, verify and MTP (a fixed number of tokens per row) and prefill, whose chunks may be longer
+than the window ring (the static and fused attention keep each row's newest S real positions in the
+ring, as the reference does). Prefill keeps its routed experts as they are (`moe_experts`' `gathered`
+form is for decode-sized batches; quantize_experts already chose the prefill kernels). The static
+cache ops write what they must not write to the cache's last slot (dsv4c/model/static_ops.py: the
+scratch slot), which the runtime reserves.
 
 Implementations per op (the names a target may use):
     reference   the op as exported (dsv4c/model/*_ops.py, moe.py)
@@ -49,6 +51,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("mla_cache_update_paged", "static"): "mla_cache_update_paged_static",
     ("dsa_cache_update_paged", "static"): "dsa_cache_update_paged_static",
 }
+DECODE_ONLY = "moe_experts"  # its `gathered` form moves T·K expert matrices: decode-sized batches only
 PAGED_SUFFIX = "_paged"  # `<op>_paged` takes the implementation the target names for `<op>`
 
 
@@ -68,9 +71,9 @@ def select_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
     from dsv4c.targets import get_target
 
     register_ops()
-    if ctx.graph_kind == "prefill":
-        return PassResult(gm, False, {"skipped": "prefill graph: chunks may exceed the window ring; reference ops"})
     kernels = {**get_target(ctx.target).kernels, **dict(ctx.kernels)}
+    if ctx.graph_kind == "prefill":
+        kernels.pop(DECODE_ONLY, None)
     swapped: Counter = Counter()
     for n in gm.graph.nodes:
         if n.op != "call_function":

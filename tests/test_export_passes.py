@@ -93,9 +93,10 @@ def test_decode_graph_with_k2_equals_three_single_steps(model, decode_graph):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind,target", [("prefill", "cpu"), ("decode", "cpu"), ("decode", "h200")])
+@pytest.mark.parametrize("kind,target", [("prefill", "cpu"), ("decode", "cpu"), ("decode", "h200"), ("prefill", "h200")])
 def test_each_pass_preserves_outputs(model, kind, target):
-    """h200: select_kernels swaps in the capture-safe cache ops (dsv4c/model/static_ops.py)."""
+    """h200: select_kernels swaps in the capture-safe cache ops (dsv4c/model/static_ops.py) and the fused
+    kernels' ops (their CPU forms), prefill included (its 9-token chunk is longer than a window ring)."""
     T = 9 if kind == "prefill" else 3
     eg = export_graph(model, GraphSpec(kind, k=2, n_slots=3, max_len=64))
     ids, cache = _inputs(model, T, n_slots=3)
@@ -107,7 +108,22 @@ def test_each_pass_preserves_outputs(model, kind, target):
     assert set(errors) == {n for n, _ in default_pipeline()} - {"quantize_experts", "quantize_dense"}
     assert max(errors.values()) <= REL, errors
     swapped = next(r for r in recs if r.name == "select_kernels")
-    assert swapped.changed == (target == "h200" and kind == "decode"), swapped.stats
+    assert swapped.changed == (target == "h200"), swapped.stats
+
+
+@torch.no_grad()
+def test_select_kernels_keeps_prefill_experts(model):
+    """`moe_experts=gathered` (decode-sized batches) lowers the decode graph's experts, not prefill's; the
+    prefill graph's cache ops get the same implementations as decode's."""
+    from dsv4c.passes.select_kernels import select_kernels
+
+    got = {}
+    for kind in ("prefill", "decode"):
+        gm = export_graph(model, GraphSpec(kind, n_slots=3, max_len=64)).module()
+        ctx = PassContext(model.config, "h200", graph_kind=kind, kernels=(("moe_experts", "gathered"),))
+        got[kind] = select_kernels(gm, ctx).stats["swapped"]
+    assert "moe_experts -> gathered" in got["decode"] and "moe_experts -> gathered" not in got["prefill"]
+    assert set(got["prefill"]) == set(got["decode"]) - {"moe_experts -> gathered"} != set()  # the cache ops too
 
 
 @torch.no_grad()

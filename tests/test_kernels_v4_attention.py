@@ -86,6 +86,17 @@ def test_matches_static_op(case, m, E, k, dtype):
     assert_same(a, SMALL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,E,k", [(0, 0, 0), (4, 13, 7), (8, 7, 0)])
+def test_prefill_chunk_longer_than_the_ring(m, E, k, dtype):
+    """A prefill chunk of T = 37 > S = 10 rows (window 8): the chunk's keys come from kv, a row at
+    pos0 = 0 and one resuming past a wrapped ring, one padded (n_real < T) so its last real rows are not
+    the chunk's; the ring keeps each row's newest S real positions, exactly as the static op."""
+    a = make_case(2, 37, 4, 32, 10, m, E, k, [0, 23], [37, 30], dtype, seed=21 + m)
+    assert_same(a, SMALL)
+    assert_same(a, V4AttnConfig(block_n=16, split=3))  # the chunk blocks' start moves with t: any split
+
+
 @pytest.mark.parametrize("split", [1, 2, 5])
 def test_split_counts_and_many_entries(split):
     """Explicit SPLIT (1: the first kernel finishes o itself), entries spanning several blocks, S = W:
@@ -155,15 +166,11 @@ def test_custom_op_on_cpu_is_the_static_op():
     ("selected", lambda a: a["selected"].int(), "selected must be"),
     ("entries", lambda a: a["entries"][:-1], "entries must be"),
     ("window", lambda a: 0, "window must be"),
-    ("q", lambda a: a["q"].expand(2, 11, 4, 32), "chunk of T=11 tokens exceeds the S=10"),
+    ("ring", lambda a: a["ring"][:, :0], "ring must have at least one row"),
 ])
 def test_bad_inputs(field, value, msg):
     a = make_case(2, 2, 4, 32, 10, 4, 12, 6, [20, 9], [2, 2], seed=13)
-    if field == "q" and "chunk" in msg:
-        a["q"] = torch.randn(2, 11, 4, 32)
-        a["kv"] = torch.randn(2, 11, 32)
-    else:
-        a[field] = value(a)
+    a[field] = value(a)
     with pytest.raises(ValueError, match=msg):
         v4_attention_fused(**a)
 
@@ -181,10 +188,11 @@ FLASH = {"H": 64, "d": 512, "S": 131}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (8, 1), (64, 1), (8, 4)])
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 1), (64, 1), (8, 4), (2, 300)])
 @pytest.mark.parametrize("m,E,k", [(0, 0, 0), (4, 1024, 512), (128, 32, 0)])
 def test_flash_shapes_on_cuda(B, T, m, E, k):
-    """Rows at random positions (row 0 at 0, so no window and no entries), the last row padded."""
+    """Rows at random positions (row 0 at 0, so no window and no entries), the last row padded; T = 300 is
+    a prefill chunk longer than the ring (S = 131)."""
     g = torch.Generator().manual_seed(B * 10 + T)
     pos0 = torch.randint(0, m * E + 200 if m else 3000, (B,), generator=g).tolist()
     pos0[0] = 0

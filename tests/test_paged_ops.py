@@ -165,9 +165,7 @@ def test_triton_indexer_block_table_path_equals_its_slot_path():
 
 def _graph(model, kind: str, paged, n_slots: int, max_len: int):
     gm = export_graph(model, GraphSpec(kind, n_slots=n_slots, max_len=max_len, paged=paged)).module()
-    if kind != "prefill":
-        gm = select_kernels(gm, PassContext(model.config, "h200", kind)).graph
-    return gm
+    return select_kernels(gm, PassContext(model.config, "h200", kind)).graph
 
 
 def _paged_graph_case(name: str, kinds: tuple[str, ...]):

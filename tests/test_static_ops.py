@@ -110,9 +110,24 @@ def test_moe_gathered_matches_reference(T):
         assert torch.allclose(ops.moe_experts_gathered(x, idx, w, w1, w3, w2, limit), ref, atol=1e-10)
 
 
-def test_static_attention_rejects_chunk_longer_than_ring():
-    q, kv = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 4)
-    ring = torch.zeros(2, 4, 4)
-    one = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(AssertionError, match="ring rows"):
-        ops.v4_attention_static(q, kv, one, one, one, ring, torch.zeros(2), None, None, 3, 0)
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+def test_static_attention_prefill_chunk_longer_than_the_ring(kind):
+    """A prefill chunk of T = 3 S + 2 tokens: the static op equals the reference's per-row loop, and the
+    ring keeps the newest S real positions of each row (a padded row's last real rows, not the chunk's)."""
+    g = torch.Generator().manual_seed(11)
+    B, H, d, W, n_slots, E, m = 3, 2, 8, 6, 5, 12, 4
+    S = W + 1
+    T = 3 * S + 2
+    slots, pos0, n_real = torch.tensor([2, 0, 3]), torch.tensor([0, 2 * S + 3, 5]), torch.tensor([T, T - 4, 2])
+    q, kv = torch.randn(B, T, H, d, generator=g), torch.randn(B, T, d, generator=g)
+    ring = torch.randn(n_slots, S, d, generator=g)
+    sinks = torch.randn(H, generator=g)
+    entries = torch.randn(n_slots, E, d, generator=g) if kind != "swa" else None
+    selected = torch.randint(-1, E, (B, T, 3), generator=g) if kind == "csa" else None
+    r1, r2 = ring.clone(), ring.clone()
+    a = ops.v4_attention(q, kv, slots, pos0, n_real, r1, sinks, entries, selected, W, m)
+    b = ops.v4_attention_static(q, kv, slots, pos0, n_real, r2, sinks, entries, selected, W, m)
+    real = torch.arange(T)[None, :] < n_real[:, None]  # padded rows' outputs are unspecified
+    assert (a - b)[real].norm() / a[real].norm() < 1e-6
+    assert torch.equal(_real(r1), _real(r2))
+    assert torch.equal(r2[2, torch.arange(T - S, T) % S], kv[0, T - S:])  # row 0 (slot 2, pos0 0): the last S rows

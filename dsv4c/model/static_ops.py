@@ -14,7 +14,7 @@ use it as their slot (`SegmentExecutor(pad_slot=n_slots - 1)`). Real rows must h
 With those two rules no two writes of one call hit the same real cache row, so the order of
 scattered writes never matters.
 
-Legend: B batch, T chunk tokens (static, T <= S), n_slots cache slots (last = scratch), H heads,
+Legend: B batch, T chunk tokens (static; any length, prefill chunks included), n_slots cache slots (last = scratch), H heads,
 d head dim, S ring rows, W window, m compress ratio, c overlap factor (2 for m = 4), w entry width,
 E entry capacity, G groups a chunk can touch, V virtual rows (open group + chunk), K experts per token.
 """
@@ -68,7 +68,6 @@ def _attention_static(q, kv, slots, pos0, n_real, ring, sinks, ent_rows, selecte
     entries = ent_rows
     B, T, H, d = q.shape
     S = ring.shape[1]
-    assert T <= S, f"v4_attention_static: chunk of {T} tokens exceeds the {S} ring rows"
     dev = q.device
     t = torch.arange(T, device=dev)
     qpos = pos0[:, None] + t  # [B, T]
@@ -88,7 +87,9 @@ def _attention_static(q, kv, slots, pos0, n_real, ring, sinks, ent_rows, selecte
         keys = torch.cat([keys, entries], 1)
         mask = torch.cat([mask, vis], 2)
     out = sink_attention(q.float(), keys.float(), mask, sinks)
-    write = t[None, :] < n_real[:, None]  # [B, T]
+    # [B, T]: the last S real rows (a chunk longer than the ring leaves its newest S positions there,
+    # and no two written rows share a ring row)
+    write = (t[None, :] < n_real[:, None]) & (t[None, :] >= (n_real - S)[:, None])
     ws, wr = _scratch_redirect(slots, torch.remainder(qpos, S), write, ring.shape[0])
     ring[ws, wr] = kv.to(ring.dtype)
     return out
