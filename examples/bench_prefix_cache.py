@@ -7,7 +7,8 @@ and each adds its own U-token suffix (default 64 x 4096 + 128); all are submitte
 Stages (each timed; the JSON is rewritten after every stage):
   1. the slice built on the device, rounded to the release formats, its checkpoint written, and
      `dsv4c compile --target h200 --max-batch R --buckets R` (as examples/bench_artifact.py does);
-  2. one Session (graphs=full), a warm-up request, then the same R requests
+  2. one Session (graphs=full; `Session.load` warms the kernels up on a GPU: `Session.warm_up`), a warm-up
+     request, then the same R requests
        off   prefix caching off (`sess.prefix = None`): every request prefills S + U tokens;
        on    an empty prefix cache: the first request prefills everything and stores its blocks,
              the others resume at the system prompt's last block and prefill U tokens;
@@ -229,6 +230,7 @@ def main(argv=None) -> int:
     sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off")
     prefix = sess.prefix
     res["slot_cache_bytes"] = sess.cache_info["main"]["bytes"]
+    res["load_warm_up_s"] = sess.warmup_s  # Session.warm_up at load: the kernels' JIT compiles
     res["prefix_pool"] = {"blocks": prefix.n_blocks, "block_size": prefix.block_size,
                           "bytes_per_block": prefix.bytes_per_block,
                           "pool_GiB": prefix.n_blocks * prefix.bytes_per_block / 2**30}
@@ -302,6 +304,7 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off")
     res["paged_pool"] = sess.cache_info["paged"]
     res["paged_cache_bytes"] = sess.cache_info["main"]["bytes"]
+    res["paged_load_warm_up_s"] = sess.warmup_s
     res["paged_executor_modes"] = {k: getattr(ex, "mode", None) for k, ex in sess.executors.items()}
     sess.prefix.share = False
     sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph capture

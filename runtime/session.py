@@ -150,6 +150,7 @@ class Session:
         # its promise is that a request's logits do not depend on the requests it runs with
         self.max_prefill_rows = 1 if manifest.get("deterministic") else self.max_batch
         self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0}  # prefill graph calls
+        self.warmup_s: dict[str, float] = {}  # Session.warm_up's seconds per case (load on a GPU)
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.paged = self._paged_layout()  # PagedLayout of a paged artifact (runtime/block_pool.py), else None
@@ -178,7 +179,7 @@ class Session:
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
              strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
-             deterministic: bool = False, paged: bool | None = None) -> "Session":
+             deterministic: bool = False, paged: bool | None = None, warm_up: bool | None = None) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -191,7 +192,9 @@ class Session:
         `deterministic=True` requires an artifact compiled with `--deterministic` (the kernels are chosen
         at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other.
         `paged`: the artifact's cache layout decides (compile with paged=PagedConfig(...): the growing caches
-        in blocks of a shared pool, runtime/block_pool.py); True / False require that layout (ArtifactError)."""
+        in blocks of a shared pool, runtime/block_pool.py); True / False require that layout (ArtifactError).
+        `warm_up` (default: on a GPU, single process): `Session.warm_up()` before returning, so the kernels'
+        JIT compiles are paid at load and not in the first requests' time to first token."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -245,7 +248,49 @@ class Session:
             attach(sess, rank)  # runtime/distributed.py
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
+        if warm_up if warm_up is not None else (device.type == "cuda" and rank is None):
+            if rank is not None:
+                raise ValueError("warm_up: a sharded artifact's ranks run together (runtime/distributed.py); "
+                                 "warm up through the rank-0 session's requests instead")
+            sess.warmup_s = sess.warm_up()
         return sess
+
+    @torch.no_grad()
+    def warm_up(self) -> dict[str, float]:
+        """Run a few throwaway requests whose prefill calls cover the shape classes real requests bring, so
+        the Triton kernels compile now: Triton specialises integer arguments (chunk tokens, rows) on == 1 and
+        on divisibility by 16, and each new combination compiles every kernel of the prefill graph again
+        (seconds on the slice). Cases: one row of the longest chunk (max_num_batched_tokens, a multiple of
+        16), one row of 17 tokens, and two rows of 16 and of 17 where the artifact takes two; each decodes
+        one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
+        off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request.
+        -> seconds per case."""
+        limit = min(self.max_num_batched_tokens, self.max_tokens - 2)
+        cases = {"1x%d" % (limit // 16 * 16): [limit // 16 * 16], "1x17": [17]}
+        if self.max_batch >= 2 and self.max_prefill_rows >= 2 and 2 * 17 <= self.max_num_batched_tokens:
+            cases.update({"2x16": [16, 16], "2x17": [17, 17]})
+        g = torch.Generator().manual_seed(0)
+        V = self.config.vocab_size
+        prefix, share = self.prefix, getattr(self.prefix, "share", None)
+        if self.paged:
+            self.prefix.share = False
+        else:
+            self.prefix = None
+        out = {}
+        try:
+            for name, lens in cases.items():
+                if not 1 <= min(lens) <= limit:
+                    continue
+                t0 = time.perf_counter()
+                self.generate([torch.randint(2, V, (n,), generator=g).tolist() for n in lens], max_new_tokens=2)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                out[name] = round(time.perf_counter() - t0, 3)
+        finally:
+            self.prefix = prefix
+            if self.paged:
+                self.prefix.share = share
+        return out
 
     def _allocate_caches(self, mtp: bool = False) -> dict[str, torch.Tensor]:
         """Static caches shaped as the graphs expect (runtime/kv_cache.py); CacheError if they do not fit.

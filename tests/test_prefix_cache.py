@@ -150,3 +150,25 @@ def test_h200_artifact_on_restored_slots_gives_the_tokens_of_a_run_from_scratch(
     for i, (a, b) in enumerate(zip(ref[1], got[1])):  # the same chunks and batches: equal up to GPU rounding
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
     assert ref[0] == got[0]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_warm_up_leaves_no_trace(models, paged):
+    """Session.warm_up (run by Session.load on a GPU) serves throwaway requests of each shape class: the
+    prefix cache keeps none of them, and requests after it get exactly what a fresh session gives."""
+    from dsv4c.runtime.block_pool import PagedConfig
+
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=2)
+    lay = PagedConfig(block_size=8) if paged else None
+    fresh = eager_session(model, 40, PrefixCacheConfig(block_size=8), paged=lay)
+    sess = eager_session(model, 40, PrefixCacheConfig(block_size=8), paged=lay)
+    took = sess.warm_up()
+    assert set(took) == {"1x32", "1x17", "2x16", "2x17"}, took  # chunks of 40 tokens: 32 is its multiple of 16
+    assert sess.prefix.stats()["blocks_cached"] == 0 and getattr(sess.prefix, "share", True)
+    want = serve(fresh, [base] + ps, max_new=3)
+    got = serve(sess, [base] + ps, max_new=3)
+    assert want[0] == got[0]
+    for a, b in zip(want[1], got[1]):
+        assert torch.equal(a, b)
+    assert sess.prefix.stats()["hit_tokens"] == fresh.prefix.stats()["hit_tokens"] > 0
