@@ -205,6 +205,80 @@ def test_teacher_forced_drafts_give_exactly_the_requested_acceptance(bundled, k,
 
 
 # ------------------------------------------------------------------------------------------------
+# one graph per round (RoundGraphs), emulated on the CPU
+# ------------------------------------------------------------------------------------------------
+SPEC_KEYS = ("tokens", "mtp_k", "rounds", "accept_histogram", "proposed_per_position", "accepted_per_position",
+             "accepted_draft_tokens", "fused_rounds", "fallback_refreshes")
+
+
+def _spec_run(sess, ps, k, mode, sampled, forced=None):
+    """Tokens and speculation counters of one call at mtp=k with `round_mode` = mode: rows 1 and 3 sample
+    (top-p; fixed seed) when `sampled`, the others are greedy."""
+    spec = speculator(sess)
+    spec.round_mode, spec.forced = mode, forced
+    replays = spec.round_graphs().stats["replays"] if mode != "off" else 0
+    try:
+        reqs = sess._requests(ps, 12, 0.0, 1.0, 0, 5, None)
+        if sampled:
+            for i in (1, 3):
+                if i < len(reqs):
+                    reqs[i].params = SamplingParams(0.9, top_p=0.95)
+        list(sess._serve(reqs, k))
+        stats = [sess._result(r).stats for r in reqs]
+        if mode != "off":
+            assert spec.round_graphs().stats["replays"] > replays  # the rounds went through the round graphs
+    finally:
+        spec.round_mode, spec.forced = "off", None
+    return [[r.out] + [s[key] for key in SPEC_KEYS[1:]] for r, s in zip(reqs, stats)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("sampled", [False, True])
+@torch.no_grad()
+def test_emulated_round_graph_equals_the_uncaptured_rounds(bundled, k, sampled):
+    """Rounds through `RoundGraphs` (emulated: static buffers, state written back, padding to the bucket)
+    give the tokens and per-request counters of the op-by-op rounds: greedy and sampling rows with a
+    fixed seed, a full bucket (4 rows) and a padded one (3 rows in bucket 4)."""
+    _, sess, ps, ref = bundled
+    for batch in (ps, ps[:3]):
+        off = _spec_run(sess, batch, k, "off", sampled)
+        emu = _spec_run(sess, batch, k, "emulate", sampled)
+        assert emu == off, (k, sampled, len(batch))
+    if not sampled:
+        assert [o[0] for o in off] == ref[:3]
+    else:
+        assert sum(o[SPEC_KEYS.index("fallback_refreshes")] for o in off) > 0  # the refresh call ran
+
+
+@torch.no_grad()
+def test_emulated_round_graph_with_forced_drafts(bundled):
+    """Teacher-forced drafts inside the round graph: the same tokens and acceptance as op by op."""
+    _, sess, ps, ref = bundled
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, ref))}
+    for sampled in (False, True):
+        off = _spec_run(sess, ps, 3, "off", sampled, ForcedDrafts(truth, 0.8, seed=3))
+        emu = _spec_run(sess, ps, 3, "emulate", sampled, ForcedDrafts(truth, 0.8, seed=3))
+        assert emu == off
+    assert [o[0] for o in _spec_run(sess, ps, 2, "emulate", False, ForcedDrafts(truth, 0.6, seed=3))] == ref
+
+
+def test_round_graph_modes_are_checked(bundled):
+    """"graphs" needs CUDA and whole-step executors: on this CPU session it is refused, naming why."""
+    _, sess, _, _ = bundled
+    spec = speculator(sess)
+    assert spec.round_mode == "off"
+    spec.round_mode = "graphs"
+    try:
+        with pytest.raises(ValueError, match="CUDA"):
+            spec.round_graphs()
+        spec.round_mode = "bogus"
+        with pytest.raises(ValueError, match="round_mode"):
+            spec.round_graphs()
+    finally:
+        spec.round_mode = "off"
+
+
+# ------------------------------------------------------------------------------------------------
 # auto
 # ------------------------------------------------------------------------------------------------
 def _controlled(spec, B: int, rounds: dict, accepted: list[int]) -> None:
