@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -514,7 +514,7 @@ class ForcedDrafts:
     calls still run (their cost is part of what a round costs); their drafts are overridden."""
 
     truth: dict[int, list[int]]
-    alpha: float
+    alpha: float  # inside a round graph a 0-d fp64 tensor holding it (`RoundGraphs.bind`)
     seed: int = 0
 
     def table(self, reqs: list, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -821,7 +821,7 @@ class _RoundBuffers:
     packed: torch.Tensor  # [b, T + 2] int64: the round's results (`_Launched`)
     B: int = 0  # real rows of the pipeline bound last
     view: _DevState | None = None  # `state` sliced to the B real rows (what `_Launched` carries)
-    forced: tuple[torch.Tensor, torch.Tensor] | None = None  # forced drafts' truth [b, W] and seeds [b]
+    forced: tuple[torch.Tensor, ...] | None = None  # forced drafts' truth [b, W], seeds [b] and α (0-d fp64)
 
 
 class RoundGraphs:
@@ -830,7 +830,7 @@ class RoundGraphs:
     A round (`_round_ops`: k-1 mtp draft calls, the fused verify_mtp call, acceptance, the sampling rows'
     refresh mtp call, packing) is some 20-60 kernel launches of host work where the GPU work of a small
     model's round is barely more than a decode step's. Here it is captured whole, per (batch bucket b,
-    k, sampling stages, forced drafts' α), on the bucket's static buffers (`_RoundBuffers`):
+    k, sampling stages, forced drafts or not), on the bucket's static buffers (`_RoundBuffers`):
 
       * inputs: the active batch's slots / sampling parameters / seeds (copied once per
         `Speculator.rounds` call, `bind`) and the round state (last token, position, d_1's MTP logits
@@ -883,13 +883,15 @@ class RoundGraphs:
         _pad_copy(rp.top_p, ctx.rp.top_p, 1.0)
         _pad_copy(rp.divisor, ctx.rp.divisor, 1.0)
         forced = None
-        if ctx.forced is not None:
+        if ctx.forced is not None:  # α too is a buffer (fp64, as the Python float it replaces): one graph for all α
             f, table, fseeds = ctx.forced
             if bf.forced is None or bf.forced[0].shape[1] != table.shape[1]:
-                bf.forced = (table.new_zeros((b, table.shape[1])), fseeds.new_zeros(b))
+                bf.forced = (table.new_zeros((b, table.shape[1])), fseeds.new_zeros(b),
+                             torch.zeros((), dtype=torch.float64, device=table.device))
             _pad_copy(bf.forced[0], table, 0)
             _pad_copy(bf.forced[1], fseeds, 0)
-            forced = (f, *bf.forced)
+            bf.forced[2].fill_(float(f.alpha))
+            forced = (replace(f, alpha=bf.forced[2]), bf.forced[0], bf.forced[1])
         flags = {k: getattr(ctx.rp, k) for k in ("any_top_k", "any_top_p", "all_greedy", "any_greedy")}
         bf.ctx = _Ctx(c.slots, c.ones, None, RowParams(rp.temperature, rp.top_k, rp.top_p, divisor=rp.divisor, **flags),
                       c.seeds, forced)
@@ -920,7 +922,7 @@ class RoundGraphs:
                                 (st.last, st.pos, st.dlogits, st.dz)):
                 dst.copy_(src)
         rp, f = bf.ctx.rp, bf.ctx.forced
-        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, None if f is None else float(f[0].alpha))
+        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, f is not None)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(bf, k)
