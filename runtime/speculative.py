@@ -42,6 +42,8 @@ Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_op
     the accepted prefix through `verify`: one more forward in 15-35% of rounds.)
 
 Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
+Pipelined rounds (`_Pipeline`, below) run each round as one CUDA graph replay where the graphs run
+whole-step (`RoundGraphs`, `Speculator.round_mode`), else op by op (`_round_ops`).
 
 Legend: B batch (active sequences), K the artifact's verify width - 1, k the drafts of this round (<= K),
 V vocab, N hc streams, D hidden.
@@ -58,9 +60,9 @@ import torch
 
 from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
-from dsv4c.targets import DEFAULT_BUCKETS
 from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, processed_probs,
                                     processed_probs_rows)
+from dsv4c.targets import DEFAULT_BUCKETS
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
 DraftFilter = Callable[[object, int, list[int]], list[int]]
