@@ -60,8 +60,8 @@ import torch
 
 from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
-from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, processed_probs,
-                                    processed_probs_rows)
+from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, one_hot_rows,
+                                    processed_probs, processed_probs_rows)
 from dsv4c.targets import DEFAULT_BUCKETS
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
@@ -752,7 +752,7 @@ def _round_ops(spec: "Speculator", ctx: _Ctx, st: _DevState, k: int, run: Callab
         forced = f.drafts(table, fseeds, st.pos, k, V)
         if not greedy:  # a replaced draft counts as drawn from a one-hot
             qs = [torch.where((forced[:, j] == D[:, j])[:, None], q,
-                              torch.nn.functional.one_hot(forced[:, j], V).float()) for j, q in enumerate(qs)]
+                              one_hot_rows(forced[:, j], V)) for j, q in enumerate(qs)]
         D = forced
     ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
     ids[:, 0] = st.last

@@ -265,6 +265,66 @@ def test_emulated_round_graph_with_forced_drafts(bundled):
                 assert [o[0] for o in emu] == ref
 
 
+# ops that read a device value back to the host: on CUDA they synchronise, and inside a stream capture they fail
+READS_BACK = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal",
+              "aten.masked_select", "aten.unique", "aten._unique2", "aten.repeat_interleave"}
+
+
+@torch.no_grad()
+def test_round_graph_ops_read_nothing_back(bundled, monkeypatch):
+    """The capture-safety of a round's own ops, checked on the CPU: between and around its graph calls an
+    emulated round (greedy, sampled with top-k / top-p, forced) dispatches no op that reads a device
+    value back to the host. (The graph calls are the whole-step executors', captured by the `full` mode.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsv4c.runtime import speculative as sp
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.on, self.seen = False, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.on:
+                self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    mode = Ops()
+    body, run = sp.RoundGraphs._body, sp.RoundGraphs._run
+
+    def glue(self, *a, **kw):
+        mode.on = True
+        try:
+            return body(self, *a, **kw)
+        finally:
+            mode.on = False
+
+    def graph_call(self, *a, **kw):
+        mode.on = False
+        try:
+            return run(self, *a, **kw)
+        finally:
+            mode.on = True
+
+    monkeypatch.setattr(sp.RoundGraphs, "_body", glue)
+    monkeypatch.setattr(sp.RoundGraphs, "_run", graph_call)
+    _, sess, ps, ref = bundled
+    truth = {i: p + t for i, (p, t) in enumerate(zip(ps, ref))}
+    with mode:
+        _spec_run(sess, ps, 3, "emulate", False)
+        _spec_run(sess, ps, 2, "emulate", False, temperature=0.8)
+        spec = speculator(sess)
+        spec.round_mode = "emulate"
+        try:
+            reqs = sess._requests(ps, 12, 0.8, 0.9, 5, 5, None)  # top-p and top-k: the sorting stages
+            list(sess._serve(reqs, 2))
+        finally:
+            spec.round_mode = "off"
+        _spec_run(sess, ps, 3, "emulate", True, ForcedDrafts(truth, 0.7, seed=3))
+    assert {"aten.argmax", "aten.searchsorted", "aten.sort", "aten.cumprod"} <= mode.seen  # the glue was seen
+    assert not mode.seen & READS_BACK, mode.seen & READS_BACK
+
+
 def test_round_graph_modes_are_checked(bundled):
     """"graphs" needs CUDA and whole-step executors: on this CPU session it is refused, naming why."""
     _, sess, _, _ = bundled
