@@ -631,7 +631,8 @@ class _Pipeline:
                                torch.stack([q.draft_logits for q in self.seqs]),
                                torch.stack([q.draft_z for q in self.seqs]))
         self.graphs = spec.round_graphs()  # one graph replay per round, or None: the ops one by one
-        self.bufs = self.graphs.bind(self.ctx, self.state) if self.graphs is not None else None  # None: B > every bucket
+        # the bucket's static buffers (None: off, or B above every bucket: those rounds run op by op)
+        self.bufs = self.graphs.bind(self.ctx, self.state) if self.graphs is not None else None
 
     def fits(self, ahead: int, k: int | None = None) -> bool:
         """A round of k drafts queued `ahead` unread rounds (of at most `kmax` drafts) after the last read
@@ -857,7 +858,8 @@ class RoundGraphs:
     def __init__(self, spec: "Speculator", mode: str):
         sess = spec.sess
         self.spec, self.mode, self.cuda = spec, mode, mode == "graphs"
-        self.buckets = tuple(sorted({min(int(b), sess.max_batch) for b in (sess.manifest["buckets"] or DEFAULT_BUCKETS)}))
+        buckets = sess.manifest["buckets"] or DEFAULT_BUCKETS
+        self.buckets = tuple(sorted({min(int(b), sess.max_batch) for b in buckets}))
         self.pad_slot = sess.cache_slots - 1  # the capture-safe ops' scratch slot
         self.bufs: dict[int, _RoundBuffers] = {}
         self.graphs: dict[tuple, object] = {}
