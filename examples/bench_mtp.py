@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4c.runtime.speculative import merge_spec_stats
+from dsv4c.runtime.speculative import merge_spec_stats, speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "examples" / "models" / "v4-tiny-pystdlib"
@@ -166,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="also plot speedup vs batch per temperature to this PNG")
     ap.add_argument("--plot-from", help="plot a saved --out JSON to --plot and exit")
     ap.add_argument("--graphs", default=None, help="Session graph mode (default: full on a GPU, off on a CPU)")
+    ap.add_argument("--round-graphs", choices=["default", "off", "graphs", "emulate"], default="default",
+                    help="how pipelined MTP rounds run (Speculator.round_mode): one CUDA graph per round (graphs, the "
+                         "default where every graph runs whole-step), or op by op (off), for comparison")
     ap.add_argument("--no-boundary-check", action="store_true",
                     help="compile without the padding check at every bucket boundary (tests/test_boundary_check.py "
                          "covers it; at --batches 64 it is most of the compile time)")
@@ -190,6 +193,10 @@ def main(argv=None) -> int:
     graphs = a.graphs or ("full" if torch.device(a.device).type == "cuda" else None)
     sess = Session.load(art, device=a.device, graphs=graphs)
     K = int(sess.manifest["mtp_k"])
+    spec = speculator(sess)
+    if a.round_graphs != "default":
+        spec.round_mode = a.round_graphs
+    spec.round_graphs()  # a mode this session cannot run fails here, naming why
     ks = list(range(K + 1))
     rows = []
     t_start = time.perf_counter()
@@ -199,6 +206,7 @@ def main(argv=None) -> int:
             Path(a.out).write_text(json.dumps({
                 "device": str(sess.device), "gpu": _gpu_name(), "artifact": str(art),
                 "target": sess.manifest["target"]["name"], "dtype": sess.manifest["dtype"], "mtp_k": K,
+                "round_mode": spec.round_mode,
                 "new_tokens": n_new, "repeats": a.repeats, "grid_wall_s": round(time.perf_counter() - t_start, 1),
                 "rows": rows}, indent=1) + "\n")
 
@@ -206,7 +214,8 @@ def main(argv=None) -> int:
         for B in batches:
             sets = prompt_sets(B, a.repeats)
             for k in ks:  # warm-up per batch and k (CUDA-graph capture happens here), as long as a timed call:
-                run_cell(sess, sets[0], n_new, 0.0, k)  # a 4-token one ended in its first round, never pipelined
+                for T in (temps if k else [0.0]):  # (a 4-token one ended in its first round, never pipelined);
+                    run_cell(sess, sets[0], n_new, T, k)  # per T: greedy and sampled rounds are separate round graphs
             ref_outputs: list = []  # k = 0, temperature 0: the greedy reference of this batch, per call
             for T in temps:
                 base = None
@@ -248,7 +257,8 @@ def table(rows: list[dict], sess, art) -> str:
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
 
-    out = [f"MTP speculative decoding, {art} on {sess.device} ({sess.manifest['dtype']})", "",
+    out = [f"MTP speculative decoding, {art} on {sess.device} ({sess.manifest['dtype']}; rounds: "
+           f"{speculator(sess).round_mode})", "",
            "| batch | T | k | tok/s | speedup | α per position | τ (mean accepted length) | fused / fallback rounds | greedy == k0 |",
            "|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in rows:

@@ -87,13 +87,19 @@ def _to(x: torch.Tensor, device) -> torch.Tensor:
     return x.to(device)
 
 
+def one_hot_rows(idx: torch.Tensor, V: int) -> torch.Tensor:
+    """idx [...] int64 -> fp32 [..., V], 1 at idx. Unlike F.one_hot it never reads a value back on the CPU
+    (F.one_hot checks the range there), so a round's ops on the CPU read nothing back, as on CUDA."""
+    return (torch.arange(V, device=idx.device) == idx[..., None]).float()
+
+
 def processed_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """`processed_probs` with each row's own parameters: logits [B, ..., V] -> fp32 probabilities.
     Greedy rows are one-hot at the argmax. Same stages and tie rules as `processed_probs`."""
     logits = logits.float()
     view = (-1,) + (1,) * (logits.dim() - 1)
     greedy = (rp.temperature == 0).view(view)
-    onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    onehot = one_hot_rows(logits.argmax(-1), logits.shape[-1])
     if rp.all_greedy:
         return onehot
     x = logits / torch.where(greedy, 1.0, rp.temperature.view(view))

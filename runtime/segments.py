@@ -187,6 +187,25 @@ class SegmentExecutor:
     __call__ = run
 
     @torch.no_grad()
+    def run_direct(self, *args):
+        """The whole step's kernels launched on `args` as given: no static buffers, no padding, no replay
+        of this executor's graphs. For a caller that captures a larger CUDA graph around the call
+        (runtime/speculative.py `RoundGraphs`: one graph per MTP round): replaying a captured graph
+        inside another stream capture is not relied on. Only the full modes, where every segment is
+        capture-safe; the experts see every row of `args`, padded rows included (as in `full`)."""
+        if not self.full:
+            raise ValueError(f"{self.plan.graph_kind} graph: run_direct needs mode 'full' or 'full-emulate' (every "
+                             f"segment capture-safe), this executor runs {self.mode!r}")
+        flat = self._flatten(args)
+        if flat[self._ids].shape[1] != self.T:
+            raise ValueError(f"expected {self.T} tokens per row, got {flat[self._ids].shape[1]}")
+        env = {n: flat[i] for i, n in enumerate(self._placeholders)}
+        env.update(self._weights)
+        self._run_steps(env)
+        self.stats["direct_calls"] = self.stats.get("direct_calls", 0) + 1  # host calls (a captured round counts once)
+        return self._unflatten([env[n] for n in self._out_nodes])
+
+    @torch.no_grad()
     def capture(self, *args) -> None:
         """Capture every bucket, largest first, against the caches in `args` (nothing is written to
         them). `run` calls this on its first bucketed call."""

@@ -42,6 +42,8 @@ Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_op
     the accepted prefix through `verify`: one more forward in 15-35% of rounds.)
 
 Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
+Pipelined rounds (`_Pipeline`, below) run each round as one CUDA graph replay where the graphs run
+whole-step (`RoundGraphs`, `Speculator.round_mode`), else op by op (`_round_ops`).
 
 Legend: B batch (active sequences), K the artifact's verify width - 1, k the drafts of this round (<= K),
 V vocab, N hc streams, D hidden.
@@ -51,15 +53,16 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
 
 from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
-from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, processed_probs,
-                                    processed_probs_rows)
+from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, one_hot_rows,
+                                    processed_probs, processed_probs_rows)
+from dsv4c.targets import DEFAULT_BUCKETS
 
 # draft override for tests: (request, round, drafts) -> drafts; a changed draft counts as drawn from a one-hot
 DraftFilter = Callable[[object, int, list[int]], list[int]]
@@ -215,6 +218,26 @@ class Speculator:
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
+        # how pipelined rounds run (`RoundGraphs`): "graphs" one CUDA graph replay per round (the default where
+        # `round_graph_blocker` finds nothing against it), "emulate" the same static-buffer data flow without
+        # CUDA graphs (CPU tests), "off" the round's ops one by one
+        self.round_mode = "off" if round_graph_blocker(sess, "graphs") else "graphs"
+        self._round_graphs: dict[str, RoundGraphs] = {}
+
+    def round_graphs(self) -> "RoundGraphs | None":
+        """The `RoundGraphs` of `round_mode` (made on first use), or None for "off"."""
+        mode = self.round_mode
+        if mode == "off":
+            return None
+        if mode not in ROUND_MODES:
+            raise ValueError(f"round_mode: expected one of {ROUND_MODES}, got {mode!r}")
+        rg = self._round_graphs.get(mode)
+        if rg is None:
+            why = round_graph_blocker(self.sess, mode)
+            if why:
+                raise ValueError(f"{self.sess.art}: round_mode={mode!r}: {why}")
+            rg = self._round_graphs[mode] = RoundGraphs(self, mode)
+        return rg
 
     # ---- admission ------------------------------------------------------------------------------
     def prefill(self, r) -> torch.Tensor:
@@ -493,7 +516,7 @@ class ForcedDrafts:
     calls still run (their cost is part of what a round costs); their drafts are overridden."""
 
     truth: dict[int, list[int]]
-    alpha: float
+    alpha: float  # inside a round graph a 0-d fp64 tensor holding it (`RoundGraphs.bind`)
     seed: int = 0
 
     def table(self, reqs: list, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -553,8 +576,8 @@ class _Launched:
             self.host.copy_(packed, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record(torch.cuda.current_stream(packed.device))
-        else:
-            self.host, self.done = packed, None
+        else:  # a copy: a round graph's packed buffer is rewritten by the next round
+            self.host, self.done = packed.clone(), None
 
     def read(self) -> list[list[int]]:
         if self.done is not None:
@@ -607,6 +630,9 @@ class _Pipeline:
         self.state = _DevState(last.to(dev), sess.pos[self.slots].to(dev),
                                torch.stack([q.draft_logits for q in self.seqs]),
                                torch.stack([q.draft_z for q in self.seqs]))
+        self.graphs = spec.round_graphs()  # one graph replay per round, or None: the ops one by one
+        # the bucket's static buffers (None: off, or B above every bucket: those rounds run op by op)
+        self.bufs = self.graphs.bind(self.ctx, self.state) if self.graphs is not None else None
 
     def fits(self, ahead: int, k: int | None = None) -> bool:
         """A round of k drafts queued `ahead` unread rounds (of at most `kmax` drafts) after the last read
@@ -647,8 +673,8 @@ class _Pipeline:
                 break
             cur = nxt
         for i, q in enumerate(self.seqs):  # the next round's first draft, for the requests still running
-            if q.req.finish is None:
-                q.draft_logits, q.draft_z = cur.state.dlogits[i], cur.state.dz[i]
+            if q.req.finish is None:  # (copies: a round graph's state buffers are rewritten by later rounds)
+                q.draft_logits, q.draft_z = cur.state.dlogits[i].clone(), cur.state.dz[i].clone()
 
     def take(self, out: _Launched):
         """Read a round: commit each running request's tokens, positions and counters. -> any finished."""
@@ -679,69 +705,294 @@ class _Pipeline:
         return done
 
     def launch(self, st: _DevState, k: int | None = None) -> _Launched:
-        """Queue one round of k drafts (default: `next_k()`) on `st`; nothing here waits for the device."""
+        """Queue one round of k drafts (default: `next_k()`) on `st`; nothing here waits for the device.
+        With round graphs (`RoundGraphs`), one graph replay on the bucket's static buffers (`st` is copied
+        in unless it is the buffers' state already, i.e. the previous round's output); else the ops one
+        by one."""
         spec, ctx = self.spec, self.ctx
         k = self.next_k() if k is None else k
-        K, T, V = spec.K, 1 + spec.K, spec.cfg.vocab_size
         B, dev = st.pos.shape[0], st.pos.device
         self.kmax = max(self.kmax, k)
+        if self.bufs is not None:
+            state, packed = self.graphs.launch(self.bufs, st, k)
+            return _Launched(state, packed, k)
         if k not in self.n_verify:
             self.n_verify[k] = torch.full((B,), 1 + k, dtype=torch.int64, device=dev)
-        greedy = ctx.rp.all_greedy
-        U = None if greedy else counter_uniforms(ctx.seeds, st.pos, 2 * K + 1)  # [B, 2K+1]
-        lg, z = st.dlogits, st.dz
-        drafts, qs = [], []
-        for j in range(k):  # 1. draft: d_{j+1} from the MTP fed (its own output streams, d_j)
-            if j:
-                h = z.new_zeros((B, T) + tuple(z.shape[1:]))
-                h[:, 0] = z
-                ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
-                ids[:, 0] = drafts[-1]
-                out = spec._run_dev("mtp", ids, ctx, st.pos + (j - 1), ctx.ones, hidden=h, caches=spec.mtp_caches)
-                lg, z = out[0][:, 0], out[1][:, 0]
-            if greedy:
-                drafts.append(lg.argmax(-1))
-            else:
-                qs.append(processed_probs_rows(lg, ctx.rp))
-                drafts.append(draw_rows(qs[-1], U[:, j]))
-        D = torch.stack(drafts, 1) if k else torch.zeros(B, 0, dtype=torch.int64, device=dev)
-        if ctx.forced is not None:
-            f, table, fseeds = ctx.forced
-            forced = f.drafts(table, fseeds, st.pos, k, V)
-            if not greedy:  # a replaced draft counts as drawn from a one-hot
-                qs = [torch.where((forced[:, j] == D[:, j])[:, None], q,
-                                  torch.nn.functional.one_hot(forced[:, j], V).float()) for j, q in enumerate(qs)]
-            D = forced
-        ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
-        ids[:, 0] = st.last
-        ids[:, 1:1 + k] = D
-        logits, hidden, mlogits, mz, mids = spec._run_dev(FUSED, ids, ctx, st.pos, self.n_verify[k],
-                                                          caches=spec.fused_caches)
-        mids = mids.to(torch.int64)
-        ar = torch.arange(B, device=dev)
-        if greedy:  # 3. accept: while d_j is the verify's argmax
-            a = (D == mids[:, :k]).long().cumprod(1).sum(1)
-            y = mids.gather(1, a[:, None])[:, 0]
-        else:
-            P = processed_probs_rows(logits[:, :k + 1], ctx.rp)
-            Q = torch.stack(qs, 1) if k else P[:, :0]
-            a, y = _accept_rows(P, Q, D, U, K)
-        toks = torch.zeros(B, T, dtype=torch.int64, device=dev)
-        toks[:, :k] = D
-        toks.scatter_(1, a[:, None], y[:, None])
-        nxt_logits, nxt_z = mlogits[ar, a], mz[ar, a]  # 5. the fused graph's MTP output at row a
+        nxt, packed = _round_ops(spec, ctx, st, k, spec._run_dev, self.n_verify[k])
+        return _Launched(nxt, packed, k)
+
+
+def _round_ops(spec: "Speculator", ctx: _Ctx, st: _DevState, k: int, run: Callable, n_verify: torch.Tensor,
+               real: torch.Tensor | None = None) -> tuple[_DevState, torch.Tensor]:
+    """One round of k drafts on the device (`_Pipeline.launch`; also what `RoundGraphs` captures): draft,
+    verify + MTP (the fused graph), accept, and the next round's state. `run(kind, ids, ctx, pos, n_real,
+    hidden=, caches=)` calls a graph. `real` [B] bool: False on a round graph's padding rows (they must
+    not take the refresh's cache writes); None: every row is real. -> (the next state, packed [B, T + 2])."""
+    K, T, V = spec.K, 1 + spec.K, spec.cfg.vocab_size
+    B, dev = st.pos.shape[0], st.pos.device
+    greedy = ctx.rp.all_greedy
+    U = None if greedy else counter_uniforms(ctx.seeds, st.pos, 2 * K + 1)  # [B, 2K+1]
+    lg, z = st.dlogits, st.dz
+    drafts, qs = [], []
+    for j in range(k):  # 1. draft: d_{j+1} from the MTP fed (its own output streams, d_j)
+        if j:
+            h = z.new_zeros((B, T) + tuple(z.shape[1:]))
+            h[:, 0] = z
+            ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
+            ids[:, 0] = drafts[-1]
+            out = run("mtp", ids, ctx, st.pos + (j - 1), ctx.ones, hidden=h, caches=spec.mtp_caches)
+            lg, z = out[0][:, 0], out[1][:, 0]
         if greedy:
-            refreshed = torch.zeros(B, dtype=torch.int64, device=dev)
-        else:  # rows whose committed tokens were not the argmax: the MTP over n..n+a with them
-            cols = torch.arange(T, device=dev)[None]
-            need = ((toks != mids) & (cols <= a[:, None])).any(1)
-            rl, rz = spec._run_dev("mtp", toks, ctx, st.pos, torch.where(need, a + 1, 0), hidden=hidden,
-                                   caches=spec.mtp_caches)
-            nxt_logits = torch.where(need[:, None], rl[ar, a], nxt_logits)
-            nxt_z = torch.where(need.view((B,) + (1,) * (nxt_z.dim() - 1)), rz[ar, a], nxt_z)
-            refreshed = need.long()
-        packed = torch.cat([toks, a[:, None], refreshed[:, None]], 1)
-        return _Launched(_DevState(y, st.pos + a + 1, nxt_logits, nxt_z), packed, k)
+            drafts.append(lg.argmax(-1))
+        else:
+            qs.append(processed_probs_rows(lg, ctx.rp))
+            drafts.append(draw_rows(qs[-1], U[:, j]))
+    D = torch.stack(drafts, 1) if k else torch.zeros(B, 0, dtype=torch.int64, device=dev)
+    if ctx.forced is not None:
+        f, table, fseeds = ctx.forced
+        forced = f.drafts(table, fseeds, st.pos, k, V)
+        if not greedy:  # a replaced draft counts as drawn from a one-hot
+            qs = [torch.where((forced[:, j] == D[:, j])[:, None], q,
+                              one_hot_rows(forced[:, j], V)) for j, q in enumerate(qs)]
+        D = forced
+    ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
+    ids[:, 0] = st.last
+    ids[:, 1:1 + k] = D
+    logits, hidden, mlogits, mz, mids = run(FUSED, ids, ctx, st.pos, n_verify, caches=spec.fused_caches)
+    mids = mids.to(torch.int64)
+    ar = torch.arange(B, device=dev)
+    if greedy:  # 3. accept: while d_j is the verify's argmax
+        a = (D == mids[:, :k]).long().cumprod(1).sum(1)
+        y = mids.gather(1, a[:, None])[:, 0]
+    else:
+        P = processed_probs_rows(logits[:, :k + 1], ctx.rp)
+        Q = torch.stack(qs, 1) if k else P[:, :0]
+        a, y = _accept_rows(P, Q, D, U, K)
+    toks = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    toks[:, :k] = D
+    toks.scatter_(1, a[:, None], y[:, None])
+    nxt_logits, nxt_z = mlogits[ar, a], mz[ar, a]  # 5. the fused graph's MTP output at row a
+    if greedy:
+        refreshed = torch.zeros(B, dtype=torch.int64, device=dev)
+    else:  # rows whose committed tokens were not the argmax: the MTP over n..n+a with them
+        cols = torch.arange(T, device=dev)[None]
+        need = ((toks != mids) & (cols <= a[:, None])).any(1)
+        if real is not None:
+            need &= real
+        rl, rz = run("mtp", toks, ctx, st.pos, torch.where(need, a + 1, 0), hidden=hidden, caches=spec.mtp_caches)
+        nxt_logits = torch.where(need[:, None], rl[ar, a], nxt_logits)
+        nxt_z = torch.where(need.view((B,) + (1,) * (nxt_z.dim() - 1)), rz[ar, a], nxt_z)
+        refreshed = need.long()
+    packed = torch.cat([toks, a[:, None], refreshed[:, None]], 1)
+    return _DevState(y, st.pos + a + 1, nxt_logits, nxt_z), packed
+
+
+# ------------------------------------------------------------------------------------------------
+# one CUDA graph per round
+# ------------------------------------------------------------------------------------------------
+ROUND_MODES = ("off", "graphs", "emulate")  # Speculator.round_mode
+
+
+def round_graph_blocker(sess, mode: str) -> str | None:
+    """Why rounds cannot run through `RoundGraphs` in `mode` on this session (None: they can)."""
+    if FUSED not in sess.graphs:
+        return f"the artifact has no {FUSED} graph (compiled before it); its rounds run verify and mtp separately"
+    if sess.mirror is not None:
+        return "a sharded session mirrors every graph call to the other ranks from the host (runtime/distributed.py)"
+    if mode != "graphs":
+        return None
+    if sess.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, the session runs on {sess.device}"
+    for kind in ("mtp", FUSED):
+        ex = sess.executors.get(kind)
+        if ex is None or not (ex.full and ex.cuda_graphs):
+            return (f"graph {kind} does not run as one whole-step CUDA graph (executor mode "
+                    f"{ex.mode if ex is not None else 'off'!r}; Session.load(graphs='full' or 'auto') with "
+                    f"capture-safe experts): a round graph needs every kernel of the round capture-safe")
+    return None
+
+
+@dataclass
+class _RoundBuffers:
+    """One batch bucket's static round inputs and outputs (`RoundGraphs`). Rows B..b-1 are padding:
+    slot = the scratch slot, n_real 0 in every graph call, greedy, state kept at 0."""
+
+    b: int
+    ctx: _Ctx  # static slots, ones (n_real of the draft calls: 1 real, 0 padding), sampling tensors, seeds
+    real: torch.Tensor  # [b] bool
+    state: _DevState  # [b, ...]: this round's inputs; the round graph writes the next round's here
+    packed: torch.Tensor  # [b, T + 2] int64: the round's results (`_Launched`)
+    B: int = 0  # real rows of the pipeline bound last
+    view: _DevState | None = None  # `state` sliced to the B real rows (what `_Launched` carries)
+    forced: tuple[torch.Tensor, ...] | None = None  # forced drafts' truth [b, W], seeds [b] and α (0-d fp64)
+
+
+class RoundGraphs:
+    """One CUDA graph replay per pipelined MTP round (issue 23).
+
+    A round (`_round_ops`: k-1 mtp draft calls, the fused verify_mtp call, acceptance, the sampling rows'
+    refresh mtp call, packing) is some 20-60 kernel launches of host work where the GPU work of a small
+    model's round is barely more than a decode step's. Here it is captured whole, per (batch bucket b,
+    k, sampling stages, forced drafts or not), on the bucket's static buffers (`_RoundBuffers`):
+
+      * inputs: the active batch's slots / sampling parameters / seeds (copied once per
+        `Speculator.rounds` call, `bind`) and the round state (last token, position, d_1's MTP logits
+        and streams). The graph writes the next round's state into the same state buffers, so pipelined
+        rounds chain without host copies (`launch` copies a state in only when it is not the buffers').
+      * outputs: `packed` [b, T + 2], read as `_Launched` did; the next replay overwrites it after the
+        asynchronous host copy queued behind this one.
+      * inside, the graph calls run their executors' kernels directly (`SegmentExecutor.run_direct`, the
+        `full` mode's whole step), not their own CUDA graphs: a replay nested in a capture is not relied on.
+      * padding rows (B < b): the scratch slot, n_real 0 in every call (draft, verify and refresh), so
+        nothing of theirs reaches a sequence's cache; their state is held at 0 (the executors' padding).
+      * capture: lazily on a key's first round, after WARMUP runs of the round on a scratch copy of the
+        buffers with every row padding (so the warm-up writes no sequence's cache and leaves the state
+        alone; it triggers Triton compilation / autotuning before the capture); one memory pool for all.
+        Every tensor live across rounds is a static buffer allocated outside the pool.
+
+    "emulate" is the same data flow without CUDA graphs (CPU tests): "capture" runs one warm-up on the
+    scratch copy, a "replay" runs the round's ops on the static buffers."""
+
+    WARMUP = 2
+
+    def __init__(self, spec: "Speculator", mode: str):
+        sess = spec.sess
+        self.spec, self.mode, self.cuda = spec, mode, mode == "graphs"
+        buckets = sess.manifest["buckets"] or DEFAULT_BUCKETS
+        self.buckets = tuple(sorted({min(int(b), sess.max_batch) for b in buckets}))
+        self.pad_slot = sess.cache_slots - 1  # the capture-safe ops' scratch slot
+        self.bufs: dict[int, _RoundBuffers] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.stats = {"mode": mode, "captures": 0, "replays": 0, "capture_s": 0.0}
+
+    # ---- binding a batch -------------------------------------------------------------------------
+    def bind(self, ctx: _Ctx, st: _DevState) -> _RoundBuffers | None:
+        """Copy one `Speculator.rounds` call's batch (`ctx`, B rows; `st` its first state, for the shapes)
+        into its bucket's static buffers. None when B exceeds every bucket (its rounds run op by op)."""
+        B = ctx.slots.shape[0]
+        b = next((x for x in self.buckets if x >= B), None)
+        if b is None:
+            return None
+        bf = self.bufs.get(b)
+        if bf is None:
+            bf = self.bufs[b] = self._allocate(b, st)
+        c, rp = bf.ctx, bf.ctx.rp
+        _pad_copy(c.slots, ctx.slots, self.pad_slot)
+        _pad_copy(c.ones, ctx.ones, 0)
+        bf.real.copy_(c.ones > 0)
+        _pad_copy(c.seeds, ctx.seeds, 0)
+        _pad_copy(rp.temperature, ctx.rp.temperature, 0.0)  # padding rows are greedy
+        _pad_copy(rp.top_k, ctx.rp.top_k, 0)
+        _pad_copy(rp.top_p, ctx.rp.top_p, 1.0)
+        _pad_copy(rp.divisor, ctx.rp.divisor, 1.0)
+        forced = None
+        if ctx.forced is not None:  # α too is a buffer (fp64, as the Python float it replaces): one graph for all α
+            f, table, fseeds = ctx.forced
+            if bf.forced is None or bf.forced[0].shape[1] != table.shape[1]:
+                bf.forced = (table.new_zeros((b, table.shape[1])), fseeds.new_zeros(b),
+                             torch.zeros((), dtype=torch.float64, device=table.device))
+            _pad_copy(bf.forced[0], table, 0)
+            _pad_copy(bf.forced[1], fseeds, 0)
+            bf.forced[2].fill_(float(f.alpha))
+            forced = (replace(f, alpha=bf.forced[2]), bf.forced[0], bf.forced[1])
+        flags = {k: getattr(ctx.rp, k) for k in ("any_top_k", "any_top_p", "all_greedy", "any_greedy")}
+        bf.ctx = _Ctx(c.slots, c.ones, None, RowParams(rp.temperature, rp.top_k, rp.top_p, divisor=rp.divisor, **flags),
+                      c.seeds, forced)
+        for t in (bf.state.last, bf.state.pos, bf.state.dlogits, bf.state.dz):
+            t[B:].zero_()
+        bf.B = B
+        bf.view = _DevState(*(t[:B] for t in (bf.state.last, bf.state.pos, bf.state.dlogits, bf.state.dz)))
+        return bf
+
+    def _allocate(self, b: int, st: _DevState) -> _RoundBuffers:
+        spec, dev = self.spec, self.spec.sess.device
+        i64 = dict(dtype=torch.int64, device=dev)
+        rp = RowParams(torch.zeros(b, device=dev), torch.zeros(b, **i64), torch.ones(b, device=dev), False, False,
+                       True, True, torch.ones(b, device=dev))
+        ctx = _Ctx(torch.zeros(b, **i64), torch.zeros(b, **i64), None, rp, torch.zeros(b, **i64), None)
+        state = _DevState(torch.zeros(b, **i64), torch.zeros(b, **i64),
+                          st.dlogits.new_zeros((b,) + tuple(st.dlogits.shape[1:])),
+                          st.dz.new_zeros((b,) + tuple(st.dz.shape[1:])))
+        return _RoundBuffers(b, ctx, torch.zeros(b, dtype=torch.bool, device=dev), state,
+                             torch.zeros(b, spec.K + 3, **i64))
+
+    # ---- rounds ----------------------------------------------------------------------------------
+    def launch(self, bf: _RoundBuffers, st: _DevState, k: int) -> tuple[_DevState, torch.Tensor]:
+        """Queue one round of k drafts on `st` -> (the next state, packed [B, T + 2]): views of the
+        static buffers, valid until the next round of this bucket is queued."""
+        if st is not bf.view:
+            for dst, src in zip((bf.view.last, bf.view.pos, bf.view.dlogits, bf.view.dz),
+                                (st.last, st.pos, st.dlogits, st.dz)):
+                dst.copy_(src)
+        rp, f = bf.ctx.rp, bf.ctx.forced
+        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, f is not None)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(bf, k)
+        if self.cuda:
+            g.replay()
+        else:
+            self._body(bf, k)
+        self.stats["replays"] += 1
+        return bf.view, bf.packed[: bf.B]
+
+    def _body(self, bf: _RoundBuffers, k: int) -> None:
+        """The round on the static buffers: `_round_ops`, then the next state and the results written
+        into them (padding rows' state held at 0)."""
+        ctx, st, real = bf.ctx, bf.state, bf.real
+        nxt, packed = _round_ops(self.spec, ctx, st, k, self._run, ctx.ones * (1 + k), real)
+        for dst, src in zip((st.last, st.pos, st.dlogits, st.dz), (nxt.last, nxt.pos, nxt.dlogits, nxt.dz)):
+            torch.where(real.view((-1,) + (1,) * (dst.dim() - 1)), src, src.new_zeros(()), out=dst)
+        bf.packed.copy_(packed)
+
+    def _run(self, kind: str, ids, ctx: _Ctx, pos, n_real, *, hidden=None, caches: dict):
+        """A graph call inside the round: the executor's whole-step kernels (`run_direct`), or the graph
+        itself where no executor runs it (CPU sessions); emulating over a piecewise executor, its `run`."""
+        sess = self.spec.sess
+        lead = () if hidden is None else (hidden,)
+        args = (*lead, ids, ctx.slots, pos, n_real, caches, sess._graph_weights(kind))
+        ex = sess.executors.get(kind)
+        if ex is None:
+            return sess.graphs[kind](*args)
+        return ex.run_direct(*args) if ex.full else ex.run(*args)
+
+    def _capture(self, bf: _RoundBuffers, k: int):
+        t0 = time.perf_counter()
+        scratch = self._scratch(bf)
+        if not self.cuda:
+            self._body(scratch, k)
+            graph = True
+        else:
+            dev = self.spec.sess.device
+            s = torch.cuda.Stream(device=dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(self.WARMUP):
+                    self._body(scratch, k)
+            torch.cuda.current_stream(dev).wait_stream(s)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._body(bf, k)
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return graph
+
+    def _scratch(self, bf: _RoundBuffers) -> _RoundBuffers:
+        """`bf` with every row padding (scratch slot, n_real 0) and its own state and results: a warm-up
+        round on it writes no sequence's cache and leaves `bf` alone."""
+        c = bf.ctx
+        ctx = _Ctx(torch.full_like(c.slots, self.pad_slot), torch.zeros_like(c.ones), None, c.rp, c.seeds, c.forced)
+        st = _DevState(*(t.clone() for t in (bf.state.last, bf.state.pos, bf.state.dlogits, bf.state.dz)))
+        return _RoundBuffers(bf.b, ctx, torch.zeros_like(bf.real), st, bf.packed.clone(), bf.B)
+
+
+def _pad_copy(dst: torch.Tensor, src: torch.Tensor, pad) -> None:
+    """dst[:n] = src, dst[n:] = pad (n = len(src))."""
+    n = src.shape[0]
+    dst[:n].copy_(src)
+    dst[n:].fill_(pad)
 
 
 def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | None, Callable[[], SpecStats]]:

@@ -470,6 +470,29 @@ def test_piecewise_and_full_modes_equal_eager_with_capture_safe_ops(preset):
     assert runs["emulate"][2].stats["eager_segment_runs"] > 0  # piecewise: experts run eagerly between graphs
 
 
+@torch.no_grad()
+def test_run_direct_equals_the_full_step():
+    """`SegmentExecutor.run_direct` (the whole step's kernels on the arguments as given, for a caller's own
+    CUDA graph: runtime/speculative.py RoundGraphs) gives the full mode's outputs and cache writes on a
+    bucket-sized batch; a piecewise executor refuses it."""
+    m, plan, split = _static_graph("v4-tiny-a", 5, "cpu")
+    g = torch.Generator().manual_seed(3)
+    cache = _prefilled(m, 5, g, "cpu")
+    slots = torch.tensor([3, 0, 2, 1])
+    ids = torch.randint(0, m.config.vocab_size, (4, 1 + K), generator=g)
+    got = {}
+    for how in ("run", "run_direct"):
+        f = flat_caches(copy.deepcopy(cache).layers)
+        ex = SegmentExecutor(split, plan, "cpu", mode="full-emulate", pad_slot=4)
+        got[how] = (getattr(ex, how)(*_step_args(cache.pos.clone(), slots, ids), f), f)
+    (out_run, f_run), (out_direct, f_direct) = got["run"], got["run_direct"]
+    assert all(torch.equal(a, b) for a, b in zip(out_run, out_direct))
+    assert all(torch.equal(f_run[k][:-1], f_direct[k][:-1]) for k in f_run)  # the scratch slot may differ
+    assert any(not torch.equal(f_direct[k][:-1], v[:-1]) for k, v in flat_caches(cache.layers).items())  # it wrote
+    with pytest.raises(ValueError, match="run_direct needs mode 'full'"):
+        SegmentExecutor(split, plan, "cpu", mode="emulate").run_direct(*_step_args(cache.pos, slots, ids), f_run)
+
+
 def test_full_mode_needs_every_segment_capturable():
     m, ctx, gm, plan, split = _graph("v4-tiny-a", "decode")
     with pytest.raises(ValueError, match="captures the whole step, but segment 0 .* not capturable: reference op"):
