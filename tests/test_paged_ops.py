@@ -163,6 +163,51 @@ def test_triton_indexer_block_table_path_equals_its_slot_path():
                                                                                      topk, 4), ref)
 
 
+
+@pytest.mark.parametrize("m,RB", [(2, 16), (4, 6)])
+def test_triton_attention_table_lookups_per_tile_and_odd_block_rows(m, RB):
+    """The kernel's two table lookups: HCA entries in tiles inside one block (RB a multiple of the key tile:
+    one table entry per tile; 45 visible entries over three blocks), and per-key lookups with RB not a power
+    of two (CSA selection, RB = 6: the constexpr division is a multiply). Bit for bit the slot path."""
+    from dsv4c.kernels.v4_attention import V4AttnConfig, v4_attention_fused
+
+    g = torch.Generator().manual_seed(8)
+    B, H, d, S, n_slots, E = 3, 4, 16, 8, 5, 48
+    slots, pos0, n_real = torch.tensor([3, 0, 1]), torch.tensor([90, 37, 5]), torch.tensor([1, 1, 1])
+    q, kv = torch.randn(B, 1, H, d, generator=g), torch.randn(B, 1, d, generator=g)
+    ring, sinks = torch.randn(n_slots, S, d, generator=g), torch.randn(H, generator=g)
+    entries = torch.randn(n_slots, E, d, generator=g)
+    pool, table = paged_copy(entries, 40, RB)
+    sel = None
+    if m == 4:
+        sel = torch.full((B, 1, 12), -1, dtype=torch.int64)
+        for b in range(B):
+            vis = min(E, (int(pos0[b]) + 1) // m)
+            sel[b, 0, : min(10, vis)] = torch.randperm(vis, generator=g)[:10]
+    cfg = V4AttnConfig(block_h=16, block_n=16)
+    r1, r2 = ring.clone(), ring.clone()
+    want = v4_attention_fused(q, kv, slots, pos0, n_real, r1, sinks, entries, sel, 8, m, config=cfg)
+    got = v4_attention_fused(q, kv, slots, pos0, n_real, r2, sinks, pool, sel, 8, m, config=cfg, block_table=table)
+    assert torch.equal(want, got) and torch.equal(r1[:-1], r2[:-1])
+
+
+@pytest.mark.parametrize("RB", [64, 12])
+def test_triton_indexer_table_lookups_per_tile_and_odd_block_rows(RB):
+    """The scores kernel's table lookups: tiles of 64 entries inside one block (RB = 64: one table entry per
+    tile) and RB = 12 (not a power of two, tiles across blocks). Bit for bit the slot path."""
+    from dsv4c.kernels.v4_indexer import v4_indexer_topk_fused
+
+    g = torch.Generator().manual_seed(9)
+    B, HI, dI, n_slots, E = 3, 4, 16, 4, 192
+    q, w = torch.randn(B, 1, HI, dI, generator=g), torch.randn(B, 1, HI, generator=g)
+    keys = torch.randn(n_slots, E, dI, generator=g)
+    slots, pos0 = torch.tensor([2, 0, 1]), torch.tensor([700, 300, 40])
+    pool, table = paged_copy(keys, 3 * E // RB + 2, RB)
+    for topk in (8, 100):
+        want = v4_indexer_topk_fused(q, w, keys, slots, pos0, topk, 4)
+        assert torch.equal(want, v4_indexer_topk_fused(q, w, pool, slots, pos0, topk, 4, block_table=table))
+
+
 def _graph(model, kind: str, paged, n_slots: int, max_len: int):
     gm = export_graph(model, GraphSpec(kind, n_slots=n_slots, max_len=max_len, paged=paged)).module()
     if kind != "prefill":
