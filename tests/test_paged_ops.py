@@ -208,6 +208,24 @@ def test_triton_indexer_table_lookups_per_tile_and_odd_block_rows(RB):
         assert torch.equal(want, v4_indexer_topk_fused(q, w, pool, slots, pos0, topk, 4, block_table=table))
 
 
+def test_bench_paged_kernels_quick_run(tmp_path):
+    """examples/bench_paged_kernels.py on the interpreter: every kernel and its paged twin, both block
+    layouts, give bit-identical results (no timing on the CPU)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_paged_kernels as bench
+
+    out = tmp_path / "q.json"
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["kernel"], r["layout"]) for r in res["rows"]] == [(k, lay) for lay in bench.LAYOUTS
+                                                                 for k in bench.KERNELS]
+    assert all(r["same"] for r in res["rows"]) and "| attention csa | shared |" in res["table"]
+
+
 def _graph(model, kind: str, paged, n_slots: int, max_len: int):
     gm = export_graph(model, GraphSpec(kind, n_slots=n_slots, max_len=max_len, paged=paged)).module()
     if kind != "prefill":
