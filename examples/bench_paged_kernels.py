@@ -19,10 +19,11 @@ Both sides hold the same rows: the pool holds each slot's rows in its blocks, ta
   private  each row its own blocks, shuffled over the pool (nothing shared)
   shared   the first ⌊4096 / b⌋ blocks the same for every row (prefix sharing, as bench_prefix_cache's
            paged_on / paged_warm); the slot caches hold the same rows as copies
-and each pair's outputs are compared (`same`: bit-identical, as the kernels read the same rows in the same
-order). Timing (CUDA): a CUDA graph of --reps back-to-back calls, each after a write of 2x the L2 (the decode
-step streams the expert weights between two layers' attention), replayed --iters times, each replay timed
-with CUDA events; the median replay minus the median of the same graph without the calls, per call, in µs.
+and each pair's results are compared (`same`: bit-identical, as the kernels read the same rows in the same
+order; else `rel_diff`; the exit status is 1 above 1e-5). Timing (CUDA): a CUDA graph of --reps back-to-back
+calls, each after a write of 2x the L2 (the decode step streams the expert weights between two layers'
+attention), replayed --iters times, each replay timed with CUDA events; the median replay minus the median of
+the same graph without the calls, per call, in µs.
 --no-flush times calls back to back (warm L2). The CPU run (--quick: tiny shapes) checks `same` only.
 
 Legend: B batch rows, C decode position, M max tokens, b block size (positions), RB rows per block (b / m).
@@ -54,6 +55,7 @@ from dsv4c.runtime.prefix_cache import default_block_size  # noqa: E402
 
 KERNELS = ("attention csa", "attention hca", "indexer topk", "compress csa", "compress idx", "compress hca")
 LAYOUTS = ("private", "shared")
+TOL = 1e-5  # paged vs slot results (exit status 1 above it): the kernels' bf16 target; equal in practice
 
 
 def dims(cfg: ModelConfig, quick: bool) -> dict:
@@ -96,13 +98,20 @@ class Tables:
         return rows[:, :E_slot].to(dtype).contiguous(), pool.to(dtype)
 
 
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """0.0 when bit-identical, else ||a - b|| / ||a||."""
+    if torch.equal(a, b):
+        return 0.0
+    return ((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+
+
 def slot_rows(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     """The first n logical rows of every real slot, read from the pool: [slots - 1, n, width]."""
     return pool[table[:-1]].flatten(1, 2)[:, :n]
 
 
 def cases(D: dict, layout: str, b: int, dev, dtype, seed: int = 0) -> dict:
-    """name -> (slot call, paged call, same: () -> bool) over the same rows."""
+    """name -> (slot call, paged call, diff: () -> relative difference of their results) over the same rows."""
     g = torch.Generator().manual_seed(seed)
     B, C, M, H, d, W = D["B"], D["C"], D["M"], D["H"], D["d"], D["W"]
     tb = Tables(B, M, b, layout, D["shared"], g)
@@ -120,7 +129,7 @@ def cases(D: dict, layout: str, b: int, dev, dtype, seed: int = 0) -> dict:
     slot_idx = partial(topk, keys, slots, pos_c, D["topk"], D["m_csa"])
     paged_idx = partial(topk, kpool, slots, pos_c, D["topk"], D["m_csa"], block_table=table)
     sel = slot_idx()
-    out["indexer topk"] = (slot_idx, paged_idx, lambda: torch.equal(sel, paged_idx()))
+    out["indexer topk"] = (slot_idx, paged_idx, lambda: 0.0 if torch.equal(sel, paged_idx()) else float("inf"))
 
     # attention: CSA with the indexer's selection, HCA over every visible entry (ring rows written: the same)
     q = to(torch.randn(B, 1, H, d, generator=g).to(dtype))
@@ -132,7 +141,7 @@ def cases(D: dict, layout: str, b: int, dev, dtype, seed: int = 0) -> dict:
         ent, pool = (to(x) for x in tb.rows(m, d, dtype, g))
         slot_call = partial(attn, ring.clone(), sinks, ent, selected, W, m)
         paged_call = partial(attn, ring.clone(), sinks, pool, selected, W, m, block_table=table)
-        out[name] = (slot_call, paged_call, lambda s=slot_call, p=paged_call: torch.equal(s(), p()))
+        out[name] = (slot_call, paged_call, lambda s=slot_call, p=paged_call: rel_diff(s(), p()))
 
     # compressors at the last position < C that closes a group of every ratio
     P = (C // D["m_hca"]) * D["m_hca"] - 1
@@ -147,14 +156,14 @@ def cases(D: dict, layout: str, b: int, dev, dtype, seed: int = 0) -> dict:
         st = to(torch.randn(B + 1, c * m, c * w, generator=g))
         comp = partial(v4_compress_fused, x, sc, slots, pos_p, n_real, ape, nw, invf)
 
-        def same(ent=ent, pool=pool, st=st, comp=comp, m=m):
+        def diff(ent=ent, pool=pool, st=st, comp=comp, m=m):
             e, p, s1, s2 = ent.clone(), pool.clone(), st.clone(), st.clone()
             comp(s1, s1.clone(), e, m, 1e-6)
             comp(s2, s2.clone(), p, m, 1e-6, block_table=table)
-            return torch.equal(slot_rows(p, table, e.shape[1]), e[:-1]) and torch.equal(s1[:-1], s2[:-1])
+            return max(rel_diff(e[:-1], slot_rows(p, table, e.shape[1])), rel_diff(s1[:-1], s2[:-1]))
 
         out[name] = (partial(comp, st.clone(), st.clone(), ent.clone(), m, 1e-6),
-                     partial(comp, st.clone(), st.clone(), pool.clone(), m, 1e-6, block_table=table), same)
+                     partial(comp, st.clone(), st.clone(), pool.clone(), m, 1e-6, block_table=table), diff)
     return out
 
 
@@ -225,8 +234,9 @@ def main(argv=None) -> int:
     for layout in a.layouts:
         cs = cases(D, layout, b, dev, dtype)
         for name in a.kernels:
-            slot_call, paged_call, same = cs[name]
-            row = {"kernel": name, "layout": layout, "same": bool(same())}
+            slot_call, paged_call, diff = cs[name]
+            err = diff()
+            row = {"kernel": name, "layout": layout, "same": err == 0.0, "rel_diff": err}
             if cuda:
                 row["slot_us"] = time_us(slot_call, a.reps, a.iters, flush)
                 row["paged_us"] = time_us(paged_call, a.reps, a.iters, flush)
@@ -253,7 +263,7 @@ def main(argv=None) -> int:
     print(res["table"])
     if "per_step" in res:
         print(json.dumps(res["per_step"], indent=1))
-    return 0 if all(r["same"] for r in res["rows"]) else 1
+    return 0 if all(r["rel_diff"] <= TOL for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":
