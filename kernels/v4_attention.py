@@ -51,11 +51,12 @@ Design (flash decoding):
   divides a distance in [1, W + T - 2]). The grid depends on shapes only and nothing is read back
   to the host: capture-safe. CPU tensors run under the Triton interpreter (bf16 dots in fp32 there).
 
-sm_90 compile (triton 3.6 on the CPU machine, cuobjdump -res-usage; not run on a device yet), d = 512,
-default config (BH 16, BN 32, 8 warps, 2 stages): bf16 split kernel 168-189 registers, no stack,
-80 KB shared; combine kernel 128 registers. 4 warps spill at BN 32 (255 + 64 B stack). fp32
-activations (IEEE dots) spill at d = 512 (255 + 1-2 KB stack at BN 32, 150 B at BN 16): correct but
-not tuned; the benchmark runs bf16.
+sm_90 compile (on the CPU machine, cuobjdump --dump-resource-usage; d = 512, bf16, default config: BH 16,
+BN 32, 8 warps, 2 stages): the split kernel takes 128 registers under Triton 3.6 (124 under 3.9), no stack,
+50 KB shared: two programs per SM. The block-table path with the table lookup as shifts (RB constexpr) would
+take 141-145 and fit one program per SM, so its launch caps registers at 128 (`paged_max_registers`; 8 B of
+stack); HCA's paged path fits 128 uncapped. fp32 activations (IEEE dots) spill at d = 512: correct but not
+tuned; the benchmark runs bf16.
 """
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ class V4AttnConfig:
     # neither how many rows share the launch nor how many tokens its own row carries
     batch_invariant: bool = False
     invariant_split: int = 8
+    # block-table path: a register cap. The slot path compiles to 128 registers at the defaults (sm_90,
+    # Triton 3.6 and 3.9), two programs of 8 warps per SM; the table lookup (constexpr rows per block)
+    # takes it to 141-145 and one program per SM, so the paged launch asks for 128 (ptxas: 8 B of stack).
+    # None: the compiler's choice.
+    paged_max_registers: int | None = 128
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -103,6 +109,8 @@ class V4AttnConfig:
             raise ValueError(f"V4AttnConfig.num_warps: 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.split is not None and self.split < 1:
             raise ValueError(f"V4AttnConfig.split: at least 1, got {self.split}")
+        if self.paged_max_registers is not None and not 24 <= self.paged_max_registers <= 255:
+            raise ValueError(f"V4AttnConfig.paged_max_registers: 24..255 or None, got {self.paged_max_registers}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,6 +179,29 @@ def _loop_bound(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _paged_rows(sel_ptr, bt_ptr, bt, slot, i, n, n_keys, NSEL, E, NB, RB: tl.constexpr, BLOCK_N: tl.constexpr,
+                ENT_MODE: tl.constexpr):
+    """(pool rows [BN] int64, valid [BN]) of entry tile i (entries i·BN + n): entry e of the slot is row
+    e mod RB of block bt[slot, e // RB], with e int32 (< E = NB·RB) and RB a constexpr, so // and % are
+    shifts (or a multiply) rather than a 64-bit division by a runtime value. Consecutive entries (HCA) with
+    RB a multiple of BN lie in one block: one table entry per tile."""
+    j = i * BLOCK_N + n
+    if ENT_MODE == 1:
+        idx = tl.load(sel_ptr + bt.to(tl.int64) * NSEL + j, mask=j < NSEL, other=-1)
+        valid = (idx >= 0) & (idx < E)
+        e = tl.where(valid, idx, 0).to(tl.int32)  # < E = NB·RB
+    else:
+        valid = j < n_keys
+        e = tl.where(valid, j, 0)
+    if ENT_MODE == 2 and RB % BLOCK_N == 0:
+        j0 = i * BLOCK_N
+        blk = tl.load(bt_ptr + slot * NB + j0 // RB, mask=j0 < n_keys, other=0)  # one entry for the tile
+    else:
+        blk = tl.load(bt_ptr + slot * NB + e // RB, mask=valid, other=0)
+    return blk.to(tl.int64) * RB + e % RB, valid
+
+
+@triton.jit
 def _finish(acc, m_i, l_i, sink_log2):
     """o = acc / (l + 2^(sink - m)) with everything rescaled to max(m, sink) (base 2)."""
     mx = tl.maximum(m_i, sink_log2)
@@ -187,12 +218,13 @@ def _attn_split_kernel(
         T, H, S, E, NSEL, W, NW, M_RATIO, qk_scale,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, ENT_MODE: tl.constexpr, LOWP: tl.constexpr, INTERPRET: tl.constexpr,
-        POS_BLOCKS: tl.constexpr, bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
+        POS_BLOCKS: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
     # q [B, T, H, D] (strides sq_*, last 1); kv [B, T, D] (strides skv_*, last 1); ring [n_slots, S, D],
     # entries [n_slots, E, D], selected [B, T, NSEL] contiguous. ENT_MODE 0: no entries, 1: selected
     # (CSA), 2: the visible prefix (HCA). Partials pacc [B·T, SPLIT, H, D], pm / pl [B·T, SPLIT, H].
     # PAGED: entries is a pool [N + 1, RB, D]; entry i of the slot at row i mod RB of block
-    # bt[slot, i // RB] (block table [n_slots, NB] int64, E = NB·RB).
+    # bt[slot, i // RB] (block table [n_slots, NB] int64, E = NB·RB; RB a constexpr: // and % are shifts
+    # or multiplies, on int32 entry ids).
     bt = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -265,24 +297,26 @@ def _attn_split_kernel(
             n_keys = NSEL
         else:
             n_keys = tl.minimum((qpos + 1) // M_RATIO, E)
-        for i in range(_first_block(0, off, sp, SPLIT, INTERPRET),
-                       _loop_bound(tl.cdiv(n_keys, BLOCK_N), INTERPRET), SPLIT):
-            j = i * BLOCK_N + n
-            if ENT_MODE == 1:
-                idx = tl.load(sel_ptr + bt.to(tl.int64) * NSEL + j, mask=j < NSEL, other=-1)
-                valid = (idx >= 0) & (idx < E)
-            else:
-                idx = j
-                valid = j < n_keys
-            row = tl.where(valid, idx, 0)
-            if PAGED:
-                blk = tl.load(bt_ptr + slot * NB + row // RB, mask=valid, other=0).to(tl.int64)
-                k = tl.load(ent_ptr + (blk * RB + row % RB)[:, None] * D + dd[None, :],
-                            mask=valid[:, None] & dm[None, :], other=0.0)
-            else:
+        i0 = _first_block(0, off, sp, SPLIT, INTERPRET)
+        i1 = _loop_bound(tl.cdiv(n_keys, BLOCK_N), INTERPRET)
+        if PAGED:  # the slot path's loop, the keys' pool rows through the block table
+            for i in range(i0, i1, SPLIT):
+                prow, valid = _paged_rows(sel_ptr, bt_ptr, bt, slot, i, n, n_keys, NSEL, E, NB, RB, BLOCK_N, ENT_MODE)
+                k = tl.load(ent_ptr + prow[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+                m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
+        else:
+            for i in range(i0, i1, SPLIT):
+                j = i * BLOCK_N + n
+                if ENT_MODE == 1:
+                    idx = tl.load(sel_ptr + bt.to(tl.int64) * NSEL + j, mask=j < NSEL, other=-1)
+                    valid = (idx >= 0) & (idx < E)
+                else:
+                    idx = j
+                    valid = j < n_keys
+                row = tl.where(valid, idx, 0)
                 k = tl.load(ent_base + row[:, None] * D + dd[None, :], mask=valid[:, None] & dm[None, :],
                             other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
+                m_i, l_i, acc = _attend_block(q, k, valid, m_i, l_i, acc, qk_scale, LOWP, INTERPRET)
 
     if SPLIT == 1:
         sink = tl.load(sinks_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -418,8 +452,11 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
         return o
     E = entries.shape[1] if entries is not None else 0
     paged = {}
+    interp = q.device.type == "cpu"
     if block_table is not None:
         paged = dict(bt_ptr=block_table, NB=block_table.shape[1], RB=E, PAGED=True)
+        if cfg.paged_max_registers is not None and not interp:
+            paged["maxnreg"] = cfg.paged_max_registers
         E = block_table.shape[1] * E
     n_sel = selected.shape[2] if selected is not None else 0
     ent_mode = 0 if entries is None else (1 if selected is not None else 2)
@@ -438,7 +475,6 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
     ent = entries if entries is not None else ring  # dummy pointers when absent (never read)
     sel = selected if selected is not None else slots
     lowp = q.dtype != torch.float32
-    interp = q.device.type == "cpu"
     block_d = triton.next_power_of_2(d)
     _attn_split_kernel[(B * T, hb, split)](
         q, kv, ring, ent, sel, slots, pos0, sinks, o, pacc, pm, pl,

@@ -75,11 +75,12 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
                         M: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CW: tl.constexpr,
                         STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr,
-                        RNE_BF16: tl.constexpr, bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
+                        RNE_BF16: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
     # kv/score [B, T, C·W] (strides kv_sb, kv_st / sc_sb, sc_st; channels contiguous); ape [M, C·W];
     # state [n_slots, R, C·W] and entries [n_slots, E, W] contiguous; slots/pos0/n_real [B] int64;
     # n_pg = grid dim 1 (G with entries, T for the state-only launch). PAGED: entries is a pool
-    # [N + 1, RB, W], entry j of the slot at row j mod RB of block bt[slot, j // RB] (table [n_slots, NB])
+    # [N + 1, RB, W], entry j of the slot at row j mod RB of block bt[slot, j // RB] (table [n_slots, NB];
+    # RB a constexpr)
     b = tl.program_id(0)
     pg = tl.program_id(1)
     CW: tl.constexpr = C * W

@@ -74,10 +74,12 @@ def _n_visible(pos0_ptr, row, T, E, m):
 def _scores_kernel(q_ptr, w_ptr, k_ptr, slots_ptr, pos0_ptr, s_ptr, T, E, m, scale,
                    HI: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                    D_STEP: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-                   bt_ptr=None, NB=1, RB=1, PAGED: tl.constexpr = False):
+                   bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
     # q [B·T, HI, DI], w [B·T, HI] fp32, keys [n_slots, E, DI], s (out) [B·T, E] fp32; all contiguous.
     # PAGED: keys is a pool [N + 1, RB, DI], entry e of the slot at row e mod RB of block bt[slot, e // RB]
-    # (block table [n_slots, NB] int64, E = NB·RB)
+    # (block table [n_slots, NB] int64, E = NB·RB; RB a constexpr: // and % are shifts or multiplies). A tile
+    # inside one block (RB a multiple of BLOCK_E) reads one table entry, else one per entry (same address
+    # for the entries of a block)
     row = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     n_vis = _n_visible(pos0_ptr, row, T, E, m)
@@ -89,7 +91,11 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, slots_ptr, pos0_ptr, s_ptr, T, E, m, sca
         hm = h < HI
         slot = tl.load(slots_ptr + row // T)
         if PAGED:
-            blk = tl.load(bt_ptr + slot * NB + e // RB, mask=e < n_vis, other=0).to(tl.int64)
+            e0 = tl.program_id(1) * BLOCK_E
+            if RB % BLOCK_E == 0:
+                blk = tl.load(bt_ptr + slot * NB + e0 // RB).to(tl.int64)              # e0 < n_vis <= E
+            else:
+                blk = tl.load(bt_ptr + slot * NB + e // RB, mask=e < n_vis, other=0).to(tl.int64)
             krow = blk * RB + e % RB                                               # [BLOCK_E] pool rows
         else:
             krow = slot * E + e

@@ -111,6 +111,7 @@ class BlockPool:
         self.block_size, self.n_blocks = layout.block_size, layout.n_blocks
         self.table_dev = caches["block_table"]  # [cache_slots, nb] int64, read by the graphs
         self.table = torch.full(tuple(self.table_dev.shape), self.n_blocks, dtype=torch.int64)
+        self.table_dev.copy_(self.table)  # every row scratch (the caches were allocated as zeros: block 0)
         self.max_tokens = max_tokens
         slot_caches = {k: v for k, v in caches.items() if k not in paged_names(caches)}
         self.boundary_fields = [f for f in cache_fields(config, slot_caches) if not f.grow]
@@ -123,8 +124,9 @@ class BlockPool:
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.seqs: dict[int, _Seq] = {}
         self.covered = torch.zeros(self.table.shape[0], dtype=torch.int64)  # positions each slot's blocks cover
+        self._table_np, self._covered_np = self.table.numpy(), self.covered.numpy()  # views: cheap row writes
         self.peak = 0  # most blocks held by sequences at once
-        self.dirty = False  # table rows changed on the host only (grow(push=False)); flush() sends them
+        self.dirty: set[int] = set()  # slots whose table rows changed on the host only; flush() sends them
         self.version = 0  # bumped at every table change (a sharded run's leader sends the table when it moved)
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0, "preemptions": 0}
@@ -182,7 +184,7 @@ class BlockPool:
             self.lru.pop(blk, None)
         blocks = shared + [self._take() for _ in range(need)]
         self.seqs[slot] = _Seq(blocks, keys, r, j, limit if limit is not None else self.max_tokens)
-        self._set_row(slot)
+        self._set_row(slot, push=False)  # on the device from the next flush (before its first step)
         if r:
             self.restore_boundary(shared[-1], slot, r * self.block_size)
         pos[slot] = r * self.block_size
@@ -243,11 +245,21 @@ class BlockPool:
         return ok
 
     def flush(self) -> None:
-        """Copy the table rows `grow(push=False)` changed to the device (one copy; it waits for the steps
-        queued before it, so a row is never rewritten under a step that reads it)."""
-        if self.dirty:
-            self.table_dev.copy_(self.table)
-            self.dirty = False
+        """Send the table rows changed on the host since the last flush to the device, in stream order: the
+        steps queued before it read the old rows, those queued after it the new ones, so a row is never
+        rewritten under a step that reads it. The host does not wait: the rows go from a pinned snapshot
+        (the caching host allocator keeps it until the copy ran) in non-blocking copies, and the device
+        scatters them. `Session._run` (and the speculator's runs) flush before queuing a graph."""
+        if not self.dirty:
+            return
+        rows = sorted(self.dirty)
+        self.dirty = set()
+        if not self.table_dev.is_cuda:
+            self.table_dev[rows] = self.table[rows]
+            return
+        src = self.table[rows].pin_memory().to(self.device, non_blocking=True)             # [r, nb]
+        idx = torch.tensor(rows, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        self.table_dev.index_copy_(0, idx, src)
 
     def ensure(self, slot: int, end: int) -> None:
         """`grow`, or PagedCacheError naming the limit (Session._run: a step about to write past the blocks
@@ -263,20 +275,24 @@ class BlockPool:
         return int(self.covered[slot])
 
     def _set_row(self, slot: int, push: bool = True) -> None:
-        row = self.table[slot]
-        row.fill_(self.n_blocks)
+        """Write `slot`'s table row on the host; `push`: flush at once, else at the next flush. Through numpy
+        views of the host tensors: a torch row write and tensor per call cost ~9x as much, and a decode step
+        where 64 requests cross a block end (or finish) writes 64 rows."""
+        row = self._table_np[slot]
+        row.fill(self.n_blocks)
         blocks = self.seqs[slot].blocks if slot in self.seqs else []
-        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        row[: len(blocks)] = blocks
         self.version += 1
+        self.dirty.add(slot)
         if push:
-            self.table_dev[slot].copy_(row)
-        else:
-            self.dirty = True
-        self.covered[slot] = len(blocks) * self.block_size
+            self.flush()
+        self._covered_np[slot] = len(blocks) * self.block_size
         self.peak = max(self.peak, self.n_blocks - len(self.free) - len(self.lru))
 
     def release(self, slot: int) -> None:
-        """The request in `slot` finished: drop its references; its table row points at scratch again."""
+        """The request in `slot` finished: drop its references; its table row points at scratch again (on the
+        device from the next flush: no graph reads a free slot's row, and the requests finishing at one step
+        cost one copy, not one each)."""
         seq = self.seqs.pop(slot, None)
         if seq is None:
             return
@@ -287,7 +303,7 @@ class BlockPool:
                     self.lru[blk] = None
             else:
                 self.free.append(blk)
-        self._set_row(slot)
+        self._set_row(slot, push=False)
 
     def release_all(self) -> None:
         for s in list(self.seqs):

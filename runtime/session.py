@@ -362,6 +362,7 @@ class Session:
             end = pos[slots] + n
             for i in ((end > self.prefix.covered[slots]) & (n > 0)).nonzero().flatten().tolist():
                 self.prefix.ensure(slots[i], int(end[i]))
+            self.prefix.flush()  # table rows changed since the last step (released, admitted, grown)
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
         lead = () if hidden is None else (hidden.to(self.device),)

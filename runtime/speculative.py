@@ -331,6 +331,8 @@ class Speculator:
         is set when the round is read)."""
         sess = self.sess
         run = sess.executors[kind].run if kind in sess.executors else sess.graphs[kind]
+        if sess.paged:
+            sess.prefix.flush()  # table rows changed since the last run
         lead = () if hidden is None else (hidden,)
         if sess.mirror is not None:  # a sharded artifact: the other ranks replay the same call
             sess.mirror.run(kind, ids, ctx.slots, pos, n_real, hidden, caches)

@@ -163,6 +163,129 @@ def test_triton_indexer_block_table_path_equals_its_slot_path():
                                                                                      topk, 4), ref)
 
 
+
+@pytest.mark.parametrize("m,RB", [(2, 16), (4, 6)])
+def test_triton_attention_table_lookups_per_tile_and_odd_block_rows(m, RB):
+    """The kernel's two table lookups: HCA entries in tiles inside one block (RB a multiple of the key tile:
+    one table entry per tile; 45 visible entries over three blocks), and per-key lookups with RB not a power
+    of two (CSA selection, RB = 6: the constexpr division is a multiply). Bit for bit the slot path."""
+    from dsv4c.kernels.v4_attention import V4AttnConfig, v4_attention_fused
+
+    g = torch.Generator().manual_seed(8)
+    B, H, d, S, n_slots, E = 3, 4, 16, 8, 5, 48
+    slots, pos0, n_real = torch.tensor([3, 0, 1]), torch.tensor([90, 37, 5]), torch.tensor([1, 1, 1])
+    q, kv = torch.randn(B, 1, H, d, generator=g), torch.randn(B, 1, d, generator=g)
+    ring, sinks = torch.randn(n_slots, S, d, generator=g), torch.randn(H, generator=g)
+    entries = torch.randn(n_slots, E, d, generator=g)
+    pool, table = paged_copy(entries, 40, RB)
+    sel = None
+    if m == 4:
+        sel = torch.full((B, 1, 12), -1, dtype=torch.int64)
+        for b in range(B):
+            vis = min(E, (int(pos0[b]) + 1) // m)
+            sel[b, 0, : min(10, vis)] = torch.randperm(vis, generator=g)[:10]
+    cfg = V4AttnConfig(block_h=16, block_n=16)
+    r1, r2 = ring.clone(), ring.clone()
+    want = v4_attention_fused(q, kv, slots, pos0, n_real, r1, sinks, entries, sel, 8, m, config=cfg)
+    got = v4_attention_fused(q, kv, slots, pos0, n_real, r2, sinks, pool, sel, 8, m, config=cfg, block_table=table)
+    assert torch.equal(want, got) and torch.equal(r1[:-1], r2[:-1])
+
+
+@pytest.mark.parametrize("RB", [64, 12])
+def test_triton_indexer_table_lookups_per_tile_and_odd_block_rows(RB):
+    """The scores kernel's table lookups: tiles of 64 entries inside one block (RB = 64: one table entry per
+    tile) and RB = 12 (not a power of two, tiles across blocks). Bit for bit the slot path."""
+    from dsv4c.kernels.v4_indexer import v4_indexer_topk_fused
+
+    g = torch.Generator().manual_seed(9)
+    B, HI, dI, n_slots, E = 3, 4, 16, 4, 192
+    q, w = torch.randn(B, 1, HI, dI, generator=g), torch.randn(B, 1, HI, generator=g)
+    keys = torch.randn(n_slots, E, dI, generator=g)
+    slots, pos0 = torch.tensor([2, 0, 1]), torch.tensor([700, 300, 40])
+    pool, table = paged_copy(keys, 3 * E // RB + 2, RB)
+    for topk in (8, 100):
+        want = v4_indexer_topk_fused(q, w, keys, slots, pos0, topk, 4)
+        assert torch.equal(want, v4_indexer_topk_fused(q, w, pool, slots, pos0, topk, 4, block_table=table))
+
+
+def test_bench_paged_kernels_quick_run(tmp_path):
+    """examples/bench_paged_kernels.py on the interpreter: every kernel and its paged twin, both block
+    layouts, give bit-identical results (no timing on the CPU)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bench_paged_kernels as bench
+
+    out = tmp_path / "q.json"
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["kernel"], r["layout"]) for r in res["rows"]] == [(k, lay) for lay in bench.LAYOUTS
+                                                                 for k in bench.KERNELS]
+    assert all(r["same"] for r in res["rows"]) and "| attention csa | shared |" in res["table"]
+
+
+_SM90_ATTENTION = """
+import os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4c.kernels.v4_attention import V4AttnConfig, _attn_split_kernel as fn
+
+names = list(fn.arg_names)
+ptrs = dict(q_ptr="*bf16", kv_ptr="*bf16", ring_ptr="*bf16", ent_ptr="*bf16", sel_ptr="*i64", slots_ptr="*i64",
+            pos0_ptr="*i64", sinks_ptr="*fp32", o_ptr="*fp32", pacc_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
+            bt_ptr="*i64")
+cfg = V4AttnConfig()
+# the slice's CSA decode call (B 64, T 1, H 64, d 512, window 128, 512 selected, blocks of 128 positions), with
+# the launcher's specialisation: ints equal to 1 are constants, multiples of 16 (and pointers) 16-divisible
+ints = dict(sq_b=32768, sq_t=32768, sq_h=512, skv_b=512, skv_t=512, T=1, H=64, S=128, NSEL=512, W=128, NW=127,
+            M_RATIO=4)
+for paged in (False, True):
+    consts = dict(D=512, BLOCK_D=512, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=2, ENT_MODE=1, LOWP=True,
+                  INTERPRET=False, POS_BLOCKS=False, PAGED=paged, RB=32 if paged else 1)
+    vals = {**ints, "E": 1088 if paged else 1066, "NB": 34 if paged else 1}
+    consts.update({n: 1 for n, v in vals.items() if v == 1})
+    if not paged:
+        consts["bt_ptr"] = None
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and (n in ptrs or vals.get(n, 1) % 16 == 0)}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if paged and cfg.paged_max_registers is not None:
+        opts["maxnreg"] = cfg.paged_max_registers
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    path = os.path.join(sys.argv[1], f"k{int(paged)}.cubin")
+    open(path, "wb").write(k.asm["cubin"])
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    use = subprocess.run([exe, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\\d+)", use).group(1)
+    print("kernel", int(paged), regs, len(re.findall(r"\\b(?:div|rem)\\.[su]64", k.asm["ptx"])))
+"""
+
+
+def test_paged_attention_compiles_for_sm90_like_the_slot_kernel(tmp_path):
+    """Compile (not run) the CSA split kernel for sm_90, slot and block-table paths, as the decode launches
+    them: the paged one within the slot kernel's two programs per SM (<= 128 registers, its launch cap) and
+    with no 64-bit division beyond the slot kernel's (the table lookup is shifts)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "sm90.py"
+    script.write_text(_SM90_ATTENTION)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {int(r[1]): (int(r[2]), int(r[3])) for r in (ln.split() for ln in res.stdout.splitlines())
+            if r and r[0] == "kernel"}
+    assert rows[1][0] <= 128 and rows[0][0] <= 128, rows
+    assert rows[1][1] == rows[0][1], rows  # the window loop's divisions only, in both
+
+
 def _graph(model, kind: str, paged, n_slots: int, max_len: int):
     gm = export_graph(model, GraphSpec(kind, n_slots=n_slots, max_len=max_len, paged=paged)).module()
     return select_kernels(gm, PassContext(model.config, "h200", kind)).graph
@@ -210,6 +333,25 @@ def _paged_graph_case(name: str, kinds: tuple[str, ...]):
         rows = paged_c[k][table[:2]].flatten(1, 2)[:, : slot_c[k].shape[1]]  # slots 0, 1
         # (the eager side ran the reference compressor, the graph its static form: float rounding apart)
         assert (rows - slot_c[k][:2]).abs().max() <= 1e-6 * slot_c[k].abs().max(), k
+
+
+@pytest.mark.slow  # two exports: about a minute
+def test_paged_decode_graph_has_the_slot_graphs_ops():
+    """The exported V4 decode graph (SWA, CSA, HCA layers) lowered for h200 with paged caches has the slot
+    graph's ops, op for op, each cache op replaced by its `_paged` twin: no gathers, copies or block-table
+    arithmetic of its own (the kernels read the table)."""
+    from collections import Counter
+
+    model = randomize_(build_model(ModelConfig.preset("v4-tiny-a"), dtype=torch.float32), seed=5).eval()
+
+    def ops_of(gm):
+        return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+    slot = ops_of(_graph(model, "decode", None, 3, 48))
+    paged = ops_of(_graph(model, "decode", PagedLayout(8, 16), 3, 48))
+    twins = {k: v for k, v in paged.items() if "_paged" in k}
+    assert twins and all("fused" in k for k in twins), twins  # the Triton forms, as in the slot graph
+    assert Counter(k.replace("_paged", "") for k in paged.elements()) == slot
 
 
 def test_exported_paged_decode_graph_equals_the_slot_caches():

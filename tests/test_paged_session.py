@@ -103,6 +103,22 @@ def test_shared_blocks_are_referenced_not_copied_and_never_written(models):
         assert rb[k] * pool.n_blocks < pools[k].numel()  # (pools, not per-slot caches)
 
 
+def test_table_rows_reach_the_device_at_the_next_flush_in_one_copy(models):
+    """Admitted and released rows are written on the host and sent by the next flush (Session._run flushes
+    before queuing a graph): requests finishing together cost one copy, not one each; the answers are
+    those of the slot caches (the admitted rows were on the device before their prefill)."""
+    model = models["v4-tiny-a"]
+    base, ps = prompts_sharing(model.config.vocab_size, seed=5)
+    sess = eager_session(model, 8, PagedConfig(block_size=8))
+    pool, table = sess.prefix, sess.caches["block_table"]
+    assert pool.table_dev is table
+    assert_same(serve(eager_session(model, 8, None), ps[:3], max_new=2), serve(sess, ps[:3], max_new=2))
+    assert sorted(pool.dirty) == [0, 1, 2] and (pool.table[:3] == pool.n_blocks).all()  # released, not sent
+    assert (table[:3] != pool.n_blocks).any()
+    pool.flush()
+    assert not pool.dirty and torch.equal(table, pool.table)
+
+
 def test_eviction_and_waiting_under_a_tiny_pool_keep_every_answer_exact(models):
     model = models["v4-tiny-a"]
     base, ps = prompts_sharing(model.config.vocab_size, seed=2)
