@@ -676,6 +676,8 @@ def _ready(st: _State, sess) -> None:
     cfg = st.cfg
     st.sess = sess
     warm = [sess.config.bos_token_id or 0] * 4
+    if sess.device.type == "cuda":
+        log.info("kernel warm-up (prefill shape classes): %s s", sess.warm_up())  # JIT compiles before /health
     sess.generate([warm] * min(2, sess.max_batch), max_new_tokens=2)  # captures decode on a GPU
     mtp = cfg.mtp
     if mtp == "auto" and not int(sess.manifest.get("mtp_k", 0)):

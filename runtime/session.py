@@ -150,7 +150,7 @@ class Session:
         # its promise is that a request's logits do not depend on the requests it runs with
         self.max_prefill_rows = 1 if manifest.get("deterministic") else self.max_batch
         self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0}  # prefill graph calls
-        self.warmup_s: dict[str, float] = {}  # Session.warm_up's seconds per case (load on a GPU)
+        self.warmup_s: dict[str, float] = {}  # Session.warm_up's seconds per case (load(warm_up=True))
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.paged = self._paged_layout()  # PagedLayout of a paged artifact (runtime/block_pool.py), else None
@@ -179,7 +179,7 @@ class Session:
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
              strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
-             deterministic: bool = False, paged: bool | None = None, warm_up: bool | None = None) -> "Session":
+             deterministic: bool = False, paged: bool | None = None, warm_up: bool = False) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -193,8 +193,8 @@ class Session:
         at compile time: passes/make_batch_invariant.py) and raises ArtifactError for any other.
         `paged`: the artifact's cache layout decides (compile with paged=PagedConfig(...): the growing caches
         in blocks of a shared pool, runtime/block_pool.py); True / False require that layout (ArtifactError).
-        `warm_up` (default: on a GPU, single process): `Session.warm_up()` before returning, so the kernels'
-        JIT compiles are paid at load and not in the first requests' time to first token."""
+        `warm_up=True`: `Session.warm_up()` before returning, so the kernels' JIT compiles are paid at load and
+        not in the first requests' time to first token (`dsv4c serve` does it before /health turns 200)."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -248,7 +248,7 @@ class Session:
             attach(sess, rank)  # runtime/distributed.py
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
-        if warm_up if warm_up is not None else (device.type == "cuda" and rank is None):
+        if warm_up:
             if rank is not None:
                 raise ValueError("warm_up: a sharded artifact's ranks run together (runtime/distributed.py); "
                                  "warm up through the rank-0 session's requests instead")
