@@ -39,6 +39,8 @@ def test_manifest_lists_every_file_with_its_hash(compiled):
     files = {str(p.relative_to(d / "art")) for p in (d / "art").rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(m["files"]) == files and {"graphs/prefill.pt2", "graphs/decode.pt2"} <= files
     assert m["format_version"] == 3 and m["target"]["name"] == "cpu"
+    # the single-GPU layout (tests/test_parallel_run.py checks the sharded one's rank folders)
+    assert "parallel" not in m and "ranks" not in m and all(f.startswith(("graphs/", "weights/")) for f in files)
     assert m["limits"]["cache_slots"] == m["limits"]["max_batch"] + 1
     assert m["boundary_check"]["ok"] and "no CUDA-graph buckets" in m["boundary_check"]["skipped"]  # cpu target
     assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
