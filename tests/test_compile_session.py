@@ -200,11 +200,10 @@ def test_target_mismatch_needs_emulate(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mtp_compiled(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mtp")
-    write_random_checkpoint(small("v3-tiny"), d / "ckpt", seed=1, dtype=torch.float32)
-    m = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
-    return d, m
+def mtp_compiled(v3_tiny_mtp_art):
+    """small('v3-tiny') compiled with --mtp 2 (tests/conftest.py: shared with other files, read only)."""
+    d = v3_tiny_mtp_art
+    return d, json.loads((d / "art" / "manifest.json").read_text())
 
 
 def test_mtp_artifact_keeps_a_one_token_decode_graph(mtp_compiled):
