@@ -13,3 +13,62 @@ torch.set_num_threads(1)
 # the quantised-expert op), so the switch is set here, before every test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---- artifacts shared by several test files --------------------------------------------------------
+# A compile is most of a test file's setup. The artifacts below serve several files; under xdist each is
+# built once per run (the first worker to ask builds it under a file lock in the run's shared temp folder,
+# the others wait and read it), without xdist once per session. Tests only read them (copy to change).
+import pytest  # noqa: E402
+
+
+def _shared(tmp_path_factory, worker_id: str, name: str, build):
+    """`build(folder)` into a folder shared by this run's workers, once; returns the folder."""
+    from filelock import FileLock
+
+    if worker_id == "master":  # no xdist: this process is the run
+        root = tmp_path_factory.getbasetemp() / "shared"
+    else:  # xdist: each worker's basetemp is <run's basetemp>/popen-gwN
+        root = tmp_path_factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    d = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (d / ".complete").exists():
+            if d.exists():
+                import shutil
+
+                shutil.rmtree(d)  # a build that failed in another worker: start over
+            d.mkdir()
+            build(d)
+            (d / ".complete").touch()
+    return d
+
+
+@pytest.fixture(scope="session")
+def v3_tiny_mtp_art(tmp_path_factory, worker_id):
+    """cut_presets.small('v3-tiny') (one dense, one MoE layer), random fp32 checkpoint (seed 1) in `ckpt`,
+    compiled for the cpu target with --mtp 2 (prefill, decode, verify, mtp, verify_mtp) into `art`."""
+    def build(d):
+        from cut_presets import small
+
+        from dsv4c import write_random_checkpoint
+        from dsv4c.compile import compile_checkpoint
+
+        write_random_checkpoint(small("v3-tiny"), d / "ckpt", seed=1, dtype=torch.float32)
+        compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
+
+    return _shared(tmp_path_factory, worker_id, "v3-tiny-mtp", build)
+
+
+@pytest.fixture(scope="session")
+def bundle2_art(tmp_path_factory, worker_id):
+    """The bundled model's first two layers (cut_presets.bundle_cut: trained weights, MTP block, tokenizer)
+    in `ckpt`, compiled for the cpu target (max_tokens 64, max_batch 8, no MTP graphs) into `art`."""
+    def build(d):
+        from cut_presets import bundle_cut
+
+        from dsv4c.compile import compile_checkpoint
+
+        compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=64, max_batch=8)
+
+    return _shared(tmp_path_factory, worker_id, "bundle2", build)

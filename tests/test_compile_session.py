@@ -39,6 +39,8 @@ def test_manifest_lists_every_file_with_its_hash(compiled):
     files = {str(p.relative_to(d / "art")) for p in (d / "art").rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(m["files"]) == files and {"graphs/prefill.pt2", "graphs/decode.pt2"} <= files
     assert m["format_version"] == 3 and m["target"]["name"] == "cpu"
+    # the single-GPU layout (tests/test_parallel_run.py checks the sharded one's rank folders)
+    assert "parallel" not in m and "ranks" not in m and all(f.startswith(("graphs/", "weights/")) for f in files)
     assert m["limits"]["cache_slots"] == m["limits"]["max_batch"] + 1
     assert m["boundary_check"]["ok"] and "no CUDA-graph buckets" in m["boundary_check"]["skipped"]  # cpu target
     assert ModelConfig.from_dict(m["model_config"]) == compiled[2].config
@@ -198,11 +200,10 @@ def test_target_mismatch_needs_emulate(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mtp_compiled(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mtp")
-    write_random_checkpoint(small("v3-tiny"), d / "ckpt", seed=1, dtype=torch.float32)
-    m = compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=32, max_batch=2, mtp_k=2)
-    return d, m
+def mtp_compiled(v3_tiny_mtp_art):
+    """small('v3-tiny') compiled with --mtp 2 (tests/conftest.py: shared with other files, read only)."""
+    d = v3_tiny_mtp_art
+    return d, json.loads((d / "art" / "manifest.json").read_text())
 
 
 def test_mtp_artifact_keeps_a_one_token_decode_graph(mtp_compiled):

@@ -8,25 +8,23 @@ with the graph's dynamic rows);
 import json
 
 import pytest
-import torch
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from cut_presets import bundle_cut, small  # noqa: E402
 
-from dsv4c.checkpoint import write_random_checkpoint  # noqa: E402
 from dsv4c.cli import main  # noqa: E402
-from dsv4c.compile import compile_checkpoint  # noqa: E402
 from dsv4c.onnx_export import REL_TOL, compose, export_onnx  # noqa: E402
 from dsv4c.runtime import Session  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
+def bundled(bundle2_art, tmp_path_factory):
+    """(folder holding `art` and `onnx`, the export index): the bundled model's first two layers compiled for
+    the cpu target (tests/conftest.py: shared with tests/test_serve.py, read only)."""
     d = tmp_path_factory.mktemp("onnx")
-    compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=32, max_batch=2)
+    (d / "art").symlink_to(bundle2_art / "art", target_is_directory=True)
     index = export_onnx(d / "art", d / "onnx", verify=True, graphs=("prefill", "decode"), max_pieces=1)
     return d, index
 
@@ -73,10 +71,9 @@ def test_composed_decode_gives_the_sessions_greedy_tokens(bundled):
     assert all(m.calls > 0 for m in mods["decode"]) and all(m.calls > 0 for m in mods["prefill"])
 
 
-def test_v3_tiny_exports_and_says_why_cache_and_moe_ops_do_not(tmp_path):
-    write_random_checkpoint(small("v3-tiny"), tmp_path / "ck", seed=1)  # one dense, one MoE layer
-    compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="cpu", max_tokens=32, max_batch=2)
-    index = export_onnx(tmp_path / "art", tmp_path / "onnx", segments="all", verify=True, graphs=("decode",),
+def test_v3_tiny_exports_and_says_why_cache_and_moe_ops_do_not(v3_tiny_mtp_art, tmp_path):
+    # small('v3-tiny'): one dense, one MoE layer (tests/conftest.py, shared)
+    index = export_onnx(v3_tiny_mtp_art / "art", tmp_path / "onnx", segments="all", verify=True, graphs=("decode",),
                         max_pieces=1)
     exported = _exported(index, "decode")
     assert len(exported) == 1 and all(e["verify"]["ok"] for e in exported)

@@ -27,15 +27,25 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
 NEW = 6
 
 
+KW = dict(target="cpu", max_tokens=32, max_batch=2, dtype=torch.float32, mtp_k=1)
+
+
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
     d = tmp_path_factory.mktemp("par")
     write_random_checkpoint(ModelConfig.preset("v4-tiny-a").replace(**V4_CFG), d / "ckpt", seed=3,
                             dtype=torch.float32)
-    kw = dict(target="cpu", max_tokens=32, max_batch=2, dtype=torch.float32, mtp_k=1)
-    compile_checkpoint(d / "ckpt", d / "single", **kw)
-    compile_checkpoint(d / "ckpt", d / "tp2", plan=ParallelPlan(2, 1), **kw)
+    compile_checkpoint(d / "ckpt", d / "tp2", plan=ParallelPlan(2, 1), **KW)
     return d
+
+
+@pytest.fixture(scope="module")
+def single(arts):
+    """The same checkpoint compiled for one process: only the (long) token comparison needs it; the
+    single-GPU layout (no parallel/ranks entries, graphs/ and weights/ folders) is checked on
+    tests/test_compile_session.py's artifacts (test_manifest_lists_every_file_with_its_hash)."""
+    compile_checkpoint(arts / "ckpt", arts / "single", **KW)
+    return arts / "single"
 
 
 def _single_tokens(art, mtp: int) -> list[list[int]]:
@@ -59,9 +69,6 @@ def test_sharded_layout_and_manifest(arts):
         assert all(w["file"].startswith(f"rank{r}/weights/") for w in m["ranks"][r]["weights"].values())
     H, d = 4, 64
     assert m["ranks"][1]["weights"]["model.layers.0.attn.wq_b.weight"]["shape"] == [H * d // 2, 32]
-    single = read_manifest(arts / "single")
-    assert "parallel" not in single and "ranks" not in single
-    assert all(f.startswith(("graphs/", "weights/")) for f in single["files"])  # the single-GPU layout
 
 
 def test_sharded_artifact_refuses_a_single_process(arts):
@@ -71,8 +78,8 @@ def test_sharded_artifact_refuses_a_single_process(arts):
 
 @pytest.mark.long  # two worker launches of ~30-60 s each: `pytest -m long`
 @pytest.mark.parametrize("mtp", [0, 1])
-def test_workers_generate_the_single_process_tokens(arts, mtp, capfd):
-    want = _single_tokens(arts / "single", mtp)
+def test_workers_generate_the_single_process_tokens(arts, single, mtp, capfd):
+    want = _single_tokens(single, mtp)
     capfd.readouterr()
     assert cli_main(_argv(arts / "tp2", mtp)) == 0
     lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.strip()]

@@ -6,23 +6,17 @@ import shutil
 import warnings
 
 import pytest
-import torch
-from cut_presets import small
 
-from dsv4c import write_random_checkpoint
-from dsv4c.compile import compile_checkpoint, describe_artifact, manifest_checksum
+from dsv4c.compile import describe_artifact, manifest_checksum
 from dsv4c.passes import default_pipeline
 from dsv4c.provenance import StaleArtifactError, StaleArtifactWarning, changed_modules, check_source, source_hashes
 from dsv4c.runtime import Session
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prov")
-    write_random_checkpoint(small("v3-tiny"), d / "ckpt", seed=1, dtype=torch.float32)  # dense + MoE layer
-    compile_checkpoint(d / "ckpt", d / "art", target="cpu", max_tokens=16, max_batch=2, dtype=torch.float32,
-                       verify_boundaries=False)
-    return d / "art"
+def art(v3_tiny_mtp_art):
+    """A dense + MoE layer artifact (tests/conftest.py: shared with other files; the tests below change a copy)."""
+    return v3_tiny_mtp_art / "art"
 
 
 def test_every_pass_and_kernel_module_is_hashed():

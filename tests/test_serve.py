@@ -23,7 +23,6 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cut_presets import bundle_cut
 
 from dsv4c.compile import compile_checkpoint
 from dsv4c.runtime import Session
@@ -44,10 +43,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("serve")
-    compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=LIMIT, max_batch=SLOTS)
-    return d / "art"
+def art(bundle2_art) -> Path:
+    """The bundled model's first two layers, max_tokens LIMIT, max_batch SLOTS (tests/conftest.py: shared with
+    tests/test_onnx_export.py, read only)."""
+    return bundle2_art / "art"
 
 
 @pytest.fixture(scope="module")

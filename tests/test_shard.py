@@ -55,8 +55,9 @@ def _check_stats(cfg, stats: dict) -> None:
                                 "vocab_embed": 1, "expert_remap": n}
 
 
-# (2, 2) covers what (2, 1) and (1, 2) do (tp and ep, world 4): those two run with the slow tests
-@pytest.mark.parametrize("tp,ep", [pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow),
+# (2, 2) covers what (2, 1) and (1, 2) do (tp and ep, world 4): those two run with the long tests (`-m long`;
+# the default run has a tp = 2 world of 2 in test_sharded_quantised_experts_match_the_single_process_graphs)
+@pytest.mark.parametrize("tp,ep", [pytest.param(2, 1, marks=pytest.mark.long), pytest.param(1, 2, marks=pytest.mark.long),
                                    (2, 2), (1, 4)])
 def test_sharded_logits_equal_single_process(v4, tp, ep, tmp_path):
     model, graphs, ref = v4
