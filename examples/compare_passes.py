@@ -236,7 +236,7 @@ def compile_one(spec: ArtSpec, out: str, s: Settings) -> dict:
             kw["verify_boundaries"] = False  # the padding check is compile's own test, not what this measures
         if s.quick and spec.mtp_k and "fused_mtp" in params:
             # --quick: no verify_mtp graph (about 15 of the 90 s compile on a 2-core CPU); the MTP rungs then
-            # refresh the draft with separate mtp calls, still exact (tests/test_speculative.py covers fused)
+            # refresh the draft with separate mtp calls, still exact (tests/test_speculative.py and test_speculative_compiled.py cover fused)
             kw["fused_mtp"] = False
         buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64) if b <= s.max_batch)
         dtype = torch.bfloat16 if s.device.startswith("cuda") else torch.float32
