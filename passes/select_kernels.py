@@ -8,7 +8,8 @@ each pair on random state), so swapping the call target is the whole rewrite. Th
 graph: decode, verify and MTP (a fixed number of tokens per row) and prefill, whose chunks may be longer
 than the window ring (the static and fused attention keep each row's newest S real positions in the
 ring, as the reference does). Prefill keeps its routed experts as they are (`moe_experts`' `gathered`
-form is for decode-sized batches; quantize_experts already chose the prefill kernels). The static
+form is for decode-sized batches; quantize_experts already chose the prefill kernels) and, for now, the
+reference compressor (`DECODE_ONLY`). The static
 cache ops write what they must not write to the cache's last slot (dsv4c/model/static_ops.py: the
 scratch slot), which the runtime reserves.
 
@@ -51,7 +52,10 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("mla_cache_update_paged", "static"): "mla_cache_update_paged_static",
     ("dsa_cache_update_paged", "static"): "dsa_cache_update_paged_static",
 }
-DECODE_ONLY = "moe_experts"  # its `gathered` form moves T·K expert matrices: decode-sized batches only
+# not lowered in prefill graphs: moe_experts' `gathered` form moves T·K expert matrices (decode-sized batches
+# only); v4_compress' static/fused forms took the v4-tiny-a prefill graph's pinned-routing SNR from 33.8 to 9.3 dB
+# (tests/test_pin_routing.py) while equal to the reference op on the op tests: kept out until that is understood
+DECODE_ONLY = ("moe_experts", "v4_compress")
 PAGED_SUFFIX = "_paged"  # `<op>_paged` takes the implementation the target names for `<op>`
 
 
@@ -73,7 +77,8 @@ def select_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
     register_ops()
     kernels = {**get_target(ctx.target).kernels, **dict(ctx.kernels)}
     if ctx.graph_kind == "prefill":
-        kernels.pop(DECODE_ONLY, None)
+        for op in DECODE_ONLY:
+            kernels.pop(op, None)
     swapped: Counter = Counter()
     for n in gm.graph.nodes:
         if n.op != "call_function":
