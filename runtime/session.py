@@ -266,7 +266,8 @@ class Session:
         off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request.
         -> seconds per case."""
         limit = min(self.max_num_batched_tokens, self.max_tokens - 2)
-        cases = {"1x%d" % (limit // 16 * 16): [limit // 16 * 16], "1x17": [17]}
+        longest = limit // 16 * 16  # a multiple of 16 (0 when the limit is below 16: skipped below)
+        cases = {f"1x{longest}": [longest], "1x17": [17]}
         if self.max_batch >= 2 and self.max_prefill_rows >= 2 and 2 * 17 <= self.max_num_batched_tokens:
             cases.update({"2x16": [16, 16], "2x17": [17, 17]})
         g = torch.Generator().manual_seed(0)
