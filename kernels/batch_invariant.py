@@ -55,8 +55,9 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, sw
         km = (k0 + k) < K
         a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        if INTERPRET:  # the interpreter's low-precision dot is not exact: multiply the same values in fp32
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        if INTERPRET:  # fp32 products summed per row, no host BLAS: the interpreter's tl.dot is numpy's matmul,
+            # whose fp32 rows depended on the tile's other rows on one CI host (M = 1 vs 8, last bit)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
         elif F32:  # fp32 operands: IEEE products, not TF32
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
