@@ -3,6 +3,11 @@ import sys
 
 import torch
 
+# The repository's kernels/ folder is the package dsv4c.kernels (pyproject's package-dir). With the root on
+# sys.path (`python -m pytest` puts the working directory there, in xdist's workers too) it would also import as
+# the top-level `kernels`, in place of Hugging Face's `kernels` package, which transformers (the oracle) imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py and other helpers
 
 # The test models are tiny: one thread avoids oversubscription on 2-core CI machines.
