@@ -361,7 +361,7 @@ def test_sharded_paged_artifact_on_gloo_gives_the_single_process_paged_logits(tm
     from dsv4c import write_random_checkpoint
     from dsv4c.compile import compile_checkpoint
     from dsv4c.parallel import ParallelPlan
-    from tests.shard_cases import run_artifact, session_scenario
+    from shard_cases import run_artifact, session_scenario
 
     write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ckpt", seed=2, dtype=torch.float32)
     kw = dict(target="cpu", max_tokens=32, max_batch=2, dtype=torch.float32, paged=PagedConfig(block_size=8,

@@ -17,7 +17,7 @@ from dsv4c.passes import PassContext, get_param, set_param
 from dsv4c.passes.quantize_experts import quantize_experts_as
 from dsv4c.passes.shard import weight_recipe
 
-from tests.shard_cases import run_sharded, scenario
+from shard_cases import run_sharded, scenario
 
 TOL = 1e-5  # fp32: max |sharded - single| / max |single|
 # every V4 layer type (SWA, CSA, HCA), a hash layer, MTP; 3 Sinkhorn iterations keep the graphs small

@@ -20,7 +20,7 @@ from dsv4c.convert import ALIGN, KERNEL_FORMAT, CheckpointExperts, padded
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 from dsv4c.parallel import ParallelPlan, PlanError
 
-from tests.shard_cases import run_artifact, session_scenario
+from shard_cases import run_artifact, session_scenario
 
 # every V4 layer type, a hash layer; I = 256 so that tp = 2 keeps whole fp8 128-blocks
 CFG = dict(num_hidden_layers=3, compress_ratios=(0, 4, 8, 0), num_hash_layers=1, hc_sinkhorn_iters=3,

@@ -11,7 +11,7 @@ from dsv4c.export import GraphSpec, export_graph
 from dsv4c.model import build_model
 from dsv4c.parallel import ParallelPlan
 
-from tests.shard_cases import run_sharded, scenario
+from shard_cases import run_sharded, scenario
 
 TOL = 1e-5
 
@@ -57,7 +57,7 @@ def test_sharded_v3_artifact_logits_equal_single_process(v3_arts, tp, ep, tmp_pa
     from dsv4c.compile import read_manifest
     from dsv4c.runtime import Session
 
-    from tests.shard_cases import run_artifact, session_scenario
+    from shard_cases import run_artifact, session_scenario
 
     preset, d = v3_arts
     m = read_manifest(d / f"p{tp}{ep}")
