@@ -54,8 +54,16 @@ class _Case:
     ref: torch.Tensor  # eager logits
     routing: RoutingTable | None = None  # eager's routing decisions of the step
 
+    def eager(self, model) -> torch.Tensor:
+        """`model`'s logits on a prefill or decode case's inputs, from a copy of its cache."""
+        ids, slots = self.args[0], self.args[1]
+        return model(ids, copy.deepcopy(self.cache), slots=slots)
+
 
 def _cases(model, kinds, k: int, seed: int, prompt_len: int | None = None) -> list[_Case]:
+    """One case per graph kind: B = 2 real rows in cache slots 0..B-1 and one more slot, the scratch slot
+    the static and fused cache ops send their masked writes to (dsv4c/model/static_ops.py), as the
+    Session reserves it. A real row in the last slot would have its entries overwritten by them."""
     cfg = model.config
     dev = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)
@@ -63,27 +71,28 @@ def _cases(model, kinds, k: int, seed: int, prompt_len: int | None = None) -> li
     if prompt_len is None:
         prompt_len = (cfg.sliding_window + 9) if cfg.is_v4 else 13
     spec_len = prompt_len + 16
+    slots = torch.arange(B, device=dev)
     cases = []
     for kind in kinds:
-        spec = GraphSpec(kind, k=k, n_slots=B, max_len=spec_len + 8)
+        spec = GraphSpec(kind, k=k, n_slots=B + 1, max_len=spec_len + 8)
         T = prompt_len if kind == "prefill" else 1 + k
         ids = torch.randint(0, V, (B, T), generator=g).to(dev)
-        meta = (torch.arange(B, device=dev), None, torch.full((B,), T, device=dev))
+        n_real = torch.full((B,), T, device=dev)
         if kind == "mtp":
-            cache = model.new_mtp_cache(B, max_len=spec.max_len)
+            cache = model.new_mtp_cache(B + 1, max_len=spec.max_len)
             hidden = _sample_hidden(model, B, T, g)
-            pos0 = cache.pos.clone()
+            pos0 = cache.pos[:B].clone()
             with record_routing(model) as rec:
-                ref = model.mtp_forward(hidden, ids, copy.deepcopy(cache))[0]
-            cases.append(_Case(spec, (hidden, ids, meta[0], pos0, meta[2]), cache, ref, rec.table))
+                ref = model.mtp_forward(hidden, ids, copy.deepcopy(cache), slots=slots)[0]
+            cases.append(_Case(spec, (hidden, ids, slots, pos0, n_real), cache, ref, rec.table))
             continue
-        cache = model.new_cache(B, max_len=spec.max_len)
+        cache = model.new_cache(B + 1, max_len=spec.max_len)
         if kind == "decode":  # decode after a prompt, so the step sees a real cache
-            model(torch.randint(0, V, (B, prompt_len), generator=g).to(dev), cache)
-        pos0 = cache.pos.clone()
+            model(torch.randint(0, V, (B, prompt_len), generator=g).to(dev), cache, slots=slots)
+        pos0 = cache.pos[:B].clone()
         with record_routing(model) as rec:
-            ref = model(ids, copy.deepcopy(cache))
-        cases.append(_Case(spec, (ids, meta[0], pos0, meta[2]), cache, ref, rec.table))
+            ref = model(ids, copy.deepcopy(cache), slots=slots)
+        cases.append(_Case(spec, (ids, slots, pos0, n_real), cache, ref, rec.table))
     return cases
 
 

@@ -8,8 +8,7 @@ each pair on random state), so swapping the call target is the whole rewrite. Th
 graph: decode, verify and MTP (a fixed number of tokens per row) and prefill, whose chunks may be longer
 than the window ring (the static and fused attention keep each row's newest S real positions in the
 ring, as the reference does). Prefill keeps its routed experts as they are (`moe_experts`' `gathered`
-form is for decode-sized batches; quantize_experts already chose the prefill kernels) and, for now, the
-reference compressor (`DECODE_ONLY`). The static
+form is for decode-sized batches; quantize_experts already chose the prefill kernels: `DECODE_ONLY`). The static
 cache ops write what they must not write to the cache's last slot (dsv4c/model/static_ops.py: the
 scratch slot), which the runtime reserves.
 
@@ -52,11 +51,8 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("mla_cache_update_paged", "static"): "mla_cache_update_paged_static",
     ("dsa_cache_update_paged", "static"): "dsa_cache_update_paged_static",
 }
-# not lowered in prefill graphs: moe_experts' `gathered` form moves T·K expert matrices (decode-sized batches
-# only); v4_compress' static/fused forms took the v4-tiny-a prefill graph's pinned-routing SNR from 33.8 to 9.3 dB
-# (tests/test_pin_routing.py) while equal to the reference op on the op tests. Likely cause: dsv4c/compare.py's
-# cases give the last cache slot, the static ops' scratch slot, to a real row; kept out until that is fixed
-DECODE_ONLY = ("moe_experts", "v4_compress")
+# not lowered in prefill graphs: moe_experts' `gathered` form moves T·K expert matrices (decode-sized batches only)
+DECODE_ONLY = ("moe_experts",)
 PAGED_SUFFIX = "_paged"  # `<op>_paged` takes the implementation the target names for `<op>`
 
 

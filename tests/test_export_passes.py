@@ -140,8 +140,8 @@ def test_each_pass_preserves_outputs(exports, preset, kind, target):
 
 @torch.no_grad()
 def test_select_kernels_keeps_prefill_experts(exports, preset):
-    """`moe_experts=gathered` (decode-sized batches) lowers the decode graph's experts, not prefill's, and the
-    compressor stays the reference in prefill; the prefill graph's other cache ops get decode's implementations."""
+    """`moe_experts=gathered` (decode-sized batches) lowers the decode graph's experts, not prefill's; the
+    prefill graph's cache ops get the same implementations as decode's."""
     from dsv4c.passes.select_kernels import select_kernels
 
     got = {}
@@ -151,7 +151,7 @@ def test_select_kernels_keeps_prefill_experts(exports, preset):
         ctx = PassContext(model.config, "h200", graph_kind=kind, kernels=(("moe_experts", "gathered"),))
         got[kind] = select_kernels(gm, ctx).stats["swapped"]
     assert "moe_experts -> gathered" in got["decode"] and "moe_experts -> gathered" not in got["prefill"]
-    kept = {"moe_experts -> gathered", "v4_compress -> fused"}  # select_kernels.DECODE_ONLY
+    kept = {"moe_experts -> gathered"}  # select_kernels.DECODE_ONLY
     assert set(got["prefill"]) == set(got["decode"]) - kept != set()  # the other cache ops too
 
 
