@@ -25,6 +25,9 @@ from typing import AsyncIterator, Protocol
 
 from dsv4c.runtime.session import Session, StepError, StepOutput
 
+PREFIX_STATS_EVERY = 0.25  # seconds between two reads of the prefix cache's stats for the observer
+IDLE_WAKE = 0.5  # seconds an idle worker waits for work before it looks (and refreshes the gauges) again
+
 log = logging.getLogger("dsv4c.engine")
 
 
@@ -87,6 +90,7 @@ class Observer(Protocol):
     def admitted(self, h: Handle) -> None: ...
     def finished(self, h: Handle, stats: dict | None) -> None: ...
     def gauges(self, running: int, waiting: int, slots_in_use: int) -> None: ...
+    def prefix_cache(self, stats: dict) -> None: ...
 
 
 class Engine:
@@ -105,6 +109,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failed_steps = 0
+        self._prefix_due = 0.0  # when the observer next gets the prefix cache's stats
 
     # ---- the event loop's side ----------------------------------------------------------------
     def start(self) -> None:
@@ -162,7 +167,7 @@ class Engine:
             self._take_intake()
             if not sess.has_unfinished():
                 self._gauges()
-                self._wake.wait(0.5)
+                self._wake.wait(IDLE_WAKE)
                 continue
             try:
                 outs = sess.step()
@@ -240,6 +245,12 @@ class Engine:
             self._n_waiting -= 1
 
     def _gauges(self) -> None:
-        if self.observer is not None:
-            _, running = self.sess.live_counts()
-            self.observer.gauges(running, self._n_waiting, running)
+        if self.observer is None:
+            return
+        waiting, running = self.sess.live_counts()
+        now = time.perf_counter()
+        # read on the thread that changes it; stats() walks the block table, so while requests run not every step
+        if self.sess.prefix is not None and (now >= self._prefix_due or not (waiting or running)):
+            self._prefix_due = now + PREFIX_STATS_EVERY
+            self.observer.prefix_cache(self.sess.prefix.stats())
+        self.observer.gauges(running, self._n_waiting, running)

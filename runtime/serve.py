@@ -165,8 +165,23 @@ class Metrics:
                                    ["model_name"], registry=r)
         self.mtp_accepted = Counter("dsv4c_mtp_accepted_tokens", "MTP draft tokens accepted", ["model_name"],
                                     registry=r)
+        # the prefix cache (runtime/prefix_cache.py, or the paged caches' block pool): blocks and token hits
+        self.pc_blocks = Gauge("dsv4c_prefix_cache_blocks", "Blocks of the prefix cache's pool (0: no prefix cache)",
+                               ["model_name"], registry=r)
+        self.pc_in_use = Gauge("dsv4c_prefix_cache_blocks_in_use", "Pool blocks held by running requests",
+                               ["model_name"], registry=r)
+        self.pc_cached = Gauge("dsv4c_prefix_cache_blocks_cached", "Pool blocks whose prefix can be reused",
+                               ["model_name"], registry=r)
+        self.pc_counts = {  # the pool's counter name -> a Prometheus counter of it (raised by each step's delta)
+            name: Counter(f"dsv4c_prefix_cache_{metric}", doc, ["model_name"], registry=r)
+            for name, metric, doc in (("prompt_tokens", "queries", "Prompt tokens looked up in the prefix cache"),
+                                      ("hit_tokens", "hits", "Prompt tokens served from cached blocks"),
+                                      ("evictions", "evictions", "Cached blocks evicted (least recently used)"))}
+        self._pc_seen = dict.fromkeys(self.pc_counts, 0)
         self._lab = lab
         self.slots.labels(**lab).set(cache_slots)
+        for m in (self.pc_blocks, self.pc_in_use, self.pc_cached, *self.pc_counts.values()):
+            m.labels(**lab)  # present (at 0) from the start
         for m in (self.prompt_tokens, self.generation_tokens, self.mtp_drafted, self.mtp_accepted):
             m.labels(**lab)  # present (at 0) from the start
 
@@ -194,6 +209,17 @@ class Metrics:
     def gauges(self, running: int, waiting: int, slots_in_use: int) -> None:
         self.running.labels(**self._lab).set(running)
         self.slots_in_use.labels(**self._lab).set(slots_in_use)
+
+    def prefix_cache(self, stats: dict) -> None:
+        """The prefix cache's `stats()` (both pools name their fields alike): gauges set, counters raised by
+        what the pool's own counters gained since the last call."""
+        lab = self._lab
+        self.pc_blocks.labels(**lab).set(stats["blocks_total"])
+        self.pc_in_use.labels(**lab).set(stats["blocks_in_use"])
+        self.pc_cached.labels(**lab).set(stats["blocks_cached"])
+        for name, counter in self.pc_counts.items():
+            counter.labels(**lab).inc(stats[name] - self._pc_seen[name])
+            self._pc_seen[name] = stats[name]
 
     def watch(self, engine: Engine) -> None:
         """The waiting gauge reads the engine's count at scrape time: it changes on the event loop too."""

@@ -100,6 +100,21 @@ def _metrics(url: str) -> dict:
     return out
 
 
+def _idle_metrics(url: str, timeout: float = 30.0) -> dict:
+    """/metrics once nothing runs or waits and the idle engine has woken since (it hands the prefix cache's
+    stats over at every wake, runtime/engine.py IDLE_WAKE, and a client may see its answer before that)."""
+    from dsv4c.runtime.engine import IDLE_WAKE
+
+    deadline = time.time() + timeout
+    while True:
+        m = _metrics(url)
+        if _m(m, "dsv4c_requests_running") == 0 and _m(m, "dsv4c_requests_waiting") == 0:
+            time.sleep(IDLE_WAKE + 0.1)
+            return _metrics(url)
+        assert time.time() < deadline, "the server did not go idle"
+        time.sleep(0.1)
+
+
 def _m(m: dict, name: str, **labels) -> float:
     return m.get((name, frozenset(labels.items())), 0.0)
 
@@ -313,6 +328,30 @@ def test_metrics_parse_and_count_what_was_sent(url, sess):
     assert _m(m, "dsv4c_cache_slots") == SLOTS and _m(m, "dsv4c_requests_running") == 0
     assert ("dsv4c_mtp_accepted_tokens_total", frozenset()) in m
     assert _m(m, "dsv4c_requests_total", outcome="rejected") >= 1  # the bad-request test's
+
+
+def test_metrics_report_the_prefix_cache(url, sess):
+    """A prompt sent twice: the second is served from the first's cached blocks, and /metrics says so: every
+    prompt token is a query, the hits are whole blocks of the repeated prompt, and the pool's gauges are set."""
+    assert sess.prefix is not None, sess.cache_info  # the artifact has room for the default prefix cache
+    block = sess.prefix.stats()["block_size"]
+    prompt = "def prefix_cache_metrics(alpha, beta, gamma):\n    return [alpha * beta + gamma for _ in range(7)]\n"
+    assert len(_chat_ids(sess, prompt)) > 2 * block
+    m0 = _idle_metrics(url)  # the engine hands the pool's stats over whenever it is idle
+    usage = [_client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage
+             for _ in range(2)]
+    n = usage[0].prompt_tokens
+    m = _idle_metrics(url)
+
+    def delta(name):
+        return _m(m, name) - _m(m0, name)
+
+    assert delta("dsv4c_prefix_cache_queries_total") == 2 * n
+    hits = delta("dsv4c_prefix_cache_hits_total")
+    assert hits % block == 0 and (n - 1) // block * block >= hits >= block, (hits, n, block)
+    assert _m(m, "dsv4c_prefix_cache_blocks") > 0 and _m(m, "dsv4c_prefix_cache_blocks_cached") >= n // block
+    assert _m(m, "dsv4c_prefix_cache_blocks_in_use") == 0  # nothing runs
+    assert ("dsv4c_prefix_cache_evictions_total", frozenset()) in m
 
 
 def test_the_server_listens_on_loopback_only(url, server, tmp_path, capsys):
