@@ -541,13 +541,14 @@ class Session:
             if self.prefix:
                 self.prefix.release_all()
 
-    def _speculation(self, mtp: int | str, reqs: list[_Request]) -> tuple:
-        """(the Speculator or None, a per-request SpecStats factory or None) for `mtp` (see generate)."""
+    def _speculation(self, mtp: int | str, reqs: list[_Request], **auto) -> tuple:
+        """(the Speculator or None, a per-request SpecStats factory or None) for `mtp` (see generate; `auto`:
+        plan_auto's plain_steps and measure)."""
         if not mtp:
             return None, None
         from dsv4c.runtime.speculative import plan_speculation
 
-        return plan_speculation(self, mtp, reqs)
+        return plan_speculation(self, mtp, reqs, **auto)
 
     # ---- the incremental API --------------------------------------------------------------------
     # add_request / step / abort drive one long-lived scheduler, the same one generate() runs to the end:
@@ -556,8 +557,11 @@ class Session:
     def set_mtp(self, mtp: int | str = 0, prompt=None) -> dict:
         """MTP speculative decoding for the incremental API: 0, k = 1..K, or "auto", decided now (auto:
         calibrated for greedy decoding at max_batch on `prompt`, default a short fixed one; while steps run
-        it re-chooses k from the acceptance it observes and may go to plain decoding, which then holds
-        until the next set_mtp: probing back needs MTP admission). Only while no incremental request
+        it re-chooses k from the acceptance it observes and may go to plain decoding. From plain decoding
+        it plans again, with that calibration and the acceptance observed, whenever a step finds requests
+        waiting and none running, as a generate call does at its start: the plain steps since the last
+        plan earn probe budget, and a probe or a k >= 1 makes the next admissions speculate. Requests
+        that ask for logprobs hold it at plain decoding while they wait). Only while no incremental request
         runs. -> the decision (k, and the auto policy's reasoning)."""
         if self._live is not None and self._live.busy():
             raise RuntimeError("set_mtp: incremental requests are running")
@@ -572,6 +576,8 @@ class Session:
         if spec is None:
             make_stats = None  # auto chose plain decoding
         self._live = _Scheduler(self, spec, make_stats)
+        if mtp == "auto" and policy is not None and "step_ms" in policy:  # calibrated: it can plan again
+            self._live.replan_reqs = reqs
         return {"k": k, "policy": policy}
 
     def add_request(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
@@ -580,7 +586,7 @@ class Session:
         naming the field); the sampling generator is seeded with `seed` (generate's request i: seed + i).
         `logprobs`: report each token's log-probability (log-softmax of the logits) and its top-n."""
         live = self._live if self._live is not None else self._new_live()
-        if logprobs is not None and (logprobs < 0 or live.spec is not None):
+        if logprobs is not None and (logprobs < 0 or live.spec is not None):  # (a re-plan waits for it: iterate)
             raise ValueError("logprobs: must be >= 0" if logprobs < 0 else
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
         (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)
@@ -726,11 +732,16 @@ class _Scheduler:
         self.by_id: dict[int, _Request] = {}  # its requests until finished and reported
         self.admissions = 0
         self.hold = False  # a request was preempted: admit nothing until a running one finishes
+        self.replan_reqs: list[_Request] | None = None  # the incremental API's mtp="auto": set_mtp's plan requests
+        self.plain_steps = 0  # plain decode steps since the last plan (they earn the auto policy's probe budget)
 
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
     def iterate(self) -> Iterator[tuple[int, int]]:
+        if (self.replan_reqs is not None and self.spec is None and not self.active and self.inflight is None
+                and self.waiting and all(r.logprobs is None for r in self.waiting)):
+            self._replan()
         if self.spec is not None:
             self.spec.auto = self.auto  # the Speculator is the session's; this scheduler's auto run steers it
             if self.auto is not None and self.auto.k == 0:
@@ -752,10 +763,22 @@ class _Scheduler:
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
         elif sess.host_steps or any(r.logprobs is not None for r in self.active.values()):
+            self.plain_steps += 1
             yield from self._host_step()
         else:
+            self.plain_steps += 1
             yield from self._decode_step()
         self._retire()
+
+    def _replan(self) -> None:
+        """mtp="auto" in the incremental API, decoding plain and idle with requests waiting: plan as a generate
+        call starts (set_mtp's cell and calibration, no timed generation; the plain steps since the last plan
+        earn probe budget). A probe or k >= 1 makes the waiting requests' admission speculative."""
+        spec, make_stats = self.sess._speculation("auto", self.replan_reqs, plain_steps=self.plain_steps,
+                                                  measure=False)
+        self.plain_steps = 0
+        if spec is not None:
+            self.spec, self.make_stats, self.auto = spec, make_stats, spec.auto
 
     def _stop_speculating(self) -> None:
         """mtp="auto" chose plain decoding while running: the running requests go on with plain decode steps

@@ -999,15 +999,17 @@ def _pad_copy(dst: torch.Tensor, src: torch.Tensor, pad) -> None:
     dst[n:].fill_(pad)
 
 
-def plan_speculation(sess, mtp: int | str, reqs: list) -> tuple[Speculator | None, Callable[[], SpecStats]]:
+def plan_speculation(sess, mtp: int | str, reqs: list, plain_steps: int | None = None,
+                     measure: bool = True) -> tuple[Speculator | None, Callable[[], SpecStats]]:
     """Resolve `mtp` (k = 1..K, or "auto") for one generate/stream call -> (the Speculator, or None for
-    plain decoding, and a factory of per-request stats that carry the decision)."""
+    plain decoding, and a factory of per-request stats that carry the decision). `plain_steps`, `measure`:
+    the auto plan's (`plan_auto`)."""
     K = int(sess.manifest.get("mtp_k", 0))
     if mtp == "auto":
         if K < 1:
             return None, lambda: SpecStats(0, policy={"k": 0, "reason": "the artifact has no MTP graphs"})
         spec = speculator(sess)
-        run = plan_auto(sess, spec, reqs)
+        run = plan_auto(sess, spec, reqs, plain_steps, measure)
         spec.auto = run if run.k else None
         if run.k:
             spec.k = run.k
@@ -1158,20 +1160,23 @@ class AutoRun:
             self.spec.k = self.k
 
 
-def plan_auto(sess, spec: Speculator, reqs: list) -> AutoRun:
+def plan_auto(sess, spec: Speculator, reqs: list, plain_steps: int | None = None, measure: bool = True) -> AutoRun:
     """`mtp="auto"` for a call's requests: the k to start with (`choose_k`, with hysteresis against the
     k the last call of this cell ran), and whether the call starts with a probe (k = 0 chosen, the
     cell could pay at some acceptance, and the budget holds the probe's worst-case cost: PROBE_ROUNDS
     rounds at K accepting nothing, plus the MTP fill of the admitted prompts, about one mtp call per
-    1 + K prompt rows of the window)."""
+    1 + K prompt rows of the window). With k = 0, `plain_steps` plain decode steps earn probe budget
+    (default: the call's longest request, which it will decode plain); the incremental API passes the
+    steps it decoded plain since its last plan. `measure=False`: no timed generation (`choose_k`)."""
     params = reqs[0].params
     B = max(1, min(len(reqs), sess.max_batch))
     cell = (B, _cost_mode(params), _temperature_bucket(params.temperature))
-    k, info = choose_k(sess, spec, params, len(reqs), [r.ids for r in reqs], current=spec.auto_last.get(cell, 0))
+    k, info = choose_k(sess, spec, params, len(reqs), [r.ids for r in reqs], current=spec.auto_last.get(cell, 0),
+                       measure=measure)
     costs = spec.calibration[("costs", B, cell[1])]
     probe = False
     if k == 0:  # plain decoding: it earns probe budget and the acceptance counts age by its rows
-        steps = max(r.max_new for r in reqs)
+        steps = max(r.max_new for r in reqs) if plain_steps is None else plain_steps
         spec.probe_budget[cell] = spec.probe_budget.get(cell, 0.0) + PROBE_SHARE * steps * costs["step"]
         spec.acceptance(params.temperature).forget(steps * B)
         if could_pay(costs):
@@ -1192,7 +1197,7 @@ def plan_auto(sess, spec: Speculator, reqs: list) -> AutoRun:
 
 
 def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
-             prompts: list[list[int]], current: int = 0) -> tuple[int, dict]:
+             prompts: list[list[int]], current: int = 0, measure: bool = True) -> tuple[int, dict]:
     """k for `mtp="auto"`: maximise the predicted decode speedup
         S(k) = τ(k) · t_step / t_round(k),   τ(k) = 1 + Σ_{j≤k} Π_{i≤j} α_i,
     with t_step the seconds per plain decode step and t_round(k) the seconds per k-draft round, both
@@ -1207,13 +1212,17 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
     generation at this temperature observes more first. A round's time does not depend on what it
     accepts (its graph calls are fixed), so S(k) is the speedup a run at acceptance α measures. The
     choice from `current` (the k running) is `pick_k`: k = 0 (plain decoding, the same path as mtp=0)
-    unless some k predicts at least AUTO_MARGIN, and no switch within SWITCH_MARGIN."""
+    unless some k predicts at least AUTO_MARGIN, and no switch within SWITCH_MARGIN. `measure=False`
+    (a re-plan between the incremental API's steps, where no generation can run): the cell must be
+    calibrated already, and α is what was observed, however little."""
     B = max(1, min(batch, sess.max_batch))
     mode = _cost_mode(params)
     ckey = ("costs", B, mode)
     if ckey not in spec.calibration:
+        if not measure:
+            raise RuntimeError(f"mtp='auto': batch {B} in mode {mode} is not calibrated, and measure=False")
         spec.calibration[ckey] = _measure_costs(sess, spec, params, prompts, B)
-    if spec.acceptance(params.temperature).checks < MIN_ALPHA_CHECKS:
+    if measure and spec.acceptance(params.temperature).checks < MIN_ALPHA_CHECKS:
         _time_decode(sess, params, prompts, B, spec.K, spec.calibration_tokens)  # observes α
     costs = spec.calibration[ckey]
     alpha, source = _observed_alpha(spec, params.temperature)

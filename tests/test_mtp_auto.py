@@ -258,3 +258,51 @@ def test_auto_probes_from_plain_decoding_and_then_speculates_exactly(bundled):
     assert pol["k"] == 0 and pol["probe"] and pol["k_last"] == best_k([0.9] * 3) > 0
     assert pol["history"][0]["round"] == PROBE_ROUNDS and pol["history"][0]["reason"].startswith("after a probe")
     assert out[0].stats["rounds"] > PROBE_ROUNDS and len(out[0].stats["acceptance_per_position"]) == 3
+
+
+def _incremental(sess, ps, max_new: int = 40) -> list:
+    """Each prompt through add_request / step until all finish -> the StepOutputs of their finishes, in order."""
+    ids = [sess.add_request(p, max_new_tokens=max_new) for p in ps]
+    toks, done = {i: [] for i in ids}, {}
+    for _ in range(500):
+        for o in sess.step():
+            toks[o.request_id] += o.tokens
+            if o.finish_reason is not None:
+                done[o.request_id] = o
+        if not sess.has_unfinished():
+            break
+    assert sorted(done) == ids
+    return [toks[i] for i in ids], [done[i].stats for i in ids]
+
+
+@torch.no_grad()
+def test_incremental_auto_plans_again_from_plain_decoding_and_probes_back(bundled):
+    """set_mtp("auto") chooses plain decoding (the estimate accepts nothing). Requests that arrive at an idle
+    scheduler make it plan again, as a generate call would: without budget it stays plain; once the plain
+    steps earned a probe, the next wave starts with PROBE_ROUNDS rounds at K, the estimate now accepts, and
+    it speculates. Every request's tokens are plain greedy decoding's."""
+    sess, ps, ref = bundled
+    spec = speculator(sess)
+    _setup(spec, Flip(3, [0.0] * 3, [0.0] * 3, n=10 ** 6))
+    try:
+        assert sess.set_mtp("auto")["k"] == 0
+        cell = (4, "greedy", 0.0)
+        budget0 = spec.probe_budget[cell]
+        for _ in range(2):  # below a probe's cost: plain, and each wave's plain steps earn budget
+            toks, stats = _incremental(sess, ps)
+            assert toks == ref and all("rounds" not in s for s in stats)
+        assert sess._live.spec is None and sess._live.plain_steps == 39  # since the second wave's plan
+        earned = spec.probe_budget[cell] - budget0  # the first wave's 39 steps, paid at the second's plan
+        assert earned == pytest.approx(PROBE_SHARE * 39 * COSTS["step"])
+        spec.probe_budget[cell] = 1e9  # as if plain decoding had run long enough
+        spec.observed[0.0] = Flip(3, [0.0] * 3, [0.9] * 3, n=1)  # the plan reads "nothing accepted" once more
+        toks, stats = _incremental(sess, ps)
+        assert toks == ref
+        pol = stats[0]["mtp_policy"]
+        assert pol["k"] == 0 and pol["probe"] and pol["k_last"] == best_k([0.9] * 3) > 0
+        assert pol["history"][0]["reason"].startswith("after a probe")
+        assert stats[0]["rounds"] > PROBE_ROUNDS and sess._live.spec is not None  # still speculating
+        toks, _ = _incremental(sess, [p[:5] for p in ps], max_new=8)  # speculating: no re-plan, still exact
+        assert toks == [r.tokens for r in sess.generate([p[:5] for p in ps], max_new_tokens=8)]
+    finally:
+        sess.set_mtp(0)
