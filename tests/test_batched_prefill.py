@@ -186,25 +186,21 @@ def test_deterministic_artifacts_prefill_one_request_per_call(models):
     assert sess.max_prefill_rows == 1 and base.max_prefill_rows == base.max_batch
 
 
-@pytest.mark.gpu
-@torch.no_grad()
-def test_h200_batched_prefill_gives_the_one_at_a_time_logits(tmp_path):
-    """On the GPU: the h200 lowering's prefill graph (its fusion kernels over B x T rows) run with several
-    requests per call gives each request the logits (fp32) and tokens of one request per call, with cached
-    prefixes."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def _h200_batched_and_cached(tmp_path, device: str) -> list:
+    """The h200 lowering of v4-tiny-a (fp32, reference experts) served with cached prefixes, one request per
+    prefill call and six: [serve results per rows], each after serving the base prompt alone. Its prefill
+    graph has the target's cache kernels (fused attention, compressor, indexer) over B x T rows."""
     from dsv4c import write_random_checkpoint
     from dsv4c.compile import compile_checkpoint
     from dsv4c.runtime import Session
 
     write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=96, max_batch=6,
-                       dtype=torch.float32, kernels={"moe_experts": "reference"})
+                       dtype=torch.float32, kernels={"moe_experts": "reference"}, verify_boundaries=False)
     base, ps = prompts(256, seed=5)
     out = []
     for rows in (1, 6):
-        sess = Session.load(tmp_path / "art", device="cuda", max_num_batched_tokens=BUDGET,
+        sess = Session.load(tmp_path / "art", device=device, emulate=device == "cpu", max_num_batched_tokens=BUDGET,
                             prefix_cache=PrefixCacheConfig(BLOCK))
         sess.max_prefill_rows = rows
         serve(sess, [base], max_new=1)
@@ -213,4 +209,35 @@ def test_h200_batched_prefill_gives_the_one_at_a_time_logits(tmp_path):
         calls, nrows = sess.prefill_stats["calls"] - st["calls"], sess.prefill_stats["rows"] - st["rows"]
         assert (calls < nrows) == (rows > 1), (calls, nrows)
         assert sess.prefix.stats()["hit_tokens"] > 0
+    return out, (tmp_path / "ckpt", base, ps)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_batched_prefill_gives_the_one_at_a_time_logits(tmp_path):
+    """On the GPU: the h200 lowering's prefill graph (its fusion kernels over B x T rows) run with several
+    requests per call gives each request the logits (fp32) and tokens of one request per call, with cached
+    prefixes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out, _ = _h200_batched_and_cached(tmp_path, "cuda")
     assert_same(*out, tol=1e-4)  # GPU GEMMs pick their kernels by shape too
+
+
+@torch.no_grad()
+def test_h200_lowering_on_the_cpu_serves_cached_and_batched_prompts_as_the_reference_ops(tmp_path):
+    """The same h200 artifact on the CPU (emulate), through a real Session and its scratch slot: the graphs'
+    fused cache ops run their CPU forms, the static ops (dsv4c/model/static_ops.py) that each Triton kernel is
+    tested equal to, which is where compare's scratch-slot bug showed (164bdc2). Six requests per prefill
+    call give one request per call's logits, and both give what the cpu target's artifact (reference cache
+    ops, no fusion) gives from scratch without a prefix cache. The prompts' chunks resume inside compression
+    groups, on block ends and past the window."""
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.runtime import Session
+
+    out, (ckpt, base, ps) = _h200_batched_and_cached(tmp_path, "cpu")
+    assert_same(*out)
+    compile_checkpoint(ckpt, tmp_path / "ref", target="cpu", max_tokens=96, max_batch=6, dtype=torch.float32)
+    ref = Session.load(tmp_path / "ref", max_num_batched_tokens=BUDGET, prefix_cache=False)
+    ref.max_prefill_rows = 1
+    assert_same(serve(ref, ps, max_new=4), out[0], tol=1e-4)  # other kernels (fusions), other fp32 rounding
