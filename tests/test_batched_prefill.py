@@ -196,7 +196,7 @@ def _h200_batched_and_cached(tmp_path, device: str) -> list:
 
     write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=96, max_batch=6,
-                       dtype=torch.float32, kernels={"moe_experts": "reference"}, verify_boundaries=False)
+                       dtype=torch.float32, kernels={"moe_experts": "reference"}, verify_boundaries=device == "cuda")
     base, ps = prompts(256, seed=5)
     out = []
     for rows in (1, 6):

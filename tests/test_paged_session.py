@@ -264,24 +264,22 @@ def test_session_logits_on_paged_caches(models):
     assert sess.prefix.stats()["blocks_in_use"] == 0
 
 
-@pytest.mark.gpu
-@torch.no_grad()
-def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_path):
-    """On the GPU: the h200 lowering of paged caches (the Triton attention, indexer and compressor with block
-    tables) captured as CUDA graphs gives the logits and tokens of the slot artifact, with and without
-    prefix sharing, and the paged decode graph is captured whole."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def _h200_paged_gives_the_slot_tokens(tmp_path, device: str) -> None:
+    """The h200 lowering of v4-tiny-a (fp32, reference experts), slot and paged artifacts (block tables in
+    every cache op): the paged one gives the slot one's logits and tokens, with and without prefix sharing."""
     from dsv4c import write_random_checkpoint
     from dsv4c.compile import compile_checkpoint
 
     write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
-    common = dict(target="h200", max_tokens=96, max_batch=3, dtype=torch.float32, kernels={"moe_experts": "reference"})
+    common = dict(target="h200", max_tokens=96, max_batch=3, dtype=torch.float32, kernels={"moe_experts": "reference"},
+                  verify_boundaries=device == "cuda")
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "slot", **common)
     compile_checkpoint(tmp_path / "ckpt", tmp_path / "paged", paged=PagedConfig(block_size=8, max_blocks=24), **common)
-    slot = Session.load(tmp_path / "slot", device="cuda", max_num_batched_tokens=8, prefix_cache=False)
-    paged = Session.load(tmp_path / "paged", device="cuda", max_num_batched_tokens=8, paged=True)
-    assert paged.executors["decode"].mode in ("full", "graphs")
+    emulate = device == "cpu"
+    slot = Session.load(tmp_path / "slot", device=device, emulate=emulate, max_num_batched_tokens=8, prefix_cache=False)
+    paged = Session.load(tmp_path / "paged", device=device, emulate=emulate, max_num_batched_tokens=8, paged=True)
+    if device == "cuda":
+        assert paged.executors["decode"].mode in ("full", "graphs")
     assert paged.caches["1.entries"].shape[0] == 24 + 1
     base, ps = prompts_sharing(slot.config.vocab_size)
     ref = serve(slot, ps, max_new=6)
@@ -297,6 +295,24 @@ def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_
     for i, (a, b) in enumerate(zip(ref[1], shared[1])):
         assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5, i
     assert ref[0] == shared[0]
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_h200_paged_artifact_captures_cuda_graphs_and_gives_the_slot_tokens(tmp_path):
+    """On the GPU: the h200 lowering of paged caches (the Triton attention, indexer and compressor with block
+    tables) captured as CUDA graphs gives the logits and tokens of the slot artifact, with and without
+    prefix sharing, and the paged decode graph is captured whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _h200_paged_gives_the_slot_tokens(tmp_path, "cuda")
+
+
+@torch.no_grad()
+def test_h200_paged_artifact_on_the_cpu_gives_the_slot_tokens(tmp_path):
+    """The same on the CPU (emulate): the paged graphs' cache ops in their CPU forms (the `_paged` static ops
+    each Triton kernel is tested equal to) in a real Session, prefill and decode, blocks shared or not."""
+    _h200_paged_gives_the_slot_tokens(tmp_path, "cpu")
 
 
 @pytest.mark.gpu
