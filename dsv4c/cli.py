@@ -363,7 +363,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting: must be >= 1, got {a.max_waiting}")
     cfg = ServeConfig(Path(a.artifact), served_model_name=a.served_model_name,
                       api_key=a.api_key or os.environ.get("DSV4C_API_KEY") or None, max_waiting=a.max_waiting,
-                      mtp=mtp, device=a.device, graphs=a.graphs)
+                      mtp=mtp, device=a.device, graphs=a.graphs, reasoning_parser=a.reasoning_parser)
     serve(cfg, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
@@ -556,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "startup; plain decoding when the artifact has no MTP)")
     s.add_argument("--device", default=None, help="default: cuda when a GPU is present, else cpu")
     s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
+    s.add_argument("--reasoning-parser", default="auto", choices=("auto", "deepseek", "none"),
+                   help="chat completions: the reasoning before </think> as reasoning_content (deepseek); auto: "
+                   "deepseek where the chat template writes </think>")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(fn=cmd_serve)
 

@@ -14,7 +14,11 @@ without the API key, 404 unknown model, 503 + Retry-After when the waiting queue
 is still loading, 500 when the step running the request failed (the server keeps serving).
 
 Extensions: `top_k` (0 or -1: off) and `return_token_ids` (each choice carries `token_ids`, and
-`prompt_token_ids` in the response / first chunk), as vLLM has them.
+`prompt_token_ids` in the response / first chunk), as vLLM has them; on chat completions
+`chat_template_kwargs` (extra variables of the chat template, e.g. `{"thinking": true}` for DeepSeek's
+thinking mode) and, with a reasoning parser (`--reasoning-parser`, on by default for templates that
+close `</think>`), the reasoning apart from the answer: `message.reasoning_content` / `delta.reasoning_content`
+as DeepSeek's API has it.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,6 +59,7 @@ class ServeConfig:
     mtp: int | str = "auto"
     device: str | None = None  # default: cuda when present
     graphs: str | None = None
+    reasoning_parser: str = "auto"  # REASONING_PARSERS: auto = deepseek where the chat template closes </think>
 
     @property
     def model_name(self) -> str:
@@ -127,6 +132,7 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (ChatTemplate.RESERVED not)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,9 +265,12 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                                    add_generation_prompt=add_generation_prompt)
+    RESERVED = ("messages", "bos_token", "eos_token", "add_generation_prompt", "raise_exception")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+        """`extra`: the template's own variables (a request's chat_template_kwargs), none of RESERVED."""
+        return self.template.render(**(extra or {}), messages=messages, bos_token=self.bos_token,
+                                    eos_token=self.eos_token, add_generation_prompt=add_generation_prompt)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,6 +300,62 @@ class _Detokenizer:
         return delta
 
 
+REASONING_PARSERS = ("auto", "deepseek", "none")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def reasoning_parser_for(setting: str, template_source: str | None) -> str:
+    """The parser a server runs: `setting`, where auto is deepseek for a chat template that writes </think>."""
+    if setting not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: expected one of {', '.join(REASONING_PARSERS)}, got {setting!r}")
+    if setting == "auto":
+        return "deepseek" if template_source and THINK_CLOSE in template_source else "none"
+    return setting
+
+
+def _held(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could still be the start of `tag`."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+class _ReasoningSplit:
+    """DeepSeek's thinking format (R1, V3.1, V3.2, V4): the reasoning runs until the first `</think>`, and the
+    answer follows it. The reasoning is open from the start when the rendered prompt left a `<think>` open
+    (the template's thinking mode), or when the completion itself begins with `<think>` (R1-0528); else the
+    whole completion is the answer. Fed a completion's text in pieces, it returns each piece's (reasoning,
+    answer), holding back a tail that could still be the start of a tag until the next piece or the end."""
+
+    def __init__(self, prompt_text: str):
+        self.state = "reasoning" if prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE) else "start"
+        self.buf = ""
+
+    def push(self, text: str, final: bool) -> tuple[str, str]:
+        self.buf += text
+        reasoning = answer = ""
+        while self.buf:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf, self.state = head[len(THINK_OPEN):], "reasoning"
+                elif not final and THINK_OPEN.startswith(head):  # whitespace or a tag's start so far: wait
+                    break
+                else:
+                    self.state = "answer"
+            elif self.state == "reasoning":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    reasoning += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):], "answer"
+                    continue
+                keep = 0 if final else _held(self.buf, THINK_CLOSE)
+                reasoning += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            else:
+                answer, self.buf = answer + self.buf, ""
+        return reasoning, answer
+
+
 # ------------------------------------------------------------------------------------------------
 # the app
 # ------------------------------------------------------------------------------------------------
@@ -305,6 +370,7 @@ class _State:
         self.engine: Engine | None = None
         self.chat: ChatTemplate | None = None
         self.chat_missing = ""
+        self.reasoning = "none"  # the reasoning parser chat completions run (reasoning_parser_for)
         self.mtp: dict = {"k": 0, "policy": None}
         self.metrics: Metrics | None = None
         self.created = int(time.time())
@@ -385,7 +451,9 @@ def create_app(cfg: ServeConfig, session=None) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         _check_ready(st)
         _check_model(st, body.model)
-        return await _run(st, request, body, _chat_prompt(st, body), chat=True)
+        ids, text = _chat_prompt(st, body)
+        split = _ReasoningSplit(text) if st.reasoning == "deepseek" else None
+        return await _run(st, request, body, ids, chat=True, reasoning=split)
 
     return app
 
@@ -447,7 +515,8 @@ def _completion_prompt(st: _State, body: CompletionRequest) -> tuple[list[int], 
     return ids, text
 
 
-def _chat_prompt(st: _State, body: ChatRequest) -> list[int]:
+def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
+    """-> (the rendered prompt's token ids, its text)."""
     if st.chat is None:
         raise APIError(400, f"messages: this model has no chat template ({st.chat_missing}); use /v1/completions",
                        "messages", code="chat_template_missing")
@@ -456,16 +525,21 @@ def _chat_prompt(st: _State, body: ChatRequest) -> list[int]:
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(part.text for part in m.content)
         msgs.append({"role": m.role, "content": content or ""})
+    extra = body.chat_template_kwargs or {}
+    taken = [k for k in extra if k in ChatTemplate.RESERVED]
+    if taken:
+        raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the server, not the request",
+                       "chat_template_kwargs")
     from jinja2.exceptions import TemplateError
 
     try:
-        text = st.chat.render(msgs, add_generation_prompt=True)
+        text = st.chat.render(msgs, add_generation_prompt=True, extra=extra)
     except TemplateError as e:
         raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
     ids = st.sess.tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:
         raise APIError(400, "messages: the rendered prompt is empty", "messages")
-    return ids
+    return ids, text
 
 
 def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestSpec:
@@ -507,7 +581,8 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestS
                        tuple(stop), lp)
 
 
-async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None):
+async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None,
+               reasoning: _ReasoningSplit | None = None):
     spec = _sampling(st, body, ids, chat)
     try:
         h = st.engine.submit(spec)
@@ -515,7 +590,7 @@ async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, e
         raise APIError(503, f"{e}; retry later", type_="server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    out = _Output(st, body, h, rid, chat, echo_text)
+    out = _Output(st, body, h, rid, chat, echo_text, reasoning)
     stream = st.engine.stream(h)
     watch = asyncio.create_task(_watch_disconnect(request, st.engine, h))
     try:
@@ -580,26 +655,32 @@ def _event(obj: dict) -> str:
 class _Output:
     """Builds one request's response (or its stream chunks) from its StepOutputs."""
 
-    def __init__(self, st: _State, body, h: Handle, rid: str, chat: bool, echo_text: str | None):
+    def __init__(self, st: _State, body, h: Handle, rid: str, chat: bool, echo_text: str | None,
+                 reasoning: _ReasoningSplit | None = None):
         self.st, self.body, self.h, self.id, self.chat = st, body, h, rid, chat
+        self.split = reasoning  # chat with a reasoning parser: the text goes to reasoning_content and content
         self.model, self.created = st.cfg.model_name, int(time.time())
         self.detok = _Detokenizer(st.sess.tokenizer, list(h.spec.stop)) if st.sess.tokenizer is not None else None
         self.echo = echo_text
         self.offset = len(echo_text or "")  # text_offset of the next token (completions logprobs)
-        self.text, self.tokens, self.lps = "", [], []
+        self.text, self.reasoning, self.tokens, self.lps = "", "", [], []
         self.finish: str | None = None
         self.started = False
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def _delta(self, o) -> str:
-        if self.detok is None:
-            return ""
-        return self.detok.push(o.tokens, o.finish_reason is not None)
+    def _delta(self, o) -> tuple[str, str]:
+        """The step's new text -> (reasoning, the rest); reasoning is "" without a reasoning parser."""
+        text = "" if self.detok is None else self.detok.push(o.tokens, o.finish_reason is not None)
+        if self.split is None:
+            return "", text
+        return self.split.push(text, o.finish_reason is not None)
 
     def add(self, o) -> None:
         self.tokens += o.tokens
         self.lps += o.logprobs or []
-        self.text += self._delta(o)
+        reasoning, text = self._delta(o)
+        self.reasoning += reasoning
+        self.text += text
         self.finish = o.finish_reason or self.finish
 
     def _usage(self) -> dict:
@@ -609,11 +690,14 @@ class _Output:
     def _finish_reason(self) -> str | None:
         return None if self.finish is None else ("length" if self.finish == "length" else "stop")
 
-    def _choice(self, text: str, tokens: list[int], lps: list, finish: str | None, stream: bool) -> dict:
+    def _choice(self, text: str, tokens: list[int], lps: list, finish: str | None, stream: bool,
+                reasoning: str = "") -> dict:
         if self.chat:
             key = "delta" if stream else "message"
             msg = {"role": "assistant", "content": text} if not stream or not self.started else \
                 {"content": text}
+            if self.split is not None and (reasoning or not stream):  # a message always says, a delta when some
+                msg["reasoning_content"] = reasoning or None
             c = {"index": 0, key: msg, "logprobs": self._chat_logprobs(tokens, lps), "finish_reason": finish}
         else:
             c = {"index": 0, "text": text, "logprobs": self._completion_logprobs(tokens, lps), "finish_reason": finish}
@@ -654,12 +738,13 @@ class _Output:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def chunks(self, o) -> list[dict]:
-        delta = self._delta(o)
+        reasoning, delta = self._delta(o)
         if self.echo and not self.started:
             delta = self.echo + delta
         self.tokens += o.tokens
         self.finish = o.finish_reason or self.finish
-        chunk = self._envelope([self._choice(delta, o.tokens, o.logprobs or [], self._finish_reason(), True)], True)
+        chunk = self._envelope([self._choice(delta, o.tokens, o.logprobs or [], self._finish_reason(), True,
+                                             reasoning)], True)
         if self.include_usage:
             chunk["usage"] = None
         self.started = True
@@ -672,7 +757,8 @@ class _Output:
 
     def response(self) -> dict:
         text = (self.echo or "") + self.text
-        r = self._envelope([self._choice(text, self.tokens, self.lps, self._finish_reason(), False)], False)
+        r = self._envelope([self._choice(text, self.tokens, self.lps, self._finish_reason(), False, self.reasoning)],
+                           False)
         r["usage"] = self._usage()
         return r
 
@@ -712,13 +798,15 @@ def _ready(st: _State, sess) -> None:
     if st.mtp["k"]:
         sess.generate([warm], max_new_tokens=4, mtp=st.mtp["k"])  # captures verify / mtp
     st.chat, st.chat_missing = _chat_template(cfg.artifact, sess)
+    st.reasoning = reasoning_parser_for(cfg.reasoning_parser, load_chat_template(cfg.artifact))
     st.metrics = Metrics(cfg.model_name, sess.max_batch)
     st.engine = Engine(sess, cfg.max_waiting, st.metrics)
     st.metrics.watch(st.engine)
     st.engine.start()
     st.ready = True
-    log.info("ready: %s (max_tokens %d, max_batch %d, mtp k=%d%s)", cfg.model_name, sess.max_tokens, sess.max_batch,
-             st.mtp["k"], f": {st.mtp['policy']['reason']}" if st.mtp.get("policy") else "")
+    log.info("ready: %s (max_tokens %d, max_batch %d, mtp k=%d%s; reasoning parser %s)", cfg.model_name,
+             sess.max_tokens, sess.max_batch, st.mtp["k"],
+             f": {st.mtp['policy']['reason']}" if st.mtp.get("policy") else "", st.reasoning)
 
 
 def _chat_template(art: Path, sess) -> tuple[ChatTemplate | None, str]:

@@ -416,6 +416,64 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(sess,
     assert 'dsv4c_requests_total{model_name="tiny-py",outcome="error"} 1.0' in text
 
 
+THINKING_TEMPLATE = ("{{ bos_token }}{% for m in messages %}# {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_and_the_reasoning_parser(sess, art, tmp_path):
+    """A chat template with DeepSeek's thinking switch: `chat_template_kwargs` {"thinking": true} opens
+    <think> in the prompt, and the completion (which this model never closes) is reasoning_content, with
+    the answer empty; without it the same parser gives content and no reasoning. Streamed deltas add up to
+    the same. The server's own variables cannot be set; `--reasoning-parser none` leaves the field out."""
+    from dsv4c.runtime.serve import ServeConfig, create_app
+
+    (tmp_path / "tokenizer.json").write_bytes((art / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    msgs = [{"role": "user", "content": "Sort a list."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+
+    async def go(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="-", http_client=c)
+            ours = {"chat_template_kwargs": {"thinking": True}, "return_token_ids": True}  # extensions
+            think = await client.chat.completions.create(**{k: v for k, v in body.items() if k != "return_token_ids"},
+                                                         extra_body=ours)
+            plain = (await c.post("/v1/chat/completions", json=body)).json()
+            stream = await c.post("/v1/chat/completions", json={**body, "stream": True,
+                                                                 "chat_template_kwargs": {"thinking": True}})
+            bad = await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"bos_token": "x"}})
+            return think, plain, stream.text, bad
+
+    app = create_app(ServeConfig(tmp_path, served_model_name=MODEL, mtp=0), session=sess)
+    try:
+        think, plain, stream, bad = asyncio.run(go(app))
+    finally:
+        app.state.dsv4c.engine.stop()
+    assert app.state.dsv4c.reasoning == "deepseek"  # auto: the template writes </think>
+    t = think.choices[0]
+    assert t.message.reasoning_content == sess.tokenizer.decode(t.token_ids) != "" and t.message.content == ""
+    assert t.prompt_token_ids == _chat_ids(sess, "<|bos|># Sort a list.\n<think>")  # the kwargs reached the template
+    assert plain["choices"][0]["prompt_token_ids"] == _chat_ids(sess, "<|bos|># Sort a list.\n</think>")
+    p = plain["choices"][0]
+    assert p["message"]["reasoning_content"] is None and p["message"]["content"] == sess.tokenizer.decode(p["token_ids"])
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in stream.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == t.message.reasoning_content
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+    app = create_app(ServeConfig(tmp_path, served_model_name=MODEL, mtp=0, reasoning_parser="none"), session=sess)
+    try:
+        async def one():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return (await c.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"thinking": True}}))
+        off = asyncio.run(one()).json()["choices"][0]
+    finally:
+        app.state.dsv4c.engine.stop()
+    assert "reasoning_content" not in off["message"] and off["message"]["content"] == t.message.reasoning_content
+
+
 def _metrics_text(st) -> str:
     from prometheus_client import generate_latest
 

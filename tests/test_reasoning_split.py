@@ -1,0 +1,55 @@
+"""The server's reasoning parser (runtime/serve.py `_ReasoningSplit`, `reasoning_parser_for`): DeepSeek's
+thinking format split into reasoning_content and content, the same whichever pieces the text arrives in."""
+from __future__ import annotations
+
+import pytest
+
+from dsv4c.runtime.serve import _ReasoningSplit, reasoning_parser_for
+
+CASES = [  # (prompt's end, completion, reasoning, answer)
+    ("<｜Assistant｜><think>", "2 + 2: add.</think>It is 4.", "2 + 2: add.", "It is 4."),  # V4 / V3.1 thinking
+    ("<｜Assistant｜></think>", "It is 4.", "", "It is 4."),  # their non-thinking mode
+    ("<｜Assistant｜>", "It is 4.", "", "It is 4."),  # a template without thinking
+    ("<｜Assistant｜>", "<think>\nadd</think>\n\nIt is 4.", "\nadd", "\n\nIt is 4."),  # R1-0528 opens it itself
+    ("<｜Assistant｜>", "\n <think>a</think>b", "a", "b"),  # whitespace before the model's own tag
+    ("<｜Assistant｜><think>", "a < b and </thin k></think>x </think> y", "a < b and </thin k>", "x </think> y"),
+    ("<｜Assistant｜><think>", "still thinking </thi", "still thinking </thi", ""),  # cut short (length)
+    ("<｜Assistant｜>", "<thin", "", "<thin"),  # a tag's start that never became one
+    ("<think>old</think><｜User｜>q<｜Assistant｜>", "<t>x</think>", "", "<t>x</think>"),  # an earlier turn closed it
+]
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("prompt,text,reasoning,answer", CASES)
+def test_split_is_the_same_for_every_way_the_text_arrives(prompt, text, reasoning, answer):
+    """Whole, one character at a time, and cut at every point into two: the pieces' reasoning and answer
+    concatenate to the same split, and nothing is lost or repeated."""
+    ways = [[text], list(text)] + [_pieces(text, [i]) for i in range(1, len(text))]
+    for pieces in ways:
+        split, got_r, got_a = _ReasoningSplit(prompt), "", ""
+        for i, p in enumerate(pieces):
+            r, a = split.push(p, final=i == len(pieces) - 1)
+            got_r, got_a = got_r + r, got_a + a
+        assert (got_r, got_a) == (reasoning, answer), pieces
+
+
+def test_a_partial_tag_is_held_back_until_the_next_piece():
+    split = _ReasoningSplit("<think>")
+    assert split.push("abc</th", final=False) == ("abc", "")
+    assert split.push("ink>def", final=False) == ("", "def")
+    split = _ReasoningSplit("")
+    assert split.push(" <th", final=False) == ("", "")  # could be the model's own <think>
+    assert split.push("ink>r", final=False) == ("r", "")
+
+
+def test_auto_is_deepseek_where_the_template_closes_think():
+    assert reasoning_parser_for("auto", "{% if thinking %}<think>{% else %}</think>{% endif %}") == "deepseek"
+    assert reasoning_parser_for("auto", "{{ bos_token }}{% for m in messages %}...{% endfor %}") == "none"
+    assert reasoning_parser_for("auto", None) == "none"
+    assert reasoning_parser_for("deepseek", None) == "deepseek" and reasoning_parser_for("none", "</think>") == "none"
+    with pytest.raises(ValueError, match="reasoning_parser: expected one of auto, deepseek, none"):
+        reasoning_parser_for("r1", None)
