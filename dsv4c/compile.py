@@ -5,7 +5,8 @@
                                records, buckets, limits, quant map, weight table, sha256 + size of every file
       graphs/{kind}.pt2        torch.export programs with no state (weights lifted to a `weights` input)
       weights/weights-XXXXX.safetensors   every tensor the graphs read, by graph name
-      tokenizer.json ...       copied from the checkpoint (tokenizer_config.json and chat_template.jinja: the chat template)
+      tokenizer.json ...       copied from the checkpoint (tokenizer_config.json and chat_template.jinja: the chat template;
+                               a V4 checkpoint without one gets dsv4c/chat_templates.py's, as chat_template.jinja)
 
 The model is traced on the `meta` device (no weights in memory). Weights are then streamed: each
 graph weight is read from the checkpoint one tensor at a time, transformed by the passes' recipes
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import dsv4c
+from dsv4c.chat_templates import builtin_chat_template, load_chat_template
 from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_param
 from dsv4c.config import ModelConfig
 from dsv4c.convert import CheckpointExperts, check_format
@@ -206,13 +208,14 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
         convert_device = "cuda" if torch.cuda.is_available() else "cpu"
     weights_table = _write_weights(ckpt, cfg, model, weight_specs, recipes, out, progress, quant_map,
                                    torch.device(convert_device))
-    _copy_tokenizer(ckpt, out)
+    chat_template = _copy_tokenizer(ckpt, out, cfg)
     manifest = {
         **_manifest_head(tgt, cfg, dtype, max_tokens, max_batch, buckets, mtp_k),
         "graphs": graphs,
         "segment_plan": plans,  # the router split of every fixed-T graph (Session re-plans and checks it)
         "quant_map": quant_map,  # per quantised module: format, scales, layer, MTP (passes/quantize_experts.py)
         "weights": weights_table,
+        "chat_template": chat_template,  # "checkpoint", "built-in" (dsv4c/chat_templates.py) or None
         "compile_seconds": round(time.perf_counter() - t0, 2),
         "convert_device": str(convert_device),
         "deterministic": _determinism_record(tgt, blockers) if deterministic else False,
@@ -589,12 +592,12 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
                       "segment_plan": plans, "quant_map": quant_map})
         if progress:
             print(f"rank {r}: {len(graphs)} graphs, {len(table)} weights")
-    _copy_tokenizer(ckpt, out)
+    chat_template = _copy_tokenizer(ckpt, out, cfg)
     manifest = {
         **_manifest_head(tgt, cfg, dtype, max_tokens, max_batch, buckets, mtp_k),
         "parallel": plan.to_dict(), "ranks": ranks,
         "graphs": ranks[0]["graphs"], "segment_plan": ranks[0]["segment_plan"], "quant_map": ranks[0]["quant_map"],
-        "weights": ranks[0]["weights"],
+        "weights": ranks[0]["weights"], "chat_template": chat_template,
         "compile_seconds": round(time.perf_counter() - t0, 2),
         "boundary_check": {"ok": None, "skipped": "sharded artifact: the padding check needs every rank running"},
     }
@@ -633,10 +636,20 @@ def _shard_expert_recipes(model, found: dict, slices: dict) -> dict:
     return out
 
 
-def _copy_tokenizer(ckpt: Path, out: Path) -> None:
+def _copy_tokenizer(ckpt: Path, out: Path, cfg: ModelConfig) -> str | None:
+    """Copy the tokenizer files; a checkpoint with a tokenizer but no chat template gets the built-in one for
+    its family (dsv4c/chat_templates.py), written as chat_template.jinja. -> where the chat template came
+    from ("checkpoint", "built-in", or None: no chat template)."""
     for name in TOKENIZER_FILES:
         if (ckpt / name).is_file():
             shutil.copyfile(ckpt / name, out / name)
+    if load_chat_template(ckpt) is not None:
+        return "checkpoint"
+    builtin = builtin_chat_template(cfg)
+    if builtin is None or not (ckpt / "tokenizer.json").is_file():
+        return None
+    (out / "chat_template.jinja").write_text(builtin)
+    return "built-in"
 
 
 def _manifest_head(tgt, cfg: ModelConfig, dtype: torch.dtype, max_tokens: int, max_batch: int, buckets,

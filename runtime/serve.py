@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsv4c.chat_templates import load_chat_template
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
 
 log = logging.getLogger("dsv4c.serve")
@@ -233,22 +234,8 @@ class Metrics:
 
 
 # ------------------------------------------------------------------------------------------------
-# chat template
+# chat template (found by dsv4c.chat_templates.load_chat_template)
 # ------------------------------------------------------------------------------------------------
-def load_chat_template(art: Path) -> str | None:
-    """The artifact's chat template: `chat_template.jinja`, else tokenizer_config.json's `chat_template`
-    (a string, or a list of {name, template}: the one named "default")."""
-    art = Path(art)
-    if (art / "chat_template.jinja").is_file():
-        return (art / "chat_template.jinja").read_text()
-    cfg = art / "tokenizer_config.json"
-    if not cfg.is_file():
-        return None
-    t = json.loads(cfg.read_text()).get("chat_template")
-    if isinstance(t, list):
-        t = next((x["template"] for x in t if x.get("name") == "default"), None)
-    return t
-
 
 class ChatTemplate:
     """A chat template rendered with jinja2's sandbox, as Hugging Face tokenizers render theirs."""
