@@ -125,6 +125,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (DeepSeek's templates read it)
 
 
 class ChatRequest(_Common):
@@ -512,6 +513,8 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(part.text for part in m.content)
         msgs.append({"role": m.role, "content": content or ""})
+        if m.reasoning_content is not None:
+            msgs[-1]["reasoning_content"] = m.reasoning_content
     extra = body.chat_template_kwargs or {}
     taken = [k for k in extra if k in ChatTemplate.RESERVED]
     if taken:

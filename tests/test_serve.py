@@ -474,6 +474,34 @@ def test_chat_template_kwargs_and_the_reasoning_parser(sess, art, tmp_path):
     assert "reasoning_content" not in off["message"] and off["message"]["content"] == t.message.reasoning_content
 
 
+def test_the_builtin_deepseek_v4_template_gets_every_message_field(sess, art, tmp_path):
+    """Served with dsv4c's DeepSeek-V4 template: an assistant turn's reasoning_content reaches the template
+    (a prefilled reply after the last user turn keeps it in thinking mode), and the prompt is the template's
+    rendering, tokenized without added special tokens."""
+    from dsv4c.chat_templates import DEEPSEEK_V4
+    from dsv4c.runtime.serve import ServeConfig, create_app
+
+    (tmp_path / "tokenizer.json").write_bytes((art / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(DEEPSEEK_V4)
+    msgs = [{"role": "user", "content": "Sort a list."},
+            {"role": "assistant", "content": "def f(", "reasoning_content": "Use sorted."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0, "return_token_ids": True,
+            "chat_template_kwargs": {"thinking": True}}
+    app = create_app(ServeConfig(tmp_path, served_model_name=MODEL, mtp=0), session=sess)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.post("/v1/chat/completions", json=body)).json()
+
+    try:
+        got = asyncio.run(go())["choices"][0]
+    finally:
+        app.state.dsv4c.engine.stop()
+    bos, eos = sess.tokenizer.id_to_token(sess.config.bos_token_id), sess.tokenizer.id_to_token(sess.config.eos_token_id)
+    want = f"{bos}<｜User｜>Sort a list.<｜Assistant｜><think>Use sorted.</think>def f({eos}"
+    assert got["prompt_token_ids"] == _chat_ids(sess, want)
+
+
 def _metrics_text(st) -> str:
     from prometheus_client import generate_latest
 
