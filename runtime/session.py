@@ -586,7 +586,8 @@ class Session:
         naming the field); the sampling generator is seeded with `seed` (generate's request i: seed + i).
         `logprobs`: report each token's log-probability (log-softmax of the logits) and its top-n."""
         live = self._live if self._live is not None else self._new_live()
-        if logprobs is not None and (logprobs < 0 or live.spec is not None):  # (a re-plan waits for it: iterate)
+        # (auto decoding plain does not re-plan while such a request waits: _Scheduler.iterate)
+        if logprobs is not None and (logprobs < 0 or live.spec is not None):
             raise ValueError("logprobs: must be >= 0" if logprobs < 0 else
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
         (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)
