@@ -42,6 +42,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsv4c.chat_templates import END_THINK as THINK_CLOSE
+from dsv4c.chat_templates import THINK as THINK_OPEN
 from dsv4c.chat_templates import load_chat_template
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
 
@@ -188,9 +190,8 @@ class Metrics:
         self._pc_seen = dict.fromkeys(self.pc_counts, 0)
         self._lab = lab
         self.slots.labels(**lab).set(cache_slots)
-        for m in (self.pc_blocks, self.pc_in_use, self.pc_cached, *self.pc_counts.values()):
-            m.labels(**lab)  # present (at 0) from the start
-        for m in (self.prompt_tokens, self.generation_tokens, self.mtp_drafted, self.mtp_accepted):
+        for m in (self.prompt_tokens, self.generation_tokens, self.mtp_drafted, self.mtp_accepted, self.pc_blocks,
+                  self.pc_in_use, self.pc_cached, *self.pc_counts.values()):
             m.labels(**lab)  # present (at 0) from the start
 
     def outcome(self, outcome: str) -> None:
@@ -289,7 +290,6 @@ class _Detokenizer:
 
 
 REASONING_PARSERS = ("auto", "deepseek", "none")
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def reasoning_parser_for(setting: str, template_source: str | None) -> str:
