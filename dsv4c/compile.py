@@ -785,6 +785,10 @@ def describe_artifact(art: str | Path) -> str:
                      f"{p['capturable']} capturable (the Session replays the capturable ones as CUDA graphs per bucket)")
     lines.append(f"quant map  {describe_quant_map(m['quant_map'])}")
     lines.append(f"dense      {describe_dense(m['quant_map'])}")
+    chat = {"checkpoint": "the checkpoint's", "built-in": "dsv4c's DeepSeek-V4 template (the checkpoint has none)",
+            None: "none (chat completions are refused)"}
+    if "chat_template" in m:  # artifacts compiled before it do not say
+        lines.append(f"chat       {chat.get(m['chat_template'], m['chat_template'])}")
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ def test_compile_writes_the_builtin_template_only_where_the_checkpoint_has_none(
     so, and hashes it); one with its own template keeps it; V3 has no built-in one."""
     from cut_presets import bundle_cut
 
-    from dsv4c.compile import compile_checkpoint
+    from dsv4c.compile import compile_checkpoint, describe_artifact
     from dsv4c.config import ModelConfig
 
     ckpt = bundle_cut(tmp_path / "ckpt", 1)
@@ -79,5 +79,6 @@ def test_compile_writes_the_builtin_template_only_where_the_checkpoint_has_none(
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert m["chat_template"] == "built-in" and "chat_template.jinja" in m["files"]
     assert load_chat_template(tmp_path / "art") == DEEPSEEK_V4
+    assert "chat       dsv4c's DeepSeek-V4 template (the checkpoint has none)" in describe_artifact(tmp_path / "art")
     assert builtin_chat_template(ModelConfig.preset("v3-tiny")) is None
     assert builtin_chat_template(ModelConfig.preset("v4-tiny-a")) == DEEPSEEK_V4
