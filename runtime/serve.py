@@ -9,7 +9,8 @@
 Requests go to an `Engine` (runtime/engine.py): continuous batching over the session's cache slots,
 the steps in a worker thread. A client that goes away aborts its request. Errors are OpenAI error
 objects, `{"error": {"message", "type", "param", "code"}}`, naming the field: 400 invalid request
-(bad JSON, wrong types, out-of-range values, prompt + max_tokens over the artifact's max_tokens), 401
+(bad JSON, wrong types, out-of-range values, prompt + max_tokens over the artifact's max_tokens, an OpenAI
+field this server cannot honour: `_refuse_unsupported`; unknown fields are ignored), 401
 without the API key, 404 unknown model, 503 + Retry-After when the waiting queue is full or the model
 is still loading, 500 when the step running the request failed (the server keeps serving).
 
@@ -108,6 +109,12 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     return_token_ids: bool = False
     user: str | None = None
+    # known fields this server cannot honour: refused unless at their no-op value (`_refuse_unsupported`),
+    # never ignored, since each changes what the model is asked for or how its tokens are chosen
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 class CompletionRequest(_Common):
@@ -137,6 +144,10 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (ChatTemplate.RESERVED not)
+    tools: list[Any] | None = None  # refused unless empty or tool_choice is "none" (no tool calls are parsed)
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the legacy form of tools: refused
+    function_call: str | dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -532,13 +543,32 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
     return ids, text
 
 
-def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestSpec:
-    limit = st.sess.max_tokens
+def _refuse_unsupported(body: _Common, chat: bool) -> None:
+    """400 naming the first field set to something this server does not do."""
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported (got {body.n}); send concurrent requests instead", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name, noop in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                       ("min_p", 0.0)):
+        if getattr(body, name) != noop:
+            raise APIError(400, f"{name}: not supported (only {noop:g})", name)
+    if body.logit_bias:
+        raise APIError(400, "logit_bias: not supported", "logit_bias")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, f"response_format: only type 'text' is supported (no constrained decoding), got "
+                            f"{body.response_format.get('type')!r}", "response_format")
+    if not chat:
+        return
+    if body.tools and body.tool_choice != "none":
+        raise APIError(400, "tools: tool calling is not supported by this server (send tool_choice 'none', or no "
+                            "tools)", "tools")
+    for name in ("functions", "function_call"):
         if getattr(body, name):
-            raise APIError(400, f"{name}: not supported (only 0)", name)
+            raise APIError(400, f"{name}: function calling is not supported by this server", name)
+
+
+def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestSpec:
+    limit = st.sess.max_tokens
+    _refuse_unsupported(body, chat)
     max_tokens = body.max_tokens
     name = "max_tokens"
     if chat and body.max_completion_tokens is not None:

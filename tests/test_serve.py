@@ -258,6 +258,14 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
         ({**chat, "messages": [{"role": "robot", "content": "hi"}]}, "/v1/chat/completions", KEY, 400, "messages"),
         ({**chat, "messages": []}, "/v1/chat/completions", KEY, 400, "messages"),
         ({**chat, "max_completion_tokens": LIMIT}, "/v1/chat/completions", KEY, 400, "max_completion_tokens"),
+        # fields this server cannot honour are refused, never ignored
+        ({**ok, "logit_bias": {"5": 10.0}}, "/v1/completions", KEY, 400, "logit_bias"),
+        ({**ok, "repetition_penalty": 1.2}, "/v1/completions", KEY, 400, "repetition_penalty"),
+        ({**ok, "min_p": 0.1}, "/v1/completions", KEY, 400, "min_p"),
+        ({**chat, "response_format": {"type": "json_object"}}, "/v1/chat/completions", KEY, 400, "response_format"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "/v1/chat/completions", KEY, 400,
+         "tools"),
+        ({**chat, "functions": [{"name": "f"}]}, "/v1/chat/completions", KEY, 400, "functions"),
     ]
     for body, path, key, status, param in cases:
         r = _post(url, body, key, path)
@@ -268,6 +276,9 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
             assert param in err["message"], err
     assert "JSON" in _post(url, b"{").json()["error"]["message"]
     assert _post(url, ok).status_code == 200  # and the server still serves
+    noops = {"logit_bias": {}, "response_format": {"type": "text"}, "repetition_penalty": 1.0, "min_p": 0.0,
+             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
+    assert _post(url, {**chat, **noops}, path="/v1/chat/completions").status_code == 200  # their no-op values
 
 
 def test_a_full_waiting_queue_answers_503_with_retry_after(url, sess):
