@@ -35,6 +35,14 @@ stored) until it finishes. Unreferenced blocks stay cached and are evicted least
 deepest of a chain first. A request whose new blocks cannot be had waits for running requests to release
 theirs; a prompt with more full blocks than the pool holds is refused before any work.
 
+**Generated blocks.** Chat and agent traffic sends the previous turns back, answers included. So a block
+that plain decode steps complete is kept too (`after_decode`): right after the step that writes its last
+position is queued, its growing rows and its boundary rows at the block end are copied into a pool row (in
+stream order, before the next step can overwrite a ring row). When the request finishes, each such block
+whose tokens it knows (prompt and output) is keyed by the hash chain and stored, unreferenced; a block
+whose key is already stored gives its row back. Copying never waits: with no row to be had, the chain stops
+there. MTP rounds store none (a later plain stretch of the same request does not resume the chain).
+
 **MTP.** The MTP draft of the first round needs the last W prompt positions' streams (V4's MTP block is
 SWA), so with MTP a V4 request resumes no later than W tokens before its end; V3's MTP layer attends to
 every prompt position, so V3 requests with MTP are not restored (their blocks are still stored). The
@@ -96,9 +104,12 @@ class _Block:
 
 @dataclass
 class _Hold:
-    """What one slot's request holds: its prompt's full blocks in order (matched, then new)."""
+    """What one slot's request holds: its prompt's full blocks in order (matched, then new), and the blocks
+    its decode steps completed after them (`after_decode`: copied, keyed when it finishes)."""
     matched: int  # blocks found in the table at admission
     blocks: list[_Block] = field(default_factory=list)
+    decoded: list[_Block] = field(default_factory=list)
+    decoding: bool = True  # False once a decode block could not be copied (the chain stops there)
 
 
 def cache_fields(config, caches: dict[str, torch.Tensor]) -> list[_Field]:
@@ -211,7 +222,7 @@ class PrefixCache:
         matched = set(keys[:j])
         avail = len(self.free_rows) + sum(1 for k in self.lru if k not in matched)
         if need > avail:
-            if not any(blk.refs for blk in self.table.values()):
+            if not any(blk.refs for blk in self.table.values()) and not any(h.decoded for h in self.holds.values()):
                 self.check(ids)
                 raise PrefixCacheError(f"prefix cache: {need} free blocks needed, {avail} can be had")
             self.counters["waits"] += 1
@@ -253,11 +264,22 @@ class PrefixCache:
             self.free_rows.append(blk.row)
         return self.free_rows.pop()
 
-    def release(self, slot: int) -> None:
-        """The request in `slot` finished: drop its references (pending rows go back to the pool)."""
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """The request in `slot` finished: store its decoded blocks that `tokens` (its prompt and output)
+        cover, then drop its references (pending rows go back to the pool)."""
         hold = self.holds.pop(slot, None)
         if hold is None:
             return
+        keys = self.keys(tokens) if tokens is not None and hold.decoded else []
+        for blk in reversed(hold.decoded):  # the deepest first: evicted before its prefix
+            key = keys[blk.index] if blk.index < len(keys) else None
+            if key is None or key in self.table:
+                self.free_rows.append(blk.row)
+                continue
+            blk.key, blk.stored, blk.refs = key, True, 0
+            self.table[key] = blk
+            self.lru[key] = blk
+            self.counters["stored_blocks"] += 1
         for blk in reversed(hold.blocks):  # the deepest first: evicted before its prefix
             blk.refs -= 1
             if not blk.stored:
@@ -312,15 +334,42 @@ class PrefixCache:
                 self.store_boundary_row(last.row, slot, end)
                 last.boundary = True
 
+    # ---- decode hook ------------------------------------------------------------------------------
+    def after_decode(self, slot: int, pos: int) -> None:
+        """A plain decode step that writes `slot`'s positions < `pos` is queued: if `pos` ends the block that
+        follows the request's held ones, copy it (growing rows, and boundary rows at `pos`) into a pool row,
+        keyed at release. Never evicts a referenced block and never waits: no row, no copy, and the chain
+        stops."""
+        b = self.block_size
+        hold = self.holds.get(slot)
+        if hold is None or not hold.decoding or pos % b or pos // b - 1 != len(hold.blocks) + len(hold.decoded):
+            return
+        if not self.free_rows and not self.lru:
+            hold.decoding = False
+            return
+        k = pos // b - 1
+        blk = _Block(b"", self._take_row(), k, refs=1, boundary=self.has_boundary)
+        self.store_rows([blk.row], [k], slot)
+        if self.has_boundary:
+            self.store_boundary_row(blk.row, slot, pos)
+        hold.decoded.append(blk)
+
     # ---- copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) ----------
     def store_rows(self, rows: list[int], index: list[int], slot: int) -> None:
-        """Copy the growing rows of `slot`'s blocks number `index` into pool rows `rows`."""
-        dst = torch.tensor(rows, device=self.device)
-        for f in self.fields:
-            if f.grow:
-                src = torch.cat([torch.arange(k * f.rows, (k + 1) * f.rows) for k in index])
-                self.pool[f.name][dst] = self.caches[f.name][slot, src.to(self.device)].unflatten(0, (len(rows),
-                                                                                                   f.rows))
+        """Copy the growing rows of `slot`'s blocks number `index` into pool rows `rows`. One block (a decode
+        step's) is sliced: no index tensor to send, so the host never waits for the queued steps."""
+        if len(rows) == 1:
+            (row,), (k,) = rows, index
+            for f in self.fields:
+                if f.grow:
+                    self.pool[f.name][row] = self.caches[f.name][slot, k * f.rows:(k + 1) * f.rows]
+        else:
+            dst = torch.tensor(rows, device=self.device)
+            for f in self.fields:
+                if f.grow:
+                    src = torch.cat([torch.arange(k * f.rows, (k + 1) * f.rows) for k in index])
+                    self.pool[f.name][dst] = self.caches[f.name][slot, src.to(self.device)].unflatten(
+                        0, (len(rows), f.rows))
         if self.mirror is not None:
             self.mirror.prefix(OP_STORE, slot, rows=rows + index)
 

@@ -638,8 +638,12 @@ class Session:
         self._live = _Scheduler(self, None, None)
         return self._live
 
-    def _free(self, slot: int, free: list[int]) -> None:
-        if self.prefix:
+    def _free(self, slot: int, free: list[int], tokens: list[int] | None = None) -> None:
+        """Give `slot` back; the slot prefix cache stores the blocks its decode steps completed that `tokens`
+        (the request's prompt and output) cover."""
+        if self.prefix and not self.paged:
+            self.prefix.release(slot, tokens)
+        elif self.prefix:
             self.prefix.release(slot)
         free.append(slot)
 
@@ -650,6 +654,11 @@ class Session:
         logits [B, V] (the host-step path reads them)."""
         pos = self.pos.numpy()[slots].tolist()  # the positions the step feeds (before _run advances them)
         logits = self._run("decode", ids, slots, [1] * len(slots))[:, -1]   # [B, V] fp32
+        if self.prefix and not self.paged:  # a block the step completes is copied before the next step runs
+            b = self.prefix.block_size
+            for s, p in zip(slots, pos):
+                if (p + 1) % b == 0:
+                    self.prefix.after_decode(s, p + 1)
         if logits_out is not None:
             logits_out.append(logits)
         return _Inflight(slots, sampler.tokens(logits, pos)[:, None])      # [B, 1] int64
@@ -903,8 +912,8 @@ class _Scheduler:
         for s in [s for s, r in self.active.items() if r.finish is not None]:
             if self.spec is not None:
                 self.spec.release(s)
-            del self.active[s]
-            self.sess._free(s, self.free)
+            r = self.active.pop(s)
+            self.sess._free(s, self.free, r.ids + r.out)
             self.hold = False
 
     # ---- paged caches: blocks grown as requests decode --------------------------------------------
