@@ -45,6 +45,11 @@ the resume point, so shared prefix blocks are never written. The MTP block's own
 ring; V3: its latent) stay per slot. With MTP a V4 request resumes at least W tokens before its prompt's
 end (the first draft needs their streams, as runtime/prefix_cache.py); V3 with MTP shares nothing.
 
+**Generated blocks.** As runtime/prefix_cache.py keeps them: a block after the prompt's that a plain decode
+step completes gets its boundary state stored right after that step is queued (`after_decode`), and when
+the request finishes the block is registered under the key of the tokens it holds (prompt and output), if
+it knows them, instead of going back free. A preempted request's are not kept.
+
 Legend: b block size (positions), N pool blocks, W window, P a block end (position).
 """
 from __future__ import annotations
@@ -99,6 +104,7 @@ class _Seq:
     shared: int  # leading blocks taken from the cache (registered by another request)
     matched: int  # leading prompt blocks found in the cache at admission
     limit: int  # positions the sequence can ever write (prompt + max_new_tokens): growth stops there
+    decoded: int = 0  # blocks after the prompt's that decode steps completed (`after_decode`), keyed at release
 
 
 class BlockPool:
@@ -289,13 +295,23 @@ class BlockPool:
         self._covered_np[slot] = len(blocks) * self.block_size
         self.peak = max(self.peak, self.n_blocks - len(self.free) - len(self.lru))
 
-    def release(self, slot: int) -> None:
-        """The request in `slot` finished: drop its references; its table row points at scratch again (on the
-        device from the next flush: no graph reads a free slot's row, and the requests finishing at one step
-        cost one copy, not one each)."""
+    def release(self, slot: int, tokens: list[int] | None = None) -> None:
+        """The request in `slot` finished: register the blocks its decode steps completed that `tokens` (its
+        prompt and output) cover, drop its references; its table row points at scratch again (on the device
+        from the next flush: no graph reads a free slot's row, and the requests finishing at one step cost one
+        copy, not one each)."""
         seq = self.seqs.pop(slot, None)
         if seq is None:
             return
+        keys = self.keys(tokens) if tokens is not None and seq.decoded else []
+        for i in range(len(seq.keys), len(seq.keys) + seq.decoded):
+            blk, key = seq.blocks[i], keys[i] if i < len(keys) else None
+            if key is None or key in self.by_key:
+                self.forget_boundary(blk)
+                continue
+            self.key_of[blk], self.by_key[key] = key, blk
+            self.refs[blk] = 1  # dropped to 0 below: cached, unreferenced
+            self.counters["stored_blocks"] += 1
         for blk in reversed(seq.blocks):  # the deepest first: evicted before its prefix
             if blk in self.key_of:
                 self.refs[blk] -= 1
@@ -340,6 +356,18 @@ class BlockPool:
             blk = self.by_key.get(seq.keys[end // b - 1])  # this slot's block, or the registered duplicate's
             if blk is not None and blk not in self.boundary:
                 self.store_boundary(blk, slot, end)
+
+    def after_decode(self, slot: int, pos: int) -> None:
+        """A plain decode step that writes `slot`'s positions < `pos` is queued: if `pos` ends the block after
+        the prompt's and the ones decoded so far, store its boundary state (registered at release)."""
+        seq = self.seqs.get(slot)
+        k = pos // self.block_size - 1
+        if (not self.share or seq is None or pos % self.block_size or k != len(seq.keys) + seq.decoded
+                or k >= len(seq.blocks)):
+            return
+        if self.boundary_fields:
+            self.store_boundary(seq.blocks[k], slot, pos)
+        seq.decoded += 1
 
     def _rows(self, f, end: int) -> torch.Tensor:
         """The slot rows of field f holding positions [max(end - rows, 0), end)."""

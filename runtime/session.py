@@ -639,12 +639,10 @@ class Session:
         return self._live
 
     def _free(self, slot: int, free: list[int], tokens: list[int] | None = None) -> None:
-        """Give `slot` back; the slot prefix cache stores the blocks its decode steps completed that `tokens`
-        (the request's prompt and output) cover."""
-        if self.prefix and not self.paged:
+        """Give `slot` back; the prefix cache (or the paged pool) keeps the blocks its decode steps completed
+        that `tokens` (the request's prompt and output) cover."""
+        if self.prefix:
             self.prefix.release(slot, tokens)
-        elif self.prefix:
-            self.prefix.release(slot)
         free.append(slot)
 
     def _decode_launch(self, ids: torch.Tensor, slots: list[int], sampler: DecodeSampler,
@@ -654,7 +652,7 @@ class Session:
         logits [B, V] (the host-step path reads them)."""
         pos = self.pos.numpy()[slots].tolist()  # the positions the step feeds (before _run advances them)
         logits = self._run("decode", ids, slots, [1] * len(slots))[:, -1]   # [B, V] fp32
-        if self.prefix and not self.paged:  # a block the step completes is copied before the next step runs
+        if self.prefix:  # a block the step completes is kept (its state copied before the next step runs)
             b = self.prefix.block_size
             for s, p in zip(slots, pos):
                 if (p + 1) % b == 0:
