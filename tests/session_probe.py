@@ -69,3 +69,22 @@ def assert_same(ref, got, tol: float = 1e-6) -> None:
         err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
         assert err <= tol, f"request {i}: rel err {err}"
     assert ref[0] == got[0]
+
+
+def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4) -> None:
+    """Chat traffic on `sess` (a prefix cache or paged pool of `block`-token blocks): prompts of 11 and 21
+    tokens get sampled 30-token answers (block ends fall inside them); the next turn sends each prompt, its
+    answer and 5 new tokens. It must resume past every block the answer's steps wrote (the last token's
+    only when a step was still in flight) and give `ref_sess`'s from-scratch logits within 1e-5 (the
+    answer's rows came from decode steps, other GEMM shapes than prefill chunks)."""
+    V = sess.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    first = [torch.randint(2, V, (n,), generator=g).tolist() for n in (11, 21)]
+    out = sess.generate(first, max_new_tokens=30, temperature=0.8, seed=2)
+    turn2 = [p + r.tokens + torch.randint(2, V, (5,), generator=g).tolist() for p, r in zip(first, out)]
+    hits0 = sess.prefix.stats()["hit_tokens"]
+    assert_same(serve(ref_sess, turn2, max_new=3), serve(sess, turn2, max_new=3), tol=1e-5)
+    hits = sess.prefix.stats()["hit_tokens"] - hits0
+    lo = sum((len(p) + len(r.tokens) - 1) // block * block for p, r in zip(first, out))
+    hi = sum((len(p) + len(r.tokens)) // block * block for p, r in zip(first, out))
+    assert lo >= sum(len(p) for p in first) + 2 * block and lo <= hits <= hi, (lo, hits, hi)
