@@ -35,6 +35,12 @@ calls of at most max_num_batched_tokens tokens (rows x the longest chunk), so wi
 requests resuming at the system prompt's last block prefill their U tokens together, 2048 // U rows per call;
 each run records its prefill calls and the mean rows per call (`prefill_calls`).
 
+With --turn2 (after the slot runs), a second chat turn: each request sends its prompt, its `warm` answer and
+U2 new tokens (--turn2-suffix), with the prefix cache (`turn2_on`: the answer's completed blocks are cached,
+runtime/prefix_cache.py "Generated blocks", so it resumes past them) and without (`turn2_off`). The answer
+completes a block only when N reaches past the prompt's last block end: use N > the block size (the slice:
+128), e.g. `--new 160 --turn2`.
+
 Per run: TTFT per request from the submission of all R (`ttft_submit`, what a client waits, queueing
 included) and from its admission (`ttft_admit`, the Session's own ttft_s), the time until every request has
 its first token, and decode tokens/s after that (all rows decoding together through the same slot caches:
@@ -61,6 +67,11 @@ from bench_segments import _commit, build  # noqa: E402
 from profile_step import kernel_table  # noqa: E402
 
 from dsv4c.checkpoint import save_checkpoint  # noqa: E402
+
+
+def max_tokens_of(a) -> int:
+    """The artifacts' max_tokens: prompt + answer (+ the second turn's message and answer with --turn2)."""
+    return a.system + a.suffix + a.new + 8 + ((a.turn2_suffix + a.new) if a.turn2 else 0)
 
 
 def prompts(V: int, R: int, S: int, U: int, seed: int = 0) -> list[list[int]]:
@@ -184,14 +195,17 @@ def main(argv=None) -> int:
     ap.add_argument("--paged-off", action="store_true", help="--paged: also the paged run without prefix sharing")
     ap.add_argument("--runs", default="off,on,warm", help="slot-cache runs, comma list of off,on,warm (default all)")
     ap.add_argument("--profile-prefill", action="store_true", help="time and profile the prefill paths (docstring)")
+    ap.add_argument("--turn2", action="store_true", help="a second chat turn after the slot runs (docstring)")
+    ap.add_argument("--turn2-suffix", type=int, default=64, help="--turn2: new tokens of the second turn's message")
     a = ap.parse_args(argv)
     runs = a.runs.split(",")
     if not runs or set(runs) - {"off", "on", "warm"}:
         ap.error(f"--runs: a comma list of off, on, warm; got {a.runs!r}")
-    if a.paged and runs != ["off", "on", "warm"]:
-        ap.error("--paged compares against every slot run: leave --runs at off,on,warm")
+    if (a.paged or a.turn2) and runs != ["off", "on", "warm"]:
+        ap.error("--paged and --turn2 need every slot run: leave --runs at off,on,warm")
     if a.quick:
-        a.preset, a.target, a.requests, a.system, a.suffix, a.new = "v4-tiny-a", "cpu", 4, 64, 8, 4
+        a.preset, a.target, a.requests, a.system, a.suffix = "v4-tiny-a", "cpu", 4, 64, 8
+        a.new = 40 if a.turn2 else 4  # --turn2: answers that complete blocks
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
@@ -216,7 +230,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     stage("build_and_checkpoint", t0)
     t0 = time.perf_counter()
-    max_tokens = a.system + a.suffix + a.new + 8
+    max_tokens = max_tokens_of(a)
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
                 "--max-tokens", str(max_tokens), "--buckets", str(a.requests))
     res["compile_command"] = " ".join(cmd[2:])
@@ -276,6 +290,10 @@ def main(argv=None) -> int:
         "prefill_calls": {k: res[k]["prefill_calls"]["calls"] for k in ("off", "on", "warm")},
         "prefill_mean_rows_per_call": {k: round(res[k]["prefill_calls"]["mean_rows_per_call"], 2)
                                        for k in ("off", "on", "warm")}})
+    if a.turn2:
+        t0 = time.perf_counter()
+        turn2_runs(a, res, sess, prefix, ps, dev, V)
+        stage("turn2", t0)
     if a.paged:
         del sess, prefix
         if dev.type == "cuda":
@@ -287,13 +305,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def turn2_runs(a, res: dict, sess, prefix, ps, dev, V: int) -> None:
+    """The second turn (module docstring): prompt + its `warm` answer + U2 new tokens, cache on then off."""
+    g = torch.Generator().manual_seed(7)
+    ps2 = [p + t + torch.randint(2, V, (a.turn2_suffix,), generator=g).tolist()
+           for p, t in zip(ps, res["warm"]["tokens"])]
+    res["turn2_on"] = run(sess, ps2, a.new, dev, prefix)
+    res["turn2_off"] = run(sess, ps2, a.new, dev, None)
+    sess.prefix = prefix
+    on, off = res["turn2_on"], res["turn2_off"]
+    this = on["prefix_stats"]["this_run"]
+    res["summary"].update({
+        "turn2_ttft_speedup": off["ttft_submit_ms_mean"] / on["ttft_submit_ms_mean"],
+        "turn2_hit_tokens_per_request": this["hit_tokens"] / a.requests,
+        "turn2_prompt_tokens_per_request": this["prompt_tokens"] / a.requests,
+        "turn2_tokens_equal": sum(x == y for x, y in zip(off["tokens"], on["tokens"]))})
+    print(f"turn2: TTFT {off['ttft_submit_ms_mean']:.1f} -> {on['ttft_submit_ms_mean']:.1f} ms, "
+          f"{res['summary']['turn2_hit_tokens_per_request']:.0f} of "
+          f"{res['summary']['turn2_prompt_tokens_per_request']:.0f} prompt tokens from the cache", flush=True)
+
+
 def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     """Compile with --paged (same limits and buckets), then paged_off / paged_on / paged_warm."""
     from dsv4c.runtime import Session
 
     t0 = time.perf_counter()
     art = a.work / "art_paged"
-    max_tokens = a.system + a.suffix + a.new + 8
+    max_tokens = max_tokens_of(a)
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
                 "--max-tokens", str(max_tokens), "--buckets", str(a.requests), "--paged",
                 *(["--pool-blocks", str(a.pool_blocks)] if a.pool_blocks else []))
