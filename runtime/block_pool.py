@@ -138,9 +138,9 @@ class BlockPool:
                          "waits": 0, "preemptions": 0}
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors the boundary copies
 
-    def keys(self, ids: list[int]) -> list[bytes]:
+    def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
         """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
-        return PrefixCache.keys(self, ids)
+        return PrefixCache.keys(self, ids, start, prev)
 
     def _has_boundary(self, key: bytes) -> bool:
         return self.by_key.get(key) in self.boundary
@@ -303,9 +303,10 @@ class BlockPool:
         seq = self.seqs.pop(slot, None)
         if seq is None:
             return
-        keys = self.keys(tokens) if tokens is not None and seq.decoded else []
-        for i in range(len(seq.keys), len(seq.keys) + seq.decoded):
-            blk, key = seq.blocks[i], keys[i] if i < len(keys) else None
+        first = len(seq.keys)  # the decoded blocks' chain goes on from the prompt's
+        keys = self.keys(tokens, first, seq.keys[-1] if first else b"") if tokens and seq.decoded else []
+        for i in range(first, first + seq.decoded):
+            blk, key = seq.blocks[i], keys[i - first] if i - first < len(keys) else None
             if key is None or key in self.by_key:
                 self.forget_boundary(blk)
                 continue

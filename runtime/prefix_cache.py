@@ -183,10 +183,11 @@ class PrefixCache:
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors every copy
 
     # ---- keys -------------------------------------------------------------------------------------
-    def keys(self, ids: list[int]) -> list[bytes]:
-        """The hash chain of ids' full blocks."""
-        b, out, h = self.block_size, [], b""
-        for k in range(len(ids) // b):
+    def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
+        """The hash chain of ids' full blocks (from block `start` on, continuing the chain from `prev`, the key of
+        block start - 1)."""
+        b, out, h = self.block_size, [], prev
+        for k in range(start, len(ids) // b):
             h = hashlib.blake2b(h + torch.tensor(ids[k * b:(k + 1) * b], dtype=torch.int64).numpy().tobytes(),
                                 digest_size=16).digest()
             out.append(h)
@@ -270,9 +271,10 @@ class PrefixCache:
         hold = self.holds.pop(slot, None)
         if hold is None:
             return
-        keys = self.keys(tokens) if tokens is not None and hold.decoded else []
+        first = len(hold.blocks)  # the decoded blocks' chain goes on from the prompt's
+        keys = self.keys(tokens, first, hold.blocks[-1].key if first else b"") if tokens and hold.decoded else []
         for blk in reversed(hold.decoded):  # the deepest first: evicted before its prefix
-            key = keys[blk.index] if blk.index < len(keys) else None
+            key = keys[blk.index - first] if blk.index - first < len(keys) else None
             if key is None or key in self.table:
                 self.free_rows.append(blk.row)
                 continue
