@@ -43,9 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4c.chat_templates import END_THINK as THINK_CLOSE
-from dsv4c.chat_templates import THINK as THINK_OPEN
-from dsv4c.chat_templates import load_chat_template
+from dsv4c.chat_templates import END_THINK, THINK, load_chat_template
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
 
 log = logging.getLogger("dsv4c.serve")
@@ -308,7 +306,7 @@ def reasoning_parser_for(setting: str, template_source: str | None) -> str:
     if setting not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: expected one of {', '.join(REASONING_PARSERS)}, got {setting!r}")
     if setting == "auto":
-        return "deepseek" if template_source and THINK_CLOSE in template_source else "none"
+        return "deepseek" if template_source and END_THINK in template_source else "none"
     return setting
 
 
@@ -325,7 +323,7 @@ class _ReasoningSplit:
     answer), holding back a tail that could still be the start of a tag until the next piece or the end."""
 
     def __init__(self, prompt_text: str):
-        self.state = "reasoning" if prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE) else "start"
+        self.state = "reasoning" if prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK) else "start"
         self.buf = ""
 
     def push(self, text: str, final: bool) -> tuple[str, str]:
@@ -334,19 +332,19 @@ class _ReasoningSplit:
         while self.buf:
             if self.state == "start":
                 head = self.buf.lstrip()
-                if head.startswith(THINK_OPEN):
-                    self.buf, self.state = head[len(THINK_OPEN):], "reasoning"
-                elif not final and THINK_OPEN.startswith(head):  # whitespace or a tag's start so far: wait
+                if head.startswith(THINK):
+                    self.buf, self.state = head[len(THINK):], "reasoning"
+                elif not final and THINK.startswith(head):  # whitespace or a tag's start so far: wait
                     break
                 else:
                     self.state = "answer"
             elif self.state == "reasoning":
-                i = self.buf.find(THINK_CLOSE)
+                i = self.buf.find(END_THINK)
                 if i >= 0:
                     reasoning += self.buf[:i]
-                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):], "answer"
+                    self.buf, self.state = self.buf[i + len(END_THINK):], "answer"
                     continue
-                keep = 0 if final else _held(self.buf, THINK_CLOSE)
+                keep = 0 if final else _held(self.buf, END_THINK)
                 reasoning += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 break
