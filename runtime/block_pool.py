@@ -48,7 +48,8 @@ end (the first draft needs their streams, as runtime/prefix_cache.py); V3 with M
 **Generated blocks.** As runtime/prefix_cache.py keeps them: a block after the prompt's that a plain decode
 step completes gets its boundary state stored right after that step is queued (`after_decode`), and when
 the request finishes the block is registered under the key of the tokens it holds (prompt and output), if
-it knows them, instead of going back free. A preempted request's are not kept.
+it knows them, instead of going back free; MTP rounds' too (patched as runtime/prefix_cache.py says). A
+preempted request's are not kept.
 
 Legend: b block size (positions), N pool blocks, W window, P a block end (position).
 """
@@ -60,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4c.runtime.distributed import OP_PAGED_FORGET, OP_PAGED_RESTORE, OP_PAGED_STORE
-from dsv4c.runtime.prefix_cache import PrefixCache, cache_fields, default_block_size
+from dsv4c.runtime.prefix_cache import PrefixCache, RingPatch, cache_fields, default_block_size
 
 
 class PagedCacheError(ValueError):
@@ -358,16 +359,17 @@ class BlockPool:
             if blk is not None and blk not in self.boundary:
                 self.store_boundary(blk, slot, end)
 
-    def after_decode(self, slot: int, pos: int) -> None:
-        """A plain decode step that writes `slot`'s positions < `pos` is queued: if `pos` ends the block after
-        the prompt's and the ones decoded so far, store its boundary state (registered at release)."""
+    def after_decode(self, slot: int, pos: int, patch: RingPatch | None = None) -> None:
+        """A plain decode step (or an MTP round) that writes `slot`'s positions < `pos` is queued (read): if
+        `pos` ends the block after the prompt's and the ones decoded so far, store its boundary state (patched
+        by `patch`, as PrefixCache.after_decode; registered at release)."""
         seq = self.seqs.get(slot)
         k = pos // self.block_size - 1
         if (not self.share or seq is None or pos % self.block_size or k != len(seq.keys) + seq.decoded
                 or k >= len(seq.blocks)):
             return
         if self.boundary_fields:
-            self.store_boundary(seq.blocks[k], slot, pos)
+            self.store_boundary(seq.blocks[k], slot, pos, patch)
         seq.decoded += 1
 
     def _rows(self, f, end: int) -> torch.Tensor:
@@ -375,10 +377,15 @@ class BlockPool:
         return torch.arange(max(end - f.rows, 0), end, device=self.device).remainder(f.ring)
 
     # ---- boundary copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) --
-    def store_boundary(self, blk: int, slot: int, end: int) -> None:
-        """Keep `slot`'s boundary rows at position `end` (the end of block `blk`) with the block."""
+    def store_boundary(self, blk: int, slot: int, end: int, patch: RingPatch | None = None) -> None:
+        """Keep `slot`'s boundary rows at position `end` (the end of block `blk`) with the block, then `patch`'s."""
+        if patch is not None and self.mirror is not None:
+            raise PagedCacheError("paged cache: a ring patch cannot be mirrored to the other ranks")
         self.boundary[blk] = {f.name: self.caches[f.name][slot, self._rows(f, end)].clone()
                               for f in self.boundary_fields}
+        if patch is not None:
+            for f in self.boundary_fields:
+                patch.apply(f, max(end - f.rows, 0), self.boundary[blk][f.name])
         if self.mirror is not None:
             self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
 

@@ -41,7 +41,11 @@ position is queued, its growing rows and its boundary rows at the block end are 
 stream order, before the next step can overwrite a ring row). When the request finishes, each such block
 whose tokens it knows (prompt and output) is keyed by the hash chain and stored, unreferenced; a block
 whose key is already stored gives its row back. Copying never waits: with no row to be had, the chain stops
-there. MTP rounds store none (a later plain stretch of the same request does not resume the chain).
+there. MTP rounds keep theirs too: a round that accepts past a block end P calls the same hook for P. A
+pipelined round is read after the next one is queued, and that round's writes may have overwritten ring
+rows of [P-W, P) (a ring of W + K rows holds only K spare ones); such a round first copies the K + 1 ring
+rows it overwrites aside (runtime/speculative.py, `stash_rings`), and the stored rows are patched from that
+copy (`RingPatch`). Sharded runs' MTP rounds keep none (the followers hold no such copy).
 
 **MTP.** The MTP draft of the first round needs the last W prompt positions' streams (V4's MTP block is
 SWA), so with MTP a V4 request resumes no later than W tokens before its end; V3's MTP layer attends to
@@ -90,6 +94,26 @@ class _Field:
     rows: int   # rows per block
     div: int = 1  # growing: positions per row (m for compressed entries)
     ring: int = 0  # boundary: the tensor's rows R (position p at row p mod R)
+
+
+@dataclass(frozen=True)
+class RingPatch:
+    """Ring rows that a round queued after a block end overwrote before that block's boundary rows were copied:
+    the round started at position `start` and wrote positions start..start+K (K + 1 = the width of `rows`), so a
+    field with ring R lost positions start + j - R; `rows[name][j]` holds what was there (this slot's rows of
+    runtime/speculative.py's stash, read in stream order before the stash is written again)."""
+    start: int
+    rows: dict[str, torch.Tensor]  # field name -> [K + 1, ...]
+
+    def apply(self, f: "_Field", lo: int, dst: torch.Tensor) -> None:
+        """dst[i] holds position lo + i of field f: overwrite the positions the later round took."""
+        src = self.rows.get(f.name)
+        if src is None:
+            return
+        first = self.start - f.ring  # position of stash row 0
+        j0, j1 = max(lo - first, 0), min(lo + dst.shape[0] - first, src.shape[0])
+        if j0 < j1:
+            dst[first + j0 - lo:first + j1 - lo] = src[j0:j1]
 
 
 @dataclass
@@ -157,7 +181,8 @@ class PrefixCache:
         self.block_size, self.device = b, device
         self.fields = [_Field(f.name, f.grow, b // f.div if f.grow else f.rows, f.div, f.ring)
                        for f in cache_fields(config, caches)]
-        self.has_boundary = any(not f.grow for f in self.fields)
+        self.boundary_fields = [f for f in self.fields if not f.grow]
+        self.has_boundary = bool(self.boundary_fields)
         self.window = config.sliding_window if config.is_v4 else 0
         self.is_v4 = config.is_v4
         row_bytes = {f.name: caches[f.name][0, 0].numel() * caches[f.name].dtype.itemsize for f in self.fields}
@@ -337,11 +362,11 @@ class PrefixCache:
                 last.boundary = True
 
     # ---- decode hook ------------------------------------------------------------------------------
-    def after_decode(self, slot: int, pos: int) -> None:
-        """A plain decode step that writes `slot`'s positions < `pos` is queued: if `pos` ends the block that
-        follows the request's held ones, copy it (growing rows, and boundary rows at `pos`) into a pool row,
-        keyed at release. Never evicts a referenced block and never waits: no row, no copy, and the chain
-        stops."""
+    def after_decode(self, slot: int, pos: int, patch: RingPatch | None = None) -> None:
+        """A plain decode step (or an MTP round) that writes `slot`'s positions < `pos` is queued (read): if
+        `pos` ends the block that follows the request's held ones, copy it (growing rows, and boundary rows at
+        `pos`, patched by `patch`) into a pool row, keyed at release. Never evicts a referenced block and never
+        waits: no row, no copy, and the chain stops."""
         b = self.block_size
         hold = self.holds.get(slot)
         if hold is None or not hold.decoding or pos % b or pos // b - 1 != len(hold.blocks) + len(hold.decoded):
@@ -353,7 +378,7 @@ class PrefixCache:
         blk = _Block(b"", self._take_row(), k, refs=1, boundary=self.has_boundary)
         self.store_rows([blk.row], [k], slot)
         if self.has_boundary:
-            self.store_boundary_row(blk.row, slot, pos)
+            self.store_boundary_row(blk.row, slot, pos, patch)
         hold.decoded.append(blk)
 
     # ---- copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) ----------
@@ -375,12 +400,15 @@ class PrefixCache:
         if self.mirror is not None:
             self.mirror.prefix(OP_STORE, slot, rows=rows + index)
 
-    def store_boundary_row(self, row: int, slot: int, end: int) -> None:
-        """Copy `slot`'s boundary rows at position `end` (a block end) into pool row `row`."""
-        for f in self.fields:
-            if not f.grow:
-                idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
-                self.pool[f.name][row] = self.caches[f.name][slot, idx]
+    def store_boundary_row(self, row: int, slot: int, end: int, patch: RingPatch | None = None) -> None:
+        """Copy `slot`'s boundary rows at position `end` (a block end) into pool row `row`, then `patch`'s."""
+        if patch is not None and self.mirror is not None:
+            raise PrefixCacheError("prefix cache: a ring patch cannot be mirrored to the other ranks")
+        for f in self.boundary_fields:
+            idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
+            self.pool[f.name][row] = self.caches[f.name][slot, idx]
+            if patch is not None:
+                patch.apply(f, end - f.rows, self.pool[f.name][row])
         if self.mirror is not None:
             self.mirror.prefix(OP_BOUNDARY, row, slot, end)
 

@@ -41,6 +41,13 @@ Why the rest needs no rollback (the ops' contracts, dsv4c/model/v4_ops.py, v3_op
     first. (While these rows were not position-indexed, such a round restored a snapshot and replayed
     the accepted prefix through `verify`: one more forward in 15-35% of rounds.)
 
+Blocks a round completes are kept for the prefix cache (its answer blocks, runtime/prefix_cache.py): when a
+round is read, the block end it passed (at most one: K + 1 <= block size) gets `after_decode`. A pipelined
+round is read after the next one was queued, whose writes may have overwritten ring rows that block's
+boundary state needs; a round queued after one that may pass a block end first copies the ring rows it
+overwrites aside (`stash_rings`, K + 1 rows per slot per ring field), and the stored rows are patched from
+them (`RingPatch`). Sharded runs' rounds keep no blocks.
+
 Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
 Pipelined rounds (`_Pipeline`, below) run op by op (`_round_ops`), or, opted in with
 `Speculator.round_mode = "graphs"` where the graphs run whole-step, each round as one CUDA graph replay
@@ -61,6 +68,7 @@ import torch
 
 from dsv4c.export import verify_mtp_caches
 from dsv4c.runtime.kv_cache import fill_value
+from dsv4c.runtime.prefix_cache import RingPatch
 from dsv4c.runtime.sampling import (RowParams, SamplingParams, counter_uniforms, draw_rows, one_hot_rows,
                                     processed_probs, processed_probs_rows)
 from dsv4c.targets import DEFAULT_BUCKETS
@@ -225,6 +233,14 @@ class Speculator:
         # "graphs" have passed on a device (tests/test_mtp_pipeline.py -m gpu; not run yet: BENCHMARKS.md run18)
         self.round_mode = "off"
         self._round_graphs: dict[str, RoundGraphs] = {}
+        # rounds keep the blocks they complete (module docstring): the stash of each ring field the prefix cache
+        # stores boundary rows of ([cache_slots, K + 1, ...]), written by rounds queued after a block end
+        pc = sess.prefix
+        self.keeps_blocks = (pc is not None and sess.mirror is None and getattr(pc, "share", True)
+                             and self.K + 1 <= pc.block_size)
+        self.stash = {f.name: sess.caches[f.name].new_zeros((sess.cache_slots, self.K + 1)
+                                                            + tuple(sess.caches[f.name].shape[2:]))
+                      for f in pc.boundary_fields} if self.keeps_blocks else {}
 
     def round_graphs(self) -> "RoundGraphs | None":
         """The `RoundGraphs` of `round_mode` (made on first use), or None for "off"."""
@@ -298,6 +314,24 @@ class Speculator:
     def acceptance(self, temperature: float) -> "Acceptance":
         return self.observed.setdefault(_temperature_bucket(temperature), Acceptance.empty(self.K))
 
+    def keep_block(self, slot: int, n: int, end: int, after: "_Launched | None" = None) -> None:
+        """A round that started at position n is read and slot's caches hold its positions < end: hand the block
+        end it passed (if any) to the prefix cache, with the ring rows `after` (the round queued after it, which
+        started at `end`) overwrote patched back from `after`'s stash."""
+        if not self.keeps_blocks:
+            return
+        b = self.sess.prefix.block_size
+        e = end // b * b
+        if e <= n:
+            return
+        patch = None
+        if after is not None:
+            if not after.stash:
+                raise RuntimeError(f"slot {slot}: a round passed block end {e} but the round queued after it "
+                                   f"copied no ring rows aside")
+            patch = RingPatch(end, {name: buf[slot] for name, buf in self.stash.items()})
+        self.sess.prefix.after_decode(slot, e, patch)
+
     def release(self, slot: int) -> None:
         self.seqs.pop(slot, None)
         self._prompt_hidden.pop(slot, None)
@@ -359,6 +393,7 @@ class Speculator:
             q.stats.record(a, ks[i])
             self.observe(q.req.params.temperature, a, ks[i])
             sess.pos[slots[i]] = n0[i] + a + 1  # rollback: the rows past n+a are rewritten before any read
+            self.keep_block(slots[i], n0[i], n0[i] + a + 1)
             for tok in drafts[i][:a] + [y]:
                 if q.req.finish is None:
                     yield from sess._push(q.req, tok)
@@ -573,8 +608,8 @@ class _Launched:
     """A queued round: the next round's state (device) and an asynchronous copy of its results
     [B, T + 2] int64 (committed tokens d_1..d_a, y then junk; a; 1 where the row took the refresh)."""
 
-    def __init__(self, state: _DevState, packed: torch.Tensor, k: int):
-        self.state, self.k = state, k
+    def __init__(self, state: _DevState, packed: torch.Tensor, k: int, stash: bool = False):
+        self.state, self.k, self.stash = state, k, stash  # stash: the round copied its ring rows aside first
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.host.copy_(packed, non_blocking=True)
@@ -661,6 +696,14 @@ class _Pipeline:
         """Drafts of the next round: the fixed k, or auto's current choice (0: stop, plain decoding next)."""
         return self.spec.k if self.spec.auto is None else self.spec.auto.k
 
+    def may_pass_block_end(self, k: int) -> bool:
+        """The round being read next (k drafts, from the positions `n`) may complete a block the prefix cache
+        keeps: the round queued after it must copy its ring rows aside (`stash_rings`)."""
+        if not self.spec.keeps_blocks:
+            return False
+        b = self.sess.prefix.block_size
+        return any((n + k + 1) // b > n // b for n, q in zip(self.n, self.seqs) if q.req.finish is None)
+
     def run(self) -> Iterator[tuple[int, int]]:
         reqs = [q.req for q in self.seqs]
         cur = self.launch(self.state)
@@ -668,11 +711,12 @@ class _Pipeline:
             k = self.next_k()
             more = (k > 0 and self.fits(1, k) and any(len(r.out) + 1 < r.max_new for r in reqs)
                     and self.grow(1, k))
-            nxt = self.launch(cur.state) if more else None  # launches next_k() = k
-            done = yield from self.take(cur)
+            # launches next_k() = k; read before `cur`, so `n` are still cur's positions
+            nxt = self.launch(cur.state, stash=self.may_pass_block_end(cur.k)) if more else None
+            done = yield from self.take(cur, nxt)
             if nxt is None or done:
                 if nxt is not None:  # in flight: keep the tokens of the requests still running
-                    yield from self.take(nxt)
+                    yield from self.take(nxt, None)
                     cur = nxt
                 break
             cur = nxt
@@ -680,8 +724,9 @@ class _Pipeline:
             if q.req.finish is None:  # (copies: a round graph's state buffers are rewritten by later rounds)
                 q.draft_logits, q.draft_z = cur.state.dlogits[i].clone(), cur.state.dz[i].clone()
 
-    def take(self, out: _Launched):
-        """Read a round: commit each running request's tokens, positions and counters. -> any finished."""
+    def take(self, out: _Launched, after: _Launched | None):
+        """Read a round (`after`: the round queued after it, or None): commit each running request's tokens,
+        positions and counters, and hand the prefix cache the block the round completed. -> any finished."""
         spec, sess, k, T = self.spec, self.sess, out.k, 1 + self.spec.K
         done = False
         for i, (q, row) in enumerate(zip(self.seqs, out.read())):
@@ -697,6 +742,7 @@ class _Pipeline:
                 spec.observe(r.params.temperature, min(a, kr), kr)
             self.n[i] = n + a + 1
             sess.pos[self.slots[i]] = spec.mtp_pos[self.slots[i]] = n + a + 1
+            spec.keep_block(self.slots[i], n, n + a + 1, after)
             for tok in toks[: min(a, kr) + 1]:
                 if r.finish is None:
                     yield from sess._push(r, tok)
@@ -708,30 +754,42 @@ class _Pipeline:
             spec.auto.after_round(k)
         return done
 
-    def launch(self, st: _DevState, k: int | None = None) -> _Launched:
+    def launch(self, st: _DevState, k: int | None = None, stash: bool = False) -> _Launched:
         """Queue one round of k drafts (default: `next_k()`) on `st`; nothing here waits for the device.
         With round graphs (`RoundGraphs`), one graph replay on the bucket's static buffers (`st` is copied
         in unless it is the buffers' state already, i.e. the previous round's output); else the ops one
-        by one."""
+        by one. `stash`: copy the ring rows it overwrites aside first (`stash_rings`)."""
         spec, ctx = self.spec, self.ctx
         k = self.next_k() if k is None else k
         B, dev = st.pos.shape[0], st.pos.device
         self.kmax = max(self.kmax, k)
         if self.bufs is not None:
-            state, packed = self.graphs.launch(self.bufs, st, k)
-            return _Launched(state, packed, k)
+            state, packed = self.graphs.launch(self.bufs, st, k, stash)
+            return _Launched(state, packed, k, stash)
         if k not in self.n_verify:
             self.n_verify[k] = torch.full((B,), 1 + k, dtype=torch.int64, device=dev)
-        nxt, packed = _round_ops(spec, ctx, st, k, spec._run_dev, self.n_verify[k])
-        return _Launched(nxt, packed, k)
+        nxt, packed = _round_ops(spec, ctx, st, k, spec._run_dev, self.n_verify[k], stash=stash)
+        return _Launched(nxt, packed, k, stash)
+
+
+def stash_rings(spec: "Speculator", slots: torch.Tensor, pos: torch.Tensor) -> None:
+    """Copy aside the ring rows a round starting at `pos` [B] overwrites: it writes positions pos + j (j = 0..K)
+    at row (pos + j) mod R of each ring field the prefix cache stores boundary rows of. `RingPatch` puts them
+    back into a block's stored boundary rows."""
+    j = torch.arange(spec.K + 1, device=pos.device)
+    for name, buf in spec.stash.items():
+        t = spec.sess.caches[name]  # [slots, R, ...]
+        rows = (pos[:, None] + j).remainder(t.shape[1])  # [B, K + 1]
+        buf[slots] = t[slots[:, None], rows]
 
 
 def _round_ops(spec: "Speculator", ctx: _Ctx, st: _DevState, k: int, run: Callable, n_verify: torch.Tensor,
-               real: torch.Tensor | None = None) -> tuple[_DevState, torch.Tensor]:
+               real: torch.Tensor | None = None, stash: bool = False) -> tuple[_DevState, torch.Tensor]:
     """One round of k drafts on the device (`_Pipeline.launch`; also what `RoundGraphs` captures): draft,
     verify + MTP (the fused graph), accept, and the next round's state. `run(kind, ids, ctx, pos, n_real,
     hidden=, caches=)` calls a graph. `real` [B] bool: False on a round graph's padding rows (they must
-    not take the refresh's cache writes); None: every row is real. -> (the next state, packed [B, T + 2])."""
+    not take the refresh's cache writes); None: every row is real. `stash`: `stash_rings` before the verify
+    writes the main caches. -> (the next state, packed [B, T + 2])."""
     K, T, V = spec.K, 1 + spec.K, spec.cfg.vocab_size
     B, dev = st.pos.shape[0], st.pos.device
     greedy = ctx.rp.all_greedy
@@ -759,6 +817,8 @@ def _round_ops(spec: "Speculator", ctx: _Ctx, st: _DevState, k: int, run: Callab
             qs = [torch.where((forced[:, j] == D[:, j])[:, None], q,
                               one_hot_rows(forced[:, j], V)) for j, q in enumerate(qs)]
         D = forced
+    if stash:
+        stash_rings(spec, ctx.slots, st.pos)
     ids = torch.zeros(B, T, dtype=torch.int64, device=dev)  # 2. verify + the MTP over the same rows
     ids[:, 0] = st.last
     ids[:, 1:1 + k] = D
@@ -922,7 +982,7 @@ class RoundGraphs:
                              torch.zeros(b, spec.K + 3, **i64))
 
     # ---- rounds ----------------------------------------------------------------------------------
-    def launch(self, bf: _RoundBuffers, st: _DevState, k: int) -> tuple[_DevState, torch.Tensor]:
+    def launch(self, bf: _RoundBuffers, st: _DevState, k: int, stash: bool = False) -> tuple[_DevState, torch.Tensor]:
         """Queue one round of k drafts on `st` -> (the next state, packed [B, T + 2]): views of the
         static buffers, valid until the next round of this bucket is queued."""
         if st is not bf.view:
@@ -930,22 +990,22 @@ class RoundGraphs:
                                 (st.last, st.pos, st.dlogits, st.dz)):
                 dst.copy_(src)
         rp, f = bf.ctx.rp, bf.ctx.forced
-        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, f is not None)
+        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, f is not None, stash)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._capture(bf, k)
+            g = self.graphs[key] = self._capture(bf, k, stash)
         if self.cuda:
             g.replay()
         else:
-            self._body(bf, k)
+            self._body(bf, k, stash)
         self.stats["replays"] += 1
         return bf.view, bf.packed[: bf.B]
 
-    def _body(self, bf: _RoundBuffers, k: int) -> None:
+    def _body(self, bf: _RoundBuffers, k: int, stash: bool) -> None:
         """The round on the static buffers: `_round_ops`, then the next state and the results written
         into them (padding rows' state held at 0)."""
         ctx, st, real = bf.ctx, bf.state, bf.real
-        nxt, packed = _round_ops(self.spec, ctx, st, k, self._run, ctx.ones * (1 + k), real)
+        nxt, packed = _round_ops(self.spec, ctx, st, k, self._run, ctx.ones * (1 + k), real, stash)
         for dst, src in zip((st.last, st.pos, st.dlogits, st.dz), (nxt.last, nxt.pos, nxt.dlogits, nxt.dz)):
             torch.where(real.view((-1,) + (1,) * (dst.dim() - 1)), src, src.new_zeros(()), out=dst)
         bf.packed.copy_(packed)
@@ -961,11 +1021,11 @@ class RoundGraphs:
             return sess.graphs[kind](*args)
         return ex.run_direct(*args) if ex.full else ex.run(*args)
 
-    def _capture(self, bf: _RoundBuffers, k: int):
+    def _capture(self, bf: _RoundBuffers, k: int, stash: bool):
         t0 = time.perf_counter()
         scratch = self._scratch(bf)
         if not self.cuda:
-            self._body(scratch, k)
+            self._body(scratch, k, stash)
             graph = True
         else:
             dev = self.spec.sess.device
@@ -973,12 +1033,12 @@ class RoundGraphs:
             s.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(s):
                 for _ in range(self.WARMUP):
-                    self._body(scratch, k)
+                    self._body(scratch, k, stash)
             torch.cuda.current_stream(dev).wait_stream(s)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._body(bf, k)
+                self._body(bf, k, stash)
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         return graph

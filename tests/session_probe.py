@@ -71,16 +71,27 @@ def assert_same(ref, got, tol: float = 1e-6) -> None:
     assert ref[0] == got[0]
 
 
-def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4) -> None:
+def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4, mtp: int = 0,
+                   temperature: float = 0.8, forced: float | None = None) -> None:
     """Chat traffic on `sess` (a prefix cache or paged pool of `block`-token blocks): prompts of 11 and 21
-    tokens get sampled 30-token answers (block ends fall inside them); the next turn sends each prompt, its
-    answer and 5 new tokens. It must resume past every block the answer's steps wrote (the last token's
-    only when a step was still in flight) and give `ref_sess`'s from-scratch logits within 1e-5 (the
-    answer's rows came from decode steps, other GEMM shapes than prefill chunks)."""
+    tokens get 30-token answers (sampled at `temperature`, with `mtp` drafts per round; block ends fall inside
+    them; `forced`: greedy, with teacher-forced drafts kept with that probability); the next turn sends each prompt, its answer and 5 new tokens. It must resume past every block the
+    answer's steps (or rounds) wrote (the last token's only when a step was still in flight) and give
+    `ref_sess`'s from-scratch logits within 1e-5 (the answer's rows came from decode steps, other GEMM shapes
+    than prefill chunks)."""
     V = sess.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     first = [torch.randint(2, V, (n,), generator=g).tolist() for n in (11, 21)]
-    out = sess.generate(first, max_new_tokens=30, temperature=0.8, seed=2)
+    if forced is not None:  # greedy MTP rounds that accept: drafts of the true continuation, kept w.p. `forced`
+        from dsv4c.runtime.speculative import ForcedDrafts, speculator
+
+        truth = ref_sess.generate(first, max_new_tokens=30, temperature=0.0)
+        speculator(sess).forced = ForcedDrafts({i: p + r.tokens for i, (p, r) in enumerate(zip(first, truth))},
+                                               alpha=forced)
+    out = sess.generate(first, max_new_tokens=30, temperature=temperature, seed=2, mtp=mtp)
+    if forced is not None:
+        assert [r.tokens for r in out] == [r.tokens for r in truth]
+        assert sum(r.stats["accepted_draft_tokens"] for r in out) > 10
     turn2 = [p + r.tokens + torch.randint(2, V, (5,), generator=g).tolist() for p, r in zip(first, out)]
     hits0 = sess.prefix.stats()["hit_tokens"]
     assert_same(serve(ref_sess, turn2, max_new=3), serve(sess, turn2, max_new=3), tol=1e-5)

@@ -325,6 +325,42 @@ def test_round_graph_ops_read_nothing_back(bundled, monkeypatch):
     assert not mode.seen & READS_BACK, mode.seen & READS_BACK
 
 
+def test_stash_rings_reads_nothing_back_and_copies_the_rows_a_round_overwrites():
+    """`stash_rings` (run inside round graphs after a round that may pass a block end): rows (pos + j) mod R of
+    every ring field the prefix cache stores, per slot, with no op that reads a device value back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsv4c import ModelConfig
+    from dsv4c.model import build_model, randomize_
+    from dsv4c.runtime.prefix_cache import PrefixCacheConfig
+    from dsv4c.runtime.speculative import stash_rings
+    from session_probe import eager_session as probe_session
+
+    class Ops(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    model = randomize_(build_model(ModelConfig.preset("v4-tiny-a"), dtype=torch.float32), seed=1).eval()
+    sess = probe_session(model, 8, PrefixCacheConfig(block_size=8), mtp_k=2)
+    spec = speculator(sess)
+    for name in spec.stash:
+        sess.caches[name].normal_()
+    slots, pos = torch.tensor([2, 0]), torch.tensor([17, 5])
+    mode = Ops()
+    with mode:
+        stash_rings(spec, slots, pos)
+    assert "aten.index" in mode.seen and not mode.seen & READS_BACK, mode.seen
+    assert len(spec.stash) == sum(1 for f in sess.prefix.fields if not f.grow) > 0
+    for name, buf in spec.stash.items():
+        R = sess.caches[name].shape[1]
+        for s, p in zip(slots.tolist(), pos.tolist()):
+            want = torch.stack([sess.caches[name][s, (p + j) % R] for j in range(spec.K + 1)])
+            assert torch.equal(buf[s], want), name
+
+
 def test_round_graph_modes_are_checked(bundled):
     """"graphs" needs CUDA and whole-step executors: on this CPU session it is refused, naming why."""
     _, sess, _, _ = bundled

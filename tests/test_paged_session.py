@@ -82,6 +82,22 @@ def test_a_follow_up_turn_shares_the_blocks_its_answer_completed(models, name):
     assert st["blocks_in_use"] == 0 and set(sess.prefix.boundary) <= set(sess.prefix.key_of), st
 
 
+@pytest.mark.parametrize("mode,temperature,forced", [("off", 0.8, None), ("off", 0.0, 0.7), ("emulate", 0.0, 0.7)])
+@torch.no_grad()
+def test_mtp_rounds_register_the_blocks_they_complete(models, mode, temperature, forced):
+    """As the slot caches' prefix cache (tests/test_prefix_cache.py): an answer decoded in pipelined MTP rounds
+    registers the blocks its rounds completed, with V4's boundary state at their ends patched for the ring rows
+    the next queued round overwrote, and the next turn shares them and equals the slot caches from scratch."""
+    from dsv4c.runtime.speculative import speculator
+
+    model, block = models["v4-tiny-a"], 8
+    sess = eager_session(model, block, PagedConfig(block_size=block), mtp_k=2)
+    speculator(sess).round_mode = mode
+    follow_up_turn(sess, eager_session(model, block, None), block, mtp=2, temperature=temperature, forced=forced)
+    st = sess.prefix.stats()
+    assert st["blocks_in_use"] == 0 and st["stored_blocks"] >= 8 and set(sess.prefix.boundary) <= set(sess.prefix.key_of)
+
+
 def test_shared_blocks_are_referenced_not_copied_and_never_written(models):
     """Two running requests share the base's first blocks: their table rows hold the same pool blocks,
     and those blocks' bytes do not change while both decode."""

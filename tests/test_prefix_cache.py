@@ -14,7 +14,7 @@ import torch
 from dsv4c import ModelConfig
 from dsv4c.model import build_model, randomize_
 from dsv4c.runtime import Session
-from dsv4c.runtime.prefix_cache import PrefixCacheConfig, PrefixCacheError
+from dsv4c.runtime.prefix_cache import PrefixCacheConfig, PrefixCacheError, RingPatch
 from session_probe import eager_session, follow_up_turn, serve
 
 
@@ -162,6 +162,45 @@ def test_mtp_on_cached_prefixes_equals_plain_greedy(models):
     st = sess.prefix.stats()
     assert st["hit_tokens"] == 8 + 16 + 32 + 24 + 16, st  # each resume <= len - W = len - 8
     assert serve(sess, ps, max_new=4, temperature=0.0, mtp=2)[0] == plain  # blocks unchanged by verify rows
+
+
+MTP_TURNS = [("v4-tiny-a", "off", 0.8, None), ("v4-tiny-a", "emulate", 0.8, None), ("v4-tiny-a", "off", 0.0, 0.7),
+             ("v4-tiny-a", "emulate", 0.0, 0.7), ("v3-tiny", "off", 0.8, None)]
+
+
+@pytest.mark.parametrize("name,mode,temperature,forced", MTP_TURNS)
+@torch.no_grad()
+def test_mtp_rounds_keep_the_blocks_they_complete(models, name, mode, temperature, forced):
+    """An answer decoded in MTP rounds (pipelined: op by op, and as round graphs' static-buffer flow; sampled,
+    and greedy with teacher-forced drafts that are accepted) keeps the blocks its rounds completed, so the
+    next turn resumes past it and equals a run from scratch. A pipelined round is read after the next one was
+    queued, whose verify overwrote ring rows of the block's window when this round accepted drafts: without
+    the copy of those rows (`stash_rings`, patched back by `RingPatch`) the V4 turn with accepted drafts
+    differs (the sampled rounds here accept few, and a round that accepts none overwrites only the stored row
+    P - W, which no query at P or later reads)."""
+    from dsv4c.runtime.speculative import speculator
+
+    model, block = models[name], 8
+
+    def turn():
+        sess = eager_session(model, block, PrefixCacheConfig(block_size=block), mtp_k=2)
+        speculator(sess).round_mode = mode
+        follow_up_turn(sess, eager_session(model, block, False), block, mtp=2, temperature=temperature,
+                       forced=forced)
+        return sess
+
+    sess = turn()
+    assert sess.prefix.stats()["stored_blocks"] >= 8
+    if model.config.is_v4:
+        assert speculator(sess).stash and speculator(sess).keeps_blocks
+    if model.config.is_v4 and forced:
+        orig = RingPatch.apply
+        RingPatch.apply = lambda *a: None
+        try:
+            with pytest.raises(AssertionError, match="rel err"):
+                turn()
+        finally:
+            RingPatch.apply = orig
 
 
 @pytest.mark.gpu

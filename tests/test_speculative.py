@@ -170,7 +170,7 @@ def test_device_greedy_round_equals_host_round(bundled, plain, monkeypatch):
     keys = ("accept_histogram", "accepted_per_position", "fused_rounds", "fallback_refreshes")
     calls = []
     launch = sp._Pipeline.launch
-    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: calls.append(1) or launch(self, st))
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st, **kw: calls.append(1) or launch(self, st, **kw))
     runs, device_rounds = {}, {}
     try:
         for host in (False, True):
