@@ -472,7 +472,9 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     chosen = min(fitting, key=lambda c: (c.step_s, -c.headroom)).plan if fitting else None
     assumptions = [
         f"weights counted exactly from the meta-device model: dense in {str(dtype).replace('torch.', '')} (fp32 "
-        f"islands fp32; the target's dense_format {tgt.dense_format} is not applied by compile yet), routed experts "
+        f"islands fp32; the target's dense_format is {tgt.dense_format}; `compile --dense-format fp8_block` keeps "
+        f"a single-GPU artifact's FP8-stored linears at 1 byte, not counted here: sharded artifacts refuse it), "
+        f"routed experts "
         f"in {fmt} (quantize_experts containers, scales included)",
         f"caches: runtime/kv_cache.cache_layout for {max_batch + 1} slots x {max_tokens} tokens, replicated on every GPU",
         f"workspace: {how}",
