@@ -20,6 +20,14 @@ Extensions: `top_k` (0 or -1: off) and `return_token_ids` (each choice carries `
 thinking mode) and, with a reasoning parser (`--reasoning-parser`, on by default for templates that
 close `</think>`), the reasoning apart from the answer: `message.reasoning_content` / `delta.reasoning_content`
 as DeepSeek's API has it.
+
+Tool calling, where the chat template writes DeepSeek-V4's DSML (dsv4c's built-in V4 template does):
+`tools` (functions) with `tool_choice` "auto" (the default) or "none", assistant turns with `tool_calls` and
+`tool` turns with their results. The tools go into the prompt as the template writes them; a completion whose
+answer ends in a DSML block comes back as `message.tool_calls` (OpenAI's shape: id, type, function name,
+arguments as a JSON string) with finish_reason "tool_calls"; streamed, the answer's text before the block is
+sent as it comes and the calls in one delta at the end. Forcing a call ("required", a named function) would
+need constrained decoding and is refused.
 """
 from __future__ import annotations
 
@@ -43,7 +51,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4c.chat_templates import END_THINK, THINK, load_chat_template
+from dsv4c.chat_templates import (DSML, END_THINK, THINK, TOOL_CALLS_START, ToolCallFormatError, load_chat_template,
+                                  parse_tool_calls)
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
 
 log = logging.getLogger("dsv4c.serve")
@@ -128,11 +137,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON object's text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None  # an assistant turn's reasoning (DeepSeek's templates read it)
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
 
 class ChatRequest(_Common):
@@ -142,8 +166,8 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (ChatTemplate.RESERVED not)
-    tools: list[Any] | None = None  # refused unless empty or tool_choice is "none" (no tool calls are parsed)
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Any] | None = None  # [{"type": "function", "function": {"name", ...}}] (`_tools`)
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (default) or "none"
     functions: list[Any] | None = None  # the legacy form of tools: refused
     function_call: str | dict[str, Any] | None = None
 
@@ -260,15 +284,27 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    RESERVED = ("messages", "bos_token", "eos_token", "add_generation_prompt", "raise_exception")
+    RESERVED = ("messages", "bos_token", "eos_token", "add_generation_prompt", "raise_exception", "tools")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
         """`extra`: the template's own variables (a request's chat_template_kwargs), none of RESERVED."""
         return self.template.render(**(extra or {}), messages=messages, bos_token=self.bos_token,
                                     eos_token=self.eos_token, add_generation_prompt=add_generation_prompt)
+
+
+def _tojson(x, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """`tojson` as Hugging Face tokenizers give it to chat templates: json.dumps with non-ASCII kept, keys in
+    their order and no HTML escaping (jinja2's own filter escapes <, >, &, ' and sorts keys)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def tool_parser_for(template_source: str | None) -> str | None:
+    """"dsml" where the chat template writes DeepSeek-V4's tool calls, else None (tools are refused)."""
+    return "dsml" if template_source and f"<{DSML}tool_calls>" in template_source else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,6 +349,38 @@ def reasoning_parser_for(setting: str, template_source: str | None) -> str:
 def _held(text: str, tag: str) -> int:
     """How many trailing characters of `text` could still be the start of `tag`."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+class _ToolCallSplit:
+    """DeepSeek-V4's tool calls: an answer's DSML block (`TOOL_CALLS_START` to the end). Fed the answer's text
+    in pieces, it returns the text before the block as it comes (holding back a tail that could still be the
+    block's start), keeps the block to the end and parses it there (`calls`). A block that does not parse
+    goes out as text, unchanged (what the model wrote), and is logged."""
+
+    def __init__(self):
+        self.buf, self.block = "", None  # block: the text after TOOL_CALLS_START, once seen
+        self.calls: list[dict] = []
+
+    def push(self, text: str, final: bool) -> str:
+        if self.block is None:
+            self.buf += text
+            i = self.buf.find(TOOL_CALLS_START)
+            if i < 0:
+                keep = 0 if final else _held(self.buf, TOOL_CALLS_START)
+                out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return out
+            out, self.block, self.buf = self.buf[:i], self.buf[i + len(TOOL_CALLS_START):], ""
+        else:
+            out, self.block = "", self.block + text
+        if not final:
+            return out
+        try:
+            self.calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c}
+                          for c in parse_tool_calls(self.block)]
+            return out
+        except ToolCallFormatError as e:
+            log.warning("a completion's tool-call block does not parse (%s): returned as text", e)
+            return out + TOOL_CALLS_START + self.block
 
 
 class _ReasoningSplit:
@@ -368,6 +436,7 @@ class _State:
         self.chat: ChatTemplate | None = None
         self.chat_missing = ""
         self.reasoning = "none"  # the reasoning parser chat completions run (reasoning_parser_for)
+        self.tool_parser: str | None = None  # tool_parser_for: "dsml" or None (tools refused)
         self.mtp: dict = {"k": 0, "policy": None}
         self.metrics: Metrics | None = None
         self.created = int(time.time())
@@ -450,7 +519,8 @@ def create_app(cfg: ServeConfig, session=None) -> FastAPI:
         _check_model(st, body.model)
         ids, text = _chat_prompt(st, body)
         split = _ReasoningSplit(text) if st.reasoning == "deepseek" else None
-        return await _run(st, request, body, ids, chat=True, reasoning=split)
+        tools = _ToolCallSplit() if _tools_on(body) else None
+        return await _run(st, request, body, ids, chat=True, reasoning=split, tools=tools)
 
     return app
 
@@ -518,17 +588,27 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
         raise APIError(400, f"messages: this model has no chat template ({st.chat_missing}); use /v1/completions",
                        "messages", code="chat_template_missing")
     msgs = []
-    for m in body.messages:
+    for i, m in enumerate(body.messages):
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(part.text for part in m.content)
         msgs.append({"role": m.role, "content": content or ""})
         if m.reasoning_content is not None:
             msgs[-1]["reasoning_content"] = m.reasoning_content
-    extra = body.chat_template_kwargs or {}
+        if m.tool_calls:
+            msgs[-1]["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}]")}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msgs[-1]["tool_call_id"] = m.tool_call_id
+    _in_call_order(msgs)
+    extra = dict(body.chat_template_kwargs or {})
     taken = [k for k in extra if k in ChatTemplate.RESERVED]
     if taken:
         raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is set by the server, not the request",
                        "chat_template_kwargs")
+    if _tools_on(body):
+        _check_tools(st, body.tools)
+        extra["tools"] = body.tools
     from jinja2.exceptions import TemplateError
 
     try:
@@ -539,6 +619,57 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
     if not ids:
         raise APIError(400, "messages: the rendered prompt is empty", "messages")
     return ids, text
+
+
+def _tools_on(body: ChatRequest) -> bool:
+    """Tools go into the prompt and completions are parsed for calls (tool_choice "none": neither)."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def _check_tools(st: _State, tools: list) -> None:
+    if st.tool_parser is None:
+        raise APIError(400, "tools: this model's chat template writes no tool-call format this server parses "
+                            "(DeepSeek-V4's DSML); send no tools or tool_choice 'none'", "tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) \
+                or not isinstance(f.get("name"), str) or not f["name"]:
+            raise APIError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                f"\"parameters\": ...}}}}", f"tools[{i}]")
+
+
+def _arguments(args: str | dict, where: str) -> dict:
+    """A past call's arguments as the template needs them: an object (OpenAI sends its JSON text)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{where}.function.arguments: not valid JSON ({e})", "messages") from None
+    if not isinstance(args, dict):
+        raise APIError(400, f"{where}.function.arguments: must be a JSON object", "messages")
+    return args
+
+
+def _in_call_order(msgs: list[dict]) -> None:
+    """Tool results of one user turn (a run of user and tool messages) in the order of the latest assistant
+    turn's calls, by tool_call_id (unknown ids first, as the model card's encoder orders them)."""
+    order: dict[str, int] = {}
+    i = 0
+    while i < len(msgs):
+        m = msgs[i]
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            order = {c["id"]: j for j, c in enumerate(m["tool_calls"]) if c["id"]}
+        if m["role"] not in ("user", "tool"):
+            i += 1
+            continue
+        j = i
+        while j < len(msgs) and msgs[j]["role"] in ("user", "tool"):
+            j += 1
+        slots = [k for k in range(i, j) if msgs[k]["role"] == "tool"]
+        ordered = sorted((msgs[k] for k in slots), key=lambda t: order.get(t.get("tool_call_id") or "", 0))
+        for k, t in zip(slots, ordered):
+            msgs[k] = t
+        i = j
 
 
 def _refuse_unsupported(body: _Common, chat: bool) -> None:
@@ -556,9 +687,9 @@ def _refuse_unsupported(body: _Common, chat: bool) -> None:
                             f"{body.response_format.get('type')!r}", "response_format")
     if not chat:
         return
-    if body.tools and body.tool_choice != "none":
-        raise APIError(400, "tools: tool calling is not supported by this server (send tool_choice 'none', or no "
-                            "tools)", "tools")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice: only 'auto' and 'none' (forcing a call needs constrained decoding, "
+                            f"which this server does not do); got {body.tool_choice!r}", "tool_choice")
     for name in ("functions", "function_call"):
         if getattr(body, name):
             raise APIError(400, f"{name}: function calling is not supported by this server", name)
@@ -600,7 +731,7 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestS
 
 
 async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None,
-               reasoning: _ReasoningSplit | None = None):
+               reasoning: _ReasoningSplit | None = None, tools: _ToolCallSplit | None = None):
     spec = _sampling(st, body, ids, chat)
     try:
         h = st.engine.submit(spec)
@@ -608,7 +739,7 @@ async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, e
         raise APIError(503, f"{e}; retry later", type_="server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    out = _Output(st, body, h, rid, chat, echo_text, reasoning)
+    out = _Output(st, body, h, rid, chat, echo_text, reasoning, tools)
     stream = st.engine.stream(h)
     watch = asyncio.create_task(_watch_disconnect(request, st.engine, h))
     try:
@@ -674,9 +805,10 @@ class _Output:
     """Builds one request's response (or its stream chunks) from its StepOutputs."""
 
     def __init__(self, st: _State, body, h: Handle, rid: str, chat: bool, echo_text: str | None,
-                 reasoning: _ReasoningSplit | None = None):
+                 reasoning: _ReasoningSplit | None = None, tools: _ToolCallSplit | None = None):
         self.st, self.body, self.h, self.id, self.chat = st, body, h, rid, chat
         self.split = reasoning  # chat with a reasoning parser: the text goes to reasoning_content and content
+        self.tools = tools  # chat with tools: the answer's DSML block goes to tool_calls
         self.model, self.created = st.cfg.model_name, int(time.time())
         self.detok = _Detokenizer(st.sess.tokenizer, list(h.spec.stop)) if st.sess.tokenizer is not None else None
         self.echo = echo_text
@@ -688,10 +820,14 @@ class _Output:
 
     def _delta(self, o) -> tuple[str, str]:
         """The step's new text -> (reasoning, the rest); reasoning is "" without a reasoning parser."""
-        text = "" if self.detok is None else self.detok.push(o.tokens, o.finish_reason is not None)
-        if self.split is None:
-            return "", text
-        return self.split.push(text, o.finish_reason is not None)
+        final = o.finish_reason is not None
+        text = "" if self.detok is None else self.detok.push(o.tokens, final)
+        reasoning = ""
+        if self.split is not None:
+            reasoning, text = self.split.push(text, final)
+        if self.tools is not None:
+            text = self.tools.push(text, final)
+        return reasoning, text
 
     def add(self, o) -> None:
         self.tokens += o.tokens
@@ -706,7 +842,11 @@ class _Output:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def _finish_reason(self) -> str | None:
-        return None if self.finish is None else ("length" if self.finish == "length" else "stop")
+        if self.finish is None:
+            return None
+        if self.tools is not None and self.tools.calls:
+            return "tool_calls"
+        return "length" if self.finish == "length" else "stop"
 
     def _choice(self, text: str, tokens: list[int], lps: list, finish: str | None, stream: bool,
                 reasoning: str = "") -> dict:
@@ -716,6 +856,10 @@ class _Output:
                 {"content": text}
             if self.split is not None and (reasoning or not stream):  # a message always says, a delta when some
                 msg["reasoning_content"] = reasoning or None
+            if self.tools is not None and self.tools.calls and finish is not None:  # parsed at the end
+                msg["tool_calls"] = [{"index": j, **c} if stream else c for j, c in enumerate(self.tools.calls)]
+                if not stream and not text:
+                    msg["content"] = None
             c = {"index": 0, key: msg, "logprobs": self._chat_logprobs(tokens, lps), "finish_reason": finish}
         else:
             c = {"index": 0, "text": text, "logprobs": self._completion_logprobs(tokens, lps), "finish_reason": finish}
@@ -817,6 +961,7 @@ def _ready(st: _State, sess) -> None:
         sess.generate([warm], max_new_tokens=4, mtp=st.mtp["k"])  # captures verify / mtp
     st.chat, st.chat_missing = _chat_template(cfg.artifact, sess)
     st.reasoning = reasoning_parser_for(cfg.reasoning_parser, load_chat_template(cfg.artifact))
+    st.tool_parser = tool_parser_for(load_chat_template(cfg.artifact))
     st.metrics = Metrics(cfg.model_name, sess.max_batch)
     st.engine = Engine(sess, cfg.max_waiting, st.metrics)
     st.metrics.watch(st.engine)

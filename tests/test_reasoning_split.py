@@ -53,3 +53,34 @@ def test_auto_is_deepseek_where_the_template_closes_think():
     assert reasoning_parser_for("deepseek", None) == "deepseek" and reasoning_parser_for("none", "</think>") == "none"
     with pytest.raises(ValueError, match="reasoning_parser: expected one of auto, deepseek, none"):
         reasoning_parser_for("r1", None)
+
+
+DS = "｜DSML｜"
+CALLS = (f'\n\n<{DS}tool_calls>\n<{DS}invoke name="f">\n<{DS}parameter name="a" string="true">x\n\ny</{DS}parameter>\n'
+         f'</{DS}invoke>\n</{DS}tool_calls>')
+TOOL_CASES = [  # (answer text, content, calls as (name, arguments))
+    ("Let me check." + CALLS, "Let me check.", [("f", {"a": "x\n\ny"})]),
+    (CALLS.lstrip("\n"), CALLS.lstrip("\n"), []),  # no blank line before it: not a call block
+    ("Text only.\n\n", "Text only.\n\n", []),  # a tail that could have started a block
+    ("Cut" + CALLS[:40], "Cut" + CALLS[:40], []),  # cut short: what the model wrote, as text
+]
+
+
+@pytest.mark.parametrize("text,content,calls", TOOL_CASES)
+def test_tool_call_split_is_the_same_for_every_way_the_text_arrives(text, content, calls):
+    """The server's DSML splitter (`_ToolCallSplit`): the content streams out before the block, held back only
+    while it could still be the block's start; the calls are parsed at the end; a block that does not parse
+    comes back as text. Whole, one character at a time, and cut at every point: the same result."""
+    import json
+
+    from dsv4c.runtime.serve import _ToolCallSplit
+
+    for pieces in [[text], list(text)] + [_pieces(text, [i]) for i in range(1, len(text))]:
+        split, got = _ToolCallSplit(), ""
+        for i, p in enumerate(pieces):
+            got += split.push(p, final=i == len(pieces) - 1)
+        assert got == content, pieces
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in split.calls] == calls
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in split.calls)
+    split = _ToolCallSplit()
+    assert split.push("Hi\n\n<", final=False) == "Hi"  # held: could be the block's start

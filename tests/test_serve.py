@@ -266,6 +266,7 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
         ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "/v1/chat/completions", KEY, 400,
          "tools"),
         ({**chat, "functions": [{"name": "f"}]}, "/v1/chat/completions", KEY, 400, "functions"),
+        ({**chat, "tool_choice": "required"}, "/v1/chat/completions", KEY, 400, "tool_choice"),  # constrained decoding
     ]
     for body, path, key, status, param in cases:
         r = _post(url, body, key, path)
@@ -511,6 +512,87 @@ def test_the_builtin_deepseek_v4_template_gets_every_message_field(sess, art, tm
     bos, eos = sess.tokenizer.id_to_token(sess.config.bos_token_id), sess.tokenizer.id_to_token(sess.config.eos_token_id)
     want = f"{bos}<｜User｜>Sort a list.<｜Assistant｜><think>Use sorted.</think>def f({eos}"
     assert got["prompt_token_ids"] == _chat_ids(sess, want)
+
+
+def test_tool_calls_through_the_openai_client(tmp_path, monkeypatch):
+    """Served with dsv4c's DeepSeek-V4 template: tools, a past call and its result reach the prompt as the
+    template writes them, and a completion that ends in a DSML block comes back as OpenAI tool_calls (finish
+    "tool_calls"), whole and streamed (the text before the block as it comes, the calls in one delta). The
+    bundled model never writes DSML, so each completion's tokens are replaced where they are pushed
+    (`Session._push`) by a script's; the engine, detokenizer, parser and server are the real ones. With
+    tool_choice "none" the tools stay out of the prompt and the block stays text; bad tools and call
+    arguments get 400 naming the field."""
+    from cut_presets import bundle_cut
+
+    from dsv4c.chat_templates import DEEPSEEK_V4, DSML, TOOLS_HEAD, TOOLS_TAIL
+    from dsv4c.runtime.serve import ServeConfig, create_app
+
+    # the tools section alone is ~750 of this tokenizer's tokens: a one-layer cut with room for it
+    compile_checkpoint(bundle_cut(tmp_path / "ckpt", 1), tmp_path / "art", target="cpu", max_tokens=1024, max_batch=2)
+    sess = Session.load(tmp_path / "art")
+    (tmp_path / "chat_template.jinja").write_text(DEEPSEEK_V4)
+    (tmp_path / "tokenizer.json").write_bytes((tmp_path / "art" / "tokenizer.json").read_bytes())
+    fn = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}
+    tools = [{"type": "function", "function": fn}]
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "b", "content": "hot"}, {"role": "tool", "tool_call_id": "a", "content": "cold"},
+            {"role": "user", "content": "And Paris?"}]
+    block = (f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" string="true">'
+             f'Paris</{DSML}parameter>\n<{DSML}parameter name="days" string="false">2</{DSML}parameter>\n</{DSML}invoke>'
+             f'\n</{DSML}tool_calls>')
+    script = _chat_ids(sess, "Checking." + block) + [sess.config.eos_token_id]
+    app = create_app(ServeConfig(tmp_path, served_model_name=MODEL, mtp=0), session=sess)
+    push = Session._push
+
+    def scripted(self, r, tok):
+        yield from push(self, r, script[len(r.out)] if len(r.out) < len(script) else tok)
+
+    monkeypatch.setattr(Session, "_push", scripted)
+    body = {"model": MODEL, "messages": msgs, "tools": tools, "max_tokens": len(script) + 4, "temperature": 0}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="-", http_client=c)
+            whole = await client.chat.completions.create(**body, extra_body={"return_token_ids": True})
+            chunks = [ch async for ch in await client.chat.completions.create(**body, stream=True)]
+            none = (await c.post("/v1/chat/completions", json={**body, "tool_choice": "none",
+                                                                "return_token_ids": True})).json()
+            bad = [await c.post("/v1/chat/completions", json=b) for b in (
+                {**body, "tools": [{"type": "function", "function": {"description": "no name"}}]},
+                {**body, "messages": [msgs[0], {**msgs[1], "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, msgs[2]]})]
+            return whole, chunks, none, bad
+
+    try:
+        whole, chunks, none, bad = asyncio.run(go())
+    finally:
+        app.state.dsv4c.engine.stop()
+    bos, eos = sess.tokenizer.id_to_token(sess.config.bos_token_id), sess.tokenizer.id_to_token(sess.config.eos_token_id)
+    past = (f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" string="true">'
+            f'Oslo</{DSML}parameter>\n</{DSML}invoke>\n<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city" '
+            f'string="true">Rome</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>')
+    turns = (f"<｜User｜>Weather?<｜Assistant｜></think>{past}{eos}<｜User｜><tool_result>cold</tool_result>\n\n"
+             f"<tool_result>hot</tool_result>\n\nAnd Paris?<｜Assistant｜></think>")  # results in call order
+    section = TOOLS_HEAD + json.dumps(fn) + TOOLS_TAIL
+    c = whole.choices[0]
+    assert c.prompt_token_ids == _chat_ids(sess, bos + "\n\n" + section + turns)
+    assert c.finish_reason == "tool_calls" and c.message.content == "Checking." and c.token_ids == script
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Checking."
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+        [(0, "get_weather", {"city": "Paris", "days": 2})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    n = none["choices"][0]
+    assert n["prompt_token_ids"] == _chat_ids(sess, bos + turns) and n["finish_reason"] == "stop"
+    assert n["message"]["content"] == "Checking." + block and "tool_calls" not in n["message"]
+    assert [(r.status_code, r.json()["error"]["param"]) for r in bad] == [(400, "tools[0]"), (400, "messages")]
 
 
 def _metrics_text(st) -> str:
