@@ -503,7 +503,7 @@ def test_gpu_pipelined_rounds_equal_the_host_round_and_plain_decode(h200, monkey
     spec = speculator(sess)
     launches = []
     launch = sp._Pipeline.launch
-    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st: launches.append(1) or launch(self, st))
+    monkeypatch.setattr(sp._Pipeline, "launch", lambda self, st, **kw: launches.append(1) or launch(self, st, **kw))
     plain = [r.tokens for r in sess.generate(ps, max_new_tokens=48)]
     for k in (1, 2, 3):
         runs = {}
