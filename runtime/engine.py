@@ -43,6 +43,9 @@ class RequestSpec:
     seed: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class QueueFull(RuntimeError):
@@ -198,7 +201,10 @@ class Engine:
             try:
                 h.session_id = self.sess.add_request(list(s.prompt_ids), max_new_tokens=s.max_tokens,
                                                      temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                     seed=s.seed, stop=list(s.stop), logprobs=s.logprobs)
+                                                     seed=s.seed, stop=list(s.stop), logprobs=s.logprobs,
+                                                     presence_penalty=s.presence_penalty,
+                                                     frequency_penalty=s.frequency_penalty,
+                                                     repetition_penalty=s.repetition_penalty)
             except ValueError as e:  # the server checks first; this is the session's word on it
                 self._unwait(h)
                 self._finish(h, "error", None, RequestFailed(str(e), status=400))

@@ -6,7 +6,13 @@ logits of position n is `sample_rows(logits, rp, u)` with u = `counter_uniforms(
 function of the request's seed and the position (`sample_at` on the host, `DecodeSampler` on the device,
 one table of uniforms every `DecodeSampler.TABLE` steps). So a seeded request gets the same tokens
 whichever batch it shares, whether its steps are pipelined or read one at a time. (Before, plain
-decoding drew with `torch.multinomial` from a per-request CPU generator: other tokens for the same seed.)"""
+decoding drew with `torch.multinomial` from a per-request CPU generator: other tokens for the same seed.)
+
+Penalties (plain decoding only) change the logits before any of that, greedy rows included, in this order:
+repetition (a token of the prompt or the output so far: a positive logit divided by r, a negative one multiplied
+by r; CTRL's rule, as Hugging Face and vLLM have it), then frequency and presence (OpenAI's: minus f x the
+token's count in the output so far, minus p when that count is > 0). `penalize` is the rule on the host;
+`PenaltyState` keeps every cache slot's counts on the device so `DecodeSampler` applies it without the host."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +25,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    presence_penalty: float = 0.0  # -2..2 (module docstring)
+    frequency_penalty: float = 0.0  # -2..2
+    repetition_penalty: float = 1.0  # > 0; 1 = off
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -27,6 +36,59 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def penalize(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
+    """The penalties' rule (module docstring) on the host: logits [V] of the position after `out` -> fp32 [V]."""
+    x = logits.float().clone()
+    if not p.penalized:
+        return x
+    V = x.shape[-1]
+    counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V).float()
+    if p.repetition_penalty != 1:
+        seen = counts > 0
+        seen[torch.tensor(prompt, dtype=torch.int64)] = True
+        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+class PenaltyState:
+    """Every cache slot's output-token counts and prompt tokens on the device, for the penalties of plain
+    decoding (`DecodeSampler`): filled at admission (`admit`, host lists), counted by each decode step on the
+    device (`count`), read as `penalize` reads its lists (`apply`). Made when the first penalized request comes."""
+
+    def __init__(self, slots: int, V: int, device):
+        self.counts = torch.zeros(slots, V, dtype=torch.int32, device=device)  # output tokens so far
+        self.prompt = torch.zeros(slots, V, dtype=torch.bool, device=device)  # tokens of the prompt
+
+    def admit(self, slot: int, prompt: list[int], out: list[int]) -> None:
+        dev, V = self.counts.device, self.counts.shape[1]
+        self.counts[slot] = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V).to(dev, torch.int32)
+        self.prompt[slot] = False
+        self.prompt[slot, torch.tensor(prompt, dtype=torch.int64).to(dev)] = True
+
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """tokens [B] chosen for rows in (distinct) `slots` [B]: one more of each."""
+        self.counts[slots, tokens] += 1
+
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+              repetition: torch.Tensor) -> torch.Tensor:
+        """`penalize` for rows of logits [B, V] in `slots` [B], with per-row penalties [B] (0, 0, 1: unchanged)."""
+        x = logits.float()
+        counts = self.counts[slots].float()
+        seen = (counts > 0) | self.prompt[slots]
+        r = repetition[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        return x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -200,15 +262,30 @@ class DecodeSampler:
 
     TABLE = 64
 
-    def __init__(self, params: list[SamplingParams], seeds: list[int], device):
+    def __init__(self, params: list[SamplingParams], seeds: list[int], device, slots: list[int] | None = None,
+                 penalty: PenaltyState | None = None):
         self.device = torch.device(device)
         self.rp = RowParams.of(params, self.device)
         self.seeds = _to(torch.tensor(seeds, dtype=torch.int64), self.device)
         self.base: list[int] | None = None  # the positions of the table's column 0
         self.table: torch.Tensor | None = None  # [B, TABLE] fp64
+        self.penalty = None  # (state, slots [B], presence, frequency, repetition [B]) when a row is penalized
+        if any(p.penalized for p in params):
+            if penalty is None or slots is None:
+                raise ValueError("DecodeSampler: penalized rows need the session's PenaltyState and their slots")
+            pen = [torch.tensor([getattr(p, k) for p in params], dtype=torch.float32)
+                   for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
+            self.penalty = (penalty, _to(torch.tensor(slots, dtype=torch.int64), self.device),
+                            *(_to(t, self.device) for t in pen))
 
     def tokens(self, logits: torch.Tensor, pos: list[int]) -> torch.Tensor:
-        """logits [B, V] of positions `pos` (host ints) -> tokens [B] int64 on the device."""
+        """logits [B, V] of positions `pos` (host ints) -> tokens [B] int64 on the device (penalized rows:
+        their counts take the tokens)."""
+        if self.penalty is not None:
+            state, slots, *pen = self.penalty
+            tok = sample_rows(state.apply(logits, slots, *pen), self.rp, None if self.rp.all_greedy else self.uniforms(pos))
+            state.count(slots, tok)
+            return tok
         if self.rp.all_greedy:
             return logits.float().argmax(-1)
         return sample_rows(logits, self.rp, self.uniforms(pos))

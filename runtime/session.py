@@ -42,7 +42,7 @@ from dsv4c.runtime.distributed import attach, rank_view
 from dsv4c.runtime.kv_cache import allocate, cache_layout, fill_value
 from dsv4c.runtime.block_pool import BlockPool, PagedCacheError, paged_bytes, paged_names
 from dsv4c.runtime.prefix_cache import PrefixCacheConfig, prefix_cache_for
-from dsv4c.runtime.sampling import DecodeSampler, SamplingParams, sample_at
+from dsv4c.runtime.sampling import DecodeSampler, PenaltyState, SamplingParams, penalize, sample_at
 
 
 @dataclass
@@ -173,6 +173,7 @@ class Session:
         # True: decode steps run one at a time with every row's logits on the host (`_emit`), as for requests
         # that ask for log-probabilities (tests record the rows); the tokens are the same
         self.host_steps = False
+        self.penalty_state: PenaltyState | None = None  # the slots' penalty counts (`_penalties`)
 
     # ---- loading ----------------------------------------------------------------------------------
     @classmethod
@@ -487,12 +488,13 @@ class Session:
             return bos + self.tokenizer.encode(prompt).ids
         return [int(t) for t in prompt]
 
-    def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[_Request]:
+    def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop,
+                  penalties: dict | None = None) -> list[_Request]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
         if isinstance(prompts, str):
             prompts = [prompts]  # one prompt, not one per character
-        params = SamplingParams(temperature, top_p, top_k)
+        params = SamplingParams(temperature, top_p, top_k, **(penalties or {}))
         stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
         stop_strs = []
         for s in stop or []:
@@ -508,19 +510,23 @@ class Session:
 
     @torch.no_grad()
     def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> Iterator[tuple[int, int]]:
-        """Yield (request index, token) as tokens are produced, with continuous batching. `mtp`: see generate."""
-        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
+               top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0,
+               **penalties) -> Iterator[tuple[int, int]]:
+        """Yield (request index, token) as tokens are produced, with continuous batching. `mtp`, `penalties`:
+        see generate."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
         yield from self._serve(reqs, mtp)
 
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0) -> list[GenerationResult]:
+                 top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0,
+                 **penalties) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
         `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
         output equals plain greedy, sampling keeps its distribution); "auto" picks k from calibrated costs
         and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`).
-        Needs an artifact compiled with --mtp K."""
-        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop)
+        Needs an artifact compiled with --mtp K. `penalties`: presence_penalty, frequency_penalty,
+        repetition_penalty (runtime/sampling.py; plain decoding only)."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
         for _ in self._serve(reqs, mtp):
             pass
         return [self._result(r) for r in reqs]
@@ -531,6 +537,9 @@ class Session:
         if self._live is not None and self._live.busy():
             raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
                                "this session's cache slots; finish or abort them first")
+        if mtp and any(r.params.penalized for r in reqs):
+            raise ValueError(f"{_penalty_field(reqs[0].params)}: penalties are applied by plain decoding only, not "
+                             f"in MTP speculative decoding (mtp=0)")
         sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
         sched.on_decode = on_decode
         sched.waiting.extend(reqs)
@@ -581,16 +590,20 @@ class Session:
         return {"k": k, "policy": policy}
 
     def add_request(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                    top_k: int = 0, seed: int = 0, stop=None, logprobs: int | None = None) -> int:
+                    top_k: int = 0, seed: int = 0, stop=None, logprobs: int | None = None, **penalties) -> int:
         """Queue one request (text or token ids) for `step`; returns its id. Checked at once (ValueError
         naming the field); the sampling generator is seeded with `seed` (generate's request i: seed + i).
-        `logprobs`: report each token's log-probability (log-softmax of the logits) and its top-n."""
+        `logprobs`: report each token's log-probability (log-softmax of the logits, before penalties) and its
+        top-n. `penalties`: as generate's (plain decoding only)."""
         live = self._live if self._live is not None else self._new_live()
         # (auto decoding plain does not re-plan while such a request waits: _Scheduler.iterate)
         if logprobs is not None and (logprobs < 0 or live.spec is not None):
             raise ValueError("logprobs: must be >= 0" if logprobs < 0 else
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
-        (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop)
+        (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
+        if r.params.penalized and live.spec is not None:
+            raise ValueError(f"{_penalty_field(r.params)}: penalties are applied by plain decoding only, not in MTP "
+                             f"speculative decoding (set_mtp(0))")
         r.index, r.logprobs = live.next_id, logprobs
         live.next_id += 1
         live.waiting.append(r)
@@ -662,14 +675,24 @@ class Session:
         return _Inflight(slots, sampler.tokens(logits, pos)[:, None])      # [B, 1] int64
 
     def _sampler(self, reqs: list[_Request]) -> DecodeSampler:
-        return DecodeSampler([r.params for r in reqs], [_seed(r) for r in reqs], self.device)
+        penalized = any(r.params.penalized for r in reqs)
+        return DecodeSampler([r.params for r in reqs], [_seed(r) for r in reqs], self.device,
+                             slots=[r.slot for r in reqs] if penalized else None,
+                             penalty=self._penalties() if penalized else None)
+
+    def _penalties(self) -> PenaltyState:
+        """The slots' penalty counts (runtime/sampling.py), made when the first penalized request comes."""
+        if self.penalty_state is None:
+            self.penalty_state = PenaltyState(self.cache_slots, self.config.vocab_size, self.device)
+        return self.penalty_state
 
     def _emit(self, r: _Request, logits: torch.Tensor, tok: int | None = None) -> Iterator[tuple[int, int]]:
         """Push one token chosen from r's logits row [V] (sampled here at the row's position unless `tok`
-        is given), with its log-probabilities when r asks for them."""
+        is given, after r's penalties), with its log-probabilities when r asks for them."""
         logits = logits.float().cpu()
         if tok is None:  # the row of position len(ids) + len(out) - 1
-            tok = sample_at(logits, r.params, _seed(r), len(r.ids) + len(r.out) - 1)
+            chosen = penalize(logits, r.ids, r.out, r.params) if r.params.penalized else logits
+            tok = sample_at(chosen, r.params, _seed(r), len(r.ids) + len(r.out) - 1)
         if r.logprobs is not None:
             lsm = logits.log_softmax(-1)
             top = lsm.topk(r.logprobs) if r.logprobs else None
@@ -748,7 +771,7 @@ class _Scheduler:
 
     def iterate(self) -> Iterator[tuple[int, int]]:
         if (self.replan_reqs is not None and self.spec is None and not self.active and self.inflight is None
-                and self.waiting and all(r.logprobs is None for r in self.waiting)):
+                and self.waiting and all(r.logprobs is None and not r.params.penalized for r in self.waiting)):
             self._replan()
         if self.spec is not None:
             self.spec.auto = self.auto  # the Speculator is the session's; this scheduler's auto run steers it
@@ -850,6 +873,8 @@ class _Scheduler:
             f.outs = []
             if not r.preempted:  # a resumed request has its next token already
                 yield from sess._emit(r, logits)
+            if r.params.penalized:  # decode steps count its tokens on the device from here
+                sess._penalties().admit(r.slot, r.ids, r.out)
             if self.make_stats is not None and r.spec is None:
                 r.spec = self.make_stats()
             if spec is not None and r.finish is None:
@@ -984,6 +1009,12 @@ class _Scheduler:
     def forget_finished(self) -> None:
         for i in [i for i, r in self.by_id.items() if r.finish is not None]:
             del self.by_id[i]
+
+
+def _penalty_field(p: SamplingParams) -> str:
+    """The name of the first penalty `p` sets (for errors)."""
+    return next(k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
+                if getattr(p, k) != off)
 
 
 def _seed(r: _Request) -> int:
