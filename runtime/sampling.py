@@ -1,5 +1,7 @@
-"""Token sampling: temperature, then top-k and top-p, then renormalisation (speculative_decoding.md §3.2
-defines acceptance on exactly this processed distribution).
+"""Token sampling: temperature, then top-k and top-p, then min-p, then renormalisation (speculative_decoding.md
+§3.2 defines acceptance on exactly this processed distribution). min-p keeps the tokens whose probability is
+at least min_p times the most likely one's; that ratio does not change under renormalisation, so it is the
+same test on the temperature's distribution, restricted to what top-k and top-p kept.
 
 The RNG contract of plain decoding (`Session`, k = 0): the token x_{n+1} that a request samples from the
 logits of position n is `sample_rows(logits, rp, u)` with u = `counter_uniforms(seed, n, 1)[:, 0]`, a pure
@@ -28,6 +30,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # -2..2 (module docstring)
     frequency_penalty: float = 0.0  # -2..2
     repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_p: float = 0.0  # 0..1; 0 = off
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -41,6 +44,8 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +110,8 @@ def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p, order = probs.sort(-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # keep the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    if p.min_p:
+        probs = torch.where(probs >= p.min_p * probs.amax(-1, keepdim=True), probs, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
 
@@ -131,15 +138,19 @@ class RowParams:
     all_greedy: bool
     any_greedy: bool = False
     divisor: torch.Tensor | None = None  # [B] fp32: the temperature, 1 on greedy rows
+    min_p: torch.Tensor | None = None  # [B] fp32, 0 = off (read only when any_min_p)
+    any_min_p: bool = False
 
     @classmethod
     def of(cls, params: list[SamplingParams], device) -> "RowParams":
         t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
         tp = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        mp = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         div = torch.where(t == 0, 1.0, t)
         return cls(_to(t, device), _to(k, device), _to(tp, device), bool(k.any()), bool((tp < 1).any()),
-                   bool((t == 0).all()), bool((t == 0).any()), _to(div, device))
+                   bool((t == 0).all()), bool((t == 0).any()), _to(div, device), _to(mp, device),
+                   bool((mp > 0).any()))
 
 
 def _to(x: torch.Tensor, device) -> torch.Tensor:
@@ -177,8 +188,15 @@ def processed_probs_rows(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
         sorted_p, order = probs.sort(-1, descending=True)
         keep = (sorted_p.cumsum(-1) - sorted_p < rp.top_p.view(view)) | (rp.top_p >= 1).view(view)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    if rp.any_min_p:
+        probs = _min_p(probs, rp.min_p.view(view))
     probs = probs / probs.sum(-1, keepdim=True)
     return torch.where(greedy, onehot, probs)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens below min_p x the row's largest probability (min_p 0: none)."""
+    return torch.where(probs >= min_p * probs.amax(-1, keepdim=True), probs, 0.0)
 
 
 _M32 = 0xFFFFFFFF
@@ -238,6 +256,8 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, u: torch.Tensor) -> torch.T
         sorted_p, order = probs.sort(-1, descending=True)
         keep = (sorted_p.cumsum(-1) - sorted_p < rp.top_p[:, None]) | (rp.top_p >= 1)[:, None]
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    if rp.any_min_p:
+        probs = _min_p(probs, rp.min_p[:, None])
     tok = draw_rows(probs, u)
     if rp.any_greedy:
         tok = torch.where(rp.temperature == 0, logits.argmax(-1), tok)

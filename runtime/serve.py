@@ -116,12 +116,12 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     return_token_ids: bool = False
     user: str | None = None
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # vLLM's extension (runtime/sampling.py)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # vLLM's extensions (runtime/sampling.py)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     # known fields this server cannot honour: refused unless at their no-op value (`_refuse_unsupported`),
     # never ignored, since each changes what the model is asked for or how its tokens are chosen
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
-    min_p: float = 0.0
 
 
 class CompletionRequest(_Common):
@@ -676,8 +676,6 @@ def _refuse_unsupported(body: _Common, chat: bool) -> None:
     """400 naming the first field set to something this server does not do."""
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported (got {body.n}); send concurrent requests instead", "n")
-    if body.min_p != 0.0:
-        raise APIError(400, "min_p: not supported (only 0)", "min_p")
     if body.logit_bias:
         raise APIError(400, "logit_bias: not supported", "logit_bias")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -729,7 +727,8 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestS
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     return RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
-                       tuple(stop), lp, body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
+                       tuple(stop), lp, body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
+                       body.min_p)
 
 
 async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None,

@@ -489,12 +489,12 @@ class Session:
         return [int(t) for t in prompt]
 
     def _requests(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop,
-                  penalties: dict | None = None) -> list[_Request]:
+                  sampling: dict | None = None) -> list[_Request]:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
         if isinstance(prompts, str):
             prompts = [prompts]  # one prompt, not one per character
-        params = SamplingParams(temperature, top_p, top_k, **(penalties or {}))
+        params = SamplingParams(temperature, top_p, top_k, **(sampling or {}))
         stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
         stop_strs = []
         for s in stop or []:
@@ -511,22 +511,22 @@ class Session:
     @torch.no_grad()
     def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0,
-               **penalties) -> Iterator[tuple[int, int]]:
-        """Yield (request index, token) as tokens are produced, with continuous batching. `mtp`, `penalties`:
+               **sampling) -> Iterator[tuple[int, int]]:
+        """Yield (request index, token) as tokens are produced, with continuous batching. `mtp`, `sampling`:
         see generate."""
-        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, sampling)
         yield from self._serve(reqs, mtp)
 
     def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop=None, mtp: int | str = 0,
-                 **penalties) -> list[GenerationResult]:
+                 **sampling) -> list[GenerationResult]:
         """Generate for a batch of prompts (strings or token-id lists); one result per prompt.
         `mtp`: 0 plain decoding; k = 1..K MTP speculative decoding with k drafts per round (exact: greedy
         output equals plain greedy, sampling keeps its distribution); "auto" picks k from calibrated costs
         and the acceptance it observes, and re-chooses while running (runtime/speculative.py `AutoRun`).
-        Needs an artifact compiled with --mtp K. `penalties`: presence_penalty, frequency_penalty,
-        repetition_penalty (runtime/sampling.py; plain decoding only)."""
-        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
+        Needs an artifact compiled with --mtp K. `sampling`: more SamplingParams fields (runtime/sampling.py):
+        min_p, and presence_penalty, frequency_penalty, repetition_penalty (plain decoding only)."""
+        reqs = self._requests(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop, sampling)
         for _ in self._serve(reqs, mtp):
             pass
         return [self._result(r) for r in reqs]
@@ -590,17 +590,17 @@ class Session:
         return {"k": k, "policy": policy}
 
     def add_request(self, prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                    top_k: int = 0, seed: int = 0, stop=None, logprobs: int | None = None, **penalties) -> int:
+                    top_k: int = 0, seed: int = 0, stop=None, logprobs: int | None = None, **sampling) -> int:
         """Queue one request (text or token ids) for `step`; returns its id. Checked at once (ValueError
         naming the field); the sampling generator is seeded with `seed` (generate's request i: seed + i).
         `logprobs`: report each token's log-probability (log-softmax of the logits, before penalties) and its
-        top-n. `penalties`: as generate's (plain decoding only)."""
+        top-n. `sampling`: as generate's (penalties: plain decoding only)."""
         live = self._live if self._live is not None else self._new_live()
         # (auto decoding plain does not re-plan while such a request waits: _Scheduler.iterate)
         if logprobs is not None and (logprobs < 0 or live.spec is not None):
             raise ValueError("logprobs: must be >= 0" if logprobs < 0 else
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
-        (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, penalties)
+        (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, sampling)
         if r.params.penalized and live.spec is not None:
             raise ValueError(f"{_penalty_field(r.params)}: penalties are applied by plain decoding only, not in MTP "
                              f"speculative decoding (set_mtp(0))")

@@ -950,6 +950,7 @@ class RoundGraphs:
         _pad_copy(rp.top_k, ctx.rp.top_k, 0)
         _pad_copy(rp.top_p, ctx.rp.top_p, 1.0)
         _pad_copy(rp.divisor, ctx.rp.divisor, 1.0)
+        _pad_copy(rp.min_p, ctx.rp.min_p, 0.0)
         forced = None
         if ctx.forced is not None:  # α too is a buffer (fp64, as the Python float it replaces): one graph for all α
             f, table, fseeds = ctx.forced
@@ -960,8 +961,9 @@ class RoundGraphs:
             _pad_copy(bf.forced[1], fseeds, 0)
             bf.forced[2].fill_(float(f.alpha))
             forced = (replace(f, alpha=bf.forced[2]), bf.forced[0], bf.forced[1])
-        flags = {k: getattr(ctx.rp, k) for k in ("any_top_k", "any_top_p", "all_greedy", "any_greedy")}
-        bf.ctx = _Ctx(c.slots, c.ones, None, RowParams(rp.temperature, rp.top_k, rp.top_p, divisor=rp.divisor, **flags),
+        flags = {k: getattr(ctx.rp, k) for k in ("any_top_k", "any_top_p", "all_greedy", "any_greedy", "any_min_p")}
+        bf.ctx = _Ctx(c.slots, c.ones, None, RowParams(rp.temperature, rp.top_k, rp.top_p, divisor=rp.divisor,
+                                                       min_p=rp.min_p, **flags),
                       c.seeds, forced)
         for t in (bf.state.last, bf.state.pos, bf.state.dlogits, bf.state.dz):
             t[B:].zero_()
@@ -973,7 +975,7 @@ class RoundGraphs:
         spec, dev = self.spec, self.spec.sess.device
         i64 = dict(dtype=torch.int64, device=dev)
         rp = RowParams(torch.zeros(b, device=dev), torch.zeros(b, **i64), torch.ones(b, device=dev), False, False,
-                       True, True, torch.ones(b, device=dev))
+                       True, True, torch.ones(b, device=dev), torch.zeros(b, device=dev))
         ctx = _Ctx(torch.zeros(b, **i64), torch.zeros(b, **i64), None, rp, torch.zeros(b, **i64), None)
         state = _DevState(torch.zeros(b, **i64), torch.zeros(b, **i64),
                           st.dlogits.new_zeros((b,) + tuple(st.dlogits.shape[1:])),
@@ -990,7 +992,7 @@ class RoundGraphs:
                                 (st.last, st.pos, st.dlogits, st.dz)):
                 dst.copy_(src)
         rp, f = bf.ctx.rp, bf.ctx.forced
-        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, f is not None, stash)
+        key = (bf.b, k, rp.all_greedy, rp.any_top_k, rp.any_top_p, rp.any_min_p, f is not None, stash)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(bf, k, stash)

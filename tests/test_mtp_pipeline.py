@@ -15,7 +15,7 @@ from dsv4c.runtime.speculative import ForcedDrafts, _accept_rows, accept_drafts,
 from test_speculative import BUNDLE, chi2_pvalue, eager_session, prompts
 
 PARAMS = [SamplingParams(0.0), SamplingParams(0.7), SamplingParams(1.0, top_k=3), SamplingParams(0.9, top_p=0.8),
-          SamplingParams(1.3, top_p=0.5, top_k=5)]
+          SamplingParams(1.3, top_p=0.5, top_k=5), SamplingParams(1.1, top_p=0.9, min_p=0.2)]
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,20 @@ def test_sample_rows_equal_the_per_row_rule_with_the_contract_uniforms():
     assert greedy.tokens(logits, [0, 0, 0]).tolist() == logits.argmax(-1).tolist() and greedy.table is None
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.8), SamplingParams(1.0, top_k=4), SamplingParams(1.2, top_p=0.7)])
+def test_min_p_keeps_the_tokens_within_its_ratio_of_the_most_likely():
+    """min_p after top-k / top-p: a token stays when its probability is >= min_p x the largest (the same ratio
+    before and after renormalising), then the rest is renormalised."""
+    logits = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
+    got = processed_probs(logits, SamplingParams(1.0, min_p=0.3))
+    want = torch.tensor([0.40, 0.25, 0.15, 0.0, 0.0, 0.0])  # >= 0.3 x 0.40 = 0.12
+    torch.testing.assert_close(got, want / want.sum())
+    got = processed_probs(logits, SamplingParams(1.0, top_k=2, min_p=0.7))
+    torch.testing.assert_close(got, torch.tensor([1.0, 0, 0, 0, 0, 0]))  # 0.25 < 0.7 x 0.40
+    assert torch.equal(processed_probs(logits, SamplingParams(1.0, min_p=0.0)), processed_probs(logits, SamplingParams(1.0)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.8), SamplingParams(1.0, top_k=4), SamplingParams(1.2, top_p=0.7),
+                                    SamplingParams(1.0, min_p=0.25)])
 def test_sample_rows_follow_the_processed_distribution(params):
     """20000 rows of one logits vector, each its own seed: token frequencies follow `processed_probs`."""
     n, V = 20000, 8

@@ -155,11 +155,14 @@ def test_completion_chat_and_stream_through_the_openai_client(url, sess):
     assert "".join(p.choices[0].delta.content or "" for p in parts) == want.text
 
     # penalties (plain decoding): the session's tokens for the same penalties; the openai client's own fields
-    for pen, extra in (({"presence_penalty": 2.0, "frequency_penalty": 2.0}, {}), ({}, {"repetition_penalty": 2.0})):
-        ref = sess.generate(["import os\n"], max_new_tokens=16, **pen, **extra)[0]
-        r = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0, **pen,
+    # and min_p (sampled: T = 1.5, seed 3)
+    for pen, extra, t in (({"presence_penalty": 2.0, "frequency_penalty": 2.0}, {}, 0.0),
+                          ({}, {"repetition_penalty": 2.0}, 0.0), ({}, {"min_p": 0.5}, 1.5)):
+        ref = sess.generate(["import os\n"], max_new_tokens=16, temperature=t, seed=3, **pen, **extra)[0]
+        r = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=t, seed=3, **pen,
                                  extra_body=extra)
-        assert r.choices[0].text == ref.text != sess.generate(["import os\n"], max_new_tokens=16)[0].text, pen
+        off = sess.generate(["import os\n"], max_new_tokens=16, temperature=t, seed=3)[0].text
+        assert r.choices[0].text == ref.text != off, (pen, extra)
 
     # a stop string ends the text before it (the tokens that made it were generated) and finishes with "stop"
     ref = sess.generate(["import os\n"], max_new_tokens=8)[0]
@@ -269,7 +272,7 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
         ({**ok, "logit_bias": {"5": 10.0}}, "/v1/completions", KEY, 400, "logit_bias"),
         ({**ok, "repetition_penalty": 0.0}, "/v1/completions", KEY, 400, "repetition_penalty"),
         ({**ok, "frequency_penalty": 2.5}, "/v1/completions", KEY, 400, "frequency_penalty"),
-        ({**ok, "min_p": 0.1}, "/v1/completions", KEY, 400, "min_p"),
+        ({**ok, "min_p": 1.5}, "/v1/completions", KEY, 400, "min_p"),
         ({**chat, "response_format": {"type": "json_object"}}, "/v1/chat/completions", KEY, 400, "response_format"),
         ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "/v1/chat/completions", KEY, 400,
          "tools"),
