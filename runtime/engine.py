@@ -47,6 +47,7 @@ class RequestSpec:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class QueueFull(RuntimeError):
@@ -205,7 +206,8 @@ class Engine:
                                                      seed=s.seed, stop=list(s.stop), logprobs=s.logprobs,
                                                      presence_penalty=s.presence_penalty,
                                                      frequency_penalty=s.frequency_penalty,
-                                                     repetition_penalty=s.repetition_penalty, min_p=s.min_p)
+                                                     repetition_penalty=s.repetition_penalty, min_p=s.min_p,
+                                                     logit_bias=s.logit_bias)
             except ValueError as e:  # the server checks first; this is the session's word on it
                 self._unwait(h)
                 self._finish(h, "error", None, RequestFailed(str(e), status=400))

@@ -11,7 +11,7 @@ whichever batch it shares, whether its steps are pipelined or read one at a time
 decoding drew with `torch.multinomial` from a per-request CPU generator: other tokens for the same seed.)
 
 Penalties (plain decoding only) change the logits before any of that, greedy rows included, in this order:
-repetition (a token of the prompt or the output so far: a positive logit divided by r, a negative one multiplied
+OpenAI's logit_bias (added to the listed tokens' logits), repetition (a token of the prompt or the output so far: a positive logit divided by r, a negative one multiplied
 by r; CTRL's rule, as Hugging Face and vLLM have it), then frequency and presence (OpenAI's: minus f x the
 token's count in the output so far, minus p when that count is > 0). `penalize` is the rule on the host;
 `PenaltyState` keeps every cache slot's counts on the device so `DecodeSampler` applies it without the host."""
@@ -31,6 +31,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # -2..2
     repetition_penalty: float = 1.0  # > 0; 1 = off
     min_p: float = 0.0  # 0..1; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a penalty (plain decoding)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -46,10 +47,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty: must be in (0, 2], got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        bad = [(t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100]
+        if bad:
+            raise ValueError(f"logit_bias: token ids >= 0 and biases in [-100, 100], got {bad[:3]}")
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        """Penalties or a logit bias: the logits change with the request's tokens or its own table."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 def penalize(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
@@ -58,6 +63,8 @@ def penalize(logits: torch.Tensor, prompt: list[int], out: list[int], p: Samplin
     if not p.penalized:
         return x
     V = x.shape[-1]
+    for t, b in p.logit_bias:
+        x[t] += b
     counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V).float()
     if p.repetition_penalty != 1:
         seen = counts > 0
@@ -86,9 +93,10 @@ class PenaltyState:
         self.counts[slots, tokens] += 1
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-              repetition: torch.Tensor) -> torch.Tensor:
-        """`penalize` for rows of logits [B, V] in `slots` [B], with per-row penalties [B] (0, 0, 1: unchanged)."""
-        x = logits.float()
+              repetition: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`penalize` for rows of logits [B, V] in `slots` [B], with per-row penalties [B] (0, 0, 1: unchanged)
+        and logit biases [B, V] (None: none)."""
+        x = logits.float() if bias is None else logits.float() + bias
         counts = self.counts[slots].float()
         seen = (counts > 0) | self.prompt[slots]
         r = repetition[:, None]
@@ -295,8 +303,15 @@ class DecodeSampler:
                 raise ValueError("DecodeSampler: penalized rows need the session's PenaltyState and their slots")
             pen = [torch.tensor([getattr(p, k) for p in params], dtype=torch.float32)
                    for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")]
+            bias = None
+            if any(p.logit_bias for p in params):  # dense [B, V]: one add per step
+                bias = torch.zeros(len(params), penalty.counts.shape[1])
+                for i, p in enumerate(params):
+                    for t, b in p.logit_bias:
+                        bias[i, t] += b
+                bias = _to(bias, self.device)
             self.penalty = (penalty, _to(torch.tensor(slots, dtype=torch.int64), self.device),
-                            *(_to(t, self.device) for t in pen))
+                            *(_to(t, self.device) for t in pen), bias)
 
     def tokens(self, logits: torch.Tensor, pos: list[int]) -> torch.Tensor:
         """logits [B, V] of positions `pos` (host ints) -> tokens [B] int64 on the device (penalized rows:

@@ -14,7 +14,9 @@ field this server cannot honour: `_refuse_unsupported`; unknown fields are ignor
 without the API key, 404 unknown model, 503 + Retry-After when the waiting queue is full or the model
 is still loading, 500 when the step running the request failed (the server keeps serving).
 
-Extensions: `top_k` (0 or -1: off) and `return_token_ids` (each choice carries `token_ids`, and
+Sampling: temperature, top_p, seed, stop, `presence_penalty`, `frequency_penalty`, `logit_bias` (penalties and biases
+are applied by plain decoding: refused while the server runs MTP, runtime/sampling.py).
+Extensions: `top_k` (0 or -1: off), `min_p`, `repetition_penalty` and `return_token_ids` (each choice carries `token_ids`, and
 `prompt_token_ids` in the response / first chunk), as vLLM has them; on chat completions
 `chat_template_kwargs` (extra variables of the chat template, e.g. `{"thinking": true}` for DeepSeek's
 thinking mode) and, with a reasoning parser (`--reasoning-parser`, on by default for templates that
@@ -118,9 +120,9 @@ class _Common(BaseModel):
     user: str | None = None
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)  # vLLM's extensions (runtime/sampling.py)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id (text) -> bias
     # known fields this server cannot honour: refused unless at their no-op value (`_refuse_unsupported`),
     # never ignored, since each changes what the model is asked for or how its tokens are chosen
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -621,6 +623,17 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
     return ids, text
 
 
+def _logit_bias(st: _State, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias {"token id": bias} -> ((id, bias), ...), ids checked against the vocabulary."""
+    V, out = st.sess.config.vocab_size, []
+    for key, b in bias.items():
+        if not key.isdigit() or int(key) >= V:
+            raise APIError(400, f"logit_bias: keys are token ids below the vocabulary size {V}, got {key!r}",
+                           "logit_bias")
+        out.append((int(key), float(b)))
+    return tuple(out)
+
+
 def _tools_on(body: ChatRequest) -> bool:
     """Tools go into the prompt and completions are parsed for calls (tool_choice "none": neither)."""
     return bool(body.tools) and body.tool_choice != "none"
@@ -676,8 +689,6 @@ def _refuse_unsupported(body: _Common, chat: bool) -> None:
     """400 naming the first field set to something this server does not do."""
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported (got {body.n}); send concurrent requests instead", "n")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias: not supported", "logit_bias")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, f"response_format: only type 'text' is supported (no constrained decoding), got "
                             f"{body.response_format.get('type')!r}", "response_format")
@@ -720,15 +731,17 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestS
     if lp is not None and st.mtp["k"]:
         raise APIError(400, f"logprobs: not available with MTP speculative decoding (this server runs k="
                             f"{st.mtp['k']}; serve with --mtp 0)", "logprobs")
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        if getattr(body, name) != off and st.mtp["k"]:
-            raise APIError(400, f"{name}: penalties are applied by plain decoding only, not in MTP speculative "
-                                f"decoding (this server runs k={st.mtp['k']}; serve with --mtp 0)", name)
+    bias = _logit_bias(st, body.logit_bias or {})
+    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                      ("logit_bias", None)):
+        if getattr(body, name) not in (off, {}) and st.mtp["k"]:
+            raise APIError(400, f"{name}: penalties and logit biases are applied by plain decoding only, not in MTP "
+                                f"speculative decoding (this server runs k={st.mtp['k']}; serve with --mtp 0)", name)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     return RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
                        tuple(stop), lp, body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
-                       body.min_p)
+                       body.min_p, bias)
 
 
 async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None,

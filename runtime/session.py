@@ -495,6 +495,10 @@ class Session:
         if isinstance(prompts, str):
             prompts = [prompts]  # one prompt, not one per character
         params = SamplingParams(temperature, top_p, top_k, **(sampling or {}))
+        big = [t for t, _ in params.logit_bias if t >= self.config.vocab_size]
+        if big:
+            raise ValueError(f"logit_bias: token ids {big[:5]} are outside the vocabulary (vocab_size="
+                             f"{self.config.vocab_size})")
         stop_ids = {self.config.eos_token_id} if self.config.eos_token_id is not None else set()
         stop_strs = []
         for s in stop or []:
@@ -538,8 +542,8 @@ class Session:
             raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
                                "this session's cache slots; finish or abort them first")
         if mtp and any(r.params.penalized for r in reqs):
-            raise ValueError(f"{_penalty_field(reqs[0].params)}: penalties are applied by plain decoding only, not "
-                             f"in MTP speculative decoding (mtp=0)")
+            raise ValueError(f"{_penalty_field(reqs[0].params)}: penalties and logit biases are applied by plain "
+                             f"decoding only, not in MTP speculative decoding (mtp=0)")
         sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
         sched.on_decode = on_decode
         sched.waiting.extend(reqs)
@@ -602,8 +606,8 @@ class Session:
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
         (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, sampling)
         if r.params.penalized and live.spec is not None:
-            raise ValueError(f"{_penalty_field(r.params)}: penalties are applied by plain decoding only, not in MTP "
-                             f"speculative decoding (set_mtp(0))")
+            raise ValueError(f"{_penalty_field(r.params)}: penalties and logit biases are applied by plain decoding "
+                             f"only, not in MTP speculative decoding (set_mtp(0))")
         r.index, r.logprobs = live.next_id, logprobs
         live.next_id += 1
         live.waiting.append(r)
@@ -1013,8 +1017,8 @@ class _Scheduler:
 
 def _penalty_field(p: SamplingParams) -> str:
     """The name of the first penalty `p` sets (for errors)."""
-    return next(k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1))
-                if getattr(p, k) != off)
+    return next(k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                                 ("logit_bias", ())) if getattr(p, k) != off)
 
 
 def _seed(r: _Request) -> int:

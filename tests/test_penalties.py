@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties (runtime/sampling.py): the host rule against its definition
+"""Presence, frequency and repetition penalties and logit biases (runtime/sampling.py): the host rule against its definition
 token by token, the device state against the host rule, and a Session's tokens (prefill's first token on the
 host, decode steps on the device, pipelined or one at a time) against the host rule applied to the logits each
 request sampled from. MTP refuses them, naming the field."""
@@ -12,11 +12,14 @@ from dsv4c.model import build_model, randomize_
 from dsv4c.runtime.sampling import PenaltyState, SamplingParams, penalize, sample_at
 from session_probe import eager_session, serve
 
-P = SamplingParams(0.8, presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3)
+P = SamplingParams(0.8, presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3,
+                   logit_bias=((3, 2.5), (7, -100.0)))
 
 
 def by_definition(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
     x = logits.float().clone()
+    for t, b in p.logit_bias:  # the bias first
+        x[t] += b
     for t in range(x.shape[0]):
         if t in prompt or t in out:  # repetition: the prompt's and the output's tokens
             x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
@@ -41,10 +44,14 @@ def test_the_host_rule_is_the_definition_and_the_device_state_is_the_host_rule()
         state.admit(s, prompt, out[:-1])
         if out:
             state.count(torch.tensor([s]), torch.tensor([out[-1]]))  # a decode step's token, counted on the device
-    params = [P, SamplingParams(0.0), P, SamplingParams(0.5, presence_penalty=2.0)]
+    params = [P, SamplingParams(0.0), P, SamplingParams(0.5, presence_penalty=2.0, logit_bias=((1, 4.0),))]
     pen = [torch.tensor([getattr(p, k) for p in params]) for k in ("presence_penalty", "frequency_penalty",
                                                                      "repetition_penalty")]
-    got = state.apply(torch.stack([r[0] for r in rows]), torch.tensor(slots), *pen)
+    bias = torch.zeros(len(params), V)
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            bias[i, t] += b
+    got = state.apply(torch.stack([r[0] for r in rows]), torch.tensor(slots), *pen, bias)
     for i, (p, (logits, prompt, out)) in enumerate(zip(params, rows)):
         torch.testing.assert_close(got[i], penalize(logits, prompt, out, p))
 
@@ -62,7 +69,7 @@ def test_session_tokens_follow_the_host_rule_pipelined_or_not(model, temperature
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     ps = [torch.randint(2, V, (n,), generator=g).tolist() for n in (7, 12, 3)]
-    kw = dict(presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3)
+    kw = dict(presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3, logit_bias=((5, 1.5), (9, -2.0)))
     p = SamplingParams(temperature, **kw)
     sess = eager_session(model, 8, False)
     tokens, logits = serve(sess, ps, max_new=24, temperature=temperature, **kw)  # one step at a time, rows recorded
@@ -79,9 +86,15 @@ def test_session_tokens_follow_the_host_rule_pipelined_or_not(model, temperature
 
 def test_penalties_are_refused_with_mtp_and_out_of_range(model):
     sess = eager_session(model, 8, False, mtp_k=2)
-    with pytest.raises(ValueError, match="frequency_penalty: penalties are applied by plain decoding only"):
+    with pytest.raises(ValueError, match="frequency_penalty: penalties and logit biases are applied by plain decoding only"):
         sess.generate([[3, 4, 5]], max_new_tokens=4, mtp=2, frequency_penalty=0.5)
     with pytest.raises(ValueError, match="repetition_penalty: must be in"):
         sess.generate([[3, 4, 5]], max_new_tokens=4, repetition_penalty=0.0)
     with pytest.raises(ValueError, match="presence_penalty: must be in"):
         SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="logit_bias: penalties and logit biases are applied by plain decoding"):
+        sess.generate([[3, 4, 5]], max_new_tokens=4, mtp=2, logit_bias=((4, 1.0),))
+    with pytest.raises(ValueError, match=r"logit_bias: token ids \[99999\] are outside the vocabulary"):
+        sess.generate([[3, 4, 5]], max_new_tokens=4, logit_bias=((99999, 1.0),))
+    with pytest.raises(ValueError, match="logit_bias: token ids >= 0 and biases in"):
+        SamplingParams(logit_bias=((1, 101.0),))

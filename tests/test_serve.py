@@ -163,6 +163,9 @@ def test_completion_chat_and_stream_through_the_openai_client(url, sess):
                                  extra_body=extra)
         off = sess.generate(["import os\n"], max_new_tokens=16, temperature=t, seed=3)[0].text
         assert r.choices[0].text == ref.text != off, (pen, extra)
+    r = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=6, temperature=0, logit_bias={"788": 100},
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [788] * 6  # a bias of 100 makes greedy pick it every time
 
     # a stop string ends the text before it (the tokens that made it were generated) and finishes with "stop"
     ref = sess.generate(["import os\n"], max_new_tokens=8)[0]
@@ -269,7 +272,8 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
         ({**chat, "messages": []}, "/v1/chat/completions", KEY, 400, "messages"),
         ({**chat, "max_completion_tokens": LIMIT}, "/v1/chat/completions", KEY, 400, "max_completion_tokens"),
         # fields this server cannot honour are refused, never ignored
-        ({**ok, "logit_bias": {"5": 10.0}}, "/v1/completions", KEY, 400, "logit_bias"),
+        ({**ok, "logit_bias": {"x": 10.0}}, "/v1/completions", KEY, 400, "logit_bias"),
+        ({**ok, "logit_bias": {"5": 500.0}}, "/v1/completions", KEY, 400, "logit_bias"),
         ({**ok, "repetition_penalty": 0.0}, "/v1/completions", KEY, 400, "repetition_penalty"),
         ({**ok, "frequency_penalty": 2.5}, "/v1/completions", KEY, 400, "frequency_penalty"),
         ({**ok, "min_p": 1.5}, "/v1/completions", KEY, 400, "min_p"),
