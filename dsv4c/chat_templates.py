@@ -117,7 +117,8 @@ DEEPSEEK_V4 = (
     "{%- set next = none if loop.last else loop.nextitem['role'] -%}"
     "{%- if m['role'] == 'system' -%}{{- content -}}"
     "{%- if keep and i == 0 -%}{{- '\\n\\n' -}}" + _TOOLS + "{%- endif -%}"
-    "{%- elif m['role'] in ['user', 'tool'] or (m['role'] == 'developer' and (keep or not (thinking and i < ns.last_user))) -%}"
+    "{%- elif m['role'] in ['user', 'tool'] or (m['role'] == 'developer'"
+    " and (keep or not (thinking and i < ns.last_user))) -%}"
     "{{- '\\n\\n' if m['role'] != 'developer' and prev in ['user', 'tool'] else '" + USER + "' -}}"
     "{{- '<tool_result>' + content + '</tool_result>' if m['role'] == 'tool' else content -}}"
     "{%- if loop.last and add_generation_prompt or next == 'assistant' -%}"
@@ -174,7 +175,8 @@ def parse_tool_calls(block: str) -> list[dict]:
             i = p.end()
         close = _END_INVOKE.match(block, i)
         if close is None:
-            raise ToolCallFormatError(f"tool call {name}: expected a parameter or </{DSML}invoke> at {block[i:][:40]!r}")
+            raise ToolCallFormatError(f"tool call {name}: expected a parameter or </{DSML}invoke> at "
+                                      f"{block[i:][:40]!r}")
         i = close.end()
         calls.append({"name": name, "arguments": json.dumps(args, ensure_ascii=False)})
 

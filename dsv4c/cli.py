@@ -13,8 +13,8 @@ import torch
 
 from dsv4c.config import ConfigError, ModelConfig
 from dsv4c.targets import TargetError
-from dsv4c.validate import (check_mtp, device_arg, int_at_least, mtp_arg, plan_dir_outside, read_prompt_file,
-                            utf8_text)
+from dsv4c.validate import (check_mtp, device_arg, float_in, int_at_least, mtp_arg, plan_dir_outside,
+                            read_prompt_file, utf8_text)
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -250,7 +250,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs,
                         deterministic=a.deterministic)
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed, mtp=a.mtp)
+                            top_k=a.top_k, seed=a.seed, mtp=a.mtp, min_p=a.min_p, presence_penalty=a.presence_penalty,
+                            frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty)
     for p, r in zip(prompts, results):
         head = p if isinstance(p, str) else ",".join(map(str, p))
         print(head + (r.text if r.text is not None else " " + ",".join(map(str, r.tokens))))
@@ -507,6 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float_in(0, 1, "--min-p"), default=0.0,
+                   help="keep tokens >= MIN_P x the most likely one's probability")
+    s.add_argument("--presence-penalty", type=float_in(-2, 2, "--presence-penalty"), default=0.0,
+                   help="-2..2, on the output so far (plain decoding)")
+    s.add_argument("--frequency-penalty", type=float_in(-2, 2, "--frequency-penalty"), default=0.0,
+                   help="-2..2, per occurrence in the output so far (plain decoding)")
+    s.add_argument("--repetition-penalty", type=float_in(0, 2, "--repetition-penalty", low_open=True), default=1.0,
+                   help="(0, 2], on prompt and output tokens (plain decoding)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", type=device_arg, default=_default_device(),
                    help="cpu or cuda (default: cuda when a GPU is present)")

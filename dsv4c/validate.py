@@ -23,6 +23,21 @@ def int_at_least(low: int, flag: str):
     return parse
 
 
+def float_in(low: float, high: float, flag: str, low_open: bool = False):
+    """An argparse type: a number in [low, high] ((low, high] with `low_open`)."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not (low < v if low_open else low <= v) or not v <= high:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {s}")
+        return v
+
+    parse.__name__ = f"{flag} number"
+    return parse
+
+
 def mtp_arg(s: str) -> int | str:
     """`--mtp`: 0 (off), k >= 1, or auto. The upper bound is the artifact's K (`check_mtp`)."""
     if s == "auto":

@@ -11,9 +11,10 @@ whichever batch it shares, whether its steps are pipelined or read one at a time
 decoding drew with `torch.multinomial` from a per-request CPU generator: other tokens for the same seed.)
 
 Penalties (plain decoding only) change the logits before any of that, greedy rows included, in this order:
-OpenAI's logit_bias (added to the listed tokens' logits), repetition (a token of the prompt or the output so far: a positive logit divided by r, a negative one multiplied
-by r; CTRL's rule, as Hugging Face and vLLM have it), then frequency and presence (OpenAI's: minus f x the
-token's count in the output so far, minus p when that count is > 0). `penalize` is the rule on the host;
+OpenAI's logit_bias (added to the listed tokens' logits), repetition (a token of the prompt or the output so
+far: a positive logit divided by r, a negative one multiplied by r; CTRL's rule, as Hugging Face and vLLM have
+it), then frequency and presence (OpenAI's: minus f x the token's count in the output so far, minus p when that
+count is > 0). `penalize` is the rule on the host;
 `PenaltyState` keeps every cache slot's counts on the device so `DecodeSampler` applies it without the host."""
 from __future__ import annotations
 
@@ -318,7 +319,8 @@ class DecodeSampler:
         their counts take the tokens)."""
         if self.penalty is not None:
             state, slots, *pen = self.penalty
-            tok = sample_rows(state.apply(logits, slots, *pen), self.rp, None if self.rp.all_greedy else self.uniforms(pos))
+            u = None if self.rp.all_greedy else self.uniforms(pos)
+            tok = sample_rows(state.apply(logits, slots, *pen), self.rp, u)
             state.count(slots, tok)
             return tok
         if self.rp.all_greedy:

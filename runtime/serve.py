@@ -16,8 +16,8 @@ is still loading, 500 when the step running the request failed (the server keeps
 
 Sampling: temperature, top_p, seed, stop, `presence_penalty`, `frequency_penalty`, `logit_bias` (penalties and biases
 are applied by plain decoding: refused while the server runs MTP, runtime/sampling.py).
-Extensions: `top_k` (0 or -1: off), `min_p`, `repetition_penalty` and `return_token_ids` (each choice carries `token_ids`, and
-`prompt_token_ids` in the response / first chunk), as vLLM has them; on chat completions
+Extensions: `top_k` (0 or -1: off), `min_p`, `repetition_penalty` and `return_token_ids` (each choice carries
+`token_ids`, and `prompt_token_ids` in the response / first chunk), as vLLM has them; on chat completions
 `chat_template_kwargs` (extra variables of the chat template, e.g. `{"thinking": true}` for DeepSeek's
 thinking mode) and, with a reasoning parser (`--reasoning-parser`, on by default for templates that
 close `</think>`), the reasoning apart from the answer: `message.reasoning_content` / `delta.reasoning_content`
@@ -597,8 +597,10 @@ def _chat_prompt(st: _State, body: ChatRequest) -> tuple[list[int], str]:
         if m.reasoning_content is not None:
             msgs[-1]["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
-            msgs[-1]["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}]")}}
+            msgs[-1]["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}]")}}
                 for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             msgs[-1]["tool_call_id"] = m.tool_call_id

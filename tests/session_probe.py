@@ -75,10 +75,10 @@ def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4, 
                    temperature: float = 0.8, forced: float | None = None) -> None:
     """Chat traffic on `sess` (a prefix cache or paged pool of `block`-token blocks): prompts of 11 and 21
     tokens get 30-token answers (sampled at `temperature`, with `mtp` drafts per round; block ends fall inside
-    them; `forced`: greedy, with teacher-forced drafts kept with that probability); the next turn sends each prompt, its answer and 5 new tokens. It must resume past every block the
-    answer's steps (or rounds) wrote (the last token's only when a step was still in flight) and give
-    `ref_sess`'s from-scratch logits within 1e-5 (the answer's rows came from decode steps, other GEMM shapes
-    than prefill chunks)."""
+    them; `forced`: greedy, with teacher-forced drafts kept with that probability); the next turn sends each
+    prompt, its answer and 5 new tokens. It must resume past every block the answer's steps (or rounds) wrote
+    (the last token's only when a step was still in flight) and give `ref_sess`'s from-scratch logits within
+    1e-5 (the answer's rows came from decode steps, other GEMM shapes than prefill chunks)."""
     V = sess.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     first = [torch.randint(2, V, (n,), generator=g).tolist() for n in (11, 21)]
