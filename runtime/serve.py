@@ -44,7 +44,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -337,6 +337,7 @@ class _Detokenizer:
 
 
 REASONING_PARSERS = ("auto", "deepseek", "none")
+MAX_N = 16  # choices per request (`n`)
 
 
 def reasoning_parser_for(setting: str, template_source: str | None) -> str:
@@ -520,9 +521,7 @@ def create_app(cfg: ServeConfig, session=None) -> FastAPI:
         _check_ready(st)
         _check_model(st, body.model)
         ids, text = _chat_prompt(st, body)
-        split = _ReasoningSplit(text) if st.reasoning == "deepseek" else None
-        tools = _ToolCallSplit() if _tools_on(body) else None
-        return await _run(st, request, body, ids, chat=True, reasoning=split, tools=tools)
+        return await _run(st, request, body, ids, chat=True, prompt_text=text)
 
     return app
 
@@ -689,8 +688,9 @@ def _in_call_order(msgs: list[dict]) -> None:
 
 def _refuse_unsupported(body: _Common, chat: bool) -> None:
     """400 naming the first field set to something this server does not do."""
-    if body.n != 1:
-        raise APIError(400, f"n: only n=1 is supported (got {body.n}); send concurrent requests instead", "n")
+    if body.n > MAX_N:
+        raise APIError(400, f"n: at most {MAX_N} choices per request (got {body.n}); send concurrent requests "
+                            f"instead", "n")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, f"response_format: only type 'text' is supported (no constrained decoding), got "
                             f"{body.response_format.get('type')!r}", "response_format")
@@ -704,7 +704,9 @@ def _refuse_unsupported(body: _Common, chat: bool) -> None:
             raise APIError(400, f"{name}: function calling is not supported by this server", name)
 
 
-def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestSpec:
+def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> list[RequestSpec]:
+    """The engine requests of the body's `n` choices: choice i samples with seed + i (a given seed), or its own
+    random seed."""
     limit = st.sess.max_tokens
     _refuse_unsupported(body, chat)
     max_tokens = body.max_tokens
@@ -740,46 +742,56 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> RequestS
             raise APIError(400, f"{name}: penalties and logit biases are applied by plain decoding only, not in MTP "
                                 f"speculative decoding (this server runs k={st.mtp['k']}; serve with --mtp 0)", name)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    return RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
-                       tuple(stop), lp, body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
-                       body.min_p, bias)
+    seeds = [body.seed + i if body.seed is not None else secrets.randbelow(2**31) for i in range(body.n)]
+    return [RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
+                        tuple(stop), lp, body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
+                        body.min_p, bias) for seed in seeds]
 
 
 async def _run(st: _State, request: Request, body, ids: list[int], chat: bool, echo_text: str | None = None,
-               reasoning: _ReasoningSplit | None = None, tools: _ToolCallSplit | None = None):
-    spec = _sampling(st, body, ids, chat)
+               prompt_text: str | None = None):
+    """Submit the request's `n` choices (engine requests), then answer with all of them, or stream them."""
+    specs = _sampling(st, body, ids, chat)
+    hs: list[Handle] = []
     try:
-        h = st.engine.submit(spec)
+        for spec in specs:
+            hs.append(st.engine.submit(spec))
     except QueueFull as e:
+        for h in hs:
+            st.engine.abort(h)
         raise APIError(503, f"{e}; retry later", type_="server_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    out = _Output(st, body, h, rid, chat, echo_text, reasoning, tools)
-    stream = st.engine.stream(h)
-    watch = asyncio.create_task(_watch_disconnect(request, st.engine, h))
+    outs = [_Output(st, body, h, rid, chat, echo_text, prompt_text, i) for i, h in enumerate(hs)]
+    streams = [st.engine.stream(h) for h in hs]
+    watch = asyncio.create_task(_watch_disconnect(request, st.engine, hs))
+    firsts = []
     try:
-        first = await anext(stream)  # errors before the first token still get their status code
+        for stream in streams:
+            firsts.append(await anext(stream))  # errors before the first token still get their status code
     except BaseException as e:
         watch.cancel()
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
         if isinstance(e, RequestFailed):
             raise _failed(e) from None
         raise
     if body.stream:
         watch.cancel()  # from here StreamingResponse watches for the client going away
-        return StreamingResponse(_sse(st, out, first, stream), media_type="text/event-stream",
+        return StreamingResponse(_sse(outs, firsts, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        out.add(first)
-        async for o in stream:
-            out.add(o)
+        for out, first, stream in zip(outs, firsts, streams):
+            out.add(first)
+            async for o in stream:
+                out.add(o)
     except RequestFailed as e:
         raise _failed(e) from None
     finally:
         watch.cancel()
-        await stream.aclose()
-    return out.response()
+        for stream in streams:
+            await stream.aclose()
+    return _response(outs)
 
 
 def _failed(e: RequestFailed) -> APIError:
@@ -788,29 +800,70 @@ def _failed(e: RequestFailed) -> APIError:
     return APIError(e.status, str(e), code="aborted" if e.status == 499 else None)
 
 
-async def _watch_disconnect(request: Request, engine: Engine, h: Handle) -> None:
-    """Abort `h` when the client goes away while it has no response yet."""
-    while h.outcome is None:
+async def _watch_disconnect(request: Request, engine: Engine, hs: list[Handle]) -> None:
+    """Abort the handles when the client goes away while they have no response yet."""
+    while any(h.outcome is None for h in hs):
         if await request.is_disconnected():
-            engine.abort(h)
+            for h in hs:
+                engine.abort(h)
             return
         await asyncio.sleep(0.1)
 
 
-async def _sse(st: _State, out: "_Output", first, stream):
+async def _merged(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, StepOutput) from several engine streams, as they come. Closing it cancels the reads in
+    flight and waits for them, so the streams can be closed after it."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
-        for chunk in out.chunks(first):
-            yield _event(chunk)
-        async for o in stream:
-            for chunk in out.chunks(o):
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=pending.get):
+                i = pending.pop(t)
+                try:
+                    o = t.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, o
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _sse(outs: list["_Output"], firsts: list, streams: list):
+    """The chunks of every choice (one stream read directly; several merged as their steps come)."""
+    rest = _merged(streams) if len(streams) > 1 else ((0, o) async for o in streams[0])
+    try:
+        for out, first in zip(outs, firsts):
+            for chunk in out.chunks(first):
                 yield _event(chunk)
-        if out.include_usage:
-            yield _event(out.usage_chunk())
+        async for i, o in rest:
+            for chunk in outs[i].chunks(o):
+                yield _event(chunk)
+        if outs[0].include_usage:
+            c = outs[0].envelope([], True)
+            c["usage"] = _usage(outs)
+            yield _event(c)
     except RequestFailed as e:
         yield _event(_failed(e).body())
     finally:
-        await stream.aclose()  # a client gone away: closes the engine stream, which aborts the request
+        await rest.aclose()
+        for stream in streams:  # a client gone away: closes the engine streams, which aborts the requests
+            await stream.aclose()
     yield "data: [DONE]\n\n"
+
+
+def _usage(outs: list["_Output"]) -> dict:
+    """The prompt once, the completion tokens of every choice (OpenAI's usage of n choices)."""
+    p, c = len(outs[0].h.spec.prompt_ids), sum(len(o.tokens) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _response(outs: list["_Output"]) -> dict:
+    r = outs[0].envelope([o.choice() for o in outs], False)
+    r["usage"] = _usage(outs)
+    return r
 
 
 def _event(obj: dict) -> str:
@@ -821,10 +874,12 @@ class _Output:
     """Builds one request's response (or its stream chunks) from its StepOutputs."""
 
     def __init__(self, st: _State, body, h: Handle, rid: str, chat: bool, echo_text: str | None,
-                 reasoning: _ReasoningSplit | None = None, tools: _ToolCallSplit | None = None):
-        self.st, self.body, self.h, self.id, self.chat = st, body, h, rid, chat
-        self.split = reasoning  # chat with a reasoning parser: the text goes to reasoning_content and content
-        self.tools = tools  # chat with tools: the answer's DSML block goes to tool_calls
+                 prompt_text: str | None = None, index: int = 0):
+        self.st, self.body, self.h, self.id, self.chat, self.index = st, body, h, rid, chat, index
+        # chat with a reasoning parser: the text goes to reasoning_content and content
+        self.split = _ReasoningSplit(prompt_text or "") if chat and st.reasoning == "deepseek" else None
+        # chat with tools: the answer's DSML block goes to tool_calls
+        self.tools = _ToolCallSplit() if chat and _tools_on(body) else None
         self.model, self.created = st.cfg.model_name, int(time.time())
         self.detok = _Detokenizer(st.sess.tokenizer, list(h.spec.stop)) if st.sess.tokenizer is not None else None
         self.echo = echo_text
@@ -853,10 +908,6 @@ class _Output:
         self.text += text
         self.finish = o.finish_reason or self.finish
 
-    def _usage(self) -> dict:
-        p, c = len(self.h.spec.prompt_ids), len(self.tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
     def _finish_reason(self) -> str | None:
         if self.finish is None:
             return None
@@ -876,9 +927,10 @@ class _Output:
                 msg["tool_calls"] = [{"index": j, **c} if stream else c for j, c in enumerate(self.tools.calls)]
                 if not stream and not text:
                     msg["content"] = None
-            c = {"index": 0, key: msg, "logprobs": self._chat_logprobs(tokens, lps), "finish_reason": finish}
+            c = {"index": self.index, key: msg, "logprobs": self._chat_logprobs(tokens, lps), "finish_reason": finish}
         else:
-            c = {"index": 0, "text": text, "logprobs": self._completion_logprobs(tokens, lps), "finish_reason": finish}
+            c = {"index": self.index, "text": text, "logprobs": self._completion_logprobs(tokens, lps),
+                 "finish_reason": finish}
         if self.body.return_token_ids:
             c["token_ids"] = list(tokens)
             if not self.started:
@@ -911,7 +963,7 @@ class _Output:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                             for t, (lp, top) in zip(tokens, lps)]}
 
-    def _envelope(self, choices: list, stream: bool) -> dict:
+    def envelope(self, choices: list, stream: bool) -> dict:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
@@ -921,24 +973,17 @@ class _Output:
             delta = self.echo + delta
         self.tokens += o.tokens
         self.finish = o.finish_reason or self.finish
-        chunk = self._envelope([self._choice(delta, o.tokens, o.logprobs or [], self._finish_reason(), True,
+        chunk = self.envelope([self._choice(delta, o.tokens, o.logprobs or [], self._finish_reason(), True,
                                              reasoning)], True)
         if self.include_usage:
             chunk["usage"] = None
         self.started = True
         return [chunk]
 
-    def usage_chunk(self) -> dict:
-        c = self._envelope([], True)
-        c["usage"] = self._usage()
-        return c
-
-    def response(self) -> dict:
-        text = (self.echo or "") + self.text
-        r = self._envelope([self._choice(text, self.tokens, self.lps, self._finish_reason(), False, self.reasoning)],
-                           False)
-        r["usage"] = self._usage()
-        return r
+    def choice(self) -> dict:
+        """The whole choice, once its request finished (`_response`)."""
+        return self._choice((self.echo or "") + self.text, self.tokens, self.lps, self._finish_reason(), False,
+                            self.reasoning)
 
 
 # ------------------------------------------------------------------------------------------------

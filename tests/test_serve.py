@@ -167,6 +167,20 @@ def test_completion_chat_and_stream_through_the_openai_client(url, sess):
                              extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == [788] * 6  # a bias of 100 makes greedy pick it every time
 
+    # n choices: choice i samples with seed + i, as Session.generate's request i; usage counts the prompt once
+    refs = sess.generate(["def add(a, b):\n"] * 3, max_new_tokens=6, temperature=0.9, seed=11)
+    r = c.completions.create(model=MODEL, prompt="def add(a, b):\n", max_tokens=6, temperature=0.9, seed=11, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and [ch.text for ch in r.choices] == [x.text for x in refs]
+    assert r.usage.prompt_tokens == len(refs[0].prompt_ids)
+    assert r.usage.completion_tokens == sum(len(x.tokens) for x in refs)
+    chunks = list(c.chat.completions.create(model=MODEL, max_tokens=5, temperature=0.9, seed=11, n=2, stream=True,
+                                            messages=[{"role": "user", "content": "Read a file."}]))
+    refs = sess.generate([_chat_ids(sess, "<|bos|># Read a file.\n")] * 2, max_new_tokens=5, temperature=0.9, seed=11)
+    for i, ref in enumerate(refs):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert "".join(x.delta.content or "" for x in mine) == ref.text and mine[0].delta.role == "assistant"
+        assert mine[-1].finish_reason is not None
+
     # a stop string ends the text before it (the tokens that made it were generated) and finishes with "stop"
     ref = sess.generate(["import os\n"], max_new_tokens=8)[0]
     stop = sess.tokenizer.decode(ref.tokens[2:4])  # what greedy writes as its 3rd and 4th tokens
@@ -264,7 +278,7 @@ def test_bad_requests_get_their_status_and_name_the_field(url, sess):
         ({**ok, "prompt": [1, 2, V + 7]}, "/v1/completions", KEY, 400, "prompt"),
         ({**ok, "prompt": ["a", "b"]}, "/v1/completions", KEY, 400, "prompt"),
         ({**ok, "stream": "yes"}, "/v1/completions", KEY, 400, "stream"),
-        ({**ok, "n": 2}, "/v1/completions", KEY, 400, "n"),
+        ({**ok, "n": 17}, "/v1/completions", KEY, 400, "n"),
         ({**ok, "seed": -1}, "/v1/completions", KEY, 400, "seed"),
         ({**ok, "logprobs": 99}, "/v1/completions", KEY, 400, "logprobs"),
         ({k: v for k, v in ok.items() if k != "prompt"}, "/v1/completions", KEY, 400, "prompt"),
