@@ -47,6 +47,12 @@ its first token, and decode tokens/s after that (all rows decoding together thro
 prefix caching must leave it unchanged), the greedy tokens' agreement with the `off` run (bf16 with a
 different chunking may round differently), and the prefix cache's stats.
 
+With --mtp K the artifacts are compiled with --mtp K and every run decodes in MTP rounds of K drafts: the
+prefix cache then resumes each V4 request at least W tokens before its prompt's end (its first draft needs those
+positions' streams), and with --turn2 the answers' blocks come from the rounds (runtime/speculative.py
+`keep_block`). On random weights the drafts are rarely accepted: the runs measure the caches under MTP, not
+MTP's speedup.
+
 Legend: R requests, S system-prompt tokens, U suffix tokens, N new tokens per request.
 """
 from __future__ import annotations
@@ -69,6 +75,11 @@ from profile_step import kernel_table  # noqa: E402
 from dsv4c.checkpoint import save_checkpoint  # noqa: E402
 
 
+def mtp_flags(a) -> list[str]:
+    """The compile flags of --mtp K (none for 0)."""
+    return ["--mtp", str(a.mtp)] if a.mtp else []
+
+
 def max_tokens_of(a) -> int:
     """The artifacts' max_tokens: prompt + answer (+ the second turn's message and answer with --turn2)."""
     return a.system + a.suffix + a.new + 8 + ((a.turn2_suffix + a.new) if a.turn2 else 0)
@@ -86,14 +97,15 @@ def _sync(dev) -> None:
 
 
 @torch.no_grad()
-def serve(sess, ps: list[list[int]], new: int, dev) -> dict:
-    """Submit every prompt at once (greedy); TTFT from submission and from admission, decode tokens/s."""
+def serve(sess, ps: list[list[int]], new: int, dev, mtp: int = 0) -> dict:
+    """Submit every prompt at once (greedy; `mtp` drafts per round); TTFT from submission and from admission,
+    decode tokens/s."""
     _sync(dev)
     before = dict(sess.prefill_stats)
     t0 = time.perf_counter()
     first: dict[int, float] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(ps))}
-    for i, tok in sess.stream(ps, max_new_tokens=new):
+    for i, tok in sess.stream(ps, max_new_tokens=new, mtp=mtp):
         if i not in first:
             _sync(dev)
             first[i] = time.perf_counter() - t0
@@ -117,20 +129,20 @@ def admit_ttft(sess, ps: list[list[int]], new: int) -> list[float]:
     return [r.stats["ttft_s"] for r in sess.generate(ps, max_new_tokens=new)]
 
 
-def run_paged(sess, ps, new, dev, share: bool) -> dict:
+def run_paged(sess, ps, new, dev, share: bool, mtp: int = 0) -> dict:
     """A run on a paged Session: its block pool stays (it allocates the blocks); `share` turns prefix sharing."""
     pool = sess.prefix
     pool.share = share
     before = dict(pool.counters)
-    res = serve(sess, ps, new, dev)
+    res = serve(sess, ps, new, dev, mtp)
     res["prefix_stats"] = {**pool.stats(), "this_run": {k: v - before[k] for k, v in pool.counters.items()}}
     return res
 
 
-def run(sess, ps, new, dev, prefix) -> dict:
+def run(sess, ps, new, dev, prefix, mtp: int = 0) -> dict:
     sess.prefix = prefix
     before = dict(prefix.counters) if prefix is not None else None
-    res = serve(sess, ps, new, dev)
+    res = serve(sess, ps, new, dev, mtp)
     if prefix is not None:
         res["prefix_stats"] = {**prefix.stats(), "this_run": {k: v - before[k] for k, v in prefix.counters.items()}}
     return res
@@ -197,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-prefill", action="store_true", help="time and profile the prefill paths (docstring)")
     ap.add_argument("--turn2", action="store_true", help="a second chat turn after the slot runs (docstring)")
     ap.add_argument("--turn2-suffix", type=int, default=64, help="--turn2: new tokens of the second turn's message")
+    ap.add_argument("--mtp", type=int, default=0, help="compile with --mtp K and decode every run with k = K drafts "
+                    "per round (docstring)")
     a = ap.parse_args(argv)
     runs = a.runs.split(",")
     if not runs or set(runs) - {"off", "on", "warm"}:
@@ -232,7 +246,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     max_tokens = max_tokens_of(a)
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
-                "--max-tokens", str(max_tokens), "--buckets", str(a.requests))
+                "--max-tokens", str(max_tokens), "--buckets", str(a.requests), *mtp_flags(a))
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")
     stage("compile", t0)
@@ -256,7 +270,7 @@ def main(argv=None) -> int:
         if name not in runs:
             continue
         t0 = time.perf_counter()
-        res[name] = run(sess, ps, a.new, dev, pc)
+        res[name] = run(sess, ps, a.new, dev, pc, a.mtp)
         r = res[name]
         print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
               f"decode {r['decode_tokens_per_s']:.0f} tok/s, {r['prefill_calls']['calls']} prefill calls "
@@ -310,8 +324,8 @@ def turn2_runs(a, res: dict, sess, prefix, ps, dev, V: int) -> None:
     g = torch.Generator().manual_seed(7)
     ps2 = [p + t + torch.randint(2, V, (a.turn2_suffix,), generator=g).tolist()
            for p, t in zip(ps, res["warm"]["tokens"])]
-    res["turn2_on"] = run(sess, ps2, a.new, dev, prefix)
-    res["turn2_off"] = run(sess, ps2, a.new, dev, None)
+    res["turn2_on"] = run(sess, ps2, a.new, dev, prefix, a.mtp)
+    res["turn2_off"] = run(sess, ps2, a.new, dev, None, a.mtp)
     sess.prefix = prefix
     on, off = res["turn2_on"], res["turn2_off"]
     this = on["prefix_stats"]["this_run"]
@@ -333,7 +347,7 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     art = a.work / "art_paged"
     max_tokens = max_tokens_of(a)
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch", str(a.requests),
-                "--max-tokens", str(max_tokens), "--buckets", str(a.requests), "--paged",
+                "--max-tokens", str(max_tokens), "--buckets", str(a.requests), *mtp_flags(a), "--paged",
                 *(["--pool-blocks", str(a.pool_blocks)] if a.pool_blocks else []))
     res["compile_command_paged"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile_paged.log")
@@ -350,7 +364,7 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     runs = (("paged_off", False),) * a.paged_off + (("paged_on", True), ("paged_warm", True))
     for name, share in runs:
         t0 = time.perf_counter()
-        res[name] = run_paged(sess, ps, a.new, dev, share)
+        res[name] = run_paged(sess, ps, a.new, dev, share, a.mtp)
         r = res[name]
         print(f"{name}: TTFT mean {r['ttft_submit_ms_mean']:.1f} ms, all first tokens {r['all_first_tokens_s']:.2f} s, "
               f"decode {r['decode_tokens_per_s']:.0f} tok/s, {r['prefill_calls']['calls']} prefill calls "

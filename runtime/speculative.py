@@ -235,12 +235,7 @@ class Speculator:
         self._round_graphs: dict[str, RoundGraphs] = {}
         # rounds keep the blocks they complete (module docstring): the stash of each ring field the prefix cache
         # stores boundary rows of ([cache_slots, K + 1, ...]), written by rounds queued after a block end
-        pc = sess.prefix
-        self.keeps_blocks = (pc is not None and sess.mirror is None and getattr(pc, "share", True)
-                             and self.K + 1 <= pc.block_size)
-        self.stash = {f.name: sess.caches[f.name].new_zeros((sess.cache_slots, self.K + 1)
-                                                            + tuple(sess.caches[f.name].shape[2:]))
-                      for f in pc.boundary_fields} if self.keeps_blocks else {}
+        self._stash: dict[str, torch.Tensor] | None = None
 
     def round_graphs(self) -> "RoundGraphs | None":
         """The `RoundGraphs` of `round_mode` (made on first use), or None for "off"."""
@@ -314,6 +309,23 @@ class Speculator:
     def acceptance(self, temperature: float) -> "Acceptance":
         return self.observed.setdefault(_temperature_bucket(temperature), Acceptance.empty(self.K))
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Rounds hand the blocks they complete to the session's prefix cache (it may be swapped between calls)."""
+        pc = self.sess.prefix
+        return (pc is not None and self.sess.mirror is None and getattr(pc, "share", True)
+                and self.K + 1 <= pc.block_size)
+
+    def stash_buffers(self) -> dict[str, torch.Tensor]:
+        """The ring fields' stash (`stash_rings`), made at first use (`_Pipeline.launch`: before any round graph
+        can capture it)."""
+        if self._stash is None:
+            sess = self.sess
+            self._stash = {f.name: sess.caches[f.name].new_zeros((sess.cache_slots, self.K + 1)
+                                                                 + tuple(sess.caches[f.name].shape[2:]))
+                           for f in sess.prefix.boundary_fields}
+        return self._stash
+
     def keep_block(self, slot: int, n: int, end: int, after: "_Launched | None" = None) -> None:
         """A round that started at position n is read and slot's caches hold its positions < end: hand the block
         end it passed (if any) to the prefix cache, with the ring rows `after` (the round queued after it, which
@@ -329,7 +341,7 @@ class Speculator:
             if not after.stash:
                 raise RuntimeError(f"slot {slot}: a round passed block end {e} but the round queued after it "
                                    f"copied no ring rows aside")
-            patch = RingPatch(end, {name: buf[slot] for name, buf in self.stash.items()})
+            patch = RingPatch(end, {name: buf[slot] for name, buf in self.stash_buffers().items()})
         self.sess.prefix.after_decode(slot, e, patch)
 
     def release(self, slot: int) -> None:
@@ -763,6 +775,8 @@ class _Pipeline:
         k = self.next_k() if k is None else k
         B, dev = st.pos.shape[0], st.pos.device
         self.kmax = max(self.kmax, k)
+        if stash:
+            spec.stash_buffers()  # allocated outside any capture
         if self.bufs is not None:
             state, packed = self.graphs.launch(self.bufs, st, k, stash)
             return _Launched(state, packed, k, stash)
@@ -777,7 +791,7 @@ def stash_rings(spec: "Speculator", slots: torch.Tensor, pos: torch.Tensor) -> N
     at row (pos + j) mod R of each ring field the prefix cache stores boundary rows of. `RingPatch` puts them
     back into a block's stored boundary rows."""
     j = torch.arange(spec.K + 1, device=pos.device)
-    for name, buf in spec.stash.items():
+    for name, buf in spec.stash_buffers().items():
         t = spec.sess.caches[name]  # [slots, R, ...]
         rows = (pos[:, None] + j).remainder(t.shape[1])  # [B, K + 1]
         buf[slots] = t[slots[:, None], rows]

@@ -1,21 +1,26 @@
 """examples/bench_prefix_cache.py --quick --turn2 on the CPU: a compiled artifact (cpu target, exported graphs,
 not the eager step) served through the Session; the second chat turn resumes past the first answer's
-completed blocks and gives the tokens of the cache-off run (fp32)."""
+completed blocks and gives the tokens of the cache-off run (fp32), with plain decoding and with MTP rounds."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_quick_turn2_resumes_past_the_answers(tmp_path):
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_quick_turn2_resumes_past_the_answers(tmp_path, mtp):
+    """Plain decoding, and MTP rounds of 2 drafts (`--mtp 2`: the answers' blocks come from the rounds)."""
     sys.path.insert(0, str(EXAMPLES))
     import bench_prefix_cache as bpc
 
     out = tmp_path / "pc.json"
-    assert bpc.main(["--quick", "--device", "cpu", "--turn2", "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+    argv = ["--quick", "--device", "cpu", "--turn2", "--work", str(tmp_path / "w"), "--out", str(out), "--mtp", str(mtp)]
+    assert bpc.main(argv) == 0
     r = json.loads(out.read_text())
     b, n_prompt = r["prefix_pool"]["block_size"], r["system"] + r["suffix"]
     answers = [len(t) for t in r["warm"]["tokens"]]

@@ -346,15 +346,15 @@ def test_stash_rings_reads_nothing_back_and_copies_the_rows_a_round_overwrites()
     model = randomize_(build_model(ModelConfig.preset("v4-tiny-a"), dtype=torch.float32), seed=1).eval()
     sess = probe_session(model, 8, PrefixCacheConfig(block_size=8), mtp_k=2)
     spec = speculator(sess)
-    for name in spec.stash:
+    for name in spec.stash_buffers():
         sess.caches[name].normal_()
     slots, pos = torch.tensor([2, 0]), torch.tensor([17, 5])
     mode = Ops()
     with mode:
         stash_rings(spec, slots, pos)
     assert "aten.index" in mode.seen and not mode.seen & READS_BACK, mode.seen
-    assert len(spec.stash) == sum(1 for f in sess.prefix.fields if not f.grow) > 0
-    for name, buf in spec.stash.items():
+    assert len(spec.stash_buffers()) == sum(1 for f in sess.prefix.fields if not f.grow) > 0
+    for name, buf in spec.stash_buffers().items():
         R = sess.caches[name].shape[1]
         for s, p in zip(slots.tolist(), pos.tolist()):
             want = torch.stack([sess.caches[name][s, (p + j) % R] for j in range(spec.K + 1)])

@@ -192,7 +192,7 @@ def test_mtp_rounds_keep_the_blocks_they_complete(models, name, mode, temperatur
     sess = turn()
     assert sess.prefix.stats()["stored_blocks"] >= 8
     if model.config.is_v4:
-        assert speculator(sess).stash and speculator(sess).keeps_blocks
+        assert speculator(sess).stash_buffers() and speculator(sess).keeps_blocks
     if model.config.is_v4 and forced:
         orig = RingPatch.apply
         RingPatch.apply = lambda *a: None
