@@ -23,7 +23,10 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
      kernels' and formats' error: a fast but wrong lowering shows here) and free; every summary row
      carries the pinned SNR (`pinned_snr_db`), so no speed figure stands without it.
 The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
-them; bf16 everything else) over the measured copy bandwidth.
+them; bf16 everything else) over the measured copy bandwidth. Beside it, issue 28's stored-format roofline:
+the dense linears the release checkpoint stores as FP8 blocks (attention, shared experts) counted at 1 byte
+and one scale byte per 128 x 128 tile, as an artifact compiled with `--dense-format fp8_block` reads them
+(`roofline_stored_ms`; examples/bench_dense_formats.py's `stored`).
 
 Legend: B batch rows, P prompt tokens, S new tokens per sequence.
 """
@@ -42,7 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_segments import _commit, _ExpertCount, build, copy_bandwidth, decode, prefill, step_bytes  # noqa: E402
+from bench_segments import (_commit, _ExpertCount, build, copy_bandwidth, decode, prefill, step_bytes,  # noqa: E402
+                            stored_bytes_saved)
 
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.checkpoint import keeps_fp32, release_format, save_checkpoint  # noqa: E402
@@ -201,9 +205,11 @@ def main(argv=None) -> int:
         full, routing = eager_routing(model, chk.tolist())  # logits [T, V] and eager's routing decisions
         check = (chk.tolist(), full[-1].cpu(), greedy(model, chk[None].to(dev), 8)[0].tolist(), full.cpu(), routing)
     res["roofline"] = {}
+    saved = stored_bytes_saved(model)["saved"]  # the FP8-stored dense linears read as stored (issue 28)
     for r in peers["eager"]:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
-        res["roofline"][r["batch"]] = {**by, "roofline_ms": by["total_fp8_experts"] / bw * 1e3 if bw else None}
+        roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
+        res["roofline"][r["batch"]] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
     compiled = None  # the compiled function holds the model
     torch._dynamo.reset()
     del model, cache, snapshot
@@ -348,8 +354,10 @@ def summarize(res: dict) -> list[dict]:
     for r in res["bench"][0]["rows"]:
         B = r["batch"]
         roof = res["roofline"].get(B, {}).get("roofline_ms")
+        stored = res["roofline"].get(B, {}).get("roofline_stored_ms")  # FP8-stored dense at 1 byte (issue 28)
         row = {"batch": B, "artifact_step_ms": r["step_ms_p50"], "artifact_decode_tok_s": r["decode_tokens_per_s"],
                "roofline_ms": roof, "roofline_fraction": roof / r["step_ms_p50"] if roof else None,
+               "roofline_stored_ms": stored, "roofline_stored_fraction": stored / r["step_ms_p50"] if stored else None,
                "pinned_snr_db": res.get("accuracy", {}).get("pinned_snr_db"),
                "free_snr_db": res.get("accuracy", {}).get("free_snr_db")}
         bd = next((x for x in res.get("breakdown", []) if x["batch"] == B), None)
@@ -370,12 +378,14 @@ def table(res: dict) -> str:
 
     lines = [f"{res['preset']} -> {res['target']} artifact on {res['device']} (copy bandwidth "
              f"{f(res.get('copy_bandwidth_GBps'), '.0f')} GB/s), prompt {res['prompt']}",
-             "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | replay ms | replay vs roofline | "
-             "eager ms | vs eager | torch.compile ms | vs torch.compile | SNR dB pinned (free) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | stored-format roofline ms | vs it | "
+             "replay ms | replay vs roofline | eager ms | vs eager | torch.compile ms | vs torch.compile | "
+             "SNR dB pinned (free) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["summary"]:
         lines.append(f"| {r['batch']} | {r['artifact_step_ms']:.2f} | {r['artifact_decode_tok_s']:.1f} | "
                      f"{f(r['roofline_ms'], '.3f')} | {f(r['roofline_fraction'], '.1%')} | "
+                     f"{f(r.get('roofline_stored_ms'), '.3f')} | {f(r.get('roofline_stored_fraction'), '.1%')} | "
                      f"{f(r.get('replay_ms'), '.3f')} | {f(r.get('replay_roofline_fraction'), '.1%')} | "
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
                      f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x | "

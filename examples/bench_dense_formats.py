@@ -43,27 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_artifact import _cache_tensors, _run, artifact_accuracy, dsv4c, round_to_release_, time_steps  # noqa: E402
-from bench_segments import _commit, build, copy_bandwidth, prefill, step_bytes  # noqa: E402
+from bench_segments import _commit, build, copy_bandwidth, prefill, step_bytes, stored_bytes_saved  # noqa: E402
 
-from dsv4c.checkpoint import release_format, save_checkpoint  # noqa: E402
+from dsv4c.checkpoint import save_checkpoint  # noqa: E402
 from dsv4c.model.generate import greedy  # noqa: E402
 from dsv4c.routing import IndexEntry, RoutingEntry, RoutingTable  # noqa: E402
 
 FORMATS = ("bf16", "fp8_block", "fp8_block_w8a16")
-
-
-def stored_bytes_saved(model) -> dict:
-    """Bytes a decode step reads less when the release's FP8 non-expert weights are read as stored
-    (2 bytes -> 1 byte + 1 scale byte per 128x128 tile), in total and for the grouped wo_a alone."""
-    saved = wo_a = 0
-    for name, p in model.named_parameters():
-        if name.startswith("mtp.") or ".ffn.experts." in name or release_format(model.config, name) != "fp8":
-            continue
-        n = p.numel()
-        d = n * p.element_size() - (n + n // (128 * 128))
-        saved += d
-        wo_a += d if ".attn.wo_a." in name else 0
-    return {"saved": saved, "wo_a_saved": wo_a}
 
 
 def build_and_prep(a, dev, dtype, ckpt: Path, res: dict, stage) -> tuple:

@@ -168,6 +168,22 @@ def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:
             "per_layer_no_head": (other + experts + kv) / cfg.num_hidden_layers}
 
 
+def stored_bytes_saved(model) -> dict:
+    """Bytes a decode step reads less when the release's FP8 non-expert weights are read as stored
+    (2 bytes -> 1 byte + 1 scale byte per 128x128 tile), in total and for the grouped wo_a alone."""
+    from dsv4c.checkpoint import release_format
+
+    saved = wo_a = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or ".ffn.experts." in name or release_format(model.config, name) != "fp8":
+            continue
+        n = p.numel()
+        d = n * p.element_size() - (n + n // (128 * 128))
+        saved += d
+        wo_a += d if ".attn.wo_a." in name else 0
+    return {"saved": saved, "wo_a_saved": wo_a}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="v4-flash-slice")
