@@ -52,10 +52,20 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias: token ids >= 0 and biases in [-100, 100], got {bad[:3]}")
 
+    def penalty_fields(self) -> list[str]:
+        """The penalties (and logit_bias) set, by field name: what only plain decoding applies."""
+        return [k for k, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                                 ("logit_bias", ())) if getattr(self, k) != off]
+
     @property
     def penalized(self) -> bool:
         """Penalties or a logit bias: the logits change with the request's tokens or its own table."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        return bool(self.penalty_fields())
+
+    def plain_only(self, hint: str) -> str:
+        """The error for penalties asked of MTP speculative decoding, naming the first field set."""
+        return (f"{self.penalty_fields()[0]}: penalties and logit biases are applied by plain decoding only, not in "
+                f"MTP speculative decoding ({hint})")
 
 
 def penalize(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:

@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsv4c.chat_templates import (DSML, END_THINK, THINK, TOOL_CALLS_START, ToolCallFormatError, load_chat_template,
                                   parse_tool_calls)
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
+from dsv4c.runtime.sampling import SamplingParams
 
 log = logging.getLogger("dsv4c.serve")
 
@@ -736,11 +737,11 @@ def _sampling(st: _State, body: _Common, ids: list[int], chat: bool) -> list[Req
         raise APIError(400, f"logprobs: not available with MTP speculative decoding (this server runs k="
                             f"{st.mtp['k']}; serve with --mtp 0)", "logprobs")
     bias = _logit_bias(st, body.logit_bias or {})
-    for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                      ("logit_bias", None)):
-        if getattr(body, name) not in (off, {}) and st.mtp["k"]:
-            raise APIError(400, f"{name}: penalties and logit biases are applied by plain decoding only, not in MTP "
-                                f"speculative decoding (this server runs k={st.mtp['k']}; serve with --mtp 0)", name)
+    pen = SamplingParams(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         repetition_penalty=body.repetition_penalty, logit_bias=bias)
+    if pen.penalized and st.mtp["k"]:
+        raise APIError(400, pen.plain_only(f"this server runs k={st.mtp['k']}; serve with --mtp 0"),
+                       pen.penalty_fields()[0])
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     seeds = [body.seed + i if body.seed is not None else secrets.randbelow(2**31) for i in range(body.n)]
     return [RequestSpec(tuple(ids), max_tokens, body.temperature, body.top_p, max(body.top_k, 0), seed,
@@ -1020,9 +1021,10 @@ def _ready(st: _State, sess) -> None:
     st.mtp = sess.set_mtp(mtp)
     if st.mtp["k"]:
         sess.generate([warm], max_new_tokens=4, mtp=st.mtp["k"])  # captures verify / mtp
-    st.chat, st.chat_missing = _chat_template(cfg.artifact, sess)
-    st.reasoning = reasoning_parser_for(cfg.reasoning_parser, load_chat_template(cfg.artifact))
-    st.tool_parser = tool_parser_for(load_chat_template(cfg.artifact))
+    src = load_chat_template(cfg.artifact)
+    st.chat, st.chat_missing = _chat_template(cfg.artifact, src, sess)
+    st.reasoning = reasoning_parser_for(cfg.reasoning_parser, src)
+    st.tool_parser = tool_parser_for(src)
     st.metrics = Metrics(cfg.model_name, sess.max_batch)
     st.engine = Engine(sess, cfg.max_waiting, st.metrics)
     st.metrics.watch(st.engine)
@@ -1033,8 +1035,7 @@ def _ready(st: _State, sess) -> None:
              f": {st.mtp['policy']['reason']}" if st.mtp.get("policy") else "", st.reasoning)
 
 
-def _chat_template(art: Path, sess) -> tuple[ChatTemplate | None, str]:
-    src = load_chat_template(art)
+def _chat_template(art: Path, src: str | None, sess) -> tuple[ChatTemplate | None, str]:
     if src is None:
         return None, f"{art}: neither chat_template.jinja nor a chat_template in tokenizer_config.json"
     if sess.tokenizer is None:

@@ -541,9 +541,9 @@ class Session:
         if self._live is not None and self._live.busy():
             raise RuntimeError("generate/stream: the incremental API (add_request/step) has requests running on "
                                "this session's cache slots; finish or abort them first")
-        if mtp and any(r.params.penalized for r in reqs):
-            raise ValueError(f"{_penalty_field(reqs[0].params)}: penalties and logit biases are applied by plain "
-                             f"decoding only, not in MTP speculative decoding (mtp=0)")
+        penalized = [r.params for r in reqs if r.params.penalized]
+        if mtp and penalized:
+            raise ValueError(penalized[0].plain_only("mtp=0"))
         sched = _Scheduler(self, *self._speculation(mtp, reqs), pipelined_rounds=True)
         sched.on_decode = on_decode
         sched.waiting.extend(reqs)
@@ -606,8 +606,7 @@ class Session:
                              "logprobs: not available with MTP speculative decoding (set_mtp(0))")
         (r,) = self._requests([prompt], max_new_tokens, temperature, top_p, top_k, seed, stop, sampling)
         if r.params.penalized and live.spec is not None:
-            raise ValueError(f"{_penalty_field(r.params)}: penalties and logit biases are applied by plain decoding "
-                             f"only, not in MTP speculative decoding (set_mtp(0))")
+            raise ValueError(r.params.plain_only("set_mtp(0)"))
         r.index, r.logprobs = live.next_id, logprobs
         live.next_id += 1
         live.waiting.append(r)
@@ -1013,12 +1012,6 @@ class _Scheduler:
     def forget_finished(self) -> None:
         for i in [i for i, r in self.by_id.items() if r.finish is not None]:
             del self.by_id[i]
-
-
-def _penalty_field(p: SamplingParams) -> str:
-    """The name of the first penalty `p` sets (for errors)."""
-    return next(k for k, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
-                                 ("logit_bias", ())) if getattr(p, k) != off)
 
 
 def _seed(r: _Request) -> int:

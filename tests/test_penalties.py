@@ -98,3 +98,18 @@ def test_penalties_are_refused_with_mtp_and_out_of_range(model):
         sess.generate([[3, 4, 5]], max_new_tokens=4, logit_bias=((99999, 1.0),))
     with pytest.raises(ValueError, match="logit_bias: token ids >= 0 and biases in"):
         SamplingParams(logit_bias=((1, 101.0),))
+
+
+def test_a_server_running_mtp_refuses_penalties_naming_the_field():
+    """runtime/serve.py `_sampling`: 400 with the field as `param` while the server runs k >= 1; none set: served."""
+    from types import SimpleNamespace
+
+    from dsv4c.runtime.serve import APIError, CompletionRequest, _sampling
+
+    st = SimpleNamespace(sess=SimpleNamespace(max_tokens=64, config=SimpleNamespace(vocab_size=100)), mtp={"k": 2})
+    for extra, field in (({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+                         ({"repetition_penalty": 1.2}, "repetition_penalty")):
+        with pytest.raises(APIError, match="applied by plain decoding only") as e:
+            _sampling(st, CompletionRequest(model="m", prompt="x", max_tokens=4, **extra), [1, 2], False)
+        assert (e.value.status, e.value.param) == (400, field)
+    assert len(_sampling(st, CompletionRequest(model="m", prompt="x", max_tokens=4, n=2), [1, 2], False)) == 2
