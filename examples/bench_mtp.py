@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot-from", help="plot a saved --out JSON to --plot and exit")
     ap.add_argument("--graphs", default=None, help="Session graph mode (default: full on a GPU, off on a CPU)")
     ap.add_argument("--round-graphs", choices=["default", "off", "graphs", "emulate"], default="default",
-                    help="how pipelined MTP rounds run (Speculator.round_mode): one CUDA graph per round (graphs, where "
-                         "every graph runs whole-step; opt-in for now), or op by op (off, the default)")
+                    help="how pipelined MTP rounds run (Speculator.round_mode): one CUDA graph per round (graphs, the "
+                         "default where every graph runs whole-step), or op by op (off), for comparison")
     ap.add_argument("--no-boundary-check", action="store_true",
                     help="compile without the padding check at every bucket boundary (tests/test_boundary_check.py "
                          "covers it; at --batches 64 it is most of the compile time)")

@@ -49,9 +49,8 @@ overwrites aside (`stash_rings`, K + 1 rows per slot per ring field), and the st
 them (`RingPatch`). Sharded runs' rounds keep no blocks.
 
 Every graph call goes through `Session._run`, so the segment executor applies to verify and mtp too.
-Pipelined rounds (`_Pipeline`, below) run op by op (`_round_ops`), or, opted in with
-`Speculator.round_mode = "graphs"` where the graphs run whole-step, each round as one CUDA graph replay
-(`RoundGraphs`; opt-in until its GPU tests have run on a device).
+Pipelined rounds (`_Pipeline`, below) run each round as one CUDA graph replay where the graphs run
+whole-step (`RoundGraphs`, `Speculator.round_mode`), else op by op (`_round_ops`).
 
 Legend: B batch (active sequences), K the artifact's verify width - 1, k the drafts of this round (<= K),
 V vocab, N hc streams, D hidden.
@@ -227,11 +226,10 @@ class Speculator:
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
-        # how pipelined rounds run (`RoundGraphs`): "graphs" one CUDA graph replay per round (where
+        # how pipelined rounds run (`RoundGraphs`): "graphs" one CUDA graph replay per round (the default where
         # `round_graph_blocker` finds nothing against it), "emulate" the same static-buffer data flow without
-        # CUDA graphs (CPU tests), "off" the round's ops one by one. "off" by default until the GPU tests of
-        # "graphs" have passed on a device (tests/test_mtp_pipeline.py -m gpu; not run yet: BENCHMARKS.md run18)
-        self.round_mode = "off"
+        # CUDA graphs (CPU tests), "off" the round's ops one by one
+        self.round_mode = "off" if round_graph_blocker(sess, "graphs") else "graphs"
         self._round_graphs: dict[str, RoundGraphs] = {}
         # rounds keep the blocks they complete (module docstring): the stash of each ring field the prefix cache
         # stores boundary rows of ([cache_slots, K + 1, ...]), written by rounds queued after a block end

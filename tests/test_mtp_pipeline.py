@@ -541,8 +541,11 @@ def test_gpu_sampled_decode_is_pipelined_and_near_greedy_speed(h200):
         sess.host_steps = False
     assert a == b
     for B in (1, 8):
-        greedy = min(_time_decode(sess, SamplingParams(0.0), ps, B, 0, 96) for _ in range(3))
-        sampled = min(_time_decode(sess, SamplingParams(0.7), ps, B, 0, 96) for _ in range(3))
+        t = {0.0: [], 0.7: []}
+        for _ in range(5):  # interleaved, best of 5: one H100 run's best-of-3 blocks timed batch-8 greedy 1.5x apart
+            for temp in t:
+                t[temp].append(_time_decode(sess, SamplingParams(temp), ps, B, 0, 96))
+        greedy, sampled = min(t[0.0]), min(t[0.7])
         assert sampled < 1.15 * greedy, (B, greedy, sampled)
 
 
@@ -565,6 +568,7 @@ def test_gpu_round_graph_equals_the_uncaptured_rounds(h200):
             off = _spec_run(sess, batch, k, "off", sampled, n_new=48, temperature=temp)
             graph = _spec_run(sess, batch, k, "graphs", sampled, n_new=48, temperature=temp)
             assert graph == off, (len(batch), sampled, temp, k)
+    assert spec.round_mode == "graphs"  # the default of a whole-step CUDA session
     st = spec.round_graphs().stats
     assert st["captures"] >= 3 * 3 and st["replays"] > st["captures"]
 
@@ -593,7 +597,7 @@ def test_gpu_round_graph_is_not_slower_than_the_uncaptured_rounds(h200, capsys):
                         t[mode] = min(_time_decode(sess, params, ps, B, k, 96) for _ in range(3))
                     rows.append((B, temp, k, step, t["off"], t["graphs"]))
     finally:
-        spec.round_mode = "off"
+        spec.round_mode = "graphs"
     with capsys.disabled():
         print("\nbatch  T    k  step_ms  round_off_ms  round_graph_ms")
         for B, temp, k, step, off, graph in rows:
