@@ -70,7 +70,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_artifact import _run, dsv4c, round_to_release_  # noqa: E402
 from bench_segments import _commit, build  # noqa: E402
-from profile_step import kernel_table  # noqa: E402
+from profile_step import JitCompiles, kernel_table  # noqa: E402
 
 from dsv4c.checkpoint import save_checkpoint  # noqa: E402
 
@@ -228,10 +228,14 @@ def main(argv=None) -> int:
                  "suffix": a.suffix, "new": a.new, "commit": _commit(), "torch": torch.__version__, "stages_s": {},
                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
+    jit = JitCompiles()  # Triton compiles per stage: a timed run that compiles measures the JIT, not the cache
+
     def stage(name: str, t0: float) -> None:
         res["stages_s"][name] = round(time.perf_counter() - t0, 1)
+        res.setdefault("jit_compiles", {})[name] = jit.take() if jit.available else None
         a.out.write_text(json.dumps(res, indent=1, default=str))
-        print(f"[{name}] {res['stages_s'][name]}s", flush=True)
+        jc = res["jit_compiles"][name]
+        print(f"[{name}] {res['stages_s'][name]}s" + (f", {jc['total']} Triton compiles" if jc else ""), flush=True)
 
     # 1. model, checkpoint, artifact
     t0 = time.perf_counter()

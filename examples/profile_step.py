@@ -59,6 +59,34 @@ def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
     return rows[:top], sum(r["count"] for r in rows), sum(r["us"] for r in rows)
 
 
+class JitCompiles:
+    """Counts Triton's JIT compiles by kernel name while installed (triton.knobs' post-compile hook), so a
+    benchmark can say which stage paid compiles inside its timings. `take()` returns the counts since the last
+    take and starts again. Without triton.knobs (older Triton, or none) it counts nothing: `available` False."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        try:
+            import triton.knobs as knobs
+        except ImportError:
+            knobs = None
+        self.available = knobs is not None and hasattr(knobs.runtime, "jit_post_compile_hook")
+        if self.available:
+            self._prev = knobs.runtime.jit_post_compile_hook
+            knobs.runtime.jit_post_compile_hook = self._hook
+
+    def _hook(self, *args, **kw) -> None:
+        fn = kw.get("fn")
+        name = getattr(fn, "name", None) or str(kw.get("repr", "?")).split("[")[0]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if self._prev:
+            self._prev(*args, **kw)
+
+    def take(self) -> dict:
+        out, self.counts = {"total": sum(self.counts.values()), "by_kernel": dict(sorted(self.counts.items()))}, {}
+        return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")

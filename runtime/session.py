@@ -262,15 +262,18 @@ class Session:
         the Triton kernels compile now: Triton specialises integer arguments (chunk tokens, rows) on == 1 and
         on divisibility by 16, and each new combination compiles every kernel of the prefill graph again
         (seconds on the slice). Cases: one row of the longest chunk (max_num_batched_tokens, a multiple of
-        16), one row of 17 tokens, and two rows of 16 and of 17 where the artifact takes two; each decodes
-        one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
+        16), one row of 17 tokens, two rows of 16 and of 17 where the artifact takes two, and 16 rows of 16
+        and of 17 where it takes 16 (row counts divisible by 16: a prefill call of 16 prompts resuming from
+        a cached prefix met them first, and compiled for 7 s inside its requests' time to first token,
+        examples/results/h200-2026-12-05); each decodes one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
         off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request.
         -> seconds per case."""
         limit = min(self.max_num_batched_tokens, self.max_tokens - 2)
         longest = limit // 16 * 16  # a multiple of 16 (0 when the limit is below 16: skipped below)
         cases = {f"1x{longest}": [longest], "1x17": [17]}
-        if self.max_batch >= 2 and self.max_prefill_rows >= 2 and 2 * 17 <= self.max_num_batched_tokens:
-            cases.update({"2x16": [16, 16], "2x17": [17, 17]})
+        for rows in (2, 16):
+            if min(self.max_batch, self.max_prefill_rows) >= rows and rows * 17 <= self.max_num_batched_tokens:
+                cases.update({f"{rows}x16": [16] * rows, f"{rows}x17": [17] * rows})
         g = torch.Generator().manual_seed(0)
         V = self.config.vocab_size
         prefix, share = self.prefix, getattr(self.prefix, "share", None)

@@ -231,6 +231,29 @@ def test_h200_artifact_on_restored_slots_gives_the_tokens_of_a_run_from_scratch(
     assert ref[0] == got[0]
 
 
+def test_warm_up_covers_row_counts_divisible_by_16(models, monkeypatch):
+    """Where a prefill call takes 16 rows, warm_up sends calls of 16 rows (of 16 and of 17 tokens): Triton
+    specialises the row count on divisibility by 16, and 16 prompts resuming from a cached prefix met that
+    class first, inside their time to first token (H100, examples/results/h200-2026-12-05)."""
+    sess = eager_session(models["v4-tiny-a"], 40, False, max_batch=16)
+    shapes = []
+    run = sess._run
+
+    def record(kind, ids, *a, **kw):
+        if kind == "prefill":
+            shapes.append(tuple(ids.shape))
+        return run(kind, ids, *a, **kw)
+
+    monkeypatch.setattr(sess, "_run", record)
+    assert set(sess.warm_up()) == {"1x32", "1x17", "2x16", "2x17"}  # 16 x 17 tokens exceed the 40-token budget
+    assert max(b for b, _ in shapes) == 2
+    shapes.clear()
+    sess.max_num_batched_tokens = 16 * 17
+    took = sess.warm_up()
+    assert set(took) == {"1x80", "1x17", "2x16", "2x17", "16x16", "16x17"}, took
+    assert (16, 16) in shapes and (16, 17) in shapes and (1, 80) in shapes, shapes
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_warm_up_leaves_no_trace(models, paged):
     """Session.warm_up (run by Session.load on a GPU) serves throwaway requests of each shape class: the
