@@ -190,6 +190,23 @@ def split_tool_calls(text: str) -> tuple[str, list[dict]]:
     return text[:i], parse_tool_calls(text[i + len(TOOL_CALLS_START):])
 
 
+PARSED_MARKERS = (DSML, THINK, END_THINK)  # what the server's reasoning and tool-call parsers read in the text
+
+
+def text_decoder(tokenizer):
+    """ids -> text, as `tokenizer.decode` gives it (special tokens skipped), except that special tokens whose
+    text holds a marker the server's parsers read (`PARSED_MARKERS`) stay. A tokenizer may mark its chat-format
+    tokens special; decoding them away would hide every tool call and reasoning end from the parsers.
+    `tokenizer`: a `tokenizers.Tokenizer`."""
+    added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
+    special = {i for i, t in added.items() if t.special}
+    keep = {i for i in special if any(m in added[i].content for m in PARSED_MARKERS)}
+    if not keep:
+        return tokenizer.decode
+    drop = special - keep
+    return lambda ids: tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+
 def builtin_chat_template(config) -> str | None:
     """The built-in template for a model config (`DEEPSEEK_V4` for V4), or None."""
     return DEEPSEEK_V4 if config.is_v4 else None

@@ -54,7 +54,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4c.chat_templates import (DSML, END_THINK, THINK, TOOL_CALLS_START, ToolCallFormatError, load_chat_template,
-                                  parse_tool_calls)
+                                  parse_tool_calls, text_decoder)
 from dsv4c.runtime.engine import Engine, Handle, QueueFull, RequestFailed, RequestSpec
 from dsv4c.runtime.sampling import SamplingParams
 
@@ -317,15 +317,15 @@ class _Detokenizer:
     """Incremental text of a growing token list: holds back a possibly incomplete UTF-8 character and
     the tail that could still become a stop string; the text ends before the first stop string."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, [s for s in stops if s]
+    def __init__(self, decode, stops: list[str]):
+        self.decode, self.stops = decode, [s for s in stops if s]  # decode: ids -> text (chat_templates.text_decoder)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids += ids
-        text = self.tok.decode(self.ids)
+        text = self.decode(self.ids)
         cuts = [text.find(s) for s in self.stops if s in text]
         if cuts:
             text, final = text[: min(cuts)], True
@@ -441,6 +441,7 @@ class _State:
         self.chat_missing = ""
         self.reasoning = "none"  # the reasoning parser chat completions run (reasoning_parser_for)
         self.tool_parser: str | None = None  # tool_parser_for: "dsml" or None (tools refused)
+        self.decode = None  # ids -> text with the parsers' markers kept (chat_templates.text_decoder)
         self.mtp: dict = {"k": 0, "policy": None}
         self.metrics: Metrics | None = None
         self.created = int(time.time())
@@ -882,7 +883,7 @@ class _Output:
         # chat with tools: the answer's DSML block goes to tool_calls
         self.tools = _ToolCallSplit() if chat and _tools_on(body) else None
         self.model, self.created = st.cfg.model_name, int(time.time())
-        self.detok = _Detokenizer(st.sess.tokenizer, list(h.spec.stop)) if st.sess.tokenizer is not None else None
+        self.detok = _Detokenizer(st.decode, list(h.spec.stop)) if st.decode is not None else None
         self.echo = echo_text
         self.offset = len(echo_text or "")  # text_offset of the next token (completions logprobs)
         self.text, self.reasoning, self.tokens, self.lps = "", "", [], []
@@ -1025,6 +1026,7 @@ def _ready(st: _State, sess) -> None:
     st.chat, st.chat_missing = _chat_template(cfg.artifact, src, sess)
     st.reasoning = reasoning_parser_for(cfg.reasoning_parser, src)
     st.tool_parser = tool_parser_for(src)
+    st.decode = text_decoder(sess.tokenizer) if sess.tokenizer is not None else None
     st.metrics = Metrics(cfg.model_name, sess.max_batch)
     st.engine = Engine(sess, cfg.max_waiting, st.metrics)
     st.metrics.watch(st.engine)

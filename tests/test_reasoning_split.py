@@ -84,3 +84,37 @@ def test_tool_call_split_is_the_same_for_every_way_the_text_arrives(text, conten
         assert all(c["id"].startswith("call_") and c["type"] == "function" for c in split.calls)
     split = _ToolCallSplit()
     assert split.push("Hi\n\n<", final=False) == "Hi"  # held: could be the block's start
+
+
+def test_markers_survive_decoding_where_the_tokenizer_marks_them_special():
+    """A tokenizer may mark its chat-format tokens special; `tokenizer.decode` then drops them, and the server
+    would see neither tool calls nor the end of reasoning. `text_decoder` keeps special tokens holding the
+    DSML marker and the think tags and drops the other special tokens, as decode does. Fed through the
+    server's detokenizer and splitters one token at a time, the answer splits as its text does."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from dsv4c.chat_templates import text_decoder
+    from dsv4c.runtime.serve import _Detokenizer, _ToolCallSplit
+
+    tok = Tokenizer.from_file(str(Path(__file__).resolve().parents[1] / "examples/models/v4-tiny-pystdlib/tokenizer.json"))
+    tok.add_special_tokens([DS, "</think>", "<｜end▁of▁sentence｜>"])
+    text = "a</think>Let me check." + CALLS
+    ids = tok.encode(text + "<｜end▁of▁sentence｜>", add_special_tokens=False).ids
+    for marker in (DS, "</think>", "<｜end▁of▁sentence｜>"):
+        assert tok.token_to_id(marker) in ids, marker  # each marker is one special token here
+    assert DS not in tok.decode(ids) and "</think>" not in tok.decode(ids)  # what decode alone gives
+    decode = text_decoder(tok)
+    assert decode(ids) == tok.decode(ids, skip_special_tokens=False).replace("<｜end▁of▁sentence｜>", "")
+    detok, reasoning, tools, answer = _Detokenizer(decode, []), _ReasoningSplit("<think>"), _ToolCallSplit(), ""
+    for i in range(len(ids)):
+        final = i == len(ids) - 1
+        _, a = reasoning.push(detok.push(ids[i:i + 1], final), final)
+        answer += tools.push(a, final)
+    assert answer == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tools.calls] == \
+        [("f", {"a": "x\n\ny"})]
+    plain = Tokenizer.from_file(str(Path(__file__).resolve().parents[1] / "examples/models/v4-tiny-pystdlib/tokenizer.json"))
+    assert text_decoder(plain) == plain.decode  # no special marker tokens: decode as it is
