@@ -263,9 +263,9 @@ class Session:
         on divisibility by 16, and each new combination compiles every kernel of the prefill graph again
         (seconds on the slice). Cases: one row of the longest chunk (max_num_batched_tokens, a multiple of
         16), one row of 17 tokens, two rows of 16 and of 17 where the artifact takes two, and 16 rows of 16
-        and of 17 where it takes 16 (row counts divisible by 16: a prefill call of 16 prompts resuming from
-        a cached prefix met them first, and compiled for 7 s inside its requests' time to first token,
-        examples/results/h200-2026-12-05); each decodes one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
+        and of 17 where it takes 16 (a row count divisible by 16 is its own class: 16 prompts resuming from a
+        cached prefix took ~7 s more cold than warm, examples/results/h200-2026-12-05). Each case decodes
+        one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
         off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request.
         -> seconds per case."""
         limit = min(self.max_num_batched_tokens, self.max_tokens - 2)
