@@ -198,7 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--system", type=int, default=4096)
     ap.add_argument("--suffix", type=int, default=128)
-    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128,
+                    help="new tokens per request (N): 128 decode for about 1 s at batch 64 on an H100; run20's 32 "
+                         "gave 0.25 s windows in which two runs on the same caches differed by 4%%, too short to "
+                         "judge paged vs slot within 3%%")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny model, cpu target, 4 x (64 + 8) (a smoke run)")
