@@ -15,6 +15,9 @@ calibrates the costs at that batch size and sampling mode; its wall time is repo
 `first_call_s`), then the `--repeats` timed calls in the same session, so the acceptance auto observed
 in earlier calls (and its re-choices every few rounds inside a call) carry over, as they would across
 a user's requests. The row lists the k each timed call started and ended with, its probes and switches.
+Last in each (batch, temperature) group the k = 0 cell is timed again (`again_ratio` on its row, shown as
+"again" in the table): two timings of the same cell, the noise against which a few percent are judged
+(`--no-k0-again` skips it).
 
     python examples/bench_mtp.py --out mtp.json                    # GPU (h200 target, bf16)
     python examples/bench_mtp.py --device cpu --quick --out q.json # CPU check (fp32, small grid)
@@ -169,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--round-graphs", choices=["default", "off", "graphs", "emulate"], default="default",
                     help="how pipelined MTP rounds run (Speculator.round_mode): one CUDA graph per round (graphs, the "
                          "default where every graph runs whole-step), or op by op (off), for comparison")
+    ap.add_argument("--no-k0-again", action="store_true",
+                    help="skip timing each group's k = 0 cell a second time after its other cells (again_ratio: "
+                         "the cell-to-cell noise at this length, against which 'within 3%%' is judged)")
     ap.add_argument("--no-boundary-check", action="store_true",
                     help="compile without the padding check at every bucket boundary (tests/test_boundary_check.py "
                          "covers it; at --batches 64 it is most of the compile time)")
@@ -242,6 +248,11 @@ def main(argv=None) -> int:
                     rows.append(auto_row(sess, sets, n_new, T, B, base, rows))
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
                     save()
+                if not a.no_k0_again:  # the same k = 0 cell again, last: how far two timings of one cell differ
+                    again = run_repeats(sess, sets, n_new, T, 0)["tokens_per_s"]
+                    row0 = next(r for r in rows if (r["batch"], r["temperature"], r["k"]) == (B, T, 0))
+                    row0.update(tokens_per_s_again=round(again, 2), again_ratio=round(again / base, 3))
+                    save()
     print(table(rows, sess, art))
     save()
     if a.plot:
@@ -268,7 +279,8 @@ def table(rows: list[dict], sess, art) -> str:
                        f"{r['reason']} | | | |")
             continue
         alpha = ", ".join(f(x) for x in r.get("alpha", [])) or "-"
-        out.append(f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+        again = f" (again: {r['again_ratio']:.2f}x)" if "again_ratio" in r else ""
+        out.append(f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x{again} | "
                    f"{alpha} | {f(r.get('mean_accepted_length'))} | {r.get('fused_rounds', '-')} / {r.get('fallback_refreshes', '-')} | "
                    f"{r.get('greedy_equal_to_k0', '-')} |")
     return "\n".join(out)
