@@ -219,9 +219,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for B in batches:
             sets = prompt_sets(B, a.repeats)
-            for k in ks:  # warm-up per batch and k (CUDA-graph capture happens here), as long as a timed call:
-                for T in (temps if k else [0.0]):  # (a 4-token one ended in its first round, never pipelined);
-                    run_cell(sess, sets[0], n_new, T, k)  # per T: greedy and sampled rounds are separate round graphs
+            for k in ks:  # warm-up per batch, k and T (CUDA-graph capture happens here), as long as a timed call
+                for T in temps:  # (a 4-token one ended in its first round, never pipelined); per T: greedy and
+                    run_cell(sess, sets[0], n_new, T, k)  # sampled steps and rounds are separate graphs and samplers
             ref_outputs: list = []  # k = 0, temperature 0: the greedy reference of this batch, per call
             for T in temps:
                 base = None
