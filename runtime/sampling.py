@@ -77,11 +77,17 @@ def penalize(logits: torch.Tensor, prompt: list[int], out: list[int], p: Samplin
     for t, b in p.logit_bias:
         x[t] += b
     counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V).float()
-    if p.repetition_penalty != 1:
-        seen = counts > 0
-        seen[torch.tensor(prompt, dtype=torch.int64)] = True
-        x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
-    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    seen = counts > 0
+    seen[torch.tensor(prompt, dtype=torch.int64)] = True
+    return _penalty_rule(x, counts, seen, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+
+
+def _penalty_rule(x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence, frequency,
+                  repetition) -> torch.Tensor:
+    """Repetition on the `seen` tokens (prompt or output), then frequency x counts and presence where counted.
+    x, counts fp32 and seen bool, all [..., V]; the penalties are numbers or [..., 1] tensors."""
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * (counts > 0).float()
 
 
 class PenaltyState:
@@ -110,9 +116,7 @@ class PenaltyState:
         x = logits.float() if bias is None else logits.float() + bias
         counts = self.counts[slots].float()
         seen = (counts > 0) | self.prompt[slots]
-        r = repetition[:, None]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        return x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+        return _penalty_rule(x, counts, seen, presence[:, None], frequency[:, None], repetition[:, None])
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -130,7 +134,7 @@ def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # keep the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
     if p.min_p:
-        probs = torch.where(probs >= p.min_p * probs.amax(-1, keepdim=True), probs, 0.0)
+        probs = _min_p(probs, p.min_p)
     return probs / probs.sum(-1, keepdim=True)
 
 
