@@ -7,7 +7,8 @@ and each adds its own U-token suffix (default 64 x 4096 + 128); all are submitte
 Stages (each timed; the JSON is rewritten after every stage):
   1. the slice built on the device, rounded to the release formats, its checkpoint written, and
      `dsv4c compile --target h200 --max-batch R --buckets R` (as examples/bench_artifact.py does);
-  2. one Session (graphs=full; `Session.load(warm_up=True)`: the kernels' JIT compiles at load), a warm-up
+  2. one Session (graphs=full; `Session.load(warm_up=True)`: the kernels' JIT compiles and the prefill CUDA
+     graphs' captures at load, `--prefill-graphs off` runs prefill op by op), a warm-up
      request, then the same R requests
        off   prefix caching off (`sess.prefix = None`): every request prefills S + U tokens;
        on    an empty prefix cache: the first request prefills everything and stores its blocks,
@@ -17,8 +18,10 @@ With --profile-prefill, once the slot runs are done, the prefill paths behind th
 profiled (torch.profiler, kernels grouped by name): one request resuming from the cached system prompt
 (1 x U tokens), 16 such requests in one prefill call (16 x U), one request without the cache (S + U tokens,
 chunks of max_num_batched_tokens) and one 2048-token prompt (one chunk); each is `generate(..., max_new_tokens=1)`,
-so admission, the prefix restore and the first token are in it. `--runs on,warm` skips the cache-off run (a
-profiling pass needs no baseline; the summary then has no speedups).
+so admission, the prefix restore and the first token are in it. Where the Session replays prefill calls as
+CUDA graphs (runtime/prefill_graphs.py, `Session.load(prefill_graphs="auto")`), each scenario is timed op by op
+too (`ms_op_by_op`); with --paged the paged Session's scenarios are profiled as well (`paged_prefill_profile`).
+`--runs on,warm` skips the cache-off run (a profiling pass needs no baseline; the summary then has no speedups).
 
 With --paged, a second artifact compiled with `--paged` (the growing caches in blocks of a shared pool,
 runtime/block_pool.py: blocks grown as requests decode; CUDA graphs capture the paged graphs) runs after the
@@ -157,36 +160,57 @@ def _scenario(name: str, ps: list[list[int]], U: int) -> tuple[list[list[int]], 
             "cold_2048": ([ps[0][:2048]], False)}[name]
 
 
+def _timed(sess, batch, dev, reps: int) -> list[float]:
+    """ms of each of `reps` synchronised `generate(batch, max_new_tokens=1)` calls."""
+    ms = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        sess.generate(batch, max_new_tokens=1)
+        _sync(dev)
+        ms.append(1e3 * (time.perf_counter() - t0))
+    return ms
+
+
 @torch.no_grad()
-def prefill_profile(sess, prefix, ps: list[list[int]], U: int, dev, top: int = 25, reps: int = 3) -> dict:
-    """Time (median of `reps`, synchronised) and profile each scenario's `generate(max_new_tokens=1)`."""
+def prefill_profile(sess, use_cache, ps: list[list[int]], U: int, dev, top: int = 25, reps: int = 3) -> dict:
+    """Time (median of `reps`, synchronised) and profile each scenario's `generate(max_new_tokens=1)`; with
+    prefill CUDA graphs (runtime/prefill_graphs.py) on, each is also timed op by op (`ms_op_by_op`, the graphs
+    set aside meanwhile). `use_cache(bool)` turns the prefix cache (slot caches) or block sharing (paged) on
+    or off."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     out = {}
+    graphs = sess.prefill_graphs
     for name in PROFILE_SCENARIOS:
         batch, cached = _scenario(name, ps, U)
-        sess.prefix = prefix if cached else None
-        sess.generate(batch, max_new_tokens=1)  # warm-up: this shape's kernels
-        ms = []
-        for _ in range(reps):
-            _sync(dev)
-            t0 = time.perf_counter()
-            sess.generate(batch, max_new_tokens=1)
-            _sync(dev)
-            ms.append(1e3 * (time.perf_counter() - t0))
+        use_cache(cached)
+        sess.generate(batch, max_new_tokens=1)  # warm-up: this shape's kernels (and its prefill graph's capture)
+        before = sess.prefill_stats["replays"]
+        ms = _timed(sess, batch, dev, reps)
+        replayed = sess.prefill_stats["replays"] > before
         with profile(activities=acts) as prof:
             sess.generate(batch, max_new_tokens=1)
             _sync(dev)
         kern, n_kern, kern_us = kernel_table(prof, top)
         tokens = sum(U if cached else len(p) for p in batch)  # a hit resumes at the system prompt's end
         out[name] = {"rows": len(batch), "prefilled_tokens": tokens, "ms": statistics.median(ms), "ms_all": ms,
-                     "kernels": n_kern, "kernel_ms": kern_us / 1e3, "top_kernels": kern}
+                     "replayed": replayed, "kernels": n_kern, "kernel_ms": kern_us / 1e3, "top_kernels": kern}
+        if graphs is not None:
+            sess.prefill_graphs = None
+            try:
+                sess.generate(batch, max_new_tokens=1)
+                out[name]["ms_op_by_op"] = statistics.median(_timed(sess, batch, dev, reps))
+            finally:
+                sess.prefill_graphs = graphs
+        extra = f", op by op {out[name]['ms_op_by_op']:.1f} ms" if graphs is not None else ""
         print(f"[profile {name}] {len(batch)} rows, {tokens} tokens prefilled: {out[name]['ms']:.1f} ms "
-              f"({n_kern} kernels, {kern_us / 1e3:.1f} ms of kernel time)", flush=True)
+              f"({'replayed' if replayed else 'op by op'}; {n_kern} kernels, {kern_us / 1e3:.1f} ms of kernel time"
+              f"{extra})", flush=True)
         for r in kern[:12]:
             print(f"  {r['us'] / 1e3:8.2f} ms  x{r['count']:<5d} {r['name'][:100]}", flush=True)
-    sess.prefix = prefix
+    use_cache(True)
     return out
 
 
@@ -210,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paged-off", action="store_true", help="--paged: also the paged run without prefix sharing")
     ap.add_argument("--runs", default="off,on,warm", help="slot-cache runs, comma list of off,on,warm (default all)")
     ap.add_argument("--profile-prefill", action="store_true", help="time and profile the prefill paths (docstring)")
+    ap.add_argument("--prefill-graphs", default="auto", choices=["auto", "off"],
+                    help="Session.load(prefill_graphs=): prefill calls replayed as CUDA graphs (auto) or op by op")
     ap.add_argument("--turn2", action="store_true", help="a second chat turn after the slot runs (docstring)")
     ap.add_argument("--turn2-suffix", type=int, default=64, help="--turn2: new tokens of the second turn's message")
     ap.add_argument("--mtp", type=int, default=0, help="compile with --mtp K and decode every run with k = K drafts "
@@ -262,13 +288,15 @@ def main(argv=None) -> int:
     from dsv4c.runtime import Session
 
     t0 = time.perf_counter()
-    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off", warm_up=True)
+    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off", warm_up=True,
+                        prefill_graphs=a.prefill_graphs)
     prefix = sess.prefix
     res["slot_cache_bytes"] = sess.cache_info["main"]["bytes"]
     res["load_warm_up_s"] = sess.warmup_s  # Session.warm_up at load: the kernels' JIT compiles
     res["prefix_pool"] = {"blocks": prefix.n_blocks, "block_size": prefix.block_size,
                           "bytes_per_block": prefix.bytes_per_block,
                           "pool_GiB": prefix.n_blocks * prefix.bytes_per_block / 2**30}
+    res["prefill_graphs"] = _prefill_graphs_info(sess)
     sess.prefix = None
     sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph replay
     stage("load_and_warmup", t0)
@@ -291,7 +319,8 @@ def main(argv=None) -> int:
     stage("admission_ttft", t0)
     if a.profile_prefill:
         t0 = time.perf_counter()
-        res["prefill_profile"] = prefill_profile(sess, prefix, ps, a.suffix, dev)
+        res["prefill_profile"] = prefill_profile(sess, lambda c: setattr(sess, "prefix", prefix if c else None),
+                                                 ps, a.suffix, dev)
         stage("prefill_profile", t0)
     if runs != ["off", "on", "warm"]:
         a.out.write_text(json.dumps(res, indent=1, default=str))
@@ -324,6 +353,14 @@ def main(argv=None) -> int:
     print(json.dumps(res["summary"], indent=1))
     a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+def _prefill_graphs_info(sess) -> dict:
+    """The Session's prefill CUDA graphs (runtime/prefill_graphs.py): shapes and capture stats, or why off."""
+    pg = sess.prefill_graphs
+    if pg is None:
+        return {"on": False, "why_off": getattr(sess, "prefill_graphs_off", None)}
+    return {"on": True, "shapes": len(pg.shapes), **pg.stats}
 
 
 def turn2_runs(a, res: dict, sess, prefix, ps, dev, V: int) -> None:
@@ -360,11 +397,13 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
     _run(cmd, a.work / "compile_paged.log")
     stage("compile_paged", t0)
     t0 = time.perf_counter()
-    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off", warm_up=True)
+    sess = Session.load(art, device=dev, graphs="full" if dev.type == "cuda" else "off", warm_up=True,
+                        prefill_graphs=a.prefill_graphs)
     res["paged_pool"] = sess.cache_info["paged"]
     res["paged_cache_bytes"] = sess.cache_info["main"]["bytes"]
     res["paged_load_warm_up_s"] = sess.warmup_s
     res["paged_executor_modes"] = {k: getattr(ex, "mode", None) for k, ex in sess.executors.items()}
+    res["paged_prefill_graphs"] = _prefill_graphs_info(sess)
     sess.prefix.share = False
     sess.generate(prompts(V, 2, a.suffix, 3, seed=99), max_new_tokens=3)  # warm-up: kernels, graph capture
     stage("load_and_warmup_paged", t0)
@@ -377,6 +416,11 @@ def paged_runs(a, res: dict, ckpt: Path, ps, dev, V: int, stage) -> None:
               f"decode {r['decode_tokens_per_s']:.0f} tok/s, {r['prefill_calls']['calls']} prefill calls "
               f"({r['prefill_calls']['mean_rows_per_call']:.1f} rows each)", flush=True)
         stage(name, t0)
+    if a.profile_prefill:
+        t0 = time.perf_counter()
+        pool = sess.prefix
+        res["paged_prefill_profile"] = prefill_profile(sess, lambda c: setattr(pool, "share", c), ps, a.suffix, dev)
+        stage("paged_prefill_profile", t0)
     off, summ = res["off"], res["summary"]
     summ.update({
         "paged_on_decode_vs_slot_on": res["paged_on"]["decode_tokens_per_s"] / res["on"]["decode_tokens_per_s"],

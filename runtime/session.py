@@ -157,7 +157,8 @@ class Session:
         # prefill rows per call (Session._prefill_rows). A deterministic artifact prefills one request per call:
         # its promise is that a request's logits do not depend on the requests it runs with
         self.max_prefill_rows = 1 if manifest.get("deterministic") else self.max_batch
-        self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0}  # prefill graph calls
+        self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0,  # prefill graph calls
+                              "replays": 0}  # of which replayed a prefill CUDA graph (runtime/prefill_graphs.py)
         self.warmup_s: dict[str, float] = {}  # Session.warm_up's seconds per case (load(warm_up=True))
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
@@ -176,6 +177,7 @@ class Session:
         else:
             self.prefix = prefix_cache_for(self, prefix_cache)  # runtime/prefix_cache.py; None: off
         self.executors = self._executors(graph_mode)
+        self.prefill_graphs = None  # runtime/prefill_graphs.py: Session.load(prefill_graphs=...) sets it
         self.rank, self.mirror = 0, None  # runtime/distributed.py: rank 0's Leader on a sharded artifact
         self._live: _Scheduler | None = None  # the incremental API's scheduler (add_request / step / abort)
         # True: decode steps run one at a time with every row's logits on the host (`_emit`), as for requests
@@ -188,7 +190,8 @@ class Session:
     def load(cls, art: str | Path, device: str | torch.device = "cpu", emulate: bool = False,
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
              strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
-             deterministic: bool = False, paged: bool | None = None, warm_up: bool = False) -> "Session":
+             deterministic: bool = False, paged: bool | None = None, warm_up: bool = False,
+             prefill_graphs: str | Sequence[tuple[int, int]] = "auto") -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -203,7 +206,11 @@ class Session:
         `paged`: the artifact's cache layout decides (compile with paged=PagedConfig(...): the growing caches
         in blocks of a shared pool, runtime/block_pool.py); True / False require that layout (ArtifactError).
         `warm_up=True`: `Session.warm_up()` before returning, so the kernels' JIT compiles are paid at load and
-        not in the first requests' time to first token (`dsv4c serve` does it before /health turns 200)."""
+        not in the first requests' time to first token (`dsv4c serve` does it before /health turns 200).
+        `prefill_graphs`: prefill calls replayed as CUDA graphs at fixed (rows, tokens) shapes
+        (runtime/prefill_graphs.py): "auto" (on where the fixed-shape graphs are CUDA graphs and the artifact
+        is not sharded: `prefill_graphs.default_shapes` of max_num_batched_tokens), "off", "emulate" (the
+        padded data flow op by op, any device: tests), or a list of (rows, tokens) shapes (CUDA only)."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -258,6 +265,7 @@ class Session:
             attach(sess, rank)  # runtime/distributed.py
         if max_num_batched_tokens is not None:
             sess.max_num_batched_tokens = max_num_batched_tokens
+        sess.prefill_graphs = sess._make_prefill_graphs(prefill_graphs, graphs, sharded=rank is not None)
         if warm_up:
             if rank is not None:
                 raise ValueError("warm_up: a sharded artifact's ranks run together (runtime/distributed.py); "
@@ -275,7 +283,8 @@ class Session:
         and of 17 where it takes 16 (a row count divisible by 16 is its own class: 16 prompts resuming from a
         cached prefix took ~7 s more cold than warm, examples/results/h200-2026-12-05). Each case decodes
         one step too. Random token ids, greedy, no MTP; the prefix cache stores nothing of them (slot caches:
-        off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request.
+        off meanwhile; paged: sharing off meanwhile); admission resets a slot before its next request. Then
+        every prefill CUDA graph shape not captured yet is captured ("prefill_graphs").
         -> seconds per case."""
         limit = min(self.max_num_batched_tokens, self.max_tokens - 2)
         longest = limit // 16 * 16  # a multiple of 16 (0 when the limit is below 16: skipped below)
@@ -304,7 +313,43 @@ class Session:
             self.prefix = prefix
             if self.paged:
                 self.prefix.share = share
+        if self.prefill_graphs is not None:  # every shape captured now (its first call would capture it)
+            out["prefill_graphs"] = round(self.prefill_graphs.capture_all(self.caches, self._graph_weights("prefill")), 3)
         return out
+
+    def _make_prefill_graphs(self, spec, graph_mode: str, sharded: bool):
+        """The PrefillGraphs of Session.load's `prefill_graphs` (None: every prefill call runs op by op)."""
+        from dsv4c.runtime.prefill_graphs import PrefillGraphs, capture_blocker, default_shapes
+
+        self.prefill_graphs_off = None  # why "auto" left them off (stats, tests)
+        if isinstance(spec, str):
+            if spec not in ("auto", "off", "emulate"):
+                raise ValueError(f"prefill_graphs: 'auto', 'off', 'emulate' or a list of (rows, tokens), got {spec!r}")
+            cuda_graphs = self.device.type == "cuda" and GRAPH_MODES[graph_mode] in (None, "graphs", "full")
+            if spec == "off" or (spec == "auto" and (not cuda_graphs or sharded)):
+                return None
+            shapes, mode = default_shapes(self.max_num_batched_tokens, min(self.max_batch, self.max_prefill_rows)), (
+                "cuda" if spec == "auto" else "emulate")
+        else:
+            if self.device.type != "cuda":
+                raise ValueError("prefill_graphs: a list of shapes captures CUDA graphs and needs a CUDA device; "
+                                 "'emulate' runs the padded path elsewhere")
+            shapes, mode = tuple(tuple(s) for s in spec), "cuda"
+            over = [s for s in shapes if len(s) == 2 and (s[0] > self.max_batch or s[0] * s[1] > self.max_num_batched_tokens)]
+            if over:
+                raise ValueError(f"prefill_graphs: shapes {over} exceed max_batch={self.max_batch} rows or "
+                                 f"max_num_batched_tokens={self.max_num_batched_tokens} tokens")
+        if sharded:
+            raise ValueError("prefill_graphs: a sharded artifact's ranks run prefill op by op (runtime/distributed.py); "
+                             "use 'auto' or 'off'")
+        why = capture_blocker(self.graphs["prefill"]) if mode == "cuda" else None
+        if why and spec == "auto":
+            self.prefill_graphs_off = why
+            return None
+        if why:
+            raise ValueError(f"prefill_graphs: the prefill graph cannot be captured: {why}")
+        return PrefillGraphs(self.graphs["prefill"], self.device, shapes, self.cache_slots - 1,
+                             keep_hidden="mtp" in self.manifest["graphs"], mode=mode)
 
     def _allocate_caches(self, mtp: bool = False) -> dict[str, torch.Tensor]:
         """Static caches shaped as the graphs expect (runtime/kv_cache.py); CacheError if they do not fit.
@@ -366,9 +411,11 @@ class Session:
     # ---- running the graphs ---------------------------------------------------------------------
     def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int], *,
              hidden: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-             caches: dict[str, torch.Tensor] | None = None, outputs: bool = False):
+             caches: dict[str, torch.Tensor] | None = None, outputs: bool = False, replay: bool = False):
         """Run graph `kind`; returns its logits, or every output with `outputs=True`. The mtp graph takes
-        `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real."""
+        `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real.
+        `replay`: a prefill call through `self.prefill_graphs` (outputs: the last real position's logits
+        [B, 1, V], and the hidden output where kept; valid until the next call)."""
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
         if self.paged and kind != "mtp":  # every position the step writes has a block (the scheduler grew
@@ -379,6 +426,8 @@ class Session:
             self.prefix.flush()  # table rows changed since the last step (released, admitted, grown)
         ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
         run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
+        if replay:
+            run = self.prefill_graphs.run
         lead = () if hidden is None else (hidden.to(self.device),)
         if self.mirror is not None:
             self.mirror.run(kind, ids, s, pos0, n, lead[0] if lead else None, caches)
@@ -410,10 +459,12 @@ class Session:
         ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
         return _Fill(slot, ids, p0, [min(j, n) for j in ends], req)
 
-    def _prefill_rows(self, fills: list["_Fill"], take=None) -> Iterator["_Fill"]:
+    def _prefill_rows(self, fills: list["_Fill"], take=None, last_only: bool = False) -> Iterator["_Fill"]:
         """Run `fills` through the prefill graph, several rows per call; yield each fill once its last chunk
         ran, with `fill.outs` = take(outputs) per chunk (outputs: every graph output of the row's chunk,
-        [1, n, ...], batch dim kept; default take: the tuple itself).
+        [1, n, ...], batch dim kept; default take: the tuple itself). `last_only`: `take` reads no logits but
+        the chunk's last row, so a call may replay a prefill CUDA graph (`self.prefill_graphs`: its logits
+        output is [1, 1, V]); `take` must then copy what it keeps (the next call overwrites the outputs).
 
         A call takes the next chunk of each unfinished fill, oldest first, while rows x the longest chunk
         stays within max_num_batched_tokens (padded positions count: the graph computes them) and the rows
@@ -436,10 +487,12 @@ class Session:
             for b, f in enumerate(rows):
                 ids[b, :f.next_len()] = torch.tensor(f.next_ids())
             n_real = [f.next_len() for f in rows]
-            out = self._run("prefill", ids, [f.slot for f in rows], n_real, outputs=True)
+            replay = last_only and self.prefill_graphs is not None and self.prefill_graphs.fit(len(rows), T) is not None
+            out = self._run("prefill", ids, [f.slot for f in rows], n_real, outputs=True, replay=replay)
             st = self.prefill_stats
             st["calls"], st["rows"] = st["calls"] + 1, st["rows"] + len(rows)
             st["tokens"], st["padded_tokens"] = st["tokens"] + sum(n_real), st["padded_tokens"] + len(rows) * T
+            st["replays"] += replay
             for b, f in enumerate(rows):
                 o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
                 f.outs.append(o if take is None else take(o))
@@ -452,13 +505,17 @@ class Session:
             pending = [f for f in pending if f.k < len(f.ends)]
             yield from done
 
-    def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False) -> list:
+    def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False,
+                        take=None) -> list:
         """Prefill `ids` into `slot` from its current position, in chunks of max_num_batched_tokens (the prefix
         cache adds chunk ends at block ends); logits [T_chunk, V] each (`outputs=True`: every graph output of
         each chunk, batch dim kept; `last_row`: only each chunk's last row, [1, V], so a long prompt does not
-        hold T x V fp32 logits). One sequence: several run together through `_prefill_rows`."""
-        take = None if outputs else (lambda o: o[0][0][-1:].clone()) if last_row else (lambda o: o[0][0])
-        (f,) = self._prefill_rows([self._fill(ids, slot)], take)  # clone: frees the chunk
+        hold T x V fp32 logits; `take`: a `_prefill_rows` take that reads only the last logits row and copies
+        what it keeps). One sequence: several run together through `_prefill_rows`."""
+        last_only = take is not None or last_row
+        if take is None:
+            take = None if outputs else (lambda o: o[0][0][-1:].clone()) if last_row else (lambda o: o[0][0])
+        (f,) = self._prefill_rows([self._fill(ids, slot)], take, last_only)  # clone: frees the chunk
         return f.outs
 
     def _prefill(self, req: _Request) -> torch.Tensor:
@@ -881,7 +938,7 @@ class _Scheduler:
         sess, spec = self.sess, self.spec
         fills = [sess._fill(r.context()[int(sess.pos[r.slot]):], r.slot, r) for r in wave]
         take = spec.take if spec is not None else (lambda o: o[0][0, -1].clone())  # plain: the last logits row [V]
-        for f in sess._prefill_rows(fills, take):
+        for f in sess._prefill_rows(fills, take, last_only=True):
             r = f.req
             r.chunks += len(f.outs)
             logits = spec.prefilled(r, f.outs) if spec is not None else f.outs[-1]

@@ -255,9 +255,9 @@ class Speculator:
         """Prefill r's prompt into its slot (as Session._prefill), keeping the streams the MTP needs;
         returns the last position's logits [V]."""
         rest = r.context()[int(self.sess.pos[r.slot]):]  # past the prefix the prefix cache restored
-        chunks = self.sess._prefill_chunks(rest, r.slot, outputs=True)
-        r.chunks += len(chunks)
-        return self.prefilled(r, [self.take(o) for o in chunks])
+        taken = self.sess._prefill_chunks(rest, r.slot, take=self.take)
+        r.chunks += len(taken)
+        return self.prefilled(r, taken)
 
     def take(self, o: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """What admission keeps of one prefill chunk's outputs (one row's, [1, n, ...]; the scheduler prefills
