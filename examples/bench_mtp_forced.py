@@ -37,6 +37,7 @@ the verify and draft graphs as compiled: T = 1 + K rows per sequence in every ca
         --batches 1,8 --budget-s 200 --out $OUT/forced_slice_1_8.json
     # the same with the verify's argmax equal to the decode's (bf16 near-ties otherwise end the forced drafts)
     python examples/bench_mtp_forced.py --bundled --deterministic --work build/forced_bundled --batches 1,8
+    python examples/bench_mtp_forced.py --slice build/forced_slice --deterministic --batches 1,8,32,64
     python examples/bench_mtp_forced.py --bundled --device cpu --quick          # CPU smoke run
     python examples/bench_mtp_forced.py --roofline-only v4-flash                # the bound grid only
 
@@ -317,15 +318,17 @@ def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print,
     return ok
 
 
-def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=print) -> Path:
+def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=print,
+                  deterministic: bool = False) -> Path:
     """The v4-flash-slice built on the GPU (seeded random), written in the release formats, compiled
-    for h200 with --mtp K, buckets = the batches (reused when `work/art` exists)."""
+    for h200 with --mtp K (and --deterministic), buckets = the batches (reused when `work/art` or
+    `work/art_det` exists)."""
     from dsv4c.checkpoint import save_checkpoint
     from dsv4c.compile import compile_checkpoint
     from dsv4c.model import build_model
 
-    art = work / "art"
-    if _reusable(art, K, batches, max_tokens, log):
+    art = work / ("art_det" if deterministic else "art")
+    if _reusable(art, K, batches, max_tokens, log, deterministic):
         return art
     ckpt, done = work / "ckpt", work / "ckpt.complete"
     if not done.is_file():  # a call that timed out after writing the checkpoint leaves the marker: reused
@@ -339,8 +342,9 @@ def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=p
         log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     compile_checkpoint(ckpt, art, target="h200", max_tokens=max_tokens, max_batch=max(batches), buckets=tuple(batches),
-                       mtp_k=K, progress=True, verify_boundaries=False, force=True)
-    log(f"slice compiled (h200, --mtp {K}) in {time.perf_counter() - t0:.0f}s")
+                       mtp_k=K, progress=True, verify_boundaries=False, force=True, deterministic=deterministic)
+    log(f"slice compiled (h200, --mtp {K}{', deterministic' if deterministic else ''}) in "
+        f"{time.perf_counter() - t0:.0f}s")
     shutil.rmtree(ckpt)  # 20 GB: the artifact (~35 GB) is all the run needs, and the device disk is 64 GiB
     done.unlink()
     return art
@@ -380,8 +384,8 @@ def main(argv=None) -> int:
                     help="start no cell after this many seconds from the start (the JSON says what was skipped)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: batches 1,2, α 0.8, k 1,2, 8 tokens")
     ap.add_argument("--deterministic", action="store_true",
-                    help="with --bundled: compile and load in deterministic mode, so the verify's argmax equals the "
-                         "k = 0 decode's and the measured α is the requested one in bf16 too")
+                    help="with --bundled or --slice: compile and load in deterministic mode, so the verify's argmax "
+                         "equals the k = 0 decode's and the measured α is the requested one in bf16 too")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.quick:
@@ -394,8 +398,9 @@ def main(argv=None) -> int:
         ctx_len = a.prompt_len + a.new_tokens // 2
         print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, ctx_len))
         return 0
-    if a.deterministic and not a.bundled:
-        ap.error("--deterministic is implemented for --bundled only (the slice's and --art's compiles are fixed)")
+    if a.deterministic and a.art:
+        ap.error("--deterministic: with --bundled or --slice (an --art artifact's compile is fixed; the Session "
+                 "loads it as compiled)")
     if not set(batches) <= set(compile_batches):
         ap.error(f"--batches {batches} must be among --compile-batches {compile_batches}")
     max_tokens = max(a.prompt_len, 64) + a.new_tokens + 4 * a.k + 8
@@ -412,7 +417,7 @@ def main(argv=None) -> int:
         art = compile_bundled(a.work or Path(tmp.name), a.device, a.k, compile_batches, max_tokens, log,
                               deterministic=a.deterministic)
     else:
-        art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log)
+        art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log, deterministic=a.deterministic)
     timings["compile_or_reuse_s"] = round(time.perf_counter() - t0, 2)
     if a.compile_only:
         return 0
