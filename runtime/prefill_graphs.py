@@ -17,8 +17,9 @@ real position's logits leave the graph (a [R, Tb, V] fp32 output per shape would
 tokens), so a caller that needs every position's logits (`Session.logits`) runs the graph op by op.
 
 All shapes' graphs share one memory pool, so what one capture frees (the full logits, the MoE workspace)
-the next reuses. A replay may overwrite any other shape's outputs: a caller copies what it keeps before
-the next call (the Session's `take` functions clone). Capture runs the shape once op by op on inputs that
+the next reuses, and write their outputs into one set of buffers sized for the largest shape (the hidden
+rows of a 2048-token call are 64 MB on V4-Flash, once rather than per shape). So a replay overwrites every
+shape's outputs: a caller copies what it keeps before the next call (the Session's `take` functions clone). Capture runs the shape once op by op on inputs that
 write nothing (n_real = 0: Triton's JIT compiles there, not inside the capture), then captures; it
 happens at the shape's first use, or for every shape in `capture_all` (`Session.warm_up`).
 
@@ -76,7 +77,7 @@ class _Shape:
     pos0: torch.Tensor  # [R]
     n_real: torch.Tensor  # [R]
     graph: object = None  # torch.cuda.CUDAGraph ("cuda"), True once captured ("emulate")
-    outs: tuple = ()  # (last [R, V], hidden [R, Tb, ...] when kept): the static outputs
+    outs: tuple = ()  # (last [R, V], hidden [R, Tb, ...] when kept): views of the shared output buffers
     stats: dict = field(default_factory=dict)
 
 
@@ -99,6 +100,7 @@ class PrefillGraphs:
         self.shapes = tuple(sorted({(int(r), int(t)) for r, t in shapes}, key=lambda s: (s[0] * s[1], s[1])))
         self._state: dict[tuple[int, int], _Shape] = {}
         self._bound: tuple | None = None  # (caches, weights) the graphs were captured with
+        self._bufs: tuple | None = None  # the outputs of every shape: last [max R, V] (, hidden [max R·Tb, ...])
         self.pool = None
         self.stats = {"mode": mode, "replays": 0, "captures": 0, "capture_s": 0.0, "graph_bytes": 0}
 
@@ -154,11 +156,24 @@ class PrefillGraphs:
                                "captured with; caches and weights must stay the same tensors")
 
     def _forward(self, st: _Shape, caches: dict, weights: dict) -> tuple:
-        """The graph on the shape's static inputs, reduced to the outputs kept (module docstring)."""
+        """The graph on the shape's static inputs, reduced to the outputs kept (module docstring) and copied
+        into the shared output buffers; -> the shape's views of them."""
         logits, hidden = self.gm(st.ids, st.slots, st.pos0, st.n_real, caches, weights)[:2]
         rows = torch.arange(st.rows, device=self.device)
-        last = logits[rows, (st.n_real - 1).clamp(min=0)]  # [R, V]
-        return (last, hidden) if self.keep_hidden else (last,)
+        outs = (logits[rows, (st.n_real - 1).clamp(min=0)],) + ((hidden,) if self.keep_hidden else ())  # [R, V], ...
+        if self._bufs is None:  # the first call, never inside a capture (capture runs a shape op by op first)
+            big_r, big_rt = max(r for r, _ in self.shapes), max(r * t for r, t in self.shapes)
+            self._bufs = (outs[0].new_empty(big_r, *outs[0].shape[1:]),) + tuple(
+                o.new_empty(big_rt, *o.shape[2:]) for o in outs[1:])
+        views = self._views(st)
+        for v, o in zip(views, outs):
+            v.copy_(o)
+        return views
+
+    def _views(self, st: _Shape) -> tuple:
+        """The shape's outputs in the shared buffers: last [R, V] (, hidden [R, Tb, ...])."""
+        R, Tb = st.rows, st.tokens
+        return (self._bufs[0][:R],) + tuple(b[:R * Tb].view(R, Tb, *b.shape[1:]) for b in self._bufs[1:])
 
     def _capture(self, shape: tuple[int, int], caches: dict, weights: dict) -> _Shape:
         R, Tb = shape
@@ -184,7 +199,7 @@ class PrefillGraphs:
             st.stats["graph_bytes"] = max(torch.cuda.memory_allocated(self.device) - mem0, 0)
             self.stats["graph_bytes"] += st.stats["graph_bytes"]
         else:
-            st.outs = tuple(torch.empty_like(o) for o in self._forward(st, caches, weights))
+            st.outs = self._forward(st, caches, weights)
             st.graph = True
         st.stats["capture_s"] = time.perf_counter() - t0
         self.stats["captures"] += 1
@@ -195,6 +210,5 @@ class PrefillGraphs:
     def _replay(self, st: _Shape, caches: dict, weights: dict) -> None:
         if self.mode == "cuda":
             st.graph.replay()
-        else:  # emulate: the padded call op by op, copied into the static outputs
-            for o, x in zip(st.outs, self._forward(st, caches, weights)):
-                o.copy_(x)
+        else:  # emulate: the padded call op by op, into the same output views
+            self._forward(st, caches, weights)
