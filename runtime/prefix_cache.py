@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -212,9 +213,13 @@ class PrefixCache:
         """The hash chain of ids' full blocks (from block `start` on, continuing the chain from `prev`, the key of
         block start - 1)."""
         b, out, h = self.block_size, [], prev
-        for k in range(start, len(ids) // b):
-            h = hashlib.blake2b(h + torch.tensor(ids[k * b:(k + 1) * b], dtype=torch.int64).numpy().tobytes(),
-                                digest_size=16).digest()
+        n = len(ids) // b
+        if n <= start:
+            return out
+        raw = array("q", ids[start * b:n * b]).tobytes()  # int64 ids, native order: one conversion, sliced per block
+        w = 8 * b
+        for k in range(n - start):
+            h = hashlib.blake2b(h + raw[k * w:(k + 1) * w], digest_size=16).digest()
             out.append(h)
         return out
 
