@@ -314,7 +314,8 @@ class Session:
             if self.paged:
                 self.prefix.share = share
         if self.prefill_graphs is not None:  # every shape captured now (its first call would capture it)
-            out["prefill_graphs"] = round(self.prefill_graphs.capture_all(self.caches, self._graph_weights("prefill")), 3)
+            pg = self.prefill_graphs
+            out["prefill_graphs"] = round(pg.capture_all(self.caches, self._graph_weights("prefill")), 3)
         return out
 
     def _make_prefill_graphs(self, spec, graph_mode: str, sharded: bool):
@@ -335,13 +336,14 @@ class Session:
                 raise ValueError("prefill_graphs: a list of shapes captures CUDA graphs and needs a CUDA device; "
                                  "'emulate' runs the padded path elsewhere")
             shapes, mode = tuple(tuple(s) for s in spec), "cuda"
-            over = [s for s in shapes if len(s) == 2 and (s[0] > self.max_batch or s[0] * s[1] > self.max_num_batched_tokens)]
+            budget = self.max_num_batched_tokens
+            over = [s for s in shapes if len(s) == 2 and (s[0] > self.max_batch or s[0] * s[1] > budget)]
             if over:
                 raise ValueError(f"prefill_graphs: shapes {over} exceed max_batch={self.max_batch} rows or "
                                  f"max_num_batched_tokens={self.max_num_batched_tokens} tokens")
         if sharded:
-            raise ValueError("prefill_graphs: a sharded artifact's ranks run prefill op by op (runtime/distributed.py); "
-                             "use 'auto' or 'off'")
+            raise ValueError("prefill_graphs: a sharded artifact's ranks run prefill op by op "
+                             "(runtime/distributed.py); use 'auto' or 'off'")
         why = capture_blocker(self.graphs["prefill"]) if mode == "cuda" else None
         if why and spec == "auto":
             self.prefill_graphs_off = why
