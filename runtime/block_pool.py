@@ -56,12 +56,13 @@ Legend: b block size (positions), N pool blocks, W window, P a block end (positi
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from dsv4c.runtime.distributed import OP_PAGED_FORGET, OP_PAGED_RESTORE, OP_PAGED_STORE
-from dsv4c.runtime.prefix_cache import PrefixCache, RingPatch, cache_fields, default_block_size
+from dsv4c.runtime.prefix_cache import PrefixCache, RingPatch, cache_fields, default_block_size, group_slots
 
 
 class PagedCacheError(ValueError):
@@ -138,6 +139,7 @@ class BlockPool:
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0, "preemptions": 0}
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors the boundary copies
+        self.deferred: list | None = None  # restores asked for inside `batched_restores`
 
     def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
         """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
@@ -159,14 +161,15 @@ class BlockPool:
                                   f"{self.n_blocks} (PagedConfig.max_blocks); compile with more blocks")
 
     def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None,
-              limit: int | None = None) -> bool:
+              limit: int | None = None, keys: list[bytes] | None = None) -> bool:
         """Give `slot` the blocks of positions [0, tokens) (default len(ids): the prompt's): the cached blocks
         of ids' prefix up to the resume point, fresh ones after; restore the slot's boundary state there and
         set pos[slot]. `limit`: positions it can ever write (growth stops there; default max_tokens). False:
-        the blocks are held by running requests (wait for one to finish)."""
+        the blocks are held by running requests (wait for one to finish). `keys`: `keys(ids)` when the caller
+        has them (used only while sharing)."""
         tokens = tokens if tokens is not None else len(ids)
         self.release(slot)
-        keys = self.keys(ids) if self.share else []
+        keys = (self.keys(ids) if keys is None else keys) if self.share else []
         j = 0
         while j < len(keys) and keys[j] in self.by_key:
             j += 1
@@ -390,11 +393,32 @@ class BlockPool:
             self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
 
     def restore_boundary(self, blk: int, slot: int, end: int) -> None:
-        """Write block `blk`'s boundary rows into `slot` (resuming at position `end`)."""
+        """Write block `blk`'s boundary rows into `slot` (resuming at position `end`); inside
+        `batched_restores`, when that ends."""
+        if self.deferred is not None:
+            self.deferred.append(((blk, end), slot))
+            return
+        self._restore_boundary(blk, [slot], end)
+
+    @contextmanager
+    def batched_restores(self):
+        """Restores asked for inside run when it ends, one copy per field for all the slots resuming at the
+        same block and position (runtime/prefix_cache.py's `batched_restores`)."""
+        self.deferred = []
+        try:
+            yield
+        finally:
+            pending, self.deferred = self.deferred, None
+            for (blk, end), slots in group_slots(pending).items():
+                self._restore_boundary(blk, slots, end)
+
+    def _restore_boundary(self, blk: int, slots: list[int], end: int) -> None:
+        dst = torch.tensor(slots, device=self.device)[:, None]  # [S, 1]
         for f in self.boundary_fields:
-            self.caches[f.name][slot, self._rows(f, end)] = self.boundary[blk][f.name]
+            self.caches[f.name][dst, self._rows(f, end)[None, :]] = self.boundary[blk][f.name]
         if self.mirror is not None:
-            self.mirror.prefix(OP_PAGED_RESTORE, blk, slot, end)
+            for slot in slots:
+                self.mirror.prefix(OP_PAGED_RESTORE, blk, slot, end)
 
     def forget_boundary(self, blk: int) -> None:
         if self.boundary.pop(blk, None) is not None and self.mirror is not None:

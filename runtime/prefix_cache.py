@@ -65,6 +65,7 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -207,6 +208,7 @@ class PrefixCache:
         self.counters = {"requests": 0, "prompt_tokens": 0, "hit_tokens": 0, "stored_blocks": 0, "evictions": 0,
                          "waits": 0}
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors every copy
+        self.deferred: list | None = None  # restores asked for inside `batched_restores`
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
@@ -234,12 +236,12 @@ class PrefixCache:
 
     # ---- admission --------------------------------------------------------------------------------
     def admit(self, ids: list[int], slot: int, pos: torch.Tensor, mtp: bool = False, tokens: int | None = None,
-              limit: int | None = None) -> bool:
+              limit: int | None = None, keys: list[bytes] | None = None) -> bool:
         """Take the cached blocks of ids' prefix and reserve rows for its other full blocks; restore the
         (reset) `slot` from the deepest resumable block and set pos[slot]. False: the rows are held by
         running requests (wait for them). (`tokens`, `limit`: the paged BlockPool's; the slot holds every
-        position here.)"""
-        keys = self.keys(ids)
+        position here; `keys`: `keys(ids)` when the caller has them.)"""
+        keys = self.keys(ids) if keys is None else keys
         j = 0
         while j < len(keys) and keys[j] in self.table:
             j += 1
@@ -419,19 +421,41 @@ class PrefixCache:
 
     def restore_rows(self, rows: list[int], slot: int) -> None:
         """Fill (reset) `slot` with the growing rows of pool rows `rows` (its first blocks, in order) and the
-        boundary rows of the last."""
+        boundary rows of the last; inside `batched_restores`, when that ends."""
+        if self.deferred is not None:
+            self.deferred.append((tuple(rows), slot))
+            return
+        self._restore(rows, [slot])
+
+    @contextmanager
+    def batched_restores(self):
+        """Restores asked for inside run when it ends, one set of copies per distinct source for all the slots
+        that take it (a wave of requests resuming from one cached prompt: one copy per field, not one per
+        request and field). The slots must not be read before then (the scheduler admits a wave, then
+        prefills it)."""
+        self.deferred = []
+        try:
+            yield
+        finally:
+            pending, self.deferred = self.deferred, None
+            for rows, slots in group_slots(pending).items():
+                self._restore(list(rows), slots)
+
+    def _restore(self, rows: list[int], slots: list[int]) -> None:
         src = torch.tensor(rows, device=self.device)
+        dst = torch.tensor(slots, device=self.device)  # [S]
         P = len(rows) * self.block_size
         for f in self.fields:
-            dst = self.caches[f.name][slot]
-            if f.grow:
-                dst[: len(rows) * f.rows] = self.pool[f.name][src].flatten(0, 1)
+            t = self.caches[f.name]
+            if f.grow:  # [S, n, ...] = [n, ...] for every slot
+                t[dst, : len(rows) * f.rows] = self.pool[f.name][src].flatten(0, 1)
             else:
                 lo = max(P - f.rows, 0)
-                idx = torch.arange(lo, P, device=self.device)
-                dst[idx.remainder(f.ring)] = self.pool[f.name][rows[-1], lo - (P - f.rows):]
+                idx = torch.arange(lo, P, device=self.device).remainder(f.ring)
+                t[dst[:, None], idx[None, :]] = self.pool[f.name][rows[-1], lo - (P - f.rows):]
         if self.mirror is not None:
-            self.mirror.prefix(OP_RESTORE, slot, rows=rows)
+            for slot in slots:
+                self.mirror.prefix(OP_RESTORE, slot, rows=rows)
 
     # ---- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -439,6 +463,14 @@ class PrefixCache:
         return {"block_size": self.block_size, "blocks_total": self.n_blocks, "bytes_per_block": self.bytes_per_block,
                 "blocks_cached": len(self.table), "blocks_in_use": sum(1 for blk in self.table.values() if blk.refs),
                 "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
+
+
+def group_slots(pending: list[tuple]) -> dict:
+    """[(source, slot)] -> {source: [slots]}, sources in first-asked order."""
+    out: dict = {}
+    for src, slot in pending:
+        out.setdefault(src, []).append(slot)
+    return out
 
 
 def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -373,14 +374,26 @@ class Session:
         return PagedLayout(int(p["block_size"]), int(p["n_blocks"]))
 
     def _reset_slot(self, slot: int) -> None:
+        self._reset_slots([slot])
+
+    def _reset_slots(self, slots: list[int]) -> None:
+        """Ready `slots` for new requests: their rows of every per-slot cache at its fill value (one launch per
+        cache for all of them), their paged blocks released, their positions 0."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, device=self.device) if len(slots) > 1 else None
         for k, t in self.caches.items():
             if k not in self._pools:
-                t[slot].fill_(fill_value(k))
-        if self.paged:
-            self.prefix.release(slot)
-        self.pos[slot] = 0
-        if self.mirror is not None:
-            self.mirror.reset("main", slot)
+                if idx is None:
+                    t[slots[0]].fill_(fill_value(k))
+                else:
+                    t.index_fill_(0, idx, fill_value(k))
+        for slot in slots:
+            if self.paged:
+                self.prefix.release(slot)
+            self.pos[slot] = 0
+            if self.mirror is not None:
+                self.mirror.reset("main", slot)
 
     def _executors(self, mode: str) -> dict:
         """One SegmentExecutor per fixed-shape graph (none when `mode` is "off")."""
@@ -912,6 +925,17 @@ class _Scheduler:
         the wave, it resumes from those blocks (as one request after another would). -> (the wave, True when
         stopped because the prompt's blocks are held by running requests)."""
         sess, spec, wave = self.sess, self.spec, []
+        if not self.waiting or not self.free or (self.hold and self.active):
+            return wave, False
+        # every slot the wave may take is reset at once (a free slot holds nothing: resetting one it does not
+        # take is harmless), and the prefix restores into them run grouped when the wave is complete
+        sess._reset_slots(self.free[:len(self.waiting)])
+        with sess.prefix.batched_restores() if sess.prefix is not None else nullcontext():
+            return self._admit_into_reset_slots(wave)
+
+    def _admit_into_reset_slots(self, wave: list[_Request]) -> tuple[list[_Request], bool]:
+        """`_admit_wave`'s loop: the free slots are reset already."""
+        sess, spec = self.sess, self.spec
         sharing = sess.prefix is not None and getattr(sess.prefix, "share", True)
         claimed: set[bytes] = set()  # keys of the wave's prompt blocks past its members' resume points
         while self.waiting and self.free and not (self.hold and self.active):
@@ -920,9 +944,8 @@ class _Scheduler:
             keys = sess.prefix.keys(ctx) if sharing else []
             if claimed and not claimed.isdisjoint(keys):
                 return wave, False
-            sess._reset_slot(self.free[0])
             if sess.prefix and not sess.prefix.admit(ctx, self.free[0], sess.pos, spec is not None,
-                                                     limit=len(r.ids) + r.max_new):
+                                                     limit=len(r.ids) + r.max_new, keys=keys if sharing else None):
                 return wave, True  # its prompt's blocks are held by running requests: wait for one to finish
             self.waiting.popleft()
             self.hold, self.admissions = False, self.admissions + 1

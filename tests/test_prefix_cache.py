@@ -274,3 +274,29 @@ def test_warm_up_leaves_no_trace(models, paged):
     for a, b in zip(want[1], got[1]):
         assert torch.equal(a, b)
     assert sess.prefix.stats()["hit_tokens"] == fresh.prefix.stats()["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_wave_resuming_from_one_prefix_restores_its_slots_together(models, paged):
+    """Six prompts sharing the base, admitted in one wave: the slots are reset together and each distinct
+    restore source (pool rows, or a paged block's boundary rows) is copied once into all the slots that
+    take it (`batched_restores`); every request still gets its from-scratch logits."""
+    from dsv4c.runtime.block_pool import PagedConfig
+    from session_probe import assert_same as probe_same
+
+    model, block = models["v4-tiny-a"], 8
+    base, _ = prompts_sharing(model.config.vocab_size, seed=5)
+    g = torch.Generator().manual_seed(6)
+    ps = [base + torch.randint(2, model.config.vocab_size, (3 + i,), generator=g).tolist() for i in range(6)]
+    ref = serve(eager_session(model, block, False, max_batch=6), ps, max_new=3)
+    kw = dict(paged=PagedConfig(block_size=block)) if paged else {}
+    sess = eager_session(model, block, True if paged else PrefixCacheConfig(block_size=block), max_batch=6, **kw)
+    serve(sess, [base], max_new=1)
+    name = "_restore_boundary" if paged else "_restore"
+    calls = []
+    inner = getattr(sess.prefix, name)
+    setattr(sess.prefix, name, lambda src, slots, *a: calls.append(list(slots)) or inner(src, slots, *a))
+    got = serve(sess, ps, max_new=3)
+    probe_same(ref, got, tol=1e-5)  # six rows per prefill call: the CPU BLAS rounds by M (test_batched_prefill.py)
+    assert sess.prefix.stats()["hit_tokens"] >= 6 * 32
+    assert calls == [calls[0]] and len(calls[0]) == 6, calls  # one copy set for the six slots
