@@ -140,6 +140,7 @@ class BlockPool:
                          "waits": 0, "preemptions": 0}
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors the boundary copies
         self.deferred: list | None = None  # restores asked for inside `batched_restores`
+        self.deferred_stores: list | None = None  # stores asked for inside `batched_stores`
 
     def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
         """The hash chain of ids' full blocks (runtime/prefix_cache.py's keys)."""
@@ -381,9 +382,13 @@ class BlockPool:
 
     # ---- boundary copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) --
     def store_boundary(self, blk: int, slot: int, end: int, patch: RingPatch | None = None) -> None:
-        """Keep `slot`'s boundary rows at position `end` (the end of block `blk`) with the block, then `patch`'s."""
+        """Keep `slot`'s boundary rows at position `end` (the end of block `blk`) with the block, then `patch`'s;
+        inside `batched_stores` (no patch), when that ends."""
         if patch is not None and self.mirror is not None:
             raise PagedCacheError("paged cache: a ring patch cannot be mirrored to the other ranks")
+        if patch is None and self.deferred_stores is not None:
+            self.deferred_stores.append((end, (blk, slot)))
+            return
         self.boundary[blk] = {f.name: self.caches[f.name][slot, self._rows(f, end)].clone()
                               for f in self.boundary_fields}
         if patch is not None:
@@ -391,6 +396,27 @@ class BlockPool:
                 patch.apply(f, max(end - f.rows, 0), self.boundary[blk][f.name])
         if self.mirror is not None:
             self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
+
+    @contextmanager
+    def batched_stores(self):
+        """Boundary stores asked for inside run when it ends, one gather per field for all the slots storing at
+        the same position (runtime/prefix_cache.py's `batched_stores`)."""
+        self.deferred_stores = []
+        try:
+            yield
+        finally:
+            pending, self.deferred_stores = self.deferred_stores, None
+            for end, items in group_slots(pending).items():
+                self._store_boundaries([b for b, _ in items], [s for _, s in items], end)
+
+    def _store_boundaries(self, blks: list[int], slots: list[int], end: int) -> None:
+        src = torch.tensor(slots, device=self.device)[:, None]  # [S, 1]
+        rows = {f.name: self.caches[f.name][src, self._rows(f, end)[None, :]] for f in self.boundary_fields}
+        for i, blk in enumerate(blks):  # each block keeps its view of the gathered rows [m, ...]
+            self.boundary[blk] = {name: g[i] for name, g in rows.items()}
+        if self.mirror is not None:
+            for blk, slot in zip(blks, slots):
+                self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
 
     def restore_boundary(self, blk: int, slot: int, end: int) -> None:
         """Write block `blk`'s boundary rows into `slot` (resuming at position `end`); inside

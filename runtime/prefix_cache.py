@@ -209,6 +209,7 @@ class PrefixCache:
                          "waits": 0}
         self.mirror = None  # rank 0 of a sharded run: runtime/distributed.Leader, which mirrors every copy
         self.deferred: list | None = None  # restores asked for inside `batched_restores`
+        self.deferred_stores: list | None = None  # stores asked for inside `batched_stores`
 
     # ---- keys -------------------------------------------------------------------------------------
     def keys(self, ids: list[int], start: int = 0, prev: bytes = b"") -> list[bytes]:
@@ -389,9 +390,48 @@ class PrefixCache:
         hold.decoded.append(blk)
 
     # ---- copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) ----------
+    @contextmanager
+    def batched_stores(self):
+        """One-block and boundary stores asked for inside run when it ends, one set of copies for all the slots
+        storing block number k (or boundary rows at position `end`) (the rows of one prefill call: the
+        scheduler's `after_chunk` per row). The slots' rows must not change before then (the next graph
+        call is queued after it)."""
+        self.deferred_stores = []
+        try:
+            yield
+        finally:
+            pending, self.deferred_stores = self.deferred_stores, None
+            for (what, at), items in group_slots(pending).items():
+                rows, slots = [r for r, _ in items], [s for _, s in items]
+                (self._store_block if what == "rows" else self._store_boundary_rows)(rows, slots, at)
+
+    def _store_block(self, rows: list[int], slots: list[int], k: int) -> None:
+        """Pool rows `rows` <- block number k of each of `slots` (growing fields)."""
+        dst, src = torch.tensor(rows, device=self.device), torch.tensor(slots, device=self.device)
+        for f in self.fields:
+            if f.grow:
+                self.pool[f.name][dst] = self.caches[f.name][src, k * f.rows:(k + 1) * f.rows]
+        if self.mirror is not None:
+            for row, slot in zip(rows, slots):
+                self.mirror.prefix(OP_STORE, slot, rows=[row, k])
+
+    def _store_boundary_rows(self, rows: list[int], slots: list[int], end: int) -> None:
+        """Pool rows `rows` <- the boundary rows at position `end` of each of `slots`."""
+        dst, src = torch.tensor(rows, device=self.device), torch.tensor(slots, device=self.device)
+        for f in self.boundary_fields:
+            idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
+            self.pool[f.name][dst] = self.caches[f.name][src[:, None], idx[None, :]]
+        if self.mirror is not None:
+            for row, slot in zip(rows, slots):
+                self.mirror.prefix(OP_BOUNDARY, row, slot, end)
+
     def store_rows(self, rows: list[int], index: list[int], slot: int) -> None:
         """Copy the growing rows of `slot`'s blocks number `index` into pool rows `rows`. One block (a decode
-        step's) is sliced: no index tensor to send, so the host never waits for the queued steps."""
+        step's) is sliced: no index tensor to send, so the host never waits for the queued steps; inside
+        `batched_stores`, one block is stored when that ends."""
+        if len(rows) == 1 and self.deferred_stores is not None:
+            self.deferred_stores.append((("rows", index[0]), (rows[0], slot)))
+            return
         if len(rows) == 1:
             (row,), (k,) = rows, index
             for f in self.fields:
@@ -408,9 +448,13 @@ class PrefixCache:
             self.mirror.prefix(OP_STORE, slot, rows=rows + index)
 
     def store_boundary_row(self, row: int, slot: int, end: int, patch: RingPatch | None = None) -> None:
-        """Copy `slot`'s boundary rows at position `end` (a block end) into pool row `row`, then `patch`'s."""
+        """Copy `slot`'s boundary rows at position `end` (a block end) into pool row `row`, then `patch`'s;
+        inside `batched_stores` (no patch), when that ends."""
         if patch is not None and self.mirror is not None:
             raise PrefixCacheError("prefix cache: a ring patch cannot be mirrored to the other ranks")
+        if patch is None and self.deferred_stores is not None:
+            self.deferred_stores.append((("boundary", end), (row, slot)))
+            return
         for f in self.boundary_fields:
             idx = torch.arange(end - f.rows, end, device=self.device).remainder(f.ring)
             self.pool[f.name][row] = self.caches[f.name][slot, idx]

@@ -508,13 +508,14 @@ class Session:
             st["calls"], st["rows"] = st["calls"] + 1, st["rows"] + len(rows)
             st["tokens"], st["padded_tokens"] = st["tokens"] + sum(n_real), st["padded_tokens"] + len(rows) * T
             st["replays"] += replay
-            for b, f in enumerate(rows):
-                o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
-                f.outs.append(o if take is None else take(o))
-                f.at = f.ends[f.k]
-                f.k += 1
-                if self.prefix:
-                    self.prefix.after_chunk(f.slot, f.at)
+            with self.prefix.batched_stores() if self.prefix else nullcontext():  # the rows' block stores at once
+                for b, f in enumerate(rows):
+                    o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
+                    f.outs.append(o if take is None else take(o))
+                    f.at = f.ends[f.k]
+                    f.k += 1
+                    if self.prefix:
+                        self.prefix.after_chunk(f.slot, f.at)
             del out
             done = [f for f in rows if f.k == len(f.ends)]
             pending = [f for f in pending if f.k < len(f.ends)]

@@ -277,26 +277,37 @@ def test_warm_up_leaves_no_trace(models, paged):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_a_wave_resuming_from_one_prefix_restores_its_slots_together(models, paged):
-    """Six prompts sharing the base, admitted in one wave: the slots are reset together and each distinct
-    restore source (pool rows, or a paged block's boundary rows) is copied once into all the slots that
-    take it (`batched_restores`); every request still gets its from-scratch logits."""
+def test_a_wave_resuming_from_one_prefix_restores_and_stores_its_slots_together(models, paged):
+    """Six prompts sharing the base, admitted in one wave: the slots are reset together, each distinct
+    restore source (pool rows, or a paged block's boundary rows) is copied once into all the slots that take
+    it (`batched_restores`), and the six new blocks the prefill call completes are stored in one set of
+    copies (`batched_stores`). Every request gets its from-scratch logits, and again when the same prompts
+    come back and resume from those six blocks."""
     from dsv4c.runtime.block_pool import PagedConfig
     from session_probe import assert_same as probe_same
 
     model, block = models["v4-tiny-a"], 8
     base, _ = prompts_sharing(model.config.vocab_size, seed=5)
     g = torch.Generator().manual_seed(6)
-    ps = [base + torch.randint(2, model.config.vocab_size, (3 + i,), generator=g).tolist() for i in range(6)]
+    ps = [base + torch.randint(2, model.config.vocab_size, (9 + i,), generator=g).tolist() for i in range(6)]
     ref = serve(eager_session(model, block, False, max_batch=6), ps, max_new=3)
     kw = dict(paged=PagedConfig(block_size=block)) if paged else {}
     sess = eager_session(model, block, True if paged else PrefixCacheConfig(block_size=block), max_batch=6, **kw)
+    sess.max_num_batched_tokens = 6 * block  # the six rows' [40, 48) chunks in one prefill call
     serve(sess, [base], max_new=1)
-    name = "_restore_boundary" if paged else "_restore"
-    calls = []
-    inner = getattr(sess.prefix, name)
-    setattr(sess.prefix, name, lambda src, slots, *a: calls.append(list(slots)) or inner(src, slots, *a))
+    calls: dict[str, list] = {}
+    names = ("_restore_boundary", "_store_boundaries") if paged else ("_restore", "_store_block", "_store_boundary_rows")
+    for name in names:
+        inner = getattr(sess.prefix, name)
+        setattr(sess.prefix, name, lambda a, slots, *r, _n=name, _f=inner: calls.setdefault(_n, []).append(
+            sorted(slots)) or _f(a, slots, *r))
     got = serve(sess, ps, max_new=3)
     probe_same(ref, got, tol=1e-5)  # six rows per prefill call: the CPU BLAS rounds by M (test_batched_prefill.py)
     assert sess.prefix.stats()["hit_tokens"] >= 6 * 32
-    assert calls == [calls[0]] and len(calls[0]) == 6, calls  # one copy set for the six slots
+    for name in names:  # one call for the six slots: the restore from the base, the store of each [40, 48) block
+        assert [len(c) for c in calls[name]][:1] == [6], (name, calls[name])
+    calls.clear()
+    again = serve(sess, ps, max_new=3)  # each resumes from its own stored block [40, 48)
+    probe_same(ref, again, tol=1e-5)
+    restore = names[0]
+    assert len(calls[restore]) == 6 and all(len(c) == 1 for c in calls[restore]), calls[restore]  # six sources
