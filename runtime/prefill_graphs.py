@@ -108,7 +108,8 @@ class PrefillGraphs:
         self._bound: tuple | None = None  # (caches, weights) the graphs were captured with
         self._bufs: tuple | None = None  # the outputs of every shape: last [max R, V] (, hidden [max R·Tb, ...])
         self.pool = None
-        self.stats = {"mode": mode, "replays": 0, "captures": 0, "capture_s": 0.0, "graph_bytes": 0}
+        self.stats = {"mode": mode, "replays": 0, "captures": 0, "capture_s": 0.0, "graph_bytes": 0,
+                      "reserved_bytes": 0}
 
     def fit(self, B: int, T: int) -> tuple[int, int] | None:
         """The smallest shape that holds a [B, T] call, or None (the call runs op by op). Any padding pays on
@@ -188,7 +189,7 @@ class PrefillGraphs:
         st = _Shape(R, Tb, torch.full((R, Tb), PAD_TOKEN, dtype=torch.int64, device=self.device),
                     z().fill_(self.pad_slot), z(), z())  # n_real = 0 everywhere: the capture writes nothing
         if self.mode == "cuda":
-            mem0 = torch.cuda.memory_allocated(self.device)
+            mem0, res0 = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -202,8 +203,12 @@ class PrefillGraphs:
                 st.outs = self._forward(st, caches, weights)
             st.graph = g
             torch.cuda.synchronize(self.device)
+            # allocated: what stays live after the capture (the output buffers); reserved: what the allocator
+            # took from the device for it (the shared pool grows only for a shape larger than the ones before)
             st.stats["graph_bytes"] = max(torch.cuda.memory_allocated(self.device) - mem0, 0)
+            st.stats["reserved_bytes"] = max(torch.cuda.memory_reserved(self.device) - res0, 0)
             self.stats["graph_bytes"] += st.stats["graph_bytes"]
+            self.stats["reserved_bytes"] += st.stats["reserved_bytes"]
         else:
             st.outs = self._forward(st, caches, weights)
             st.graph = True
