@@ -56,13 +56,12 @@ Legend: b block size (positions), N pool blocks, W window, P a block end (positi
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from dsv4c.runtime.distributed import OP_PAGED_FORGET, OP_PAGED_RESTORE, OP_PAGED_STORE
-from dsv4c.runtime.prefix_cache import PrefixCache, RingPatch, cache_fields, default_block_size, group_slots
+from dsv4c.runtime.prefix_cache import PrefixCache, RingPatch, cache_fields, default_block_size, deferring
 
 
 class PagedCacheError(ValueError):
@@ -397,17 +396,11 @@ class BlockPool:
         if self.mirror is not None:
             self.mirror.prefix(OP_PAGED_STORE, blk, slot, end)
 
-    @contextmanager
     def batched_stores(self):
         """Boundary stores asked for inside run when it ends, one gather per field for all the slots storing at
         the same position (runtime/prefix_cache.py's `batched_stores`)."""
-        self.deferred_stores = []
-        try:
-            yield
-        finally:
-            pending, self.deferred_stores = self.deferred_stores, None
-            for end, items in group_slots(pending).items():
-                self._store_boundaries([b for b, _ in items], [s for _, s in items], end)
+        return deferring(self, "deferred_stores",
+                         lambda end, items: self._store_boundaries([b for b, _ in items], [s for _, s in items], end))
 
     def _store_boundaries(self, blks: list[int], slots: list[int], end: int) -> None:
         src = torch.tensor(slots, device=self.device)[:, None]  # [S, 1]
@@ -426,17 +419,10 @@ class BlockPool:
             return
         self._restore_boundary(blk, [slot], end)
 
-    @contextmanager
     def batched_restores(self):
         """Restores asked for inside run when it ends, one copy per field for all the slots resuming at the
         same block and position (runtime/prefix_cache.py's `batched_restores`)."""
-        self.deferred = []
-        try:
-            yield
-        finally:
-            pending, self.deferred = self.deferred, None
-            for (blk, end), slots in group_slots(pending).items():
-                self._restore_boundary(blk, slots, end)
+        return deferring(self, "deferred", lambda src, slots: self._restore_boundary(src[0], slots, src[1]))
 
     def _restore_boundary(self, blk: int, slots: list[int], end: int) -> None:
         dst = torch.tensor(slots, device=self.device)[:, None]  # [S, 1]

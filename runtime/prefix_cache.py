@@ -390,20 +390,17 @@ class PrefixCache:
         hold.decoded.append(blk)
 
     # ---- copies (on a sharded run rank 0 mirrors each to the other ranks: runtime/distributed.py) ----------
-    @contextmanager
     def batched_stores(self):
         """One-block and boundary stores asked for inside run when it ends, one set of copies for all the slots
         storing block number k (or boundary rows at position `end`) (the rows of one prefill call: the
         scheduler's `after_chunk` per row). The slots' rows must not change before then (the next graph
         call is queued after it)."""
-        self.deferred_stores = []
-        try:
-            yield
-        finally:
-            pending, self.deferred_stores = self.deferred_stores, None
-            for (what, at), items in group_slots(pending).items():
-                rows, slots = [r for r, _ in items], [s for _, s in items]
-                (self._store_block if what == "rows" else self._store_boundary_rows)(rows, slots, at)
+        def run(src: tuple, items: list[tuple[int, int]]) -> None:
+            what, at = src
+            store = self._store_block if what == "rows" else self._store_boundary_rows
+            store([r for r, _ in items], [s for _, s in items], at)
+
+        return deferring(self, "deferred_stores", run)
 
     def _store_block(self, rows: list[int], slots: list[int], k: int) -> None:
         """Pool rows `rows` <- block number k of each of `slots` (growing fields)."""
@@ -471,19 +468,12 @@ class PrefixCache:
             return
         self._restore(rows, [slot])
 
-    @contextmanager
     def batched_restores(self):
         """Restores asked for inside run when it ends, one set of copies per distinct source for all the slots
         that take it (a wave of requests resuming from one cached prompt: one copy per field, not one per
         request and field). The slots must not be read before then (the scheduler admits a wave, then
         prefills it)."""
-        self.deferred = []
-        try:
-            yield
-        finally:
-            pending, self.deferred = self.deferred, None
-            for rows, slots in group_slots(pending).items():
-                self._restore(list(rows), slots)
+        return deferring(self, "deferred", lambda rows, slots: self._restore(list(rows), slots))
 
     def _restore(self, rows: list[int], slots: list[int]) -> None:
         src = torch.tensor(rows, device=self.device)
@@ -509,12 +499,21 @@ class PrefixCache:
                 "hit_rate": c["hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0, **c}
 
 
-def group_slots(pending: list[tuple]) -> dict:
-    """[(source, slot)] -> {source: [slots]}, sources in first-asked order."""
-    out: dict = {}
-    for src, slot in pending:
-        out.setdefault(src, []).append(slot)
-    return out
+@contextmanager
+def deferring(owner, attr: str, run):
+    """While inside, `owner.<attr>` collects (source, item) pairs (the copy methods append instead of copying);
+    when it ends, `run(source, [items])` once per distinct source, in first-asked order."""
+    setattr(owner, attr, [])
+    try:
+        yield
+    finally:
+        pending = getattr(owner, attr)
+        setattr(owner, attr, None)
+        grouped: dict = {}
+        for src, item in pending:
+            grouped.setdefault(src, []).append(item)
+        for src, items in grouped.items():
+            run(src, items)
 
 
 def prefix_cache_for(sess, setting: bool | PrefixCacheConfig) -> PrefixCache | None:
