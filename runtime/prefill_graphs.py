@@ -45,18 +45,16 @@ PAD_TOKEN = 0  # token id of padded positions and rows (any valid id: n_real kee
 
 
 def capture_blocker(gm) -> str | None:
-    """Why the prefill graph `gm` cannot be captured (an op that syncs the host: passes/split_at_routers.py's
-    per-op table and ATen list), or None. A plain callable (tests' eager sessions) is not checked."""
-    from dsv4c.passes.split_at_routers import _syncing_aten, op_capture_blocker, op_name
+    """Why the prefill graph `gm` cannot be captured (the first node `split_at_routers.capture_blockers` names:
+    an op that syncs the host, data-dependent control flow or shapes), or None. A plain callable (tests' eager
+    sessions) is not checked."""
+    from dsv4c.passes.split_at_routers import capture_blockers
 
     graph = getattr(gm, "graph", None)
     for n in graph.nodes if graph is not None else ():
-        if n.op != "call_function":
-            continue
-        name = op_name(n.target)
-        why = op_capture_blocker(name) if name.startswith("dsv4c.") else _syncing_aten(name, n.args)
+        why = capture_blockers(n)
         if why:
-            return why
+            return why[0]
     return None
 
 
