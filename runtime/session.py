@@ -474,12 +474,15 @@ class Session:
         ends = self.prefix.chunk_ends(slot, p0, n, step) if self.prefix else range(p0 + step, n + step, step)
         return _Fill(slot, ids, p0, [min(j, n) for j in ends], req)
 
-    def _prefill_rows(self, fills: list["_Fill"], take=None, last_only: bool = False) -> Iterator["_Fill"]:
+    def _prefill_rows(self, fills: list["_Fill"], take=None, last_only: bool = False,
+                      to_host: bool = False) -> Iterator["_Fill"]:
         """Run `fills` through the prefill graph, several rows per call; yield each fill once its last chunk
         ran, with `fill.outs` = take(outputs) per chunk (outputs: every graph output of the row's chunk,
         [1, n, ...], batch dim kept; default take: the tuple itself). `last_only`: `take` reads no logits but
         the chunk's last row, so a call may replay a prefill CUDA graph (`self.prefill_graphs`: its logits
         output is [1, 1, V]); `take` must then copy what it keeps (the next call overwrites the outputs).
+        `to_host` (instead of `take`): the last logits row of every fill whose last chunk the call ran, fp32
+        on the host, in one copy for all of them: `fill.outs` = [that row [V]] (one sync per call, not per row).
 
         A call takes the next chunk of each unfinished fill, oldest first, while rows x the longest chunk
         stays within max_num_batched_tokens (padded positions count: the graph computes them) and the rows
@@ -508,10 +511,14 @@ class Session:
             st["calls"], st["rows"] = st["calls"] + 1, st["rows"] + len(rows)
             st["tokens"], st["padded_tokens"] = st["tokens"] + sum(n_real), st["padded_tokens"] + len(rows) * T
             st["replays"] += replay
+            last = self._last_rows_to_host(out[0], rows, n_real, replay) if to_host else {}
             with self.prefix.batched_stores() if self.prefix else nullcontext():  # the rows' block stores at once
                 for b, f in enumerate(rows):
-                    o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
-                    f.outs.append(o if take is None else take(o))
+                    if to_host:
+                        f.outs = [last[b]] if b in last else []
+                    else:
+                        o = out if len(rows) == 1 and n_real[0] == T else tuple(x[b:b + 1, :n_real[b]] for x in out)
+                        f.outs.append(o if take is None else take(o))
                     f.at = f.ends[f.k]
                     f.k += 1
                     if self.prefix:
@@ -520,6 +527,18 @@ class Session:
             done = [f for f in rows if f.k == len(f.ends)]
             pending = [f for f in pending if f.k < len(f.ends)]
             yield from done
+
+    @staticmethod
+    def _last_rows_to_host(logits: torch.Tensor, rows: list["_Fill"], n_real: list[int],
+                           replay: bool) -> dict[int, torch.Tensor]:
+        """{b: last logits row [V], fp32 on the host} of the call's rows b whose last chunk this is, in one
+        device-to-host copy. logits: [B, T, V] ([B, 1, V] when replayed: the last real position's row)."""
+        done = [b for b, f in enumerate(rows) if f.k + 1 == len(f.ends)]
+        if not done:
+            return {}
+        at = [0 if replay else n_real[b] - 1 for b in done]
+        host = logits[torch.tensor(done, device=logits.device), torch.tensor(at, device=logits.device)].float().cpu()
+        return {b: host[i] for i, b in enumerate(done)}  # [n_done, V] -> a view per row
 
     def _prefill_chunks(self, ids: list[int], slot: int, outputs: bool = False, last_row: bool = False,
                         take=None) -> list:
@@ -963,10 +982,12 @@ class _Scheduler:
         as soon as its last chunk ran, then joins the MTP speculator."""
         sess, spec = self.sess, self.spec
         fills = [sess._fill(r.context()[int(sess.pos[r.slot]):], r.slot, r) for r in wave]
-        take = spec.take if spec is not None else (lambda o: o[0][0, -1].clone())  # plain: the last logits row [V]
-        for f in sess._prefill_rows(fills, take, last_only=True):
+        # plain: the last logits rows of a call's finishing rows go to the host together (`to_host`)
+        rows = sess._prefill_rows(fills, spec.take, last_only=True) if spec is not None else sess._prefill_rows(
+            fills, last_only=True, to_host=True)
+        for f in rows:
             r = f.req
-            r.chunks += len(f.outs)
+            r.chunks += f.k
             logits = spec.prefilled(r, f.outs) if spec is not None else f.outs[-1]
             f.outs = []
             if not r.preempted:  # a resumed request has its next token already

@@ -281,8 +281,9 @@ def test_a_wave_resuming_from_one_prefix_restores_and_stores_its_slots_together(
     """Six prompts sharing the base, admitted in one wave: the slots are reset together, each distinct
     restore source (pool rows, or a paged block's boundary rows) is copied once into all the slots that take
     it (`batched_restores`), and the six new blocks the prefill call completes are stored in one set of
-    copies (`batched_stores`). Every request gets its from-scratch logits, and again when the same prompts
-    come back and resume from those six blocks."""
+    copies (`batched_stores`); their first tokens' logits rows reach the host in one copy (`to_host`). Every
+    request gets its from-scratch logits, and again when the same prompts come back and resume from those six
+    blocks."""
     from dsv4c.runtime.block_pool import PagedConfig
     from session_probe import assert_same as probe_same
 
@@ -301,9 +302,12 @@ def test_a_wave_resuming_from_one_prefix_restores_and_stores_its_slots_together(
         inner = getattr(sess.prefix, name)
         setattr(sess.prefix, name, lambda a, slots, *r, _n=name, _f=inner: calls.setdefault(_n, []).append(
             sorted(slots)) or _f(a, slots, *r))
+    copies, to_host = [], sess._last_rows_to_host
+    sess._last_rows_to_host = lambda *a: (lambda got: copies.append(len(got)) or got)(to_host(*a))
     got = serve(sess, ps, max_new=3)
     probe_same(ref, got, tol=1e-5)  # six rows per prefill call: the CPU BLAS rounds by M (test_batched_prefill.py)
     assert sess.prefix.stats()["hit_tokens"] >= 6 * 32
+    assert [c for c in copies if c] == [6], copies  # the six first-token rows reach the host in one copy
     for name in names:  # one call for the six slots: the restore from the base, the store of each [40, 48) block
         assert [len(c) for c in calls[name]][:1] == [6], (name, calls[name])
     calls.clear()
