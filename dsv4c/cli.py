@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "else cpu); exact, so the weight files' bytes do not depend on it")
     s.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: each row's logits do not depend on the rows sharing a step "
-                        "(unquantised experts; refuses what it cannot make invariant, naming the kernel)")
+                        "(unquantised experts, or FP4 weight-only ones with --expert-format mxfp4_w4a16 / "
+                        "nvfp4_w4a16; refuses what it cannot make invariant, naming the kernel)")
     s.add_argument("--paged", action="store_true",
                    help="paged caches: the caches that grow with the sequence (V4 compressed entries and indexer "
                         "keys, V3 latent) in blocks of a shared pool read through block tables; prefixes share "

@@ -229,29 +229,39 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
     return manifest
 
 
+DETERMINISTIC_FP4 = ("mxfp4_w4a16", "nvfp4_w4a16")  # expert formats with a batch-invariant kernel path
+
+
 class DeterminismError(ValueError):
     """`--deterministic` asked for something this compiler cannot make batch-invariant; the message
     names the op or kernel."""
 
 
 def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, mtp_k: int):
-    """The target and kernel overrides of the deterministic mode: unquantised routed experts (the
-    quantised expert kernels pick a path and tile by token count; make_batch_invariant swaps in
-    `moe_experts_bi`) and `v4_attention=fused_det` where the target runs the fused attention (its key
-    blocks follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0).
-    Raises DeterminismError for what it cannot make invariant."""
-    if expert_format not in (None, "reference"):
+    """The target and kernel overrides of the deterministic mode: routed experts unquantised (default;
+    make_batch_invariant swaps in `moe_experts_bi`) or, with `expert_format` mxfp4_w4a16 / nvfp4_w4a16,
+    FP4 weight-only as stored (`moe_experts_fp4_bi`: the FP4 GEMV at every token count; a quarter of the
+    bf16 bytes), and `v4_attention=fused_det` where the target runs the fused attention (its key blocks
+    follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0). Raises
+    DeterminismError for what it cannot make invariant: the other expert formats' kernels (FP8 block,
+    NVFP4 W4A4) choose their path by token count."""
+    if expert_format not in (None, "reference") + DETERMINISTIC_FP4:
         raise DeterminismError(f"--deterministic with --expert-format {expert_format}: the quantised expert kernels "
-                               f"(kernels/moe_grouped.py, moe_fp4_gemv.py, moe_fp8_prefill.py) choose their path by "
-                               f"token count; the deterministic mode runs unquantised experts (moe_experts_bi)")
+                               f"(kernels/moe_grouped.py, moe_fp8_prefill.py) choose their path by token count; the "
+                               f"deterministic mode runs unquantised experts (moe_experts_bi) or FP4 weight-only "
+                               f"ones ({', '.join(DETERMINISTIC_FP4)}: moe_experts_fp4_bi)")
     kernels = dict(kernels or {})
     if tgt.kernels.get("v4_attention") == "fused" and kernels.get("v4_attention", "fused_det") == "fused":
         raise DeterminismError("--deterministic with --kernel v4_attention=fused: its split count depends on B·T")
     if tgt.kernels.get("v4_attention") == "fused":
         kernels["v4_attention"] = "fused_det"
-    tgt = dataclasses.replace(tgt, expert_format="reference", expert_format_tokens=None,
-                              expert_format_reason="--deterministic: unquantised experts, one kernel path "
-                                                   "(kernels/batch_invariant.py moe_experts_bi)")
+    if expert_format in DETERMINISTIC_FP4:
+        why = (f"--deterministic --expert-format {expert_format}: FP4 weight-only experts, one kernel path "
+               f"(kernels/batch_invariant.py moe_experts_fp4_bi)")
+    else:
+        expert_format = "reference"
+        why = "--deterministic: unquantised experts, one kernel path (kernels/batch_invariant.py moe_experts_bi)"
+    tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None, expert_format_reason=why)
     return tgt, kernels
 
 

@@ -10,6 +10,9 @@ For each lowering (h200 pipeline, decode graph, one full CUDA graph per bucket):
   default-bf16   the target's kernels, bf16 experts (`moe_experts_gathered`): the same expert bytes as
                  the deterministic mode, so the difference is the kernels' alone
   deterministic  `PassContext(deterministic=True)`: passes/make_batch_invariant.py + v4_attention=fused_det
+  default-mxfp4, deterministic-mxfp4
+                 the same two with MXFP4 weight-only experts (`--expert-format mxfp4_w4a16`; deterministic:
+                 `moe_experts_fp4_bi`, the FP4 GEMV at every token count): the experts' bytes as stored
 it prefills max(batch) slots with a `--prompt`-token prompt (eager model), then from the same cache state
 and the same first tokens runs `--steps` greedy decode steps at each batch size, and records
   * the median step time (CUDA events, after 3 warm-up steps) per batch: the mode's cost;
@@ -36,11 +39,14 @@ from dsv4c.passes.split_at_routers import apply_plan, plan_segments
 from dsv4c.runtime.segments import SegmentExecutor
 from dsv4c.targets import DEFAULT_BUCKETS
 
-MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic)
-    "default": ({}, False, False),
-    "default-bf16": ({"moe_experts": "gathered"}, True, False),
-    "deterministic": ({"v4_attention": "fused_det"}, True, True),
+MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic, expert format)
+    "default": ({}, False, False, None),
+    "default-bf16": ({"moe_experts": "gathered"}, True, False, None),
+    "deterministic": ({"v4_attention": "fused_det"}, True, True, None),
+    "default-mxfp4": ({}, False, False, "mxfp4_w4a16"),
+    "deterministic-mxfp4": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
 }
+DEFAULT_MODES = ("default", "default-bf16", "deterministic")
 
 
 def config(preset: str, layers: int | None) -> ModelConfig:
@@ -55,8 +61,8 @@ def config(preset: str, layers: int | None) -> ModelConfig:
 def lower(model, n_slots: int, max_len: int, mode: str, k: int = 0, extra_ring_slots: int = 0):
     """The decode graph with 1 + k tokens per row (k > 0: the verify graph of `--mtp k`), lowered for
     the h200 target in `mode` -> (plan, split graph, blockers)."""
-    kernels, no_quant, det = MODES[mode]
-    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), None, deterministic=det)
+    kernels, no_quant, det, experts = MODES[mode]
+    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), experts, deterministic=det)
     spec = GraphSpec("decode", k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
     gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
@@ -92,7 +98,7 @@ def greedy(ex, flat, snap, pos0, ids0, B: int, steps: int):
 
 
 def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps: int = 12,
-        modes=tuple(MODES), device: str = "cuda", preset: str = "v4-flash-slice") -> dict:
+        modes=DEFAULT_MODES, device: str = "cuda", preset: str = "v4-flash-slice") -> dict:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     batches = sorted(batches)
@@ -126,16 +132,18 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
         print(f"{mode:14} " + "  ".join(f"B={b}: {ms:.3f} ms" for b, ms in r["step_ms"].items() if ms is not None)
               + f"  rows identical: {r['rows_identical']}  tokens identical: {r['tokens_identical']}", flush=True)
         del ex, split
-    if "deterministic" in res and "default" in res:
-        res["cost_vs_default"] = {b: res["deterministic"]["step_ms"][b] / res["default"]["step_ms"][b]
-                                  for b in batches if res["default"]["step_ms"][b]}
+    for det, base, key in (("deterministic", "default", "cost_vs_default"),
+                           ("deterministic-mxfp4", "default-mxfp4", "cost_vs_default_mxfp4"),
+                           ("deterministic-mxfp4", "default", "cost_mxfp4_vs_default")):
+        if det in res and base in res:
+            res[key] = {b: res[det]["step_ms"][b] / res[base]["step_ms"][b] for b in batches if res[base]["step_ms"][b]}
     return res
 
 
 @torch.no_grad()
 def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024,
                 device: str = "cuda", preset: str = "v4-flash-slice", dtype: torch.dtype | None = None,
-                steps: int = 16, corrupt: float = 0.3) -> dict:
+                steps: int = 16, corrupt: float = 0.3, mode: str = "deterministic") -> dict:
     """Deterministic mode, MTP, from one cache state (h200 lowering, deterministic decode and verify graphs),
     at each batch size B (rows 0..B-1):
       * `batch_rows_identical[B]`: the decode steps' logits of rows 0..B-1 are the same bits as at the
@@ -146,7 +154,10 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
         same tokens;
       * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
         the k = 0 continuation, each corrupted with probability `corrupt`, so rounds reject and roll
-        back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself)."""
+        back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself).
+    `mode`: "deterministic" (bf16 experts) or "deterministic-mxfp4" (MXFP4 weight-only experts)."""
+    if not MODES[mode][2]:
+        raise ValueError(f"verify_rows: mode must be a deterministic one, got {mode!r}")
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     batches = sorted(batches)
@@ -162,20 +173,20 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
     snap = {n: t.clone() for n, t in flat.items()}
     ids = torch.randint(0, cfg.vocab_size, (n_slots - 1, 1 + k_max), generator=g).to(dev)  # a token, k_max drafts
     pos0 = cache.pos[:n_slots - 1].clone()
-    mode = "full" if dev.type == "cuda" else "eager"
+    ex_mode = "full" if dev.type == "cuda" else "eager"
 
     def executor(k: int) -> SegmentExecutor:
-        plan, split, blockers = lower(model, n_slots, max_len, "deterministic", k, k_max)
+        plan, split, blockers = lower(model, n_slots, max_len, mode, k, k_max)
         if blockers:
             raise RuntimeError(f"deterministic graph (k={k}) keeps blockers: {blockers[:4]}")
-        return SegmentExecutor(split, plan, dev, buckets=tuple(batches), mode=mode, pad_slot=n_slots - 1)
+        return SegmentExecutor(split, plan, dev, buckets=tuple(batches), mode=ex_mode, pad_slot=n_slots - 1)
 
     def restore():
         for name, t in flat.items():
             t.copy_(snap[name])
 
     exs = {k: executor(k) for k in (0, k_max)}  # what the runtime runs: decode, and verify at T = 1 + K
-    res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps,
+    res: dict = {"preset": preset, "layers": cfg.num_hidden_layers, "prompt": prompt, "steps": steps, "mode": mode,
                  "dtype": str(dtype), "batch_rows_identical": {}, "verify_rows_identical": {}, "max_abs_diff": {},
                  "tokens_identical": {}, "accepted_per_round": {}}
     top = top_rows = None
@@ -251,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=None, help="cut the slice to this many layers")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES))
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="instead: the deterministic mode's MTP check (`verify_rows`, k = 1..K) at --batches")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt (a smoke run)")
@@ -261,13 +272,16 @@ def main(argv=None) -> int:
     if a.quick:
         preset, a.batches, a.prompt, a.steps = "v4-tiny-a", [1, 3], 12, 3
     if a.mtp:
-        res = verify_rows(a.mtp, a.layers, a.batches, a.prompt, a.device, preset, steps=max(a.steps, 8))
+        det = [m for m in a.modes if MODES[m][2]]
+        res = verify_rows(a.mtp, a.layers, a.batches, a.prompt, a.device, preset, steps=max(a.steps, 8),
+                          mode=det[0] if det else "deterministic")
         if a.out:
             a.out.write_text(json.dumps(res, indent=1, default=str))
         return 0
     res = run(a.layers, a.batches, a.prompt, a.steps, tuple(a.modes), a.device, preset)
-    if "cost_vs_default" in res:
-        print("deterministic / default step time: " + ", ".join(f"B={b}: {x:.2f}x" for b, x in res["cost_vs_default"].items()))
+    for key in ("cost_vs_default", "cost_vs_default_mxfp4", "cost_mxfp4_vs_default"):
+        if key in res:
+            print(f"{key}: " + ", ".join(f"B={b}: {x:.2f}x" for b, x in res[key].items()))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -37,7 +37,8 @@ the verify and draft graphs as compiled: T = 1 + K rows per sequence in every ca
         --batches 1,8 --budget-s 200 --out $OUT/forced_slice_1_8.json
     # the same with the verify's argmax equal to the decode's (bf16 near-ties otherwise end the forced drafts)
     python examples/bench_mtp_forced.py --bundled --deterministic --work build/forced_bundled --batches 1,8
-    python examples/bench_mtp_forced.py --slice build/forced_slice --deterministic --batches 1,8,32,64
+    python examples/bench_mtp_forced.py --slice build/forced_slice --deterministic --expert-format mxfp4_w4a16 \
+        --batches 1,8,32,64
     python examples/bench_mtp_forced.py --bundled --device cpu --quick          # CPU smoke run
     python examples/bench_mtp_forced.py --roofline-only v4-flash                # the bound grid only
 
@@ -284,33 +285,39 @@ def bound_table(cfg: ModelConfig, batches, alphas, ks, K: int, ctx_len: int) -> 
 # ------------------------------------------------------------------------------------------------
 # artifacts
 # ------------------------------------------------------------------------------------------------
+def _art_dir(work: Path, deterministic: bool, expert_format: str | None) -> Path:
+    return work / ("art" + ("_det" if deterministic else "") + (f"_{expert_format}" if expert_format else ""))
+
+
 def compile_bundled(work: Path, device: str, K: int, batches: list[int], max_tokens: int, log=print,
-                    deterministic: bool = False) -> Path:
+                    deterministic: bool = False, expert_format: str | None = None) -> Path:
     """The bundled trained model compiled for the device's target with --mtp K and buckets = the
     batches (reused when `work/art` exists and covers them). Only the buckets the grid runs: every
     bucket of every graph is captured (and its Triton kernels compiled) at the graph's first call."""
     from dsv4c.compile import compile_checkpoint
 
-    art = work / ("art_det" if deterministic else "art")
-    if _reusable(art, K, batches, max_tokens, log, deterministic):
+    art = _art_dir(work, deterministic, expert_format)
+    if _reusable(art, K, batches, max_tokens, log, deterministic, expert_format):
         return art
     t0 = time.perf_counter()
     compile_checkpoint(BUNDLE, art, target="h200" if device.startswith("cuda") else "cpu", max_tokens=max_tokens,
                        max_batch=max(max(batches), 2), buckets=tuple(sorted(batches)), mtp_k=K, progress=True,
-                       verify_boundaries=False, force=True, deterministic=deterministic)
+                       verify_boundaries=False, force=True, deterministic=deterministic, expert_format=expert_format)
     log(f"bundled model compiled (--mtp {K}, buckets {sorted(batches)}) in {time.perf_counter() - t0:.0f}s")
     return art
 
 
-def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print, deterministic: bool = False) -> bool:
-    """Whether the artifact at `art` was compiled with --mtp K, buckets covering `batches` and room for
-    `max_tokens`; one that exists but does not fit is named and recompiled."""
+def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print, deterministic: bool = False,
+              expert_format: str | None = None) -> bool:
+    """Whether the artifact at `art` was compiled with --mtp K, buckets covering `batches`, room for
+    `max_tokens` (and `expert_format` when given); one that exists but does not fit is named and recompiled."""
     f = art / "manifest.json"
     if not f.is_file():
         return False
     m = json.loads(f.read_text())
     ok = (int(m.get("mtp_k", 0)) == K and set(batches) <= set(m.get("buckets") or ())
-          and m["limits"]["max_tokens"] >= max_tokens and bool(m.get("deterministic")) == deterministic)
+          and m["limits"]["max_tokens"] >= max_tokens and bool(m.get("deterministic")) == deterministic
+          and expert_format in (None, m["target"]["expert_format"]))
     if not ok:
         log(f"{art}: compiled with --mtp {m.get('mtp_k')}, buckets {m.get('buckets')}, max_tokens "
             f"{m['limits']['max_tokens']}; this run needs --mtp {K}, buckets {sorted(batches)}, {max_tokens}: "
@@ -319,16 +326,16 @@ def _reusable(art: Path, K: int, batches: list[int], max_tokens: int, log=print,
 
 
 def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=print,
-                  deterministic: bool = False) -> Path:
+                  deterministic: bool = False, expert_format: str | None = None) -> Path:
     """The v4-flash-slice built on the GPU (seeded random), written in the release formats, compiled
-    for h200 with --mtp K (and --deterministic), buckets = the batches (reused when `work/art` or
-    `work/art_det` exists)."""
+    for h200 with --mtp K (and --deterministic, --expert-format), buckets = the batches (reused when
+    `_art_dir` holds a fitting one)."""
     from dsv4c.checkpoint import save_checkpoint
     from dsv4c.compile import compile_checkpoint
     from dsv4c.model import build_model
 
-    art = work / ("art_det" if deterministic else "art")
-    if _reusable(art, K, batches, max_tokens, log, deterministic):
+    art = _art_dir(work, deterministic, expert_format)
+    if _reusable(art, K, batches, max_tokens, log, deterministic, expert_format):
         return art
     ckpt, done = work / "ckpt", work / "ckpt.complete"
     if not done.is_file():  # a call that timed out after writing the checkpoint leaves the marker: reused
@@ -342,7 +349,8 @@ def compile_slice(work: Path, K: int, batches: list[int], max_tokens: int, log=p
         log(f"slice checkpoint written in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     compile_checkpoint(ckpt, art, target="h200", max_tokens=max_tokens, max_batch=max(batches), buckets=tuple(batches),
-                       mtp_k=K, progress=True, verify_boundaries=False, force=True, deterministic=deterministic)
+                       mtp_k=K, progress=True, verify_boundaries=False, force=True, deterministic=deterministic,
+                       expert_format=expert_format)
     log(f"slice compiled (h200, --mtp {K}{', deterministic' if deterministic else ''}) in "
         f"{time.perf_counter() - t0:.0f}s")
     shutil.rmtree(ckpt)  # 20 GB: the artifact (~35 GB) is all the run needs, and the device disk is 64 GiB
@@ -386,6 +394,10 @@ def main(argv=None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="with --bundled or --slice: compile and load in deterministic mode, so the verify's argmax "
                          "equals the k = 0 decode's and the measured α is the requested one in bf16 too")
+    ap.add_argument("--expert-format", default=None, choices=("fp8_block", "mxfp4_w4a16", "nvfp4_w4a16"),
+                    help="with --bundled or --slice: compile --expert-format (with --deterministic: mxfp4_w4a16 or "
+                         "nvfp4_w4a16 keep the experts' stored bytes, where the default widens them to bf16: the "
+                         "slice's deterministic artifact then fits the device's disk)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.quick:
@@ -398,6 +410,8 @@ def main(argv=None) -> int:
         ctx_len = a.prompt_len + a.new_tokens // 2
         print(bound_table(ModelConfig.resolve(a.roofline_only), batches, alphas, ks, a.k, ctx_len))
         return 0
+    if a.expert_format and a.art:
+        ap.error("--expert-format: with --bundled or --slice (an --art artifact's formats are fixed)")
     if a.deterministic and a.art:
         ap.error("--deterministic: with --bundled or --slice (an --art artifact's compile is fixed; the Session "
                  "loads it as compiled)")
@@ -415,9 +429,10 @@ def main(argv=None) -> int:
         if a.work is None:
             tmp = tempfile.TemporaryDirectory()
         art = compile_bundled(a.work or Path(tmp.name), a.device, a.k, compile_batches, max_tokens, log,
-                              deterministic=a.deterministic)
+                              deterministic=a.deterministic, expert_format=a.expert_format)
     else:
-        art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log, deterministic=a.deterministic)
+        art = compile_slice(a.slice, a.k, compile_batches, max_tokens, log, deterministic=a.deterministic,
+                            expert_format=a.expert_format)
     timings["compile_or_reuse_s"] = round(time.perf_counter() - t0, 2)
     if a.compile_only:
         return 0
@@ -431,7 +446,7 @@ def main(argv=None) -> int:
     timings["artifact_export_s"] = {n: g.get("export_seconds") for n, g in m["graphs"].items()}
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     head = {"artifact": str(art), "gpu": gpu, "target": m["target"]["name"], "mtp_k": m["mtp_k"],
-            "deterministic": a.deterministic,
+            "deterministic": a.deterministic, "expert_format": m["target"]["expert_format"],
             "buckets": m["buckets"], "new_tokens": a.new_tokens, "timings": timings}
 
     def write(rows: list[dict], complete: bool = False) -> None:

@@ -12,6 +12,8 @@ CPU tensors run the reference)::
 
     dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32) -> Tensor
     dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
+    dsv4c::moe_experts_fp4_bi(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
+                              swiglu_limit) -> Tensor      # FP4 weight-only experts (mxfp4, nvfp4)
 
 Legend: M token rows, N output features, K input features, P (token, expert choice) pairs,
 E experts.
@@ -24,7 +26,13 @@ sizes are constants, never chosen from M, and there is no split-K. An MMA's row 
 row i of its A operand, so each row's result is the same bits whatever M is (tests:
 test_kernels_batch_invariant.py, 1 vs 8 rows). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
-the same at 1 token and at 64.
+the same at 1 token and at 64. FP4 weight-only experts keep their stored bytes: `moe_experts_fp4_bi`
+runs the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py at every token count with one fixed tile
+(`fp4_bi_config`), where `moe_experts_q` switches to the grouped tensor-core kernels above two
+assignments per expert. Those GEMVs are per (token, choice) pair too: the activation's fp16 chunk
+scales are per token row, each program walks K in a fixed order with no atomics, and the choices are
+summed per token in choice order (kernels/moe_combine.py); ordering the programs by expert (a sort
+past E/4 pairs) changes which program runs when, not what any program computes.
 """
 from __future__ import annotations
 
@@ -193,6 +201,63 @@ def moe_experts_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w1:
 
 @moe_experts_bi.register_fake
 def _moe_experts_bi_fake(x, idx, weight, w1, w3, w2, swiglu_limit):
+    return torch.empty_like(x)
+
+
+FP4_WEIGHT_ONLY = ("mxfp4", "nvfp4")  # expert container formats `moe_experts_fp4_bi` runs
+
+
+def fp4_bi_config(device: torch.device):
+    """The one GEMV tile of `moe_experts_fp4_bi` on `device`, never chosen from the token count (small K
+    steps under the CPU interpreter, as kernels/moe_fp4_gemv.py's default)."""
+    from dsv4c.kernels.moe_fp4_gemv import default_gemv_config
+
+    return default_gemv_config(device)
+
+
+def moe_experts_fp4_bi_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts,
+                            swiglu_limit: float) -> torch.Tensor:
+    """FP4 weight-only experts (an Mxfp4Experts / Nvfp4Experts container) through `moe_fp4_gemv` with
+    `fp4_bi_config`: one path at any token count (module docstring). x bf16 [T, D] -> bf16 [T, D]; CPU
+    tensors run under the Triton interpreter."""
+    from dsv4c.kernels.moe_fp4_gemv import moe_fp4_gemv
+
+    if x.device.type == "cuda" and experts.format == "nvfp4" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise ValueError("moe_experts_fp4_bi: nvfp4's e4m3 scales decode through fp8e4nv, which needs CUDA "
+                         f"capability >= 8.9; this GPU is {torch.cuda.get_device_capability(x.device)}")
+    return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale,
+                        getattr(experts, "w13_global", None), experts.w2, experts.w2_scale,
+                        getattr(experts, "w2_global", None), experts.group, swiglu_limit, fp4_bi_config(x.device))
+
+
+def moe_experts_fp4_bi_ref(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts,
+                           swiglu_limit: float) -> torch.Tensor:
+    """The function `moe_experts_fp4_bi_gemv` computes: `moe_grouped_ref` (fp32) cast to x's dtype."""
+    from dsv4c.kernels.moe_grouped import moe_grouped_ref
+
+    return moe_grouped_ref(x, idx, weight, experts, swiglu_limit).to(x.dtype)
+
+
+@torch.library.custom_op("dsv4c::moe_experts_fp4_bi", mutates_args=())
+def moe_experts_fp4_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, fmt: str, w13: torch.Tensor,
+                       w13_scale: torch.Tensor, w13_global: torch.Tensor | None, w2: torch.Tensor,
+                       w2_scale: torch.Tensor, w2_global: torch.Tensor | None, swiglu_limit: float) -> torch.Tensor:
+    """`moe_experts_q` of FP4 weight-only experts (fmt mxfp4 or nvfp4, the container's fields as
+    kernels/moe_grouped.py passes them) with one path at any token count (`moe_experts_fp4_bi_gemv`).
+    x bf16 [T, D], idx [T, C], weight fp32 [T, C] -> bf16 [T, D]. CPU tensors compute the reference
+    (`moe_experts_fp4_bi_ref`), as `moe_experts_q` does."""
+    from dsv4c.kernels.moe_grouped import experts_from_tensors
+
+    if fmt not in FP4_WEIGHT_ONLY:
+        raise ValueError(f"moe_experts_fp4_bi: fmt must be one of {FP4_WEIGHT_ONLY}, got {fmt!r}")
+    ex = experts_from_tensors(fmt, w13=w13, w13_scale=w13_scale, w13_global=w13_global, w2=w2, w2_scale=w2_scale,
+                              w2_global=w2_global)
+    run = moe_experts_fp4_bi_ref if x.device.type == "cpu" else moe_experts_fp4_bi_gemv
+    return run(x, idx, weight, ex, swiglu_limit)
+
+
+@moe_experts_fp4_bi.register_fake
+def _moe_experts_fp4_bi_fake(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit):
     return torch.empty_like(x)
 
 

@@ -87,9 +87,9 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_router", fuse_router),
         ("fuse_swiglu", fuse_swiglu),
         ("lower_grouped_linear", lower_grouped_linear),
-        ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic
         ("quantize_experts", quantize_experts),
         ("quantize_dense", quantize_dense),
+        ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic; sees the formats chosen
         ("select_kernels", select_kernels),
     ]
 

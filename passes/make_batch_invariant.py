@@ -4,23 +4,27 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
 
     before:  y = linear(x, w, b)             z = dsv4c.linear_f32(x, w)      y = matmul(h, t(w))
              o = dsv4c.grouped_linear(x, w)  e = dsv4c.moe_experts(x, idx, wt, W1, W3, W2, L)
+             q = dsv4c.moe_experts_q(x, idx, wt, "mxfp4" | "nvfp4", w13, s13, g13, w2, s2, g2, None, None, L)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
              r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
     after:   y = dsv4c.linear_bi(x, w, b, False)   z = dsv4c.linear_bi(x, w, None, True)
              y = dsv4c.linear_bi(h, w, None, False)
              o = dsv4c.grouped_linear_bi(x, w)     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
+             q = dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, L)
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
              r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
 
 Why it is valid: each replacement computes the same function up to the order of its fp32 sums
-(kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by
-how many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M, one expert path
-for any token count, row-at-a-time hc mix, reductions as fixed-order sums, and the fusion kernels'
-fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
+(kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by how
+many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M, one expert path for any
+token count (bf16 experts: a gathered GEMV; FP4 weight-only experts, as quantize_experts left them: the
+FP4 CUDA-core GEMV with one tile), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
+kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
 
-What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
-reduction ATen ops it did not match, quantised expert ops (their kernels pick a path by token count),
-and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an artifact with any
+It runs after quantize_experts and quantize_dense, so it sees the expert and dense ops the target
+chose. What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
+reduction ATen ops it did not match, FP8 / W4A4 expert ops and FP8 dense linears (their kernels pick a
+path by token count), and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an artifact with any
 blocker, naming them (dsv4c/compile.py). On the CPU target the ops run their torch references, whose
 batch invariance is not proven; the manifest says so.
 """
@@ -44,8 +48,13 @@ _UNSAFE_ATEN = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmu
 # dsv4c ops whose default kernels choose a reduction path from the token count
 _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the token count, index_add_ combine",
                  "dsv4c.moe_experts_gathered": "batched GEMMs sized by the token count",
-                 "dsv4c.moe_experts_q": "kernels/moe_grouped.py / moe_fp4_gemv.py / moe_fp8_prefill.py pick a path "
-                                        "and tile by token count",
+                 "dsv4c.moe_experts_q": "kernels/moe_grouped.py / moe_fp8_prefill.py pick a path and tile by token "
+                                        "count (only FP4 weight-only experts have a fixed path: "
+                                        "moe_experts_fp4_bi)",
+                 "dsv4c.fp8_linear_w8a8": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
+                                          "above",
+                 "dsv4c.fp8_linear_w8a16": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
+                                           "above",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
                  "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
                  "dsv4c.rms_norm": "kernels/norm.py picks its variant by the row count (EXACT_ROWS_MIN)",
@@ -73,6 +82,12 @@ def _transposed_weight(n) -> Node | None:
     return None
 
 
+def _fp4_weight_only() -> tuple[str, ...]:
+    from dsv4c.kernels.batch_invariant import FP4_WEIGHT_ONLY  # the kernels need triton: imported when used
+
+    return FP4_WEIGHT_ONLY
+
+
 def _replacement(n: Node):
     """(op, args) computing n's value batch-invariantly, or None when n is not a pattern of the pass."""
     ops = torch.ops.dsv4c
@@ -94,6 +109,10 @@ def _replacement(n: Node):
         return ops.grouped_linear_bi.default, tuple(n.args)
     elif t in (ops.moe_experts.default, ops.moe_experts_gathered.default):
         return ops.moe_experts_bi.default, tuple(n.args)
+    elif op_name(t) == "dsv4c.moe_experts_q" and len(n.args) == 13 and n.args[3] in _fp4_weight_only():
+        x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, in13, in2, limit = n.args
+        if in13 is None and in2 is None:  # weight-only: no activation scales
+            return ops.moe_experts_fp4_bi.default, (x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, limit)
     elif t is ops.hc_pre.default:
         return ops.hc_pre_rows.default, tuple(n.args)
     elif isinstance(t, torch._ops.OpOverload) and op_name(t) in _FIXED_VARIANT:

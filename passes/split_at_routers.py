@@ -50,7 +50,8 @@ from dsv4c.passes import PassContext, PassResult
 
 MOE_OP = "dsv4c.moe_experts"
 # every implementation of the routed experts: a router boundary whichever one the target chose
-MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered", "dsv4c.moe_experts_q", "dsv4c.moe_experts_bi"})
+MOE_OPS = frozenset({MOE_OP, "dsv4c.moe_experts_gathered", "dsv4c.moe_experts_q", "dsv4c.moe_experts_bi",
+                     "dsv4c.moe_experts_fp4_bi"})
 META_INPUTS = ("slots", "pos0", "n_real")
 CACHE_PREFIX = "caches_"
 
@@ -85,6 +86,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.linear_bi": None,
     "dsv4c.grouped_linear_bi": None,
     "dsv4c.moe_experts_bi": None,
+    "dsv4c.moe_experts_fp4_bi": None,  # kernels/moe_fp4_gemv.py on CUDA, as moe_experts_q's GEMV path
     "dsv4c.sum_bi": None,
     "dsv4c.hc_pre_rows": None,
     "dsv4c.hc_post_bi": None,

@@ -66,11 +66,13 @@ def test_greedy_identical_across_batch_and_mtp(art):
     assert all(len(t) == 8 for t in together)
 
 
-def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypatch):
-    """The whole deterministic decode graph (2-layer tiny V4, h200 lowering) with the batch-invariant
-    ops' CPU paths pointed at their Triton kernels under the interpreter: row 0's logits are the same
-    bits at batch 1 and 3. (The other ops run their CPU references here; on the GPU the gpu tests and
-    examples/bench_deterministic.py check the real kernels.)"""
+@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4"])
+def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypatch, mode):
+    """The whole deterministic decode graph (2-layer tiny V4, h200 lowering; bf16 experts, or MXFP4
+    weight-only ones through `moe_experts_fp4_bi`) with the batch-invariant ops' CPU paths pointed at
+    their Triton kernels under the interpreter: row 0's logits are the same bits at batch 1 and 3. (The
+    other ops run their CPU references here; on the GPU the gpu tests and examples/bench_deterministic.py
+    check the real kernels.)"""
     import sys
 
     import dsv4c.kernels.batch_invariant as bi
@@ -82,9 +84,12 @@ def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypat
     monkeypatch.setattr(bi, "bi_matmul_ref", lambda x, w, b=None, o=None: bi.bi_matmul(x.contiguous(), w, b, o))
     monkeypatch.setattr(bi, "bi_gemv_gathered_ref", bi.bi_gemv_gathered)
     monkeypatch.setattr(mhc, "hc_pre_ref", lambda *a: mhc.hc_pre(*a, rows=True, exact=False))
-    res = bench_deterministic.run(layers=2, batches=[1, 3], prompt=12, steps=2, modes=("deterministic",),
-                                  device="cpu", preset="v4-tiny-a")["deterministic"]
+    calls, gemv = [], bi.moe_experts_fp4_bi_gemv  # the FP4 experts' CPU path: the GEMV kernel, counted
+    monkeypatch.setattr(bi, "moe_experts_fp4_bi_ref", lambda *a: calls.append(a[3].format) or gemv(*a))
+    res = bench_deterministic.run(layers=2, batches=[1, 3], prompt=12, steps=2, modes=(mode,),
+                                  device="cpu", preset="v4-tiny-a")[mode]
     assert res["blockers"] == [] and res["rows_identical"] and res["tokens_identical"], res
+    assert bool(calls) == (mode == "deterministic-mxfp4") and set(calls) <= {"mxfp4"}, calls
 
 
 def test_session_refuses_an_artifact_not_compiled_deterministic(art, monkeypatch):
@@ -102,6 +107,11 @@ def test_deterministic_target_refuses_what_it_cannot_make_invariant():
     assert kernels["v4_attention"] == "fused_det" and tgt.expert_format == "reference"
     with pytest.raises(DeterminismError, match="moe_grouped"):
         deterministic_target(h200, "fp8_block", None, 0)
+    with pytest.raises(DeterminismError, match="moe_grouped"):
+        deterministic_target(h200, "nvfp4_w4a4", None, 0)
+    for fmt in ("mxfp4_w4a16", "nvfp4_w4a16"):  # FP4 weight-only: the GEMV path at every token count
+        fp4, _ = deterministic_target(h200, fmt, None, 0)
+        assert fp4.expert_format == fmt and "moe_experts_fp4_bi" in fp4.expert_format_reason
     assert deterministic_target(h200, None, None, 3)[1] == kernels  # MTP: fused_det's rows do not depend on T
     with pytest.raises(DeterminismError, match="v4_attention=fused"):
         deterministic_target(h200, None, {"v4_attention": "fused"}, 0)
@@ -146,18 +156,19 @@ def test_gpu_bundled_greedy_identical_across_batch_1_8_64_and_mtp_0_to_3(tmp_pat
 
 
 @pytest.mark.gpu
-def test_gpu_flash_two_layer_rows_and_tokens_identical_across_batch_and_mtp_k_0_to_3():
+@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4"])
+def test_gpu_flash_two_layer_rows_and_tokens_identical_across_batch_and_mtp_k_0_to_3(mode):
     """The random 2-layer Flash-dimension model (a window layer and a CSA layer), bf16, full CUDA graphs,
-    batch 1/8/64: decode rows at batch 1 and 8 are the same bits as at 64; a verify step of 1 + k
-    tokens (k = 1..3) gives every row and token the same logits bits as 1 + k decode steps fed the same
-    tokens; greedy speculative rounds (teacher drafts, 30% corrupted: rejections and rollbacks) give
-    the same tokens as plain decode at batch 64."""
+    bf16 experts or MXFP4 weight-only ones (`moe_experts_fp4_bi`), batch 1/8/64: decode rows at batch 1
+    and 8 are the same bits as at 64; a verify step of 1 + k tokens (k = 1..3) gives every row and token
+    the same logits bits as 1 + k decode steps fed the same tokens; greedy speculative rounds (teacher
+    drafts, 30% corrupted: rejections and rollbacks) give the same tokens as plain decode at batch 64."""
     import sys
 
     sys.path.insert(0, str(ROOT / "examples"))
     import bench_deterministic
 
-    res = bench_deterministic.verify_rows(k_max=3, layers=2, batches=(1, 8, 64), prompt=256, steps=16)
+    res = bench_deterministic.verify_rows(k_max=3, layers=2, batches=(1, 8, 64), prompt=256, steps=16, mode=mode)
     for B in (1, 8, 64):
         assert res["batch_rows_identical"][B], res
         assert all(res["verify_rows_identical"][B].values()), res

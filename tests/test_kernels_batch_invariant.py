@@ -144,3 +144,56 @@ def test_attention_verify_rows_equal_decode_rows(dtype, m, E, k):
         decode = v4_attention_fused(**step, config=cfg)
         assert torch.equal(decode[:, 0], verify[:, t]), f"token {t}"
     assert torch.equal(ring_d[:-1], ring_v[:-1])
+
+
+def _fp4_experts(fmt: str, E: int, I: int, D: int, device: str = "cpu"):
+    from dsv4c.kernels import moe_grouped as M
+    from moe_cases import float_weights
+
+    cls = {"mxfp4": M.Mxfp4Experts, "nvfp4": M.Nvfp4Experts}[fmt]
+    ex = cls.from_float(*float_weights(E, I, D, 11))
+    return M.experts_from_tensors(fmt, **{f: getattr(ex, f).to(device) for f in
+                                          ("w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global")
+                                          if getattr(ex, f, None) is not None})
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_experts_rows_do_not_depend_on_token_count(fmt):
+    """`moe_experts_fp4_bi`'s GEMV path (interpreted): a token's row is the same bits alone (3 pairs: the
+    programs in pair order) as among 8 tokens (24 pairs > E/4: the programs sorted by expert), and the
+    function is the reference's within the FP4 GEMV's error table entry."""
+    from dsv4c.kernels.batch_invariant import moe_experts_fp4_bi_gemv, moe_experts_fp4_bi_ref
+    from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
+
+    E, I, D, T, C = 16, 64, 96, 8, 3
+    ex = _fp4_experts(fmt, E, I, D)
+    x = (_rand(T, D, dtype=torch.float32, seed=2) * 2).bfloat16()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(E, generator=g)[:C] for _ in range(T)])
+    wt = torch.rand(T, C, generator=g)
+    y8 = moe_experts_fp4_bi_gemv(x, idx, wt, ex, 7.0)
+    for i in (0, 5):
+        assert torch.equal(moe_experts_fp4_bi_gemv(x[i:i + 1], idx[i:i + 1], wt[i:i + 1], ex, 7.0), y8[i:i + 1])
+    assert rel_err(y8, moe_experts_fp4_bi_ref(x, idx, wt, ex, 7.0)) < KERNEL_REL_ERR[fmt]
+    op = torch.ops.dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, ex.w13, ex.w13_scale, getattr(ex, "w13_global", None),
+                                            ex.w2, ex.w2_scale, getattr(ex, "w2_global", None), 7.0)
+    assert torch.equal(op, moe_experts_fp4_bi_ref(x, idx, wt, ex, 7.0))  # CPU tensors: the reference
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        torch.ops.dsv4c.moe_experts_fp4_bi(x, idx, wt, "fp8_block", ex.w13, ex.w13_scale, None, ex.w2, ex.w2_scale,
+                                           None, 7.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_experts_rows_on_gpu(fmt):
+    """The CUDA path (PTX decode, PDL chain): rows at M = 1 and 8 equal rows of M = 64, bit for bit."""
+    E, I, D, C = 32, 256, 512, 6
+    ex = _fp4_experts(fmt, E, I, D, "cuda")
+    x = _rand(64, D, dtype=torch.bfloat16, device="cuda", seed=2)
+    idx = torch.stack([torch.randperm(E)[:C] for _ in range(64)]).cuda()
+    wt = torch.rand(64, C, device="cuda")
+    args = (fmt, ex.w13, ex.w13_scale, getattr(ex, "w13_global", None), ex.w2, ex.w2_scale,
+            getattr(ex, "w2_global", None), 7.0)
+    y = torch.ops.dsv4c.moe_experts_fp4_bi(x, idx, wt, *args)
+    for m in (1, 8):
+        assert torch.equal(torch.ops.dsv4c.moe_experts_fp4_bi(x[:m], idx[:m], wt[:m], *args), y[:m])
