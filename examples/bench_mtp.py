@@ -9,10 +9,13 @@ synchronised) to the end. Each cell is `--repeats` generate calls (default 3), c
 rotated by i·batch (batch 1 decodes three different prompts), and reports total tokens / total decode
 time: one prompt's continuation at one k says more about that text than about k (greedy bf16 text
 differs between k, and with it the acceptance). Acceptance statistics are those of the timed calls.
+The calls of a (batch, temperature) group's cells are interleaved (`run_interleaved`): call i of every
+k and of auto runs before call i + 1 of any, so a slow stretch of the machine falls on every cell alike
+(`--no-interleave`: each cell's calls back to back, as before); each row lists its calls' tokens/s.
 
-`auto` runs as a user's session would: one untimed auto call first (a cell's first auto call
-calibrates the costs at that batch size and sampling mode; its wall time is reported as
-`first_call_s`), then the `--repeats` timed calls in the same session, so the acceptance auto observed
+`auto` runs as a user's session would: one untimed auto call first, before the group's timed calls (a
+cell's first auto call calibrates the costs at that batch size and sampling mode; its wall time is
+reported as `first_call_s`), then the `--repeats` timed calls in the same session, so the acceptance auto observed
 in earlier calls (and its re-choices every few rounds inside a call) carry over, as they would across
 a user's requests. The row lists the k each timed call started and ended with, its probes and switches.
 Last in each (batch, temperature) group the k = 0 cell is timed again (`again_ratio` on its row, shown as
@@ -79,12 +82,28 @@ def run_cell(sess, prompts: list[str], n_new: int, temperature: float, mtp) -> d
 
 
 def run_repeats(sess, prompt_sets: list[list[str]], n_new: int, temperature: float, mtp) -> dict:
-    """`run_cell` over each prompt set in turn: total decode tokens / total decode seconds, the outputs per
-    set, the merged speculation statistics and each call's auto policy."""
-    cells = [run_cell(sess, ps, n_new, temperature, mtp) for ps in prompt_sets]
+    """`run_cell` over each prompt set in turn, merged (`merge_calls`)."""
+    return merge_calls([run_cell(sess, ps, n_new, temperature, mtp) for ps in prompt_sets], mtp)
+
+
+def run_interleaved(sess, prompt_sets: list[list[str]], n_new: int, temperature: float, kinds: list) -> dict:
+    """The calls of several cells interleaved: call i of every mtp setting in `kinds` runs before call i + 1
+    of any, so a slow stretch of the machine (the k = 0 cell timed twice minutes apart differed by up to
+    20%, run24) falls on every setting alike. -> {mtp setting: merged cell}."""
+    calls: dict = {k: [] for k in kinds}
+    for ps in prompt_sets:
+        for k in kinds:
+            calls[k].append(run_cell(sess, ps, n_new, temperature, k))
+    return {k: merge_calls(c, k) for k, c in calls.items()}
+
+
+def merge_calls(cells: list[dict], mtp) -> dict:
+    """Calls of one cell: total decode tokens / total decode seconds, each call's tokens/s, the outputs per
+    call, the merged speculation statistics and each call's auto policy."""
     tok, sec = sum(c["decode_tokens"] for c in cells), sum(c["decode_s"] for c in cells)
     merged = merge_spec_stats([st for c in cells for st in c["stats"]]) if mtp != 0 else None
     return {"tokens_per_s": tok / max(sec, 1e-9), "decode_s": sec, "outputs": [c["outputs"] for c in cells],
+            "call_tokens_per_s": [round(c["tokens_per_s"], 1) for c in cells],
             "spec": merged, "policies": [c["stats"][0].get("mtp_policy") or {} for c in cells]}
 
 
@@ -93,12 +112,10 @@ def prompt_sets(B: int, repeats: int) -> list[list[str]]:
     return [[PROMPTS[(i * B + j) % len(PROMPTS)] for j in range(B)] for i in range(repeats)]
 
 
-def auto_row(sess, sets: list[list[str]], n_new: int, T: float, B: int, base: float, rows: list[dict]) -> dict:
-    """The auto cell: one untimed auto call (the cell's calibration on first use), then the timed calls in
-    the same session (see the module docstring)."""
-    first = run_cell(sess, sets[0], n_new, T, "auto")
+def auto_row(cell: dict, first: dict, T: float, B: int, base: float, rows: list[dict]) -> dict:
+    """The auto cell's row: `first` the untimed auto call (the cell's calibration on first use), `cell` the
+    timed calls in the same session (see the module docstring)."""
     pol0 = first["stats"][0].get("mtp_policy") or {}
-    cell = run_repeats(sess, sets, n_new, T, "auto")
     pols = cell["policies"]
     fixed = [r for r in rows if r["batch"] == B and r["temperature"] == T and r["k"] != "auto"]
     best = max(fixed, key=lambda r: r["tokens_per_s"])
@@ -109,6 +126,7 @@ def auto_row(sess, sets: list[list[str]], n_new: int, T: float, B: int, base: fl
                 h.get("reason") == "probe" for p in pols for h in p.get("history", [])),
             "switches": sum(h.get("reason") == "observed" for p in pols for h in p.get("history", [])),
             "tokens_per_s": round(cell["tokens_per_s"], 2), "speedup": round(cell["tokens_per_s"] / base, 3),
+            "call_tokens_per_s": cell["call_tokens_per_s"],
             "vs_best_fixed": round(cell["tokens_per_s"] / best["tokens_per_s"], 3), "best_fixed_k": best["k"],
             "first_call_s": round(first["total_s"], 3), "first_call_k": [pol0.get("k"), pol0.get("k_last")],
             "reason": last.get("reason"), "predicted_speedup": last.get("predicted_speedup"),
@@ -172,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--round-graphs", choices=["default", "off", "graphs", "emulate"], default="default",
                     help="how pipelined MTP rounds run (Speculator.round_mode): one CUDA graph per round (graphs, the "
                          "default where every graph runs whole-step), or op by op (off), for comparison")
+    ap.add_argument("--no-interleave", action="store_true",
+                    help="time each cell's calls back to back (the earlier harness) instead of interleaving the "
+                         "calls of a group's cells (`run_interleaved`)")
     ap.add_argument("--no-k0-again", action="store_true",
                     help="skip timing each group's k = 0 cell a second time after its other cells (again_ratio: "
                          "the cell-to-cell noise at this length, against which 'within 3%%' is judged)")
@@ -224,13 +245,19 @@ def main(argv=None) -> int:
                     run_cell(sess, sets[0], n_new, T, k)  # sampled steps and rounds are separate graphs and samplers
             ref_outputs: list = []  # k = 0, temperature 0: the greedy reference of this batch, per call
             for T in temps:
-                base = None
+                first = None if a.no_auto else run_cell(sess, sets[0], n_new, T, "auto")  # calibrates, untimed
+                kinds = ks + ([] if a.no_auto else ["auto"])
+                if a.no_interleave:
+                    cells = {k: run_repeats(sess, sets, n_new, T, k) for k in kinds}
+                else:
+                    cells = run_interleaved(sess, sets, n_new, T, kinds)
+                base = cells[0]["tokens_per_s"]
                 for k in ks:
-                    cell = run_repeats(sess, sets, n_new, T, k)
-                    base = cell["tokens_per_s"] if k == 0 else base
+                    cell = cells[k]
                     row = {"batch": B, "temperature": T, "k": k, "tokens_per_s": round(cell["tokens_per_s"], 2),
                            "speedup": round(cell["tokens_per_s"] / base, 3), "decode_s": round(cell["decode_s"], 3),
-                           "calls": a.repeats}
+                           "calls": a.repeats, "call_tokens_per_s": cell["call_tokens_per_s"],
+                           "interleaved": not a.no_interleave}
                     if k and T == 0:
                         row["greedy_equal_to_k0"] = cell["outputs"] == ref_outputs
                     if k == 0 and T == 0:
@@ -245,7 +272,7 @@ def main(argv=None) -> int:
                     print(json.dumps(row), file=sys.stderr)
                     save()
                 if not a.no_auto:
-                    rows.append(auto_row(sess, sets, n_new, T, B, base, rows))
+                    rows.append(auto_row(cells["auto"], first, T, B, base, rows))
                     print(json.dumps(rows[-1]), file=sys.stderr)  # as it comes: a timeout keeps it
                     save()
                 if not a.no_k0_again:  # the same k = 0 cell again, last: how far two timings of one cell differ
