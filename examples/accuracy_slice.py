@@ -55,7 +55,8 @@ FORMATS = ("fp8_block", "mxfp4_w4a16", "nvfp4_w4a16")
 PARTS = ("passes", "formats", "floor", "fp8", "margins", "artifact")
 TARGET_DB = {"fusion": 38.0, "fp8_block": 25.0, "mxfp4_w4a16": 35.0, "nvfp4_w4a16": 35.0}
 BUNDLE = ROOT / "examples" / "models" / "v4-tiny-pystdlib"
-LOSSY = ("quantize_experts", "quantize_dense", "make_batch_invariant", "select_kernels")  # rows after the lossy pass carry its error
+# rows after the lossy passes carry their error
+LOSSY = ("quantize_experts", "quantize_dense", "make_batch_invariant", "select_kernels")
 ARTIFACT_S = 140.0  # the artifact part on the H200: checkpoint ~20 s, compile ~65 s, load + two prefills
 KIND_S = 40.0  # one more graph kind's per-pass rows (export, passes, two runs per row)
 FLOOR_S, FP8_S = 15.0, 90.0  # the bf16-floor and fp8 parts on the H200 (estimates, for the budget)
