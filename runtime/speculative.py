@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
@@ -223,6 +224,10 @@ class Speculator:
         self.auto: AutoRun | None = None  # mtp="auto": the running call's policy (None: a fixed k)
         self.auto_last: dict[tuple, int] = {}  # the k auto last ran per cell (hysteresis across calls)
         self.probe_budget: dict[tuple, float] = {}  # seconds of probing earned per cell (PROBE_SHARE)
+        # mtp="auto": seconds between consecutive rounds read at one k, per (batch, sampling mode, k): the
+        # round times the traffic pays, which correct the calibration's (`observed_costs`)
+        self.round_seen: dict[tuple, deque] | None = {}
+        self.clock: Callable[[], float] = time.perf_counter
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
         self.fused_caches = verify_mtp_caches(sess.caches, self.mtp_caches) if self.fused else None
@@ -1106,6 +1111,8 @@ ACCEPT_WINDOW = 256  # the acceptance counts halve every this many first-draft c
 PROBE_ROUNDS = 8  # rounds at K of one probe (every draft position's acceptance)
 PROBE_SHARE = 0.01  # probes spend at most this share of the decode time that earned them
 CALIBRATION_REPEATS = 3  # interleaved timings of each k; the median is the cost
+ROUND_SAMPLES = 32  # round intervals kept per (batch, mode, k) (`Speculator.round_seen`)
+MIN_ROUND_SAMPLES = RECHOOSE_ROUNDS  # intervals at a k before they replace the calibrated round time
 
 
 @dataclass
@@ -1164,6 +1171,22 @@ def pick_k(pred: dict[int, float], current: int = 0) -> int:
     return best if pred[best] > pred.get(current, 0.0) * margin else current
 
 
+def observed_costs(spec, B: int, mode: str, costs: dict) -> dict:
+    """The calibrated `costs` of (batch B, sampling mode) with the round times the traffic paid: a k with
+    MIN_ROUND_SAMPLES intervals observed (`AutoRun.after_round`) takes their median; the others are scaled
+    by the median ratio observed / calibrated of the observed k's (what the calibration's short generations
+    missed, e.g. host work per emitted token, tends to miss at every k alike). The plain step stays as
+    calibrated. Returns `costs` itself when nothing was observed."""
+    seen = {}
+    for (b, m, k), d in (getattr(spec, "round_seen", None) or {}).items():
+        if (b, m) == (B, mode) and k in costs["round"] and len(d) >= MIN_ROUND_SAMPLES:
+            seen[k] = statistics.median(d)
+    if not seen:
+        return costs
+    ratio = statistics.median(t / costs["round"][k] for k, t in seen.items())
+    return {**costs, "round": {k: seen.get(k, t * ratio) for k, t in costs["round"].items()}, "observed": seen}
+
+
 def could_pay(costs: dict) -> bool:
     """Whether some k reaches AUTO_MARGIN even if every draft were accepted (else probing is pointless)."""
     return max((k + 1) * costs["step"] / t for k, t in costs["round"].items()) > AUTO_MARGIN
@@ -1187,6 +1210,7 @@ class AutoRun:
         self.k_run = k  # the chosen k
         self.probe_left = PROBE_ROUNDS if probe else 0
         self.rounds = 0
+        self._last: tuple[int, float] | None = None  # (k, clock) of the last round read
         self.history: list[dict] = info.setdefault("history", [])
         self._sync_spec()
 
@@ -1195,8 +1219,10 @@ class AutoRun:
         return self.spec.K if self.probe_left else self.k_run
 
     def after_round(self, k: int) -> None:
-        """A round of k drafts was read (its rows observed): account the budget, end a probe, re-choose."""
+        """A round of k drafts was read (its rows observed): time it, account the budget, end a probe,
+        re-choose."""
         spec = self.spec
+        self._time_round(k)
         self.rounds += 1
         if self.probe_left:
             self.probe_left -= 1
@@ -1216,9 +1242,22 @@ class AutoRun:
                 self.history.append({"round": self.rounds, "k": spec.K, "reason": "probe"})
         self._sync_spec()
 
+    def _time_round(self, k: int) -> None:
+        """The interval since the last round read, when both ran at k (`Speculator.round_seen`)."""
+        seen = self.spec.round_seen
+        if seen is None:  # not timed (the policy tests' stand-ins without a clock)
+            return
+        now = self.spec.clock()
+        if self._last is not None and self._last[0] == k:
+            key = (*self.cell[:2], k)
+            if key not in seen:
+                seen[key] = deque(maxlen=ROUND_SAMPLES)
+            seen[key].append(now - self._last[1])
+        self._last = (k, now)
+
     def rechoose(self, why: str) -> None:
         alpha = self.spec.acceptance(self.temperature).alpha()
-        pred = predicted_speedups(self.costs, alpha)
+        pred = predicted_speedups(observed_costs(self.spec, *self.cell[:2], self.costs), alpha)
         k = pick_k(pred, self.k_run)
         if k != self.k_run or why.startswith("after"):
             self.history.append({"round": self.rounds, "k": k, "reason": why,
@@ -1283,8 +1322,10 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
     CUDA-graph capture excluded. α: the acceptance per draft position observed at this temperature
     bucket (`Speculator.observe`: the calibration generations and every round run since, forgetting
     old ones: `Acceptance`); before MIN_ALPHA_CHECKS first drafts were ever checked there, a K-draft
-    generation at this temperature observes more first. A round's time does not depend on what it
-    accepts (its graph calls are fixed), so S(k) is the speedup a run at acceptance α measures. The
+    generation at this temperature observes more first. A round's device work does not depend on what
+    it accepts (its graph calls are fixed), but its host work grows with the tokens it emits, which the
+    calibration's acceptance may not match: once rounds of this cell have run, the round times they paid
+    replace the calibrated ones (`observed_costs`; `AutoRun` re-chooses with them while running). The
     choice from `current` (the k running) is `pick_k`: k = 0 (plain decoding, the same path as mtp=0)
     unless some k predicts at least AUTO_MARGIN, and no switch within SWITCH_MARGIN. `measure=False`
     (a re-plan between the incremental API's steps, where no generation can run): the cell must be
@@ -1298,7 +1339,8 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         spec.calibration[ckey] = _measure_costs(sess, spec, params, prompts, B)
     if measure and spec.acceptance(params.temperature).checks < MIN_ALPHA_CHECKS:
         _time_decode(sess, params, prompts, B, spec.K, spec.calibration_tokens)  # observes α
-    costs = spec.calibration[ckey]
+    calibrated = spec.calibration[ckey]
+    costs = observed_costs(spec, B, mode, calibrated)
     alpha, source = _observed_alpha(spec, params.temperature)
     pred = predicted_speedups(costs, alpha)
     best = pick_k(pred, current)
@@ -1309,12 +1351,15 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         reason += f" (kept: k={max(pred, key=pred.get)} predicts {top:.2f}x, within the switching margin)"
     info = {"k": best, "reason": reason, "batch": B, "temperature": params.temperature, "mode": mode,
             "alpha": [round(a, 3) for a in alpha], "alpha_source": source,
-            "step_ms": {0: round(costs["step"] * 1e3, 3),
-                        **{k: round(t * 1e3, 3) for k, t in costs["round"].items()}},
+            "step_ms": {0: round(calibrated["step"] * 1e3, 3),
+                        **{k: round(t * 1e3, 3) for k, t in calibrated["round"].items()}},
+            "round_ms_used": {k: round(t * 1e3, 3) for k, t in costs["round"].items()},
             "predicted_speedup": {k: round(v, 3) for k, v in pred.items()},
             "guidance": "public: MTP pays at low temperature and small batch, loses at T > 0.7 or batch > 64"}
-    if "spread" in costs:
-        info["step_ms_spread"] = costs["spread"]
+    if "spread" in calibrated:
+        info["step_ms_spread"] = calibrated["spread"]
+    if "observed" in costs:
+        info["round_ms_observed"] = {k: round(t * 1e3, 3) for k, t in costs["observed"].items()}
     return best, info
 
 

@@ -18,8 +18,8 @@ import torch
 from dsv4c import load_model
 from dsv4c.runtime import speculative as sp
 from dsv4c.runtime.sampling import SamplingParams
-from dsv4c.runtime.speculative import (PROBE_ROUNDS, PROBE_SHARE, RECHOOSE_ROUNDS, Acceptance, AutoRun, Speculator,
-                                       pick_k, plan_auto, predicted_speedups, speculator)
+from dsv4c.runtime.speculative import (MIN_ROUND_SAMPLES, PROBE_ROUNDS, PROBE_SHARE, RECHOOSE_ROUNDS, Acceptance,
+                                       AutoRun, Speculator, pick_k, plan_auto, predicted_speedups, speculator)
 from test_sampling_decode import _logged_generate
 from test_speculative import BUNDLE, eager_session, prompts
 
@@ -30,16 +30,18 @@ COSTS = {"step": 1.0, "round": {1: 1.3, 2: 1.45, 3: 1.9}}  # seconds (any unit):
 # test doubles
 # ------------------------------------------------------------------------------------------------
 class FakeSpec:
-    """What the auto policy uses of a Speculator: K, k, the acceptance store, the budget, the last k."""
+    """What the auto policy uses of a Speculator: K, k, the acceptance store, the budget, the last k, and
+    the round timings (`clock`: None leaves rounds untimed, so the calibrated costs are the true ones)."""
 
     observe = Speculator.observe
     acceptance = Speculator.acceptance
 
-    def __init__(self, K: int = 3, costs: dict = COSTS, B: int = 8):
+    def __init__(self, K: int = 3, costs: dict = COSTS, B: int = 8, clock=None):
         self.K, self.k, self.auto = K, K, None
         self.observed, self.auto_last, self.probe_budget = {}, {}, {}
         self.calibration = {("costs", B, "greedy"): costs}
         self.calibration_tokens = 8
+        self.round_seen, self.clock = ({} if clock else None), clock
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,35 @@ def test_auto_does_not_flip_flop_between_k_that_predict_within_noise():
     assert pick_k({0: 1.0, 1: 1.04}, 0) == 0 and pick_k({0: 1.0, 1: 1.06}, 0) == 1
 
 
+def test_auto_corrects_the_calibrated_round_times_with_the_rounds_it_times():
+    """The calibration's rounds were faster than the traffic's (run29, batch 8: k = 1 calibrated 1.92 ms,
+    2.40 ms paid): the rounds actually take 1.6x the calibrated time at every k. Auto starts at the k the
+    calibration predicts, times its rounds, and within a few re-choices drops to plain decoding, where the
+    paid times predict a loss; the next call plans with them and starts plain. Measured α alone (right
+    here) would have kept speculating."""
+    true = [0.75, 0.6, 0.3]
+    slow = {k: 1.6 * t for k, t in COSTS["round"].items()}
+    assert best_k(true) > 0 and best_k(true, {**COSTS, "round": slow}) == 0
+    now = [0.0]
+    spec, rng = FakeSpec(clock=lambda: now[0]), random.Random(3)
+    prior(spec, true)
+    run = plan(spec)
+    assert run.k == best_k(true)
+    rounds = 0
+    while run.k and rounds < 200:
+        k = run.k
+        for _ in range(8):
+            spec.observe(0.0, traffic(rng, true, k), k)
+        now[0] += slow[k]
+        run.after_round(k)
+        rounds += 1
+    assert run.k == 0 and rounds <= MIN_ROUND_SAMPLES + 2 * RECHOOSE_ROUNDS, rounds
+    used = sp.observed_costs(spec, 8, "greedy", COSTS)
+    assert all(abs(used["round"][k] / slow[k] - 1) < 1e-9 for k in slow)  # observed at one k, scaled at the others
+    nxt = plan(spec)
+    assert nxt.k == 0 and "round_ms_observed" in nxt.info and not nxt.info["probe"]
+
+
 def test_acceptance_forgets_by_halving_and_keeps_the_ratios():
     acc = Acceptance.empty(2)
     for a in [2] * 30 + [1] * 10 + [0] * 10:
@@ -219,6 +250,7 @@ def _setup(spec, flip: Flip, costs: dict = COSTS) -> None:
     spec.observed[0.0] = flip
     spec.auto_last.clear()
     spec.probe_budget.clear()
+    spec.round_seen = None  # rounds untimed: the controlled costs are the true ones
 
 
 @torch.no_grad()
