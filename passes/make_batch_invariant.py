@@ -21,12 +21,12 @@ token count (bf16 experts: a gathered GEMV; FP4 weight-only experts, as quantize
 FP4 CUDA-core GEMV with one tile), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
 kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
 
-It runs after quantize_experts and quantize_dense, so it sees the expert and dense ops the target
-chose. What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
+It runs after quantize_experts and quantize_dense, so it sees the expert and dense ops the target chose.
+What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
 reduction ATen ops it did not match, FP8 / W4A4 expert ops and FP8 dense linears (their kernels pick a
-path by token count), and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an artifact with any
-blocker, naming them (dsv4c/compile.py). On the CPU target the ops run their torch references, whose
-batch invariance is not proven; the manifest says so.
+path by token count), and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an
+artifact with any blocker, naming them (dsv4c/compile.py). On the CPU target the ops run their torch
+references, whose batch invariance is not proven; the manifest says so.
 """
 from __future__ import annotations
 

@@ -1178,7 +1178,7 @@ def observed_costs(spec, B: int, mode: str, costs: dict) -> dict:
     missed, e.g. host work per emitted token, tends to miss at every k alike). The plain step stays as
     calibrated. Returns `costs` itself when nothing was observed."""
     seen = {}
-    for (b, m, k), d in (getattr(spec, "round_seen", None) or {}).items():
+    for (b, m, k), d in (spec.round_seen or {}).items():  # None: rounds untimed
         if (b, m) == (B, mode) and k in costs["round"] and len(d) >= MIN_ROUND_SAMPLES:
             seen[k] = statistics.median(d)
     if not seen:
@@ -1245,7 +1245,7 @@ class AutoRun:
     def _time_round(self, k: int) -> None:
         """The interval since the last round read, when both ran at k (`Speculator.round_seen`)."""
         seen = self.spec.round_seen
-        if seen is None:  # not timed (the policy tests' stand-ins without a clock)
+        if seen is None:  # rounds untimed: the calibrated costs are taken as true (tests that set them)
             return
         now = self.spec.clock()
         if self._last is not None and self._last[0] == k:
