@@ -161,6 +161,9 @@ class Session:
         self.prefill_stats = {"calls": 0, "rows": 0, "tokens": 0, "padded_tokens": 0,  # prefill graph calls
                               "replays": 0}  # of which replayed a prefill CUDA graph (runtime/prefill_graphs.py)
         self.warmup_s: dict[str, float] = {}  # Session.warm_up's seconds per case (load(warm_up=True))
+        # seconds between consecutive pipelined plain decode steps read, per (rows, sampling mode): what a
+        # plain step costs on the traffic (mtp="auto" plans with it: runtime/speculative.py `observed_costs`)
+        self.step_seen: dict[tuple[int, str], deque] = {}
         self.cache_info: dict = {}
         self._weights_by_graph: dict[str, dict[str, torch.Tensor]] = {}
         self.paged = self._paged_layout()  # PagedLayout of a paged artifact (runtime/block_pool.py), else None
@@ -872,6 +875,7 @@ class _Scheduler:
         self.hold = False  # a request was preempted: admit nothing until a running one finishes
         self.replan_reqs: list[_Request] | None = None  # the incremental API's mtp="auto": set_mtp's plan requests
         self.plain_steps = 0  # plain decode steps since the last plan (they earn the auto policy's probe budget)
+        self._step_mark: tuple[tuple[int, ...], float] | None = None  # (slots, clock) of the last plain step read
 
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
@@ -899,9 +903,11 @@ class _Scheduler:
         if not self.active:  # the step in flight finished them all
             return
         if spec is not None:  # draft-verify-accept rounds: pipelined until a request finishes, or one
+            self._step_mark = None
             yield from (spec.rounds(self.active) if self.pipelined_rounds else spec.round(self.active))
         elif sess.host_steps or any(r.logprobs is not None for r in self.active.values()):
             self.plain_steps += 1
+            self._step_mark = None
             yield from self._host_step()
         else:
             self.plain_steps += 1
@@ -935,6 +941,7 @@ class _Scheduler:
         while self.waiting and self.free and not (self.hold and self.active):
             wave, blocked = self._admit_wave()
             if wave:
+                self._step_mark = None  # the next plain step's interval would hold the prefill
                 yield from self._prefill_wave(wave)
             if not wave or (blocked and all(r.finish is None for r in wave)):
                 break  # nothing admitted, or blocks held by running requests that none of the wave freed
@@ -1034,12 +1041,31 @@ class _Scheduler:
         more = any(len(active[s].out) + 1 < active[s].max_new for s in slots) and self.grow(slots, 1)
         nxt = sess._decode_launch(cur.tokens, slots, sampler) if more else None
         done = False
-        for s, tok in zip(slots, cur.read()):
+        toks = cur.read()
+        self._time_step(slots)
+        for s, tok in zip(slots, toks):
             yield from sess._push(active[s], tok)
             done |= active[s].finish is not None
         self.inflight = nxt
         if done:  # the step in flight: keep the tokens of the requests still running
             yield from self._drain()
+
+    def _time_step(self, slots: list[int]) -> None:
+        """The interval since the last plain step read, when it ran the same slots with nothing between
+        (`Session.step_seen`, keyed by rows and the requests' common sampling mode)."""
+        from dsv4c.runtime.speculative import STEP_SAMPLES, cost_mode
+
+        now, key = time.perf_counter(), tuple(slots)
+        last, self._step_mark = self._step_mark, (key, now)
+        if last is None or last[0] != key:
+            return
+        modes = {cost_mode(self.active[s].params) for s in slots}
+        if len(modes) == 1:
+            seen = self.sess.step_seen
+            cell = (len(slots), modes.pop())
+            if cell not in seen:
+                seen[cell] = deque(maxlen=STEP_SAMPLES)
+            seen[cell].append(now - last[1])
 
     def _drain(self) -> Iterator[tuple[int, int]]:
         cur, self.inflight = self.inflight, None

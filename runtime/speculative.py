@@ -227,6 +227,7 @@ class Speculator:
         # mtp="auto": seconds between consecutive rounds read at one k, per (batch, sampling mode, k): the
         # round times the traffic pays, which correct the calibration's (`observed_costs`)
         self.round_seen: dict[tuple, deque] | None = {}
+        self.step_seen: dict[tuple, deque] | None = sess.step_seen  # plain steps, per (rows, mode): the Session's
         self.clock: Callable[[], float] = time.perf_counter
         # the fused verify + refresh graph: absent from artifacts compiled before it (they use verify + mtp)
         self.fused = FUSED in sess.graphs
@@ -1113,6 +1114,8 @@ PROBE_SHARE = 0.01  # probes spend at most this share of the decode time that ea
 CALIBRATION_REPEATS = 3  # interleaved timings of each k; the median is the cost
 ROUND_SAMPLES = 32  # round intervals kept per (batch, mode, k) (`Speculator.round_seen`)
 MIN_ROUND_SAMPLES = RECHOOSE_ROUNDS  # intervals at a k before they replace the calibrated round time
+STEP_SAMPLES = 64  # plain step intervals kept per (rows, mode) (`Session.step_seen`)
+MIN_STEP_SAMPLES = 16  # intervals before they replace the calibrated plain step time
 
 
 @dataclass
@@ -1172,19 +1175,28 @@ def pick_k(pred: dict[int, float], current: int = 0) -> int:
 
 
 def observed_costs(spec, B: int, mode: str, costs: dict) -> dict:
-    """The calibrated `costs` of (batch B, sampling mode) with the round times the traffic paid: a k with
-    MIN_ROUND_SAMPLES intervals observed (`AutoRun.after_round`) takes their median; the others are scaled
-    by the median ratio observed / calibrated of the observed k's (what the calibration's short generations
-    missed, e.g. host work per emitted token, tends to miss at every k alike). The plain step stays as
-    calibrated. Returns `costs` itself when nothing was observed."""
+    """The calibrated `costs` of (batch B, sampling mode) with the times the traffic paid. A k with
+    MIN_ROUND_SAMPLES round intervals observed (`AutoRun.after_round`) takes their median; the other k's
+    are scaled by the median ratio observed / calibrated of the observed ones (what the calibration's short
+    generations missed, e.g. host work per emitted token, tends to miss at every k alike). The plain step
+    takes the median of MIN_STEP_SAMPLES plain step intervals at B rows (`Session.step_seen`), when there
+    are as many. Returns `costs` itself when nothing was observed (`round_seen` / `step_seen` None: untimed)."""
     seen = {}
-    for (b, m, k), d in (spec.round_seen or {}).items():  # None: rounds untimed
+    for (b, m, k), d in (spec.round_seen or {}).items():
         if (b, m) == (B, mode) and k in costs["round"] and len(d) >= MIN_ROUND_SAMPLES:
             seen[k] = statistics.median(d)
-    if not seen:
+    steps = (spec.step_seen or {}).get((B, mode), ())
+    step = statistics.median(steps) if len(steps) >= MIN_STEP_SAMPLES else None
+    if not seen and step is None:
         return costs
-    ratio = statistics.median(t / costs["round"][k] for k, t in seen.items())
-    return {**costs, "round": {k: seen.get(k, t * ratio) for k, t in costs["round"].items()}, "observed": seen}
+    out = dict(costs)
+    if seen:
+        ratio = statistics.median(t / costs["round"][k] for k, t in seen.items())
+        out["round"] = {k: seen.get(k, t * ratio) for k, t in costs["round"].items()}
+        out["observed"] = seen
+    if step is not None:
+        out["step"], out["observed_step"] = step, step
+    return out
 
 
 def could_pay(costs: dict) -> bool:
@@ -1283,7 +1295,7 @@ def plan_auto(sess, spec: Speculator, reqs: list, plain_steps: int | None = None
     steps it decoded plain since its last plan. `measure=False`: no timed generation (`choose_k`)."""
     params = reqs[0].params
     B = max(1, min(len(reqs), sess.max_batch))
-    cell = (B, _cost_mode(params), _temperature_bucket(params.temperature))
+    cell = (B, cost_mode(params), _temperature_bucket(params.temperature))
     k, info = choose_k(sess, spec, params, len(reqs), [r.ids for r in reqs], current=spec.auto_last.get(cell, 0),
                        measure=measure)
     costs = spec.calibration[("costs", B, cell[1])]
@@ -1331,7 +1343,7 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
     (a re-plan between the incremental API's steps, where no generation can run): the cell must be
     calibrated already, and α is what was observed, however little."""
     B = max(1, min(batch, sess.max_batch))
-    mode = _cost_mode(params)
+    mode = cost_mode(params)
     ckey = ("costs", B, mode)
     if ckey not in spec.calibration:
         if not measure:
@@ -1360,10 +1372,12 @@ def choose_k(sess, spec: Speculator, params: SamplingParams, batch: int,
         info["step_ms_spread"] = calibrated["spread"]
     if "observed" in costs:
         info["round_ms_observed"] = {k: round(t * 1e3, 3) for k, t in costs["observed"].items()}
+    if "observed_step" in costs:
+        info["step_ms_observed"] = round(costs["observed_step"] * 1e3, 3)
     return best, info
 
 
-def _cost_mode(params: SamplingParams) -> str:
+def cost_mode(params: SamplingParams) -> str:
     """Which device work a step or round runs: greedy, or sampling with the stages that sort."""
     if params.temperature == 0:
         return "greedy"

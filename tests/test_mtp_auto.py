@@ -18,7 +18,7 @@ import torch
 from dsv4c import load_model
 from dsv4c.runtime import speculative as sp
 from dsv4c.runtime.sampling import SamplingParams
-from dsv4c.runtime.speculative import (MIN_ROUND_SAMPLES, PROBE_ROUNDS, PROBE_SHARE, RECHOOSE_ROUNDS, Acceptance,
+from dsv4c.runtime.speculative import (MIN_ROUND_SAMPLES, MIN_STEP_SAMPLES, PROBE_ROUNDS, PROBE_SHARE, RECHOOSE_ROUNDS, Acceptance,
                                        AutoRun, Speculator, pick_k, plan_auto, predicted_speedups, speculator)
 from test_sampling_decode import _logged_generate
 from test_speculative import BUNDLE, eager_session, prompts
@@ -42,6 +42,7 @@ class FakeSpec:
         self.calibration = {("costs", B, "greedy"): costs}
         self.calibration_tokens = 8
         self.round_seen, self.clock = ({} if clock else None), clock
+        self.step_seen = None  # plain steps untimed (a test sets a dict)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,37 @@ def test_auto_corrects_the_calibrated_round_times_with_the_rounds_it_times():
     assert nxt.k == 0 and "round_ms_observed" in nxt.info and not nxt.info["probe"]
 
 
+def test_auto_plans_with_the_plain_step_time_the_traffic_paid():
+    """run24: the calibration put the plain step 20% above what plain decoding then ran at, so auto
+    speculated where k = 0 was faster. Plain steps timed on the traffic (`Session.step_seen`, MIN_STEP_SAMPLES
+    of them at the call's rows and mode) replace the calibrated step: here a step 0.6x the calibrated one
+    turns k = 1's predicted 1.35x into a loss, and auto plans plain decoding."""
+    from collections import deque
+
+    true = [0.75, 0.6, 0.3]
+    spec = FakeSpec()
+    prior(spec, true)
+    spec.step_seen = {(8, "greedy"): deque([0.6] * (MIN_STEP_SAMPLES - 1))}
+    assert plan(spec).k == best_k(true) > 0  # too few plain steps timed: the calibration holds
+    spec.auto_last.clear()
+    spec.step_seen[(8, "greedy")].append(0.6)
+    spec.step_seen[(4, "greedy")] = deque([0.01] * 64)  # another batch size: not this cell's
+    run = plan(spec)
+    assert run.k == 0 and run.info["step_ms_observed"] == 600.0 and run.info["predicted_speedup"][1] < 1
+
+
+def test_plain_decode_steps_are_timed_per_rows_and_mode(bundled):
+    """The scheduler times consecutive pipelined plain steps of the same slots (`_time_step`), keyed by the
+    rows and their sampling mode: 12 tokens, the first from prefill, give at most 10 intervals."""
+    sess, ps, ref = bundled
+    sess.step_seen.clear()
+    with torch.no_grad():
+        out = sess.generate(ps, max_new_tokens=12)
+    assert [r.tokens for r in out] == [t[:12] for t in ref]
+    (cell, seen), = sess.step_seen.items()
+    assert cell == (4, "greedy") and 5 <= len(seen) <= 10 and all(t > 0 for t in seen), (cell, list(seen))
+
+
 def test_acceptance_forgets_by_halving_and_keeps_the_ratios():
     acc = Acceptance.empty(2)
     for a in [2] * 30 + [1] * 10 + [0] * 10:
@@ -250,7 +282,7 @@ def _setup(spec, flip: Flip, costs: dict = COSTS) -> None:
     spec.observed[0.0] = flip
     spec.auto_last.clear()
     spec.probe_budget.clear()
-    spec.round_seen = None  # rounds untimed: the controlled costs are the true ones
+    spec.round_seen = spec.step_seen = None  # untimed: the controlled costs are the true ones
 
 
 @torch.no_grad()

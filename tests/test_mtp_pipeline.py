@@ -386,7 +386,7 @@ def _controlled(spec, B: int, rounds: dict, accepted: list[int]) -> None:
     spec.calibration.clear()
     spec.observed.clear()
     spec.auto_last.clear()  # no hysteresis against an earlier test's decision
-    spec.round_seen = None  # rounds untimed: the controlled costs are the true ones
+    spec.round_seen = spec.step_seen = None  # untimed: the controlled costs are the true ones
     spec.calibration[("costs", B, "greedy")] = {"step": 1.0, "round": rounds}
     for a in accepted:
         spec.observe(0.0, a, 3)

@@ -153,7 +153,7 @@ def test_sampled_steps_are_pipelined_like_greedy_and_auto_k0_is_the_same_path(bu
     try:
         spec.calibration.clear()
         spec.observed.clear()
-        spec.round_seen = None  # rounds untimed: the costly calibration is the truth
+        spec.round_seen = spec.step_seen = None  # untimed: the costly calibration is the truth
         for T in (0.0, 0.8):
             costly = {"step": 1.0, "round": {1: 3.0, 2: 4.0, 3: 5.0}}  # rounds cost more than they emit
             spec.calibration[("costs", 4, "sample" if T else "greedy")] = costly

@@ -516,7 +516,7 @@ def test_choose_k_follows_the_measurements(bundled):
     try:
         spec.calibration.clear()
         spec.observed.clear()  # earlier tests' rounds
-        spec.round_seen = None  # rounds untimed: the given costs are the true ones
+        spec.round_seen = spec.step_seen = None  # untimed: the given costs are the true ones
         for a in [3] * 60 + [2] * 20 + [1] * 10 + [0] * 10:  # α = 0.9, 0.889, 0.75 (a of k = 3 drafts)
             spec.observe(0.0, a, 3)
         alpha = [90 / 100, 80 / 90, 60 / 80]
