@@ -18,8 +18,9 @@ import torch
 from dsv4c import load_model
 from dsv4c.runtime import speculative as sp
 from dsv4c.runtime.sampling import SamplingParams
-from dsv4c.runtime.speculative import (MIN_ROUND_SAMPLES, MIN_STEP_SAMPLES, PROBE_ROUNDS, PROBE_SHARE, RECHOOSE_ROUNDS, Acceptance,
-                                       AutoRun, Speculator, pick_k, plan_auto, predicted_speedups, speculator)
+from dsv4c.runtime.speculative import (MIN_ROUND_SAMPLES, MIN_STEP_SAMPLES, PROBE_ROUNDS, PROBE_SHARE,
+                                       RECHOOSE_ROUNDS, Acceptance, AutoRun, Speculator, pick_k, plan_auto,
+                                       predicted_speedups, speculator)
 from test_sampling_decode import _logged_generate
 from test_speculative import BUNDLE, eager_session, prompts
 
