@@ -941,7 +941,9 @@ class _Scheduler:
         while self.waiting and self.free and not (self.hold and self.active):
             wave, blocked = self._admit_wave()
             if wave:
-                self._step_mark = None  # the next plain step's interval would hold the prefill
+                self._step_mark = None  # the next step's or round's interval would hold the prefill
+                if self.auto is not None:
+                    self.auto.restart_timing()
                 yield from self._prefill_wave(wave)
             if not wave or (blocked and all(r.finish is None for r in wave)):
                 break  # nothing admitted, or blocks held by running requests that none of the wave freed

@@ -1254,6 +1254,11 @@ class AutoRun:
                 self.history.append({"round": self.rounds, "k": spec.K, "reason": "probe"})
         self._sync_spec()
 
+    def restart_timing(self) -> None:
+        """The next round read starts a new interval (the scheduler admitted requests: their prefill and MTP
+        fill fall between two rounds and are no round's cost)."""
+        self._last = None
+
     def _time_round(self, k: int) -> None:
         """The interval since the last round read, when both ran at k (`Speculator.round_seen`)."""
         seen = self.spec.round_seen

@@ -208,6 +208,26 @@ def test_auto_corrects_the_calibrated_round_times_with_the_rounds_it_times():
     assert nxt.k == 0 and "round_ms_observed" in nxt.info and not nxt.info["probe"]
 
 
+def test_round_timing_skips_an_admission_and_a_change_of_k():
+    """Intervals are per k, and an admission (the scheduler calls `restart_timing`) starts a new one: its
+    prefill is no round's cost."""
+    now = [0.0]
+    spec = FakeSpec(clock=lambda: now[0])
+    prior(spec, [0.9, 0.8, 0.7])
+    run = plan(spec)
+    k = run.k
+    assert k >= 2
+    for gap in (1.0, 1.0, 50.0, 1.0):  # rounds read at 1, 2, 52, 53 s; the 50 s follow an admission
+        if gap == 50.0:
+            run.restart_timing()
+        now[0] += gap
+        run.after_round(k)
+    assert list(spec.round_seen[(8, "greedy", k)]) == [1.0, 1.0]
+    now[0] += 7.0
+    run.after_round(k - 1)  # another k: no interval
+    assert (8, "greedy", k - 1) not in spec.round_seen and len(spec.round_seen[(8, "greedy", k)]) == 2
+
+
 def test_auto_plans_with_the_plain_step_time_the_traffic_paid():
     """run24: the calibration put the plain step 20% above what plain decoding then ran at, so auto
     speculated where k = 0 was faster. Plain steps timed on the traffic (`Session.step_seen`, MIN_STEP_SAMPLES
