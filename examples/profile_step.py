@@ -8,6 +8,13 @@ Prints, for the eager step (segments run op by op): device time and kernel count
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
 kernel count. The sum of kernel times against the replayed step time separates "kernels are slow"
 from "too many kernels" (each kernel inside a CUDA graph still costs a launch slot of ~1-2 us).
+
+On a GPU it also groups the replay's kernels by class (`kernel_class`: routed experts, attention and
+caches, dense GEMMs and head, other) and sets each class's time beside the bytes it must read
+(examples/bench_segments.py `step_bytes`: the experts in the lowering's format, the unique experts of B
+tokens as expected under uniform routing, bf16 dense weights and head, the caches read at the prompt's
+length) and the measured copy bandwidth: achieved GB/s and the share of the bandwidth per class
+(`class_table`; issue 28's per-kernel-class profile).
 """
 from __future__ import annotations
 
@@ -47,8 +54,8 @@ def op_table(prof, top: int) -> list[dict]:
     return rows[:top]
 
 
-def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
-    """Kernel events only (device side), grouped by name -> (rows, kernel count, total us)."""
+def kernel_rows(prof) -> list[dict]:
+    """Kernel events only (device side), grouped by name, longest total first: [{name, count, us}]."""
     agg: dict[str, list[float]] = {}
     for e in prof.events():
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name and not e.name.startswith("Memcpy"):
@@ -56,7 +63,59 @@ def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
             agg.setdefault(e.name, []).append(float(d))
     rows = [{"name": k[:120], "count": len(v), "us": sum(v)} for k, v in agg.items()]
     rows.sort(key=lambda r: -r["us"])
+    return rows
+
+
+def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
+    """`kernel_rows` -> (the top rows, kernel count, total us)."""
+    rows = kernel_rows(prof)
     return rows[:top], sum(r["count"] for r in rows), sum(r["us"] for r in rows)
+
+
+# kernel name -> class: dsv4c's Triton kernels by exact name (kernels/*.py), library kernels by a part of it.
+# `_act_fp8_kernel` quantises the FP8 experts' activations (and the W8A8 dense linears' under
+# --dense-format fp8_block, counted with the experts here).
+CLASS_EXACT = {
+    "routed experts": ("_moe_gemm_kernel", "_gemv13_kernel", "_gemv2_kernel", "_act_f16_kernel",
+                       "_moe_combine_kernel", "_fp8_prefill_kernel", "_act_fp8_kernel", "_bi_gemv_kernel"),
+    "attention and caches": ("_attn_split_kernel", "_combine_kernel", "_v4_compress_kernel", "_scores_kernel",
+                             "_select_kernel"),
+    "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_bi_matmul_kernel"),
+}
+CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
+CLASS_BYTES = {"routed experts": ("routed_experts",), "attention and caches": ("kv",),
+               "dense GEMMs and head": ("non_expert_weights", "head")}
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel name (CLASS_EXACT, then CLASS_PARTS), else "other"."""
+    for cls, names in CLASS_EXACT.items():
+        if name in names:
+            return cls
+    for cls, parts in CLASS_PARTS.items():
+        if any(p in name for p in parts):
+            return cls
+    return "other"
+
+
+def class_table(rows: list[dict], steps: int, step_bytes: dict, bandwidth: float) -> list[dict]:
+    """Per kernel class over `steps` profiled steps: kernels and us per step, the bytes the class must read
+    per step (CLASS_BYTES of `step_bytes`; "other" reads little and gets none), GB/s and the share of the
+    copy `bandwidth` (bytes/s) they reach."""
+    out = []
+    for cls in (*CLASS_EXACT, "other"):
+        mine = [r for r in rows if kernel_class(r["name"]) == cls]
+        us = sum(r["us"] for r in mine) / steps
+        nbytes = sum(step_bytes[k] for k in CLASS_BYTES.get(cls, ()))
+        gbs = nbytes / (us / 1e6) / 1e9 if us and nbytes else None
+        out.append({"class": cls, "kernels": sum(r["count"] for r in mine) / steps, "us": us, "bytes": nbytes,
+                    "gb_s": gbs, "of_bandwidth": gbs * 1e9 / bandwidth if gbs and bandwidth else None})
+    return out
+
+
+def expected_unique(E: int, top: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens choose under uniform routing (top of E each)."""
+    return E * (1 - (1 - top / E) ** tokens)
 
 
 class JitCompiles:
@@ -112,6 +171,13 @@ def main(argv=None) -> int:
     plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=a.quantize)
     res: dict = {"preset": preset, "batch": a.batch, "kernels": kernels, "quantize": a.quantize,
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
+    cfg = model.config
+    unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
+    sb = bs.step_bytes(model, a.batch, prompt, unique)
+    if a.quantize:  # the target's expert format (h200: FP8 block, 1 byte a weight)
+        sb["routed_experts"] = sb["routed_experts"] // 2
+    bw = bs.copy_bandwidth(dev) if dev.type == "cuda" else 0.0
+    res["step_bytes"], res["copy_bandwidth_gb_s"] = sb, bw / 1e9
     V = model.config.vocab_size
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
 
@@ -134,6 +200,14 @@ def main(argv=None) -> int:
         kern, n_kern, kern_us = kernel_table(prof, a.top)
         res[mode] = {"step_ms": step_ms, "kernels_per_step": n_kern / 3, "kernel_us_per_step": kern_us / 3,
                      "ops": ops, "kernels": kern}
+        if mode != "eager":
+            res[mode]["classes"] = classes = class_table(kernel_rows(prof), 3, sb, bw)
+            print("| class | kernels/step | us/step | MB/step | GB/s | of copy bandwidth |\n"
+                  "|---|---:|---:|---:|---:|---:|")
+            for c in classes:
+                gbs, share = c["gb_s"], c["of_bandwidth"]
+                print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {c['bytes'] / 1e6:.1f} | "
+                      f"{'-' if gbs is None else f'{gbs:.0f}'} | {'-' if share is None else f'{share:.0%}'} |")
         print(f"\n== {mode}: {step_ms:.3f} ms/step; {n_kern / 3:.0f} kernels/step, sum of kernel time "
               f"{kern_us / 3 / 1e3:.3f} ms/step", flush=True)
         print("| op (self) | calls/3 steps | device us/step |\n|---|---:|---:|")

@@ -1,0 +1,44 @@
+"""examples/profile_step.py's per-kernel-class table (issue 28): kernel names as an H200 decode step's
+CUDA-graph replay recorded them (examples/results/h200-2026-11-30/profile_b1_524a919.json) fall into
+their classes, and each class's bytes, GB/s and share of the copy bandwidth follow from its time."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import profile_step as ps  # noqa: E402
+
+RECORDED = ROOT / "examples" / "results" / "h200-2026-11-30" / "profile_b1_524a919.json"
+
+
+def test_recorded_kernel_names_fall_into_their_classes():
+    names = [r["name"] for r in json.loads(RECORDED.read_text())["full"]["kernels"]]
+    by = {n: ps.kernel_class(n) for n in names}
+    assert by["_moe_gemm_kernel"] == by["_act_fp8_kernel"] == "routed experts"
+    assert by["_attn_split_kernel"] == by["_combine_kernel"] == by["_v4_compress_kernel"] == "attention and caches"
+    gemms = [n for n in names if n.startswith("nvjet") or "splitKreduce" in n or "gemvx" in n]
+    assert len(gemms) >= 8 and all(by[n] == "dense GEMMs and head" for n in gemms)
+    assert by["_rms_norm_kernel"] == by["_hc_mix_rows_kernel"] == by["_rope_kernel"] == "other"
+    assert ps.kernel_class("_gemv13_kernel") == ps.kernel_class("_moe_combine_kernel") == "routed experts"
+    assert ps.kernel_class("_gemv_kernel") == "dense GEMMs and head"  # the FP8 dense GEMV, not the experts'
+
+
+def test_class_table_sets_each_class_time_beside_its_bytes():
+    rows = [{"name": "_moe_gemm_kernel", "count": 6, "us": 300.0},
+            {"name": "nvjet_sm90_x", "count": 9, "us": 150.0},
+            {"name": "_attn_split_kernel", "count": 3, "us": 30.0},
+            {"name": "_rms_norm_kernel", "count": 12, "us": 24.0}]
+    sb = {"routed_experts": 400e6, "non_expert_weights": 180e6, "head": 20e6, "kv": 3e6}
+    table = {r["class"]: r for r in ps.class_table(rows, 3, sb, 4e12)}
+    ex = table["routed experts"]
+    assert ex["kernels"] == 2 and ex["us"] == 100 and ex["gb_s"] == pytest.approx(4000) and ex["of_bandwidth"] == 1.0
+    dense = table["dense GEMMs and head"]
+    assert dense["bytes"] == 200e6 and dense["gb_s"] == pytest.approx(4000)
+    assert table["attention and caches"]["of_bandwidth"] == pytest.approx(0.075)
+    assert table["other"]["bytes"] == 0 and table["other"]["gb_s"] is None and table["other"]["us"] == 8
+    assert ps.expected_unique(256, 6, 1) == pytest.approx(6)
