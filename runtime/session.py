@@ -875,7 +875,8 @@ class _Scheduler:
         self.hold = False  # a request was preempted: admit nothing until a running one finishes
         self.replan_reqs: list[_Request] | None = None  # the incremental API's mtp="auto": set_mtp's plan requests
         self.plain_steps = 0  # plain decode steps since the last plan (they earn the auto policy's probe budget)
-        self._step_mark: tuple[tuple[int, ...], float] | None = None  # (slots, clock) of the last plain step read
+        # (slots, clock, step_seen cell or None) of the last plain step read (`_time_step`)
+        self._step_mark: tuple[tuple[int, ...], float, tuple | None] | None = None
 
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
@@ -953,7 +954,7 @@ class _Scheduler:
         request that shares a prompt block with what this wave prefills past its resume points: admitted after
         the wave, it resumes from those blocks (as one request after another would). -> (the wave, True when
         stopped because the prompt's blocks are held by running requests)."""
-        sess, spec, wave = self.sess, self.spec, []
+        sess, wave = self.sess, []
         if not self.waiting or not self.free or (self.hold and self.active):
             return wave, False
         # every slot the wave may take is reset at once (a free slot holds nothing: resetting one it does not
@@ -1054,20 +1055,28 @@ class _Scheduler:
 
     def _time_step(self, slots: list[int]) -> None:
         """The interval since the last plain step read, when it ran the same slots with nothing between
-        (`Session.step_seen`, keyed by rows and the requests' common sampling mode)."""
+        (`Session.step_seen`, keyed by rows and the requests' common sampling mode; the cell is worked out
+        once per set of slots, not per step)."""
+        now, key, last = time.perf_counter(), tuple(slots), self._step_mark
+        if last is None or last[0] != key:
+            self._step_mark = (key, now, self._step_cell(slots))
+            return
+        self._step_mark = (key, now, last[2])
+        seen = self.sess.step_seen.get(last[2]) if last[2] is not None else None
+        if seen is not None:  # (a cell cleared since its first step records nothing more)
+            seen.append(now - last[1])
+
+    def _step_cell(self, slots: list[int]) -> tuple[int, str] | None:
+        """The `Session.step_seen` cell of a step over `slots` (made when new), or None when their requests
+        sample in different modes."""
         from dsv4c.runtime.speculative import STEP_SAMPLES, cost_mode
 
-        now, key = time.perf_counter(), tuple(slots)
-        last, self._step_mark = self._step_mark, (key, now)
-        if last is None or last[0] != key:
-            return
         modes = {cost_mode(self.active[s].params) for s in slots}
-        if len(modes) == 1:
-            seen = self.sess.step_seen
-            cell = (len(slots), modes.pop())
-            if cell not in seen:
-                seen[cell] = deque(maxlen=STEP_SAMPLES)
-            seen[cell].append(now - last[1])
+        if len(modes) != 1:
+            return None
+        cell = (len(slots), modes.pop())
+        self.sess.step_seen.setdefault(cell, deque(maxlen=STEP_SAMPLES))
+        return cell
 
     def _drain(self) -> Iterator[tuple[int, int]]:
         cur, self.inflight = self.inflight, None
