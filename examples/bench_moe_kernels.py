@@ -179,8 +179,7 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
             return [("default", None), ("split bn32 bk64", C(16, 32, 64, 4, 3, True)),
                     ("split bn64 bk128 sk2", C(16, 64, 128, 4, 3, True, 2)),
                     ("scaled bn32 bk64 direct", C(16, 32, 64, 4, 3, fp4_scaled=fmt == "mxfp4", direct=True)),
-                    ("gemv bn32 bk64 w4", C(block_n=32, block_k=64, num_warps=4, gemv=True)),
-                    ("gemv bn32 bk64 w4 rows4", C(block_n=32, block_k=64, num_warps=4, gemv=True, gemv_rows=4))]
+                    ("gemv bn32 bk64 w4", C(block_n=32, block_k=64, num_warps=4, gemv=True))]
         return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2)),
                 ("bn64 direct", C(16, 64, 128, 4, 3, direct=True))]
     if prefill:
@@ -190,11 +189,10 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
     def tag(name, direct):
         return name + (" direct" if direct else "")
     if fmt in ("mxfp4", "nvfp4"):
-        def gv(bn, bk, w, pdl=True, rows=1):   # CUDA-core GEMV kernels (kernels/moe_fp4_gemv.py)
-            name = f"gemv bn{bn} bk{bk} w{w}" + ("" if pdl else " nopdl") + (f" rows{rows}" if rows > 1 else "")
-            return name, C(block_n=bn, block_k=bk, num_warps=w, gemv=True, pdl=pdl, gemv_rows=rows)
-        gemv = [gv(32, 512, 4, rows=4), gv(32, 512, 4, rows=2), gv(32, 256, 4, rows=4), gv(32, 512, 8, rows=4),
-                gv(32, 512, 4, False), gv(32, 256, 4), gv(32, 512, 4), gv(32, 1024, 4), gv(64, 256, 4), gv(64, 512, 8),
+        def gv(bn, bk, w, pdl=True):   # CUDA-core GEMV kernels (kernels/moe_fp4_gemv.py)
+            name = f"gemv bn{bn} bk{bk} w{w}" + ("" if pdl else " nopdl")
+            return name, C(block_n=bn, block_k=bk, num_warps=w, gemv=True, pdl=pdl)
+        gemv = [gv(32, 512, 4, False), gv(32, 256, 4), gv(32, 512, 4), gv(32, 1024, 4), gv(64, 256, 4), gv(64, 512, 8),
                 gv(32, 256, 2), gv(32, 256, 2, False), gv(32, 512, 8)]
 
         def sp(bn, bk, w, st, direct=False):
@@ -239,7 +237,7 @@ def run_sweep(args, dev) -> dict:
         e, d, i, k, tokens, n_rot, iters = 4, 128, 128, 2, [1, 5], 1, 1
     else:
         e, d, i, k, tokens, n_rot, iters = 256, 4096, 2048, 6, [1, 8, 64], 8, 5
-    if args.tokens:   # token counts above 64 (FP4: above 256) get the prefill candidates
+    if args.tokens:   # token counts above 64 get the prefill candidates
         tokens = [int(t) for t in args.tokens.split(",")]
     limit = 10.0
     cuda = dev.type == "cuda"
@@ -280,11 +278,10 @@ def run_sweep(args, dev) -> dict:
             cell_inputs[t] = (x, rts, used, base)
         cands = {}
         for t in fmt_tokens:
-            prefill = t > (256 if fmt in ("mxfp4", "nvfp4") else 64)
-            for name, cfg in sweep_candidates(fmt, prefill, args.small):
+            for name, cfg in sweep_candidates(fmt, t > 64, args.small):
                 if args.candidates and not any(c in name for c in args.candidates.split(",")):
                     continue
-                cands.setdefault((prefill, name), (name, cfg, []))[2].append(t)
+                cands.setdefault((t > 64, name), (name, cfg, []))[2].append(t)
         for name, cfg, cand_tokens in cands.values():
             for t in cand_tokens:
                 x, rts, used, base = cell_inputs[t]

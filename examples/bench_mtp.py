@@ -107,8 +107,12 @@ def merge_calls(cells: list[dict], mtp) -> dict:
             "spec": merged, "policies": [c["stats"][0].get("mtp_policy") or {} for c in cells]}
 
 
-def prompt_sets(B: int, repeats: int) -> list[list[str]]:
-    """Call i's batch: B prompts from PROMPTS starting at i·B (cycled)."""
+def prompt_sets(B: int, repeats: int, vocab: int | None = None) -> list[list]:
+    """Call i's batch: B prompts from PROMPTS starting at i·B (cycled); with `vocab` (an artifact without a
+    tokenizer, such as the random-weight slice) B prompts of 16 seeded random token ids per call instead."""
+    if vocab is not None:
+        g = torch.Generator().manual_seed(0)
+        return [[torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(B)] for _ in range(repeats)]
     return [[PROMPTS[(i * B + j) % len(PROMPTS)] for j in range(B)] for i in range(repeats)]
 
 
@@ -239,7 +243,7 @@ def main(argv=None) -> int:
 
     with torch.no_grad():
         for B in batches:
-            sets = prompt_sets(B, a.repeats)
+            sets = prompt_sets(B, a.repeats, None if sess.tokenizer is not None else sess.config.vocab_size)
             for k in ks:  # warm-up per batch, k and T (CUDA-graph capture happens here), as long as a timed call
                 for T in temps:  # (a 4-token one ended in its first round, never pipelined); per T: greedy and
                     run_cell(sess, sets[0], n_new, T, k)  # sampled steps and rounds are separate graphs and samplers

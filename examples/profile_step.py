@@ -83,6 +83,9 @@ CLASS_EXACT = {
     "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_bi_matmul_kernel"),
 }
 CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
+# bytes of a routed-expert weight in a format against bf16's 2 (weights + block scales)
+EXPERT_BYTE_FACTOR = {"fp8_block": (1 + 4 / 128 ** 2) / 2, "mxfp4_w4a16": (0.5 + 1 / 32) / 2,
+                      "nvfp4_w4a16": (0.5 + 1 / 16) / 2}
 CLASS_BYTES = {"routed experts": ("routed_experts",), "attention and caches": ("kv",),
                "dense GEMMs and head": ("non_expert_weights", "head")}
 
@@ -151,8 +154,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--kernels", default="moe_experts=gathered", help="OP=IMPL overrides, comma separated ('' for none)")
-    ap.add_argument("--quantize", action="store_true", help="keep quantize_experts (the target's expert format)")
+    ap.add_argument("--kernels", default="", help="OP=IMPL overrides, comma separated (e.g. moe_experts=gathered)")
+    ap.add_argument("--bf16-experts", action="store_true",
+                    help="skip quantize_experts (bf16 experts; the default keeps the target's expert format)")
+    ap.add_argument("--expert-format", default=None, choices=sorted(EXPERT_BYTE_FACTOR),
+                    help="routed experts in this format (as compile --expert-format; default: h200's fp8_block)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
@@ -168,14 +174,16 @@ def main(argv=None) -> int:
     snap = {k: t.clone() for k, t in flat.items()}
     pos0 = cache.pos.clone()
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
-    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=a.quantize)
-    res: dict = {"preset": preset, "batch": a.batch, "kernels": kernels, "quantize": a.quantize,
+    quantize = not a.bf16_experts
+    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, expert_format=a.expert_format)
+    res: dict = {"preset": preset, "batch": a.batch, "kernels": kernels, "quantize": quantize,
+                 "expert_format": (a.expert_format or "fp8_block") if quantize else "bf16",
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)
-    if a.quantize:  # the target's expert format (h200: FP8 block, 1 byte a weight)
-        sb["routed_experts"] = sb["routed_experts"] // 2
+    if quantize:  # the experts' bytes as stored in their format (bf16 counted by step_bytes)
+        sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[a.expert_format or "fp8_block"]
     bw = bs.copy_bandwidth(dev) if dev.type == "cuda" else 0.0
     res["step_bytes"], res["copy_bandwidth_gb_s"] = sb, bw / 1e9
     V = model.config.vocab_size

@@ -29,12 +29,10 @@ fixed-order K walk (one weight row block at a time): no tile is shared between p
 the same at 1 token and at 64. FP4 weight-only experts keep their stored bytes: `moe_experts_fp4_bi`
 runs the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py at every token count with one fixed tile
 (`fp4_bi_config`), where `moe_experts_q` switches to the grouped tensor-core kernels above two
-assignments per expert. Those GEMVs compute each (token, choice) pair on its own too: the
-activation's fp16 chunk scales are per token row, K is walked in a fixed order with no atomics, and
-the choices are summed per token in choice order (kernels/moe_combine.py). With rows 4 a program
-decodes an expert's weight words once for up to 4 of its pairs, but every pair gets the same
-instructions whether it shares the decode with 3 others, 1 or none, so how the pairs group (which
-depends on the batch) changes which program computes a row, not what it computes.
+assignments per expert. Those GEMVs are per (token, choice) pair too: the activation's fp16 chunk
+scales are per token row, each program walks K in a fixed order with no atomics, and the choices are
+summed per token in choice order (kernels/moe_combine.py); ordering the programs by expert (a sort
+past E/4 pairs) changes which program runs when, not what any program computes.
 """
 from __future__ import annotations
 
@@ -211,15 +209,10 @@ FP4_WEIGHT_ONLY = ("mxfp4", "nvfp4")  # expert container formats `moe_experts_fp
 
 def fp4_bi_config(device: torch.device):
     """The one GEMV tile of `moe_experts_fp4_bi` on `device`, never chosen from the token count (small K
-    steps under the CPU interpreter, as kernels/moe_fp4_gemv.py's default), with rows 4: an expert's
-    assignments share its weight reads, 4 (or 3), then 2, then 1 per read, and each row's arithmetic is
-    the same in every group, so the rows stay batch-invariant while a verify of many tokens reads each
-    expert about once per 4 assignments instead of once per assignment."""
-    import dataclasses
-
+    steps under the CPU interpreter, as kernels/moe_fp4_gemv.py's default)."""
     from dsv4c.kernels.moe_fp4_gemv import default_gemv_config
 
-    return dataclasses.replace(default_gemv_config(device), rows=4)
+    return default_gemv_config(device)
 
 
 def moe_experts_fp4_bi_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts,

@@ -18,9 +18,8 @@ Same function as `moe_grouped` on `Mxfp4Experts` (group 32, e8m0 scales, no glob
 `Nvfp4Experts` (group 16, e4m3 scales, fp32 global per expert): for each token t and slot j,
 y[t] += W2_e (silu(min(W1_e x_t, L)) * clamp(W3_e x_t, -L, L) * w[t, j]), e = idx[t, j].
 
-Kernels (no atomics, no host syncs, grids from shapes only: CUDA-graph safe; past E/4 assignments,
-or always with rows > 1, one torch.sort launch orders the programs by expert, see
-Fp4GemvConfig.sort_experts):
+Kernels (no atomics, no host syncs, grids from shapes only: CUDA-graph safe; past E/4 assignments
+one torch.sort launch orders the programs by expert, see Fp4GemvConfig.sort_experts):
   1. `_act_f16_kernel`, grid (T, D / 256): x -> fp16 x * 2^k with 2^-k per 32 columns, k putting
      each 32-column chunk's amax in [1024, 2048) (products and 4-term sums then stay below
      6 * 4 * 2048 < 65504, and small chunks keep their precision);
@@ -29,10 +28,6 @@ Fp4GemvConfig.sort_experts):
      fp16-with-chunk-scales form;
   3. `_gemv2_kernel`, grid (N_A, D / BLOCK_N2): y[a] = W2_e h[a] (bf16);
   4. out[t] = sum_j y[t, j] (kernels/moe_combine.py: one launch, fp32 accumulation).
-With Fp4GemvConfig.rows 2 or 4 the GEMV programs of 2. and 3. at the first sorted position of an
-expert's run take the whole run (the others end at once): each K step's weight words are read and
-decoded once for up to `rows` assignments (4 or 3, then 2, then 1 at a time), which divides the
-weight reads and the integer decode work by up to `rows` where tokens share experts (verify, batch).
 On sm_90+ the four are chained by programmatic dependent launch (Fp4GemvConfig.pdl): each is
 launched while its predecessor runs, the GEMVs request their first weight step before waiting
 for it, and the launch gaps and pipeline fill between the kernels overlap (H200, Flash shapes:
@@ -69,12 +64,9 @@ __all__ = ["Fp4GemvConfig", "moe_fp4_gemv", "moe_fp4_gemv_ref"]
 class Fp4GemvConfig:
     """Tiles of the two GEMV kernels. block_n13: W1/W3 rows per program (each program reads
     2 * block_n13 rows); block_n2: W2 rows per program; block_k: K columns per loop step (a
-    multiple of the scale group); rows: 1, 2 or 4 assignments per weight read (above 1 the
-    programs are sorted by expert and each expert's run of assignments is one program's, which
-    decodes every weight word once for up to `rows` activation rows; a row's arithmetic is the
-    same at any value, so rows changes no bit); sort: order the programs by expert (see
-    sort_experts; always with rows > 1); pdl: launch the four kernels with programmatic dependent
-    launch on sm_90+ (see `_tl.pdl_wait`); ignored under the interpreter and on older GPUs."""
+    multiple of the scale group); sort: order the programs by expert (see sort_experts);
+    pdl: launch the four kernels with programmatic dependent launch on sm_90+ (see `_tl.pdl_wait`);
+    ignored under the interpreter and on older GPUs."""
 
     block_n13: int = 32
     block_n2: int = 32
@@ -82,14 +74,11 @@ class Fp4GemvConfig:
     num_warps: int = 4
     sort: bool | None = None
     pdl: bool = True
-    rows: int = 1
 
     def sort_experts(self, n_assign: int, n_experts: int) -> bool:
-        """Launch the programs in expert order? Always with rows > 1. None: when assignments
-        outnumber E/4, where experts repeat (meant for L2 reuse; the H200 sweep saw no measurable
-        gain at 64 Flash tokens, BENCHMARKS.md sixth session)."""
-        if self.rows > 1:
-            return True
+        """Launch the programs in expert order? None: when assignments outnumber E/4, where experts
+        repeat (meant for L2 reuse; the H200 sweep saw no measurable gain at 64 Flash tokens,
+        BENCHMARKS.md sixth session)."""
         return self.sort if self.sort is not None else 4 * n_assign > n_experts
 
     def check(self, group: int) -> None:
@@ -103,11 +92,6 @@ class Fp4GemvConfig:
             raise ValueError(f"Fp4GemvConfig.block_k: at least the scale group {group}, got {self.block_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"Fp4GemvConfig.num_warps: 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.rows not in (1, 2, 4):
-            raise ValueError(f"Fp4GemvConfig.rows: 1, 2 or 4, got {self.rows}")
-        if self.rows > 1 and self.sort is False:
-            raise ValueError("Fp4GemvConfig.sort: rows > 1 runs each expert's sorted run in one program; "
-                             "sort=False contradicts it")
 
 
 def default_gemv_config(device: torch.device) -> Fp4GemvConfig:
@@ -157,79 +141,56 @@ def _f16_hi(w):
     return ((w >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-def _dot8_ptx(nr: int) -> str:
-    """PTX of `_dot8` for nr activation rows: $0..$(nr-1) = the rows' fp32 sums, $nr = q (8
-    packed e2m1 codes, element j in nibble j), then per row r the four fp16 pair words
-    (x[2m], x[2m+1]), m = 0..3, at $(nr + 1 + 4r + m).
-
-    Decoding without arithmetic, once for all rows: every fp16 value of e2m1 has a zero low byte,
-    so one PRMT looks up the high bytes of four elements from the 3-bit magnitude codes (table
-    00 38 3C 3E 40 42 44 46: 0, 0.5, 1, 1.5, 2, 3, 4, 6); a sign-replicating PRMT turns the four
-    sign bits into byte masks that one LOP3 merges into bit 7 of each byte; a PRMT with a zero
-    register spreads two high bytes into an fp16 pair. 13 integer instructions per 8 weights.
-    Then per row the same 8 instructions, whichever rows share the word: 4 fp16x2 FMAs (the
-    products are exact for bf16 activations: 2 significant bits times 8; h's 11-bit fp16 values
-    round), each lane adds 4 of them in fp16, and the two lanes are summed in fp32."""
-    q = f"${nr}"
-    lines = ["{", ".reg .b32 q4, q7, q7h, u0, u1, s0, s1, w0, w1, w2, w3, acc;", ".reg .b16 lo, hi;",
-             ".reg .f32 flo, fhi;",
-             f"shl.b32 q4, {q}, 4;", f"and.b32 q7, {q}, 0x77777777;", "shr.u32 q7h, q7, 16;",
-             "prmt.b32 u0, 0x3E3C3800, 0x46444240, q7;", "prmt.b32 u1, 0x3E3C3800, 0x46444240, q7h;",
-             f"prmt.b32 s0, {q}, q4, 0x9D8C;", f"prmt.b32 s1, {q}, q4, 0xBFAE;",
-             "lop3.b32 u0, u0, s0, 0x80808080, 0xF8;", "lop3.b32 u1, u1, s1, 0x80808080, 0xF8;",
-             "prmt.b32 w0, u0, 0, 0x1404;", "prmt.b32 w1, u0, 0, 0x3424;", "prmt.b32 w2, u1, 0, 0x1404;",
-             "prmt.b32 w3, u1, 0, 0x3424;"]
-    for r in range(nr):
-        x = [f"${nr + 1 + 4 * r + m}" for m in range(4)]
-        lines += [f"mul.rn.f16x2 acc, w0, {x[0]};", f"fma.rn.f16x2 acc, w1, {x[1]}, acc;",
-                  f"fma.rn.f16x2 acc, w2, {x[2]}, acc;", f"fma.rn.f16x2 acc, w3, {x[3]}, acc;",
-                  "mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", f"add.f32 ${r}, flo, fhi;"]
-    return "\n".join(lines + ["}"])
-
-
-_DOT8_PTX_1 = tl.constexpr(_dot8_ptx(1))
-_DOT8_PTX_2 = tl.constexpr(_dot8_ptx(2))
-_DOT8_PTX_4 = tl.constexpr(_dot8_ptx(4))
-
-
-@triton.jit
-def _dot8_interp(q, x0, x1, x2, x3):
-    s = U.e2m1_value((q >> 0) & 15) * _f16_lo(x0) + U.e2m1_value((q >> 4) & 15) * _f16_hi(x0)
-    s += U.e2m1_value((q >> 8) & 15) * _f16_lo(x1) + U.e2m1_value((q >> 12) & 15) * _f16_hi(x1)
-    s += U.e2m1_value((q >> 16) & 15) * _f16_lo(x2) + U.e2m1_value((q >> 20) & 15) * _f16_hi(x2)
-    s += U.e2m1_value((q >> 24) & 15) * _f16_lo(x3) + U.e2m1_value((q >> 28) & 15) * _f16_hi(x3)
-    return s
+# The PTX of _dot8. $1 = q (8 packed e2m1 codes, element j in nibble j), $2..$5 = activation
+# fp16 pairs (x[2m], x[2m+1]), m = 0..3. Decoding without arithmetic: every fp16 value of e2m1
+# has a zero low byte, so one PRMT looks up the high bytes of four elements from the 3-bit
+# magnitude codes (table 00 38 3C 3E 40 42 44 46: 0, 0.5, 1, 1.5, 2, 3, 4, 6); a sign-replicating
+# PRMT turns the four sign bits into byte masks that one LOP3 merges into bit 7 of each byte; a
+# PRMT with a zero register spreads two high bytes into an fp16 pair. 13 integer instructions per
+# 8 weights, then 4 fp16x2 FMAs: the products are exact for bf16 activations (2 significant bits
+# times 8; h's 11-bit fp16 values round), each lane adds 4 of them in fp16, and the two lanes are
+# summed in fp32.
+_DOT8_PTX = tl.constexpr("""{
+.reg .b32 q4, q7, q7h, u0, u1, s0, s1, w0, w1, w2, w3, acc;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+shl.b32 q4, $1, 4;
+and.b32 q7, $1, 0x77777777;
+shr.u32 q7h, q7, 16;
+prmt.b32 u0, 0x3E3C3800, 0x46444240, q7;
+prmt.b32 u1, 0x3E3C3800, 0x46444240, q7h;
+prmt.b32 s0, $1, q4, 0x9D8C;
+prmt.b32 s1, $1, q4, 0xBFAE;
+lop3.b32 u0, u0, s0, 0x80808080, 0xF8;
+lop3.b32 u1, u1, s1, 0x80808080, 0xF8;
+prmt.b32 w0, u0, 0, 0x1404;
+prmt.b32 w1, u0, 0, 0x3424;
+prmt.b32 w2, u1, 0, 0x1404;
+prmt.b32 w3, u1, 0, 0x3424;
+mul.rn.f16x2 acc, w0, $2;
+fma.rn.f16x2 acc, w1, $3, acc;
+fma.rn.f16x2 acc, w2, $4, acc;
+fma.rn.f16x2 acc, w3, $5, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
 
 
 @triton.jit
-def _dot8(q, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, NR: tl.constexpr,
-          INTERPRET: tl.constexpr):
-    """fp32 sums over the 8 weights of each packed word q (int32) times NR (1, 2 or 4) activation
-    rows' fp16 pair words (x, y, z, v: rows 0..3, broadcast against q); rows past NR return row
-    0's sums. Under the interpreter the same products in fp32."""
+def _dot8(q, x0, x1, x2, x3, INTERPRET: tl.constexpr):
+    """fp32 sum over the 8 weights of each packed word q (int32) times the activation fp16
+    pair words x0..x3 (broadcast against q)."""
     if INTERPRET:
-        p0 = _dot8_interp(q, x0, x1, x2, x3)
-        p1, p2, p3 = p0, p0, p0
-        if NR >= 2:
-            p1 = _dot8_interp(q, y0, y1, y2, y3)
-        if NR >= 4:
-            p2 = _dot8_interp(q, z0, z1, z2, z3)
-            p3 = _dot8_interp(q, v0, v1, v2, v3)
-        return p0, p1, p2, p3
-    elif NR == 1:
-        p0 = tl.inline_asm_elementwise(_DOT8_PTX_1, "=r,r,r,r,r,r", [q, x0, x1, x2, x3], dtype=tl.float32,
-                                       is_pure=True, pack=1)
-        return p0, p0, p0, p0
-    elif NR == 2:
-        p0, p1 = tl.inline_asm_elementwise(_DOT8_PTX_2, "=r,=r" + ",r" * 9, [q, x0, x1, x2, x3, y0, y1, y2, y3],
-                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        return p0, p1, p0, p0
+        s = U.e2m1_value((q >> 0) & 15) * _f16_lo(x0) + U.e2m1_value((q >> 4) & 15) * _f16_hi(x0)
+        s += U.e2m1_value((q >> 8) & 15) * _f16_lo(x1) + U.e2m1_value((q >> 12) & 15) * _f16_hi(x1)
+        s += U.e2m1_value((q >> 16) & 15) * _f16_lo(x2) + U.e2m1_value((q >> 20) & 15) * _f16_hi(x2)
+        s += U.e2m1_value((q >> 24) & 15) * _f16_lo(x3) + U.e2m1_value((q >> 28) & 15) * _f16_hi(x3)
+        return s
     else:
-        tl.static_assert(NR == 4, "_dot8: NR is 1, 2 or 4")
-        return tl.inline_asm_elementwise(_DOT8_PTX_4, "=r,=r,=r,=r" + ",r" * 17,
-                                         [q, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3],
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(_DOT8_PTX, "=r,r,r,r,r,r", [q, x0, x1, x2, x3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -261,62 +222,20 @@ def _w_step(w_base, s_base, rows, row_ok, k0, K: tl.constexpr, stride_wn, stride
 
 
 @triton.jit
-def _act_step(aw_row, as_row, k0, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row's K step k0: the fp16-pair words x0..x3 [1, BLOCK_K/8] (word m of each
-    8 columns) and the chunk scales 2^-k [NG] of the step's scale groups."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    BKW: tl.constexpr = BLOCK_K // 8
-    g = tl.arange(0, NG)
-    kw = k0 // 8 + tl.arange(0, BKW)                                                         # [BKW]
-    xv = tl.load(aw_row + kw[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(kw < K // 8)[:, None], other=0)
-    xa, xb = tl.split(tl.reshape(xv, (BKW, 2, 2)))       # words m = 0, 2 and m = 1, 3
-    x0, x2 = tl.split(xa)
-    x1, x3 = tl.split(xb)
-    a_s = tl.load(as_row + (k0 + g * GROUP) // 32, mask=k0 + g * GROUP < K, other=0.0)         # [NG]
-    return x0[None, :], x1[None, :], x2[None, :], x3[None, :], a_s
-
-
-@triton.jit
-def _group_sums(p, sv, a_s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A row's _dot8 sums p [BN, BKW] as fp32 [BN, NG]: summed per scale group, times the weight
-    scales sv [BN, NG] and the row's chunk scales a_s [NG]."""
+def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw_row, as_row, K: tl.constexpr, stride_wn, stride_sn,
+               TWO: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_N] (and, with TWO, a second [BLOCK_N] for rows + off2): rows of one expert's
+    packed weights times one activation row (aw_row: int32 fp16 pairs; as_row: fp32 2^-k per 32
+    columns). The next K step's weights are loaded before this step's arithmetic, so two steps
+    of HBM reads are in flight; with TWO both row sets share the activation loads. The first
+    step's weights are requested before the PDL wait (they do not depend on the predecessor)."""
     NG: tl.constexpr = BLOCK_K // GROUP
     GW: tl.constexpr = GROUP // 8
-    part = tl.sum(tl.reshape(p, (BLOCK_N, NG, GW)), axis=2)
-    return part * (sv * a_s[None, :])
-
-
-@triton.jit
-def _step_rows(q, sv, x0, x1, x2, x3, xa, y0, y1, y2, y3, ya, z0, z1, z2, z3, za, v0, v1, v2, v3, va,
-               NR: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """One K step of one weight row set for NR activation rows: [BN, NG] per row (rows past NR: row 0's)."""
-    p0, p1, p2, p3 = _dot8(q, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, NR, INTERPRET)
-    c0 = _group_sums(p0, sv, xa, GROUP, BLOCK_N, BLOCK_K)
-    c1, c2, c3 = c0, c0, c0
-    if NR >= 2:
-        c1 = _group_sums(p1, sv, ya, GROUP, BLOCK_N, BLOCK_K)
-    if NR >= 4:
-        c2 = _group_sums(p2, sv, za, GROUP, BLOCK_N, BLOCK_K)
-        c3 = _group_sums(p3, sv, va, GROUP, BLOCK_N, BLOCK_K)
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw0, as0, aw1, as1, aw2, as2, aw3, as3, K: tl.constexpr,
-               stride_wn, stride_sn, TWO: tl.constexpr, NR: tl.constexpr, GROUP: tl.constexpr,
-               INTERPRET: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows of one expert's packed weights times NR (1, 2 or 4) activation rows (aw_r: int32 fp16
-    pairs; as_r: fp32 2^-k per 32 columns; rows past NR are not read). Each K step's weight words
-    are decoded once for all NR rows, and each row's arithmetic is the same instructions whichever
-    rows share the step. Returns (a0, a1, a2, a3, b0, b1, b2, b3), fp32 [BLOCK_N] each: a_r for the
-    weight rows, b_r (with TWO) for rows + off2, which share the activation loads. The next K
-    step's weights are loaded before this step's arithmetic, so two steps of HBM reads are in
-    flight; the first step's are requested before the PDL wait (they do not depend on the
-    predecessor)."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    a0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    a1, a2, a3, b0, b1, b2, b3 = a0, a0, a0, a0, a0, a0, a0
+    BKW: tl.constexpr = BLOCK_K // 8
+    g = tl.arange(0, NG)
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     q_next, sb_next = _w_step(w_base, s_base, rows, row_ok, 0, K, stride_wn, stride_sn, GROUP, BLOCK_K)
     q2_next, sb2_next = q_next, sb_next
     if TWO:
@@ -332,31 +251,20 @@ def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw0, as0, aw1, as1, aw2, as2,
         if TWO:
             q2_next, sb2_next = _w_step(w_base, s_base, rows + off2, row_ok, k0 + BLOCK_K, K, stride_wn, stride_sn,
                                         GROUP, BLOCK_K)
-        x0, x1, x2, x3, xa = _act_step(aw0, as0, k0, K, GROUP, BLOCK_K)
-        y0, y1, y2, y3, ya = x0, x1, x2, x3, xa
-        z0, z1, z2, z3, za = x0, x1, x2, x3, xa
-        v0, v1, v2, v3, va = x0, x1, x2, x3, xa
-        if NR >= 2:
-            y0, y1, y2, y3, ya = _act_step(aw1, as1, k0, K, GROUP, BLOCK_K)
-        if NR >= 4:
-            z0, z1, z2, z3, za = _act_step(aw2, as2, k0, K, GROUP, BLOCK_K)
-            v0, v1, v2, v3, va = _act_step(aw3, as3, k0, K, GROUP, BLOCK_K)
-        c0, c1, c2, c3 = _step_rows(q, _scale_value(sb, GROUP, INTERPRET), x0, x1, x2, x3, xa, y0, y1, y2, y3, ya,
-                                    z0, z1, z2, z3, za, v0, v1, v2, v3, va, NR, GROUP, INTERPRET, BLOCK_N, BLOCK_K)
-        a0 += c0
-        a1 += c1
-        a2 += c2
-        a3 += c3
+        kw = k0 // 8 + tl.arange(0, BKW)                                                     # [BKW]
+        xv = tl.load(aw_row + kw[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(kw < K // 8)[:, None], other=0)
+        xa, xb = tl.split(tl.reshape(xv, (BKW, 2, 2)))       # words m = 0, 2 and m = 1, 3
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        a_s = tl.load(as_row + (k0 + g * GROUP) // 32, mask=k0 + g * GROUP < K, other=0.0)     # [NG]
+        p = _dot8(q, x0[None, :], x1[None, :], x2[None, :], x3[None, :], INTERPRET)           # [BN, BKW]
+        part = tl.sum(tl.reshape(p, (BLOCK_N, NG, GW)), axis=2)                               # [BN, NG]
+        acc += part * (_scale_value(sb, GROUP, INTERPRET) * a_s[None, :])
         if TWO:
-            c0, c1, c2, c3 = _step_rows(q2, _scale_value(sb2, GROUP, INTERPRET), x0, x1, x2, x3, xa, y0, y1, y2, y3,
-                                        ya, z0, z1, z2, z3, za, v0, v1, v2, v3, va, NR, GROUP, INTERPRET, BLOCK_N,
-                                        BLOCK_K)
-            b0 += c0
-            b1 += c1
-            b2 += c2
-            b3 += c3
-    return (tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), tl.sum(b0, axis=1),
-            tl.sum(b1, axis=1), tl.sum(b2, axis=1), tl.sum(b3, axis=1))
+            p2 = _dot8(q2, x0[None, :], x1[None, :], x2[None, :], x3[None, :], INTERPRET)
+            part2 = tl.sum(tl.reshape(p2, (BLOCK_N, NG, GW)), axis=2)
+            acc2 += part2 * (_scale_value(sb2, GROUP, INTERPRET) * a_s[None, :])
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,200 +272,59 @@ def _gemv_rows(w_base, s_base, rows, row_ok, off2, aw0, as0, aw1, as1, aw2, as2,
 
 
 @triton.jit
-def _run_length(idx_ptr, perm_ptr, p, e, N_A, SCAN: tl.constexpr):
-    """How many sorted positions from p on hold expert e (idx[perm[.]] is sorted), SCAN at a time."""
-    n = p * 0
-    more = p >= 0
-    while more:
-        j = p + n + tl.arange(0, SCAN)
-        ok = j < N_A
-        ej = tl.load(idx_ptr + tl.load(perm_ptr + j, mask=ok, other=0), mask=ok, other=-1)
-        c = tl.sum(((ej == e) & ok).to(tl.int32), axis=0)
-        n += c
-        more = c == SCAN
-    return n
-
-
-@triton.jit
-def _chunk_assign(perm_ptr, pos, nv, r: tl.constexpr):
-    """Assignment of a chunk's row r: perm[pos + r], or the chunk's last valid row past nv."""
-    return tl.load(perm_ptr + pos + tl.minimum(r, nv - 1)).to(tl.int32)
-
-
-@triton.jit
-def _h_store(g, u, a, nv, R: tl.constexpr, gs, rw_ptr, h_ptr, hs_ptr, rows, row_ok, pid_n, I, limit, stride_h,
-             stride_hs, HAS_GLOBAL: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """h[a] for the tile's rows: SwiGLU of g (W1) and u (W3), clamp, routing weight, stored as fp16
-    * 2^k with 2^-k per 32 columns (hs), the operand format of _gemv2_kernel; only if the chunk's
-    row R is valid (R < nv; the masks compare vectors, as the interpreter wants)."""
+def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
+                   stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
+                   K: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+                   HAS_LIMIT: tl.constexpr, HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[a, n] for the BLOCK_N rows n of one tile, assignment a = program 0 (or perm[program 0]),
+    token a // TOPK: SwiGLU of W1 and W3 rows against x, clamp, routing weight; stored as
+    fp16 * 2^k with 2^-k per 32 columns (hs), the operand format of _gemv2_kernel."""
+    a = tl.program_id(0)
+    if HAS_PERM:
+        a = tl.load(perm_ptr + a).to(tl.int32)
+    pid_n = tl.program_id(1)
+    e = tl.load(idx_ptr + a).to(tl.int64)
+    t = (a // TOPK).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < I
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    g, u = _gemv_rows(w_base, s_base, rows, row_ok, I, xw_ptr + t * stride_xw, xs_ptr + t * stride_xs, K,
+                      stride_wn, stride_sn, True, GROUP, INTERPRET, PDL, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
+        gs = tl.load(g_ptr + e)
         g = g * gs
         u = u * gs
     h = U.swiglu(g, u, limit, HAS_LIMIT) * tl.load(rw_ptr + a)
     h = tl.where(row_ok, h, 0.0)
     hq, inv = _chunk_scale_f16(tl.reshape(h, (BLOCK_N // 32, 32)), BLOCK_N // 32)
     a64 = a.to(tl.int64)
-    ok = row_ok & (rows * 0 + nv > R)
     tl.store(h_ptr + a64 * stride_h + tl.reshape(rows, (BLOCK_N // 32, 32)), hq,
-             mask=tl.reshape(ok, (BLOCK_N // 32, 32)))
+             mask=tl.reshape(row_ok, (BLOCK_N // 32, 32)))
     ch = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-    tl.store(hs_ptr + a64 * stride_hs + ch, inv, mask=(ch * 32 < I) & (ch * 0 + nv > R))
+    tl.store(hs_ptr + a64 * stride_hs + ch, inv, mask=ch * 32 < I)
 
 
 @triton.jit
-def _h_chunk(a0, a1, a2, a3, nv, e, xw_ptr, xs_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
-             stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
-             K: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-             HAS_LIMIT: tl.constexpr, NR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h of assignments a0..a(NR-1) of expert e (the first nv stored) for one tile of I."""
-    pid_n = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < I
-    t0, t1, t2, t3 = (a0 // TOPK).to(tl.int64), (a1 // TOPK).to(tl.int64), (a2 // TOPK).to(tl.int64), \
-        (a3 // TOPK).to(tl.int64)
-    g0, g1, g2, g3, u0, u1, u2, u3 = _gemv_rows(
-        w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, I, xw_ptr + t0 * stride_xw,
-        xs_ptr + t0 * stride_xs, xw_ptr + t1 * stride_xw, xs_ptr + t1 * stride_xs, xw_ptr + t2 * stride_xw,
-        xs_ptr + t2 * stride_xs, xw_ptr + t3 * stride_xw, xs_ptr + t3 * stride_xs, K, stride_wn, stride_sn, True,
-        NR, GROUP, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-    gs = 1.0
-    if HAS_GLOBAL:
-        gs = tl.load(g_ptr + e)
-    _h_store(g0, u0, a0, nv, 0, gs, rw_ptr, h_ptr, hs_ptr, rows, row_ok, pid_n, I, limit, stride_h, stride_hs,
-             HAS_GLOBAL, HAS_LIMIT, BLOCK_N)
-    if NR >= 2:
-        _h_store(g1, u1, a1, nv, 1, gs, rw_ptr, h_ptr, hs_ptr, rows, row_ok, pid_n, I, limit, stride_h, stride_hs,
-                 HAS_GLOBAL, HAS_LIMIT, BLOCK_N)
-    if NR >= 4:
-        _h_store(g2, u2, a2, nv, 2, gs, rw_ptr, h_ptr, hs_ptr, rows, row_ok, pid_n, I, limit, stride_h, stride_hs,
-                 HAS_GLOBAL, HAS_LIMIT, BLOCK_N)
-        _h_store(g3, u3, a3, nv, 3, gs, rw_ptr, h_ptr, hs_ptr, rows, row_ok, pid_n, I, limit, stride_h, stride_hs,
-                 HAS_GLOBAL, HAS_LIMIT, BLOCK_N)
-
-
-@triton.jit
-def _gemv13_kernel(xw_ptr, xs_ptr, idx_ptr, perm_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit, N_A,
-                   stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs,
-                   K: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-                   HAS_LIMIT: tl.constexpr, HAS_PERM: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
-                   INTERPRET: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[a, n] for the BLOCK_N rows n of one tile (program 1), token a // TOPK: SwiGLU of W1 and W3
-    rows against x, clamp, routing weight. ROWS 1: assignment a = program 0 (or perm[program 0]).
-    ROWS 2 or 4 (perm sorts by expert): the program at the first sorted position of an expert's
-    run computes the whole run, ROWS (4: 3 or 4) assignments per weight read, then 2, then 1;
-    the other programs only wait (PDL) and end."""
-    p = tl.program_id(0)
-    if ROWS == 1:
-        a = p
-        if HAS_PERM:
-            a = tl.load(perm_ptr + p).to(tl.int32)
-        e = tl.load(idx_ptr + a).to(tl.int64)
-        _h_chunk(a, a, a, a, 1, e, xw_ptr, xs_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
-                 stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs, K, TOPK, GROUP,
-                 HAS_GLOBAL, HAS_LIMIT, 1, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-    else:
-        e = tl.load(idx_ptr + tl.load(perm_ptr + p)).to(tl.int64)
-        prev = tl.load(idx_ptr + tl.load(perm_ptr + tl.maximum(p - 1, 0))).to(tl.int64)
-        if (p == 0) | (prev != e):
-            n = _run_length(idx_ptr, perm_ptr, p, e, N_A, SCAN)
-            j = p * 0
-            if ROWS == 4:
-                while n - j >= 3:
-                    nv = tl.minimum(n - j, 4)
-                    _h_chunk(_chunk_assign(perm_ptr, p + j, nv, 0), _chunk_assign(perm_ptr, p + j, nv, 1),
-                             _chunk_assign(perm_ptr, p + j, nv, 2), _chunk_assign(perm_ptr, p + j, nv, 3), nv, e,
-                             xw_ptr, xs_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit, stride_xw,
-                             stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs, K, TOPK,
-                             GROUP, HAS_GLOBAL, HAS_LIMIT, 4, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-                    j += 4
-            while n - j >= 2:
-                a0 = _chunk_assign(perm_ptr, p + j, 2, 0)
-                a1 = _chunk_assign(perm_ptr, p + j, 2, 1)
-                _h_chunk(a0, a1, a0, a0, 2, e, xw_ptr, xs_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
-                         stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs, K,
-                         TOPK, GROUP, HAS_GLOBAL, HAS_LIMIT, 2, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-                j += 2
-            if n - j == 1:
-                a = _chunk_assign(perm_ptr, p + j, 1, 0)
-                _h_chunk(a, a, a, a, 1, e, xw_ptr, xs_ptr, rw_ptr, w_ptr, s_ptr, g_ptr, h_ptr, hs_ptr, I, limit,
-                         stride_xw, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_hs, K,
-                         TOPK, GROUP, HAS_GLOBAL, HAS_LIMIT, 1, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-        else:
-            U.pdl_wait(PDL)
-
-
-@triton.jit
-def _y_chunk(a0, a1, a2, a3, nv, e, hw_ptr, hs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, stride_hw, stride_hs,
-             stride_we, stride_wn, stride_se, stride_sn, stride_y, K: tl.constexpr, GROUP: tl.constexpr,
-             HAS_GLOBAL: tl.constexpr, NR: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[a] = W2_e h[a] of assignments a0..a(NR-1) of expert e (the first nv stored) for one tile of D."""
-    pid_n = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < D
-    b0, b1, b2, b3 = a0.to(tl.int64), a1.to(tl.int64), a2.to(tl.int64), a3.to(tl.int64)
-    y0, y1, y2, y3, _, _, _, _ = _gemv_rows(
-        w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, 0, hw_ptr + b0 * stride_hw, hs_ptr + b0 * stride_hs,
-        hw_ptr + b1 * stride_hw, hs_ptr + b1 * stride_hs, hw_ptr + b2 * stride_hw, hs_ptr + b2 * stride_hs,
-        hw_ptr + b3 * stride_hw, hs_ptr + b3 * stride_hs, K, stride_wn, stride_sn, False, NR, GROUP, INTERPRET, PDL,
-        BLOCK_N, BLOCK_K)
-    gs = 1.0
-    if HAS_GLOBAL:
-        gs = tl.load(g_ptr + e)
-    tl.store(y_ptr + b0 * stride_y + rows, (y0 * gs).to(tl.bfloat16), mask=row_ok & (rows * 0 + nv > 0))
-    if NR >= 2:
-        tl.store(y_ptr + b1 * stride_y + rows, (y1 * gs).to(tl.bfloat16), mask=row_ok & (rows * 0 + nv > 1))
-    if NR >= 4:
-        tl.store(y_ptr + b2 * stride_y + rows, (y2 * gs).to(tl.bfloat16), mask=row_ok & (rows * 0 + nv > 2))
-        tl.store(y_ptr + b3 * stride_y + rows, (y3 * gs).to(tl.bfloat16), mask=row_ok & (rows * 0 + nv > 3))
-
-
-@triton.jit
-def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, N_A,
+def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D,
                   stride_hw, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                   K: tl.constexpr, GROUP: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_PERM: tl.constexpr,
-                  ROWS: tl.constexpr, SCAN: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile (program 1); the assignments
-    of program 0 as in _gemv13_kernel."""
-    p = tl.program_id(0)
-    if ROWS == 1:
-        a = p
-        if HAS_PERM:
-            a = tl.load(perm_ptr + p).to(tl.int32)
-        e = tl.load(idx_ptr + a).to(tl.int64)
-        _y_chunk(a, a, a, a, 1, e, hw_ptr, hs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, stride_hw, stride_hs, stride_we,
-                 stride_wn, stride_se, stride_sn, stride_y, K, GROUP, HAS_GLOBAL, 1, INTERPRET, PDL, BLOCK_N, BLOCK_K)
-    else:
-        e = tl.load(idx_ptr + tl.load(perm_ptr + p)).to(tl.int64)
-        prev = tl.load(idx_ptr + tl.load(perm_ptr + tl.maximum(p - 1, 0))).to(tl.int64)
-        if (p == 0) | (prev != e):
-            n = _run_length(idx_ptr, perm_ptr, p, e, N_A, SCAN)
-            j = p * 0
-            if ROWS == 4:
-                while n - j >= 3:
-                    nv = tl.minimum(n - j, 4)
-                    _y_chunk(_chunk_assign(perm_ptr, p + j, nv, 0), _chunk_assign(perm_ptr, p + j, nv, 1),
-                             _chunk_assign(perm_ptr, p + j, nv, 2), _chunk_assign(perm_ptr, p + j, nv, 3), nv, e,
-                             hw_ptr, hs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, stride_hw, stride_hs, stride_we,
-                             stride_wn, stride_se, stride_sn, stride_y, K, GROUP, HAS_GLOBAL, 4, INTERPRET, PDL,
-                             BLOCK_N, BLOCK_K)
-                    j += 4
-            while n - j >= 2:
-                a0 = _chunk_assign(perm_ptr, p + j, 2, 0)
-                a1 = _chunk_assign(perm_ptr, p + j, 2, 1)
-                _y_chunk(a0, a1, a0, a0, 2, e, hw_ptr, hs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, stride_hw, stride_hs,
-                         stride_we, stride_wn, stride_se, stride_sn, stride_y, K, GROUP, HAS_GLOBAL, 2, INTERPRET,
-                         PDL, BLOCK_N, BLOCK_K)
-                j += 2
-            if n - j == 1:
-                a = _chunk_assign(perm_ptr, p + j, 1, 0)
-                _y_chunk(a, a, a, a, 1, e, hw_ptr, hs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, D, stride_hw, stride_hs,
-                         stride_we, stride_wn, stride_se, stride_sn, stride_y, K, GROUP, HAS_GLOBAL, 1, INTERPRET,
-                         PDL, BLOCK_N, BLOCK_K)
-        else:
-            U.pdl_wait(PDL)
+                  INTERPRET: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0
+    (or perm[program 0])."""
+    a = tl.program_id(0).to(tl.int64)
+    if HAS_PERM:
+        a = tl.load(perm_ptr + a)
+    pid_n = tl.program_id(1)
+    e = tl.load(idx_ptr + a).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < D
+    y, _ = _gemv_rows(w_ptr + e * stride_we, s_ptr + e * stride_se, rows, row_ok, 0, hw_ptr + a * stride_hw,
+                      hs_ptr + a * stride_hs, K, stride_wn, stride_sn, False, GROUP, INTERPRET, PDL, BLOCK_N, BLOCK_K)
+    if HAS_GLOBAL:
+        y = y * tl.load(g_ptr + e)
+    tl.store(y_ptr + a * stride_y + rows, y.to(tl.bfloat16), mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,10 +378,9 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
 
     x bf16 [T, D] contiguous; idx int [T, K] in [0, E); weight fp32 [T, K]; w13 uint8 [E, 2I, D/2]
     (w1 rows, then w3); w2 uint8 [E, D, I/2]; swiglu_limit L (<= 0: no clamp) -> bf16 [T, D].
-    With rows 1 every assigned expert is read once per assignment (the programs are at most
-    ordered by expert, see Fp4GemvConfig.sort); with rows 2 or 4 once per `rows` assignments of
-    it. Meant for decode, where few assignments share an expert. CPU tensors run under the
-    Triton interpreter."""
+    Reads every assigned expert once per assignment (the programs are at most ordered by expert,
+    see Fp4GemvConfig.sort): meant for decode, where few assignments share an expert. CPU
+    tensors run under the Triton interpreter."""
     e, i, d = _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, group)
     cfg = config or default_gemv_config(x.device)
     cfg.check(group)
@@ -643,24 +409,23 @@ def moe_fp4_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     xs = torch.empty(t, triton.cdiv(d, 32), dtype=torch.float32, device=dev)
     pdl = cfg.pdl and U.pdl_supported(dev)
     launch = {"launch_pdl": True} if pdl else {}
-    scan = 4 if interp else 64     # run-length scan window (small under the interpreter: tests cross it)
     _act_f16_kernel[(t, triton.cdiv(d, 32 * 8))](x, xh, xs, d, x.stride(0), xh.stride(0), xs.stride(0), CHUNKS=8,
                                                  PDL=pdl, **launch)
     h = torch.empty(n_a, i, dtype=torch.float16, device=dev)
     hs = torch.empty(n_a, triton.cdiv(i, 32), dtype=torch.float32, device=dev)
     xw, hw = xh.view(torch.int32), h.view(torch.int32)
     _gemv13_kernel[(n_a, triton.cdiv(i, cfg.block_n13))](
-        xw, xs, idx_flat, permp, wflat, w13w, s13, g13, h, hs, i, float(swiglu_limit), n_a,
+        xw, xs, idx_flat, permp, wflat, w13w, s13, g13, h, hs, i, float(swiglu_limit),
         xw.stride(0), xs.stride(0), w13w.stride(0), w13w.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         hs.stride(0), K=d, TOPK=topk, GROUP=group, HAS_GLOBAL=has_global, HAS_LIMIT=swiglu_limit > 0,
-        HAS_PERM=perm is not None, ROWS=cfg.rows, SCAN=scan, INTERPRET=interp, PDL=pdl,
-        BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **launch)
+        HAS_PERM=perm is not None, INTERPRET=interp, PDL=pdl, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, **launch)
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
-        hw, hs, idx_flat, permp, w2w, s2, g2, y, d, n_a,
+        hw, hs, idx_flat, permp, w2w, s2, g2, y, d,
         hw.stride(0), hs.stride(0), w2w.stride(0), w2w.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, ROWS=cfg.rows, SCAN=scan,
-        INTERPRET=interp, PDL=pdl, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **launch)
+        K=i, GROUP=group, HAS_GLOBAL=has_global, HAS_PERM=perm is not None, INTERPRET=interp, PDL=pdl,
+        BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **launch)
     return combine_slots(y, None, topk, out, pdl=pdl)      # fp32 accumulation, one rounding to bf16
 
 

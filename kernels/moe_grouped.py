@@ -515,8 +515,7 @@ class MoeKernelConfig:
     other fields are ignored).
     fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
     default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored).
-    pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl).
-    gemv_rows: gemv only: assignments of one expert per weight read (Fp4GemvConfig.rows: 1, 2, 4)."""
+    pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -530,7 +529,6 @@ class MoeKernelConfig:
     gemv: bool = False
     fp8_prefill: bool = False
     pdl: bool = True
-    gemv_rows: int = 1
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
@@ -774,7 +772,7 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
         return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, getattr(experts, "w13_global", None),
                             experts.w2, experts.w2_scale, getattr(experts, "w2_global", None), experts.group,
                             swiglu_limit, Fp4GemvConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps,
-                                                        pdl=cfg.pdl, rows=cfg.gemv_rows))
+                                                        pdl=cfg.pdl))
     _check_cfg(fmt, cfg, d, i)
     use_dot_scaled = False
     if fmt == "nvfp4_w4a4" and x.device.type == "cuda":

@@ -131,28 +131,6 @@ def test_gemv_expert_order_changes_nothing():
     assert rel_err(y_sorted, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt]
 
 
-def test_gemv_rows_per_weight_read_change_no_bit():
-    """rows 2 and 4 (each expert's sorted run in one program, its weights decoded once per 2 or 4
-    assignments) give rows 1's bits: runs of 1..5 assignments (random), and one run of 10 (past the
-    interpreter's 4-position run-length scan window: chunks of 4, 4, then 2); the function is the
-    reference's. (NVFP4 and the PTX: the GPU test below.)"""
-    t, k, e, d, i = 7, 3, 6, 64, 32
-    ex = experts("mxfp4", e, i, d, seed=6)
-    x = (torch.randn(t, d, generator=torch.Generator().manual_seed(7)) * 2).bfloat16()
-    for case, tt, k_, rows in (("random", t, k, (2, 4)), ("one_expert_all", 5, 2, (4,))):
-        idx, weight = routing(case, tt, k_, e)
-        a = args_of(x[:tt], idx, weight, ex)
-        y1 = moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 32, 64, 4))
-        for r in rows:
-            assert torch.equal(moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(32, 32, 64, 4, rows=r)), y1), (case, r)
-        assert rel_err(y1, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR["mxfp4"]
-    assert Fp4GemvConfig(rows=2).sort_experts(1, 256)
-    with pytest.raises(ValueError, match="Fp4GemvConfig.rows"):
-        Fp4GemvConfig(rows=3).check(32)
-    with pytest.raises(ValueError, match="Fp4GemvConfig.sort"):
-        Fp4GemvConfig(rows=4, sort=False).check(32)
-
-
 def test_gemv_through_moe_grouped_config():
     t, k, e, d, i, _ = CASES[0]
     ex = experts("mxfp4", e, i, d)
@@ -225,24 +203,6 @@ def test_gpu_gemv_matches_ref(fmt, t, raw):
                 Fp4GemvConfig(pdl=False)):
         y = moe_fp4_gemv(*a, LIMIT, cfg)
         assert rel_err(y, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt], cfg
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_gemv_rows_per_weight_read_change_no_bit(fmt):
-    """The PTX path: rows 2 and 4 (one decode of each weight word for 2 or 4 activation rows) give
-    rows 1's bits at 1..256 tokens, with runs of one expert up to 6 * 256 assignments long."""
-    k, e, d, i = 6, 64, 1024, 512
-    ex = experts(fmt, e, i, d, device="cuda")
-    for t, case in ((1, "random"), (8, "random"), (64, "random"), (256, "random"), (256, "one_expert_all"),
-                    (40, "repeated_ids")):
-        x = (torch.randn(t, d, generator=torch.Generator().manual_seed(t)) * 2).bfloat16().cuda()
-        idx, weight = (v.cuda() for v in routing(case, t, k, e))
-        a = args_of(x, idx, weight, ex)
-        y1 = moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig())
-        assert rel_err(y1, moe_fp4_gemv_ref(*a, LIMIT)) < KERNEL_REL_ERR[fmt], (t, case)
-        for rows in (2, 4):
-            assert torch.equal(moe_fp4_gemv(*a, LIMIT, Fp4GemvConfig(rows=rows)), y1), (t, case, rows)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv  # noqa: E402
 spec = importlib.util.spec_from_file_location("before", os.path.join(os.path.dirname(__file__),
                                                                      "moe_fp4_gemv_before.py"))
 before = importlib.util.module_from_spec(spec)
+sys.modules["before"] = before   # dataclasses look their module up there
 spec.loader.exec_module(before)
 dev = torch.device("cuda")
 E, D, I, K = 256, 4096, 2048, 6
