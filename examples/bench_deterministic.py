@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph, flat_caches
-from dsv4c.model import build_model
 from dsv4c.passes import PassContext, run_pipeline
 from dsv4c.passes.split_at_routers import apply_plan, plan_segments
 from dsv4c.runtime.segments import SegmentExecutor
 from dsv4c.targets import DEFAULT_BUCKETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_segments as bs  # noqa: E402  (build: the slice, cut to --layers)
 
 MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic, expert format)
     "default": ({}, False, False, None),
@@ -47,15 +48,6 @@ MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic, ex
     "deterministic-mxfp4": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
 }
 DEFAULT_MODES = ("default", "default-bf16", "deterministic")
-
-
-def config(preset: str, layers: int | None) -> ModelConfig:
-    cfg = ModelConfig.preset(preset)
-    if layers:
-        r = list(cfg.compress_ratios)
-        cfg = cfg.replace(num_hidden_layers=layers, compress_ratios=tuple(r[:layers]) + (r[-1],),
-                          num_hash_layers=min(cfg.num_hash_layers, layers))
-    return cfg
 
 
 def lower(model, n_slots: int, max_len: int, mode: str, k: int = 0, extra_ring_slots: int = 0):
@@ -102,7 +94,7 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     batches = sorted(batches)
-    model = build_model(config(preset, layers), dev, dtype, on_device=True)
+    model = bs.build(preset, dev, dtype, layers)
     cfg = model.config
     n_slots, max_len = batches[-1] + 1, prompt + steps + 8
     cache = model.new_cache(n_slots, max_len=max_len)
@@ -161,7 +153,7 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     batches = sorted(batches)
-    model = build_model(config(preset, layers), dev, dtype, on_device=True)
+    model = bs.build(preset, dev, dtype, layers)
     cfg = model.config
     n_slots, max_len = batches[-1] + 1, prompt + steps + 2 * k_max + 8
     cache = model.new_cache(n_slots, max_len=max_len, extra_ring_slots=k_max)

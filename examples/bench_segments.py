@@ -38,8 +38,18 @@ from dsv4c.runtime.segments import SegmentExecutor
 from dsv4c.targets import DEFAULT_BUCKETS
 
 
-def build(preset: str, device, dtype):
-    return build_model(ModelConfig.preset(preset), device, dtype, on_device=True)
+def slice_config(preset: str, layers: int | None = None) -> ModelConfig:
+    """The preset's config, cut to its first `layers` layers when given (the MTP layer's ratio kept)."""
+    cfg = ModelConfig.preset(preset)
+    if layers:
+        r = list(cfg.compress_ratios)
+        cfg = cfg.replace(num_hidden_layers=layers, compress_ratios=tuple(r[:layers]) + (r[-1],),
+                          num_hash_layers=min(cfg.num_hash_layers, layers))
+    return cfg
+
+
+def build(preset: str, device, dtype, layers: int | None = None):
+    return build_model(slice_config(preset, layers), device, dtype, on_device=True)
 
 
 # --only h200-static-ops: the h200 lowering with the capture-safe ATen forms of the cache ops and the

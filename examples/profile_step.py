@@ -159,6 +159,8 @@ def main(argv=None) -> int:
                     help="skip quantize_experts (bf16 experts; the default keeps the target's expert format)")
     ap.add_argument("--expert-format", default=None, choices=sorted(EXPERT_BYTE_FACTOR),
                     help="routed experts in this format (as compile --expert-format; default: h200's fp8_block)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="cut the slice to its first N layers (the 4-layer bf16 build and its FP8 copy outgrow 80 GB)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
     prompt = 40 if a.quick else a.prompt
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = bs.build(preset, dev, dtype)
+    model = bs.build(preset, dev, dtype, a.layers)
     n_slots, max_len = a.batch + 1, prompt + 16
     cache = bs.prefill(model, n_slots, prompt, max_len, chunk_rows=8, seed=0)
     flat = flat_caches(cache.layers)
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
     quantize = not a.bf16_experts
     plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, expert_format=a.expert_format)
-    res: dict = {"preset": preset, "batch": a.batch, "kernels": kernels, "quantize": quantize,
+    res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels, "quantize": quantize,
                  "expert_format": (a.expert_format or "fp8_block") if quantize else "bf16",
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
