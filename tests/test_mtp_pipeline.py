@@ -441,6 +441,22 @@ def test_auto_picks_the_k_the_costs_and_acceptance_make_best(bundled, rounds, ac
         spec.observed.update(observed)
 
 
+def test_bench_mtp_prompts_for_an_artifact_without_a_tokenizer():
+    """examples/bench_mtp.py on the slice (no tokenizer.json): each call's batch is seeded random token ids,
+    the same on every run, other ids per call; with a tokenizer, text prompts rotated by call."""
+    import sys
+
+    sys.path.insert(0, str(BUNDLE.parents[1]))
+    import bench_mtp
+
+    sets = bench_mtp.prompt_sets(2, 3, vocab=50)
+    assert len(sets) == 3 and all(len(s) == 2 and all(len(p) == 16 for p in s) for s in sets)
+    assert all(0 <= t < 50 for s in sets for p in s for t in p) and sets == bench_mtp.prompt_sets(2, 3, vocab=50)
+    assert sets[0] != sets[1]
+    text = bench_mtp.prompt_sets(2, 3)
+    assert all(isinstance(p, str) for s in text for p in s) and text[1][0] == bench_mtp.PROMPTS[2]
+
+
 # ------------------------------------------------------------------------------------------------
 # the benchmark (examples/bench_mtp_forced.py) on the eager session
 # ------------------------------------------------------------------------------------------------

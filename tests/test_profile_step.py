@@ -42,3 +42,11 @@ def test_class_table_sets_each_class_time_beside_its_bytes():
     assert table["attention and caches"]["of_bandwidth"] == pytest.approx(0.075)
     assert table["other"]["bytes"] == 0 and table["other"]["gb_s"] is None and table["other"]["us"] == 8
     assert ps.expected_unique(256, 6, 1) == pytest.approx(6)
+
+
+def test_expert_bytes_per_format_against_bf16():
+    """The routed experts' bytes as stored, per weight against bf16's 2: FP8 1 + a 128x128 block's fp32
+    scale, MXFP4 half a byte + an e8m0 per 32, NVFP4 half a byte + an e4m3 per 16 (quant_formats.md)."""
+    f = ps.EXPERT_BYTE_FACTOR
+    assert f["fp8_block"] * 2 == pytest.approx(1 + 4 / 16384)
+    assert f["mxfp4_w4a16"] * 2 == pytest.approx(0.53125) and f["nvfp4_w4a16"] * 2 == pytest.approx(0.5625)
