@@ -2,7 +2,12 @@
 with torch.profiler at one batch size.
 
     python examples/profile_step.py --out $OUT/profile.json        # H200
+    python examples/profile_step.py --layers 2 --expert-format mxfp4_w4a16 --out $OUT/p.json   # H100 (80 GB)
     python examples/profile_step.py --device cpu --quick           # CPU smoke run (tiny model)
+
+The experts run as the h200 lowering quantises them (fp8_block, or `--expert-format`; `--bf16-experts`
+keeps them bf16). The 4-layer slice is built in bf16 and its experts converted beside it, which outgrows
+an 80 GB card with FP8 experts: `--layers 2` cuts it.
 
 Prints, for the eager step (segments run op by op): device time and kernel count per operator
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
@@ -155,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--kernels", default="", help="OP=IMPL overrides, comma separated (e.g. moe_experts=gathered)")
+    ap.add_argument("--quantize", action="store_true",
+                    help="the default since 2026-12-05 (kept so that the commands logged before still run)")
     ap.add_argument("--bf16-experts", action="store_true",
                     help="skip quantize_experts (bf16 experts; the default keeps the target's expert format)")
     ap.add_argument("--expert-format", default=None, choices=sorted(EXPERT_BYTE_FACTOR),
