@@ -63,7 +63,8 @@ def kernel_rows(prof) -> list[dict]:
     """Kernel events only (device side), grouped by name, longest total first: [{name, count, us}]."""
     agg: dict[str, list[float]] = {}
     for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name and not e.name.startswith("Memcpy"):
+        on_device = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if on_device and e.name and not e.name.startswith("Memcpy"):
             d = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
             agg.setdefault(e.name, []).append(float(d))
     rows = [{"name": k[:120], "count": len(v), "us": sum(v)} for k, v in agg.items()]
@@ -184,15 +185,16 @@ def main(argv=None) -> int:
     pos0 = cache.pos.clone()
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
     quantize = not a.bf16_experts
+    fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
     plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, expert_format=a.expert_format)
-    res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels, "quantize": quantize,
-                 "expert_format": (a.expert_format or "fp8_block") if quantize else "bf16",
+    res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels,
+                 "quantize": quantize, "expert_format": fmt,
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)
     if quantize:  # the experts' bytes as stored in their format (bf16 counted by step_bytes)
-        sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[a.expert_format or "fp8_block"]
+        sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[fmt]
     bw = bs.copy_bandwidth(dev) if dev.type == "cuda" else 0.0
     res["step_bytes"], res["copy_bandwidth_gb_s"] = sb, bw / 1e9
     V = model.config.vocab_size

@@ -30,7 +30,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _moe_combine_kernel(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, HAS_INV: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)   # launched early (programmatic dependent launch): y is ready once this returns
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -78,8 +78,8 @@ def combine_slots(y: torch.Tensor, inv: torch.Tensor | None, topk: int, out: tor
         raise ValueError(f"combine_slots: pdl needs a CUDA GPU of capability >= 9.0, got {y.device}")
     launch = {"launch_pdl": True} if pdl else {}
     _moe_combine_kernel[(t, triton.cdiv(d, BLOCK_D))](y, inv if inv is not None else y, out, d, y.stride(0),
-                                                   out.stride(0), K=topk, HAS_INV=inv is not None, BLOCK=BLOCK_D,
-                                                   PDL=pdl, num_warps=4, **launch)
+                                                       out.stride(0), K=topk, HAS_INV=inv is not None, BLOCK=BLOCK_D,
+                                                       PDL=pdl, num_warps=4, **launch)
     return out
 
 

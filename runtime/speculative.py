@@ -1266,10 +1266,7 @@ class AutoRun:
             return
         now = self.spec.clock()
         if self._last is not None and self._last[0] == k:
-            key = (*self.cell[:2], k)
-            if key not in seen:
-                seen[key] = deque(maxlen=ROUND_SAMPLES)
-            seen[key].append(now - self._last[1])
+            seen.setdefault((*self.cell[:2], k), deque(maxlen=ROUND_SAMPLES)).append(now - self._last[1])
         self._last = (k, now)
 
     def rechoose(self, why: str) -> None:
