@@ -8,6 +8,8 @@ and its `tl.dot` multiplies bf16 operands as raw uint16 bits, hence `mma` with I
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,25 @@ def interpret_flag(t: torch.Tensor) -> bool:
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (Triton's `launch_pdl`, `gdc_wait`) needs a GPU of sm_90+."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cuda" and _sm90(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_OFF = {"PDL": False}
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel whose first statement is `pdl_wait(PDL)`, run on t's device: on a
+    GPU of sm_90+ it is launched with programmatic dependent launch (PDL=True, launch_pdl=True), so it
+    starts while its predecessor drains and waits there; elsewhere PDL=False. Every dsv4c kernel of a
+    decode step takes it, so the step is one PDL chain wherever two of them follow each other (after a
+    cuBLAS or ATen kernel, which never signals early, one starts as that kernel ends)."""
+    return _PDL_ON if pdl_supported(t.device) else _PDL_OFF
 
 
 @triton.jit
@@ -31,7 +51,10 @@ def pdl_wait(PDL: tl.constexpr):
     weights, idx and perm: written before the predecessor's own wait returned) but nothing the
     predecessor writes until this wait returns (the predecessor has then finished and its
     writes are visible). Only after its own wait does a kernel let its successor launch, so the
-    successor's early reads never race a kernel further back."""
+    successor's early reads never race a kernel further back. Kernels that call this first, before
+    any load or store (all but the FP4 GEMV's, which request weights before it), need nothing else:
+    they are ordered exactly as without PDL and only their launch overlaps. Without a programmatic
+    dependency (PDL False, or launched without `launch_pdl`) the wait returns at once."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
 BLOCK_N = 64
@@ -51,7 +52,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -102,7 +104,7 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, M, N, K, x2.stride(0), wc.stride(0),
                                 y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                 BLOCK_K=BLOCK_K, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
-                                num_warps=4)
+                                num_warps=4, **pdl_launch(x2))
     return y.view(*x.shape[:-1], N)
 
 
@@ -115,7 +117,8 @@ def bi_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 @triton.jit
 def _bi_gemv_kernel(x_ptr, rows_ptr, e_ptr, w_ptr, y_ptr, N, K: tl.constexpr, sxm, swe, swn,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -145,7 +148,8 @@ def bi_gemv_gathered(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor,
     if P:
         _bi_gemv_kernel[(P, triton.cdiv(N, GEMV_BLOCK_N))](xc, rows.contiguous(), experts.contiguous(), wc, y, N, K,
                                                            xc.stride(0), wc.stride(0), wc.stride(1),
-                                                           BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4)
+                                                           BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K, num_warps=4,
+                                                           **pdl_launch(xc))
     return y
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 MAX_M = 16          # token rows up to which the Triton kernel runs (one 16-row dot tile)
 BLOCK_R = 32
@@ -35,7 +36,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _grouped_linear_kernel(x_ptr, w_ptr, z_ptr, M, G, R, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_I: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+                           BLOCK_I: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     g = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     m = tl.arange(0, BLOCK_M)
@@ -87,7 +90,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _grouped_linear_kernel[(G, triton.cdiv(R, BLOCK_R))](
         xc, wc, z, M, G, R, I, BLOCK_M=16, BLOCK_R=BLOCK_R, BLOCK_I=BLOCK_I, F32=w.dtype == torch.float32,
         INTERPRET=xc.device.type == "cpu",
-        num_warps=4)
+        num_warps=4, **pdl_launch(xc))
     return z
 
 

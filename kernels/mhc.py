@@ -73,14 +73,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait
 from dsv4c.kernels.norm import EXACT_ROWS_MIN, row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
 
 
 @triton.jit
-def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,7 +96,8 @@ def _sinkhorn_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexp
 
 @triton.jit
 def _sinkhorn_exact_kernel(c_ptr, out_ptr, M, eps, ITERS: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # M matrices [N, N], contiguous; this program handles matrices [pid·BLOCK_M, (pid+1)·BLOCK_M)
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -264,10 +267,10 @@ def sinkhorn(c0: torch.Tensor, iters: int, eps: float, block_m: int | None = Non
     if m >= EXACT_ROWS_MIN if exact is None else exact:
         _sinkhorn_exact_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
                                                      INTERPRET=interpret_flag(x),
-                                                     num_warps=1 if bm * n * n <= 512 else 2)
+                                                     num_warps=1 if bm * n * n <= 512 else 2, **pdl_launch(x))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _sinkhorn_kernel[(triton.cdiv(m, bm),)](x, out, m, float(eps), ITERS=int(iters), N=n, BLOCK_M=bm,
-                                               num_warps=1 if bm * n * n <= 512 else 2)
+                                               num_warps=1 if bm * n * n <= 512 else 2, **pdl_launch(x))
     return out
 
 
@@ -352,7 +355,9 @@ HC_ROWS_WARPS = 2
 
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                   CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                   CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # x [M, K] (any float dtype), fn [MIX, K] fp32 -> zp [S, M, MIXP], ssp [S, M] fp32
     pid_m, pid_s = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -376,7 +381,8 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 @triton.jit
 def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr):
+                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # the same partials as _hc_mix_kernel, one token row per program and no tl.dot (few rows: the
     # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s
     m, pid_s = tl.program_id(0), tl.program_id(1)
@@ -405,7 +411,8 @@ def _sigmoid_like_torch(t, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexpr,
-                     VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr):
+                     VEC: tl.constexpr, LOG_BW: tl.constexpr, LOG_YS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # ssp[m] = Σ_k x[m, k]² in PyTorch's CUDA order for the launch's rows (eager's mean of vec(X)²)
     row = tl.program_id(0).to(tl.int64)
     tl.store(ssp_ptr + row, row_sumsq(x_ptr + row * K, K, BW, YS, STEPS, VEC, LOG_BW, LOG_YS))
@@ -415,7 +422,8 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
     n = tl.arange(0, N)
@@ -454,7 +462,8 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
 def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                                 M, D, S, inv_k, eps, hc_eps,
                                 ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                                BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # Launched without FMA contraction: every product and sum below is rounded once, as the eager
     # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
@@ -511,7 +520,9 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
 
 
 @triton.jit
-def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -530,7 +541,9 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
 
 
 @triton.jit
-def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -624,21 +637,23 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
         if use_rows:
             _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
-                                             num_warps=HC_ROWS_WARPS)
+                                             num_warps=HC_ROWS_WARPS, **pdl_launch(x))
         else:
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                              BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4)
+                                                              BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4,
+                                                              **pdl_launch(x))
     bd = min(block_d, triton.next_power_of_2(d))
     if use_exact:
         _hc_pre_finish_exact_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-            INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False)
+            INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False,
+            **pdl_launch(x))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-            num_warps=finish_warps or HC_FINISH_WARPS)
+            num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
     return u, post, comb
 
 
@@ -650,7 +665,8 @@ def _eager_z(x: torch.Tensor, fn: torch.Tensor, m: int, k: int, mix: int):
     lay = reduce_layout(m, k)
     _hc_sumsq_kernel[(m,)](x, ssp, k, BW=lay.lanes, YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
                            LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
-                           num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+                           num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False,
+                           **pdl_launch(x))
     return zp, ssp, mix, 1
 
 
@@ -691,10 +707,11 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     bd = min(block_d, triton.next_power_of_2(d))
     if m >= EXACT_ROWS_MIN if exact is None else exact:
         _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                                       num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False)
+                                                       num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False,
+                                                       **pdl_launch(y))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                                 num_warps=4 if n * bd >= 1024 else 1)
+                                                 num_warps=4 if n * bd >= 1024 else 1, **pdl_launch(y))
     return out
 
 

@@ -61,6 +61,7 @@ from typing import ClassVar
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
 from dsv4c.kernels.moe_combine import combine_slots
@@ -418,7 +419,8 @@ def _moe_gemm_kernel(
         FMT: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr,
         HAS_LIMIT: tl.constexpr, USE_DOT_SCALED: tl.constexpr, INTERPRET: tl.constexpr,
         SPLIT_FP4: tl.constexpr, SCALED_FP4: tl.constexpr, DIRECT: tl.constexpr, K_CHUNK: tl.constexpr,
-        ATOMIC_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ATOMIC_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's M-block over K columns
     [pid_k*K_CHUNK, (pid_k+1)*K_CHUNK). GATHER: A rows are x[ids // TOPK] (GEMM 1), else the
     block's own rows (GEMM 2). SWIGLU: two accumulators over W rows n and N + n, SwiGLU, clamp
@@ -428,6 +430,7 @@ def _moe_gemm_kernel(
     SCALED_FP4 (FMT 2): tl.dot_scaled on the packed weights and their e8m0 scales.
     DIRECT: no sorted routing; M-block pid_m is assignment pid_m alone (row 0 of the tile, the
     other rows masked), bexp_ptr is the flat idx [N_A], and out / h have one row per assignment."""
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -672,7 +675,7 @@ def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_f
         SPLIT_FP4=cfg.fp4_split and fmt in ("mxfp4", "nvfp4"), SCALED_FP4=cfg.fp4_scaled and fmt == "mxfp4",
         DIRECT=routing.direct, K_CHUNK=k_chunk, ATOMIC_OUT=out.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a))
 
 
 def _dynamic_scale(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:

@@ -57,6 +57,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 MAX_C = 16384  # one row per program
 # Launches with at least this many rows take the exact-order kernels (this file and kernels/mhc.py);
@@ -159,7 +160,9 @@ def row_sumsq(row_ptr, C, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexp
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # x [R, C] contiguous rows; w [C]; out [R, C]
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -175,7 +178,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.conste
 @triton.jit
 def _rms_norm_exact_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BW: tl.constexpr,
                            YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr, LOG_BW: tl.constexpr,
-                           LOG_YS: tl.constexpr):
+                           LOG_YS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # x [R, C] contiguous rows; w [C]; out [R, C]; one program per row
     row = tl.program_id(0).to(tl.int64)
     ss = row_sumsq(x_ptr + row * C, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
@@ -236,7 +240,7 @@ def _launch_fast(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -
     # decode-sized launches: the kernel and launch of the tree's decode path before issue 22's re-land
     block = triton.next_power_of_2(c)
     _rms_norm_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BLOCK_C=block,
-                              num_warps=max(1, min(16, block // 512)))
+                              num_warps=max(1, min(16, block // 512)), **pdl_launch(xc))
 
 
 def _launch_exact(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
@@ -244,7 +248,8 @@ def _launch_exact(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) 
     _rms_norm_exact_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BW=lay.lanes,
                                     YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
                                     LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
-                                    num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False)
+                                    num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False,
+                                    **pdl_launch(xc))
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False) -> torch.Tensor:

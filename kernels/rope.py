@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 MAX_LEAD = 3  # leading dims of x ([B, T, H]); cos/sin index them through their (broadcast) strides
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,7 +31,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, C, L1, L2, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3,
                  INVERSE: tl.constexpr, KEEP: tl.constexpr, HALF: tl.constexpr, BLOCK_KEEP: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
+                 BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # x, out [L0, L1, L2, C] contiguous; cos/sin element (i0, i1, i2, j) at Σ i·stride (0 where broadcast)
     row = tl.program_id(0).to(tl.int64)
     i2 = row % L2
@@ -100,7 +102,7 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
     rows = xc.numel() // C
     _rope_kernel[(rows,)](xc, cos, sin, out, C, *_row_args(x, cos, sin, half), INVERSE=bool(inverse), KEEP=keep,
                           HALF=half, BLOCK_KEEP=triton.next_power_of_2(max(keep, 1)),
-                          BLOCK_HALF=triton.next_power_of_2(half), num_warps=1 if C <= 256 else 2)
+                          BLOCK_HALF=triton.next_power_of_2(half), num_warps=1 if C <= 256 else 2, **pdl_launch(xc))
     return out
 
 
@@ -116,7 +118,9 @@ def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _head_rms_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, C, L1, L2, cs0, cs1, cs2, cs3, ss0, ss1, ss2, ss3, eps,
-                          HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # one row of C channels: y = (x · rsqrt(mean(x²) + eps)) cast to x's dtype, then the last 2·HALF
     # channels rotated in fp32 from the cast values (the reference's order: norm, cast, rope)
     row = tl.program_id(0).to(tl.int64)
@@ -158,7 +162,7 @@ def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: fl
     _head_rms_rope_kernel[(qc.numel() // C,)](
         qc, cos, sin, out, C, *_row_args(q, cos, sin, half), float(eps),
         HALF=half, BLOCK_C=triton.next_power_of_2(C), BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=1 if C <= 256 else 4)
+        num_warps=1 if C <= 256 else 4, **pdl_launch(qc))
     return out
 
 

@@ -43,14 +43,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait
 
 _ELEMS = 1024  # table elements per program (rows x BLOCK_HALF)
 
 
 @triton.jit
 def _rope_angles_kernel(pos0_ptr, inv_freq_ptr, cos_ptr, sin_ptr, rows, T, HALF: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # rows = B·T; row i is (b, t) = (i // T, i % T); cos/sin [B, T, HALF] contiguous
     i = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.arange(0, BLOCK_HALF)
@@ -101,7 +103,8 @@ def rope_angles(pos0: torch.Tensor, inv_freq: torch.Tensor, T: int) -> tuple[tor
     block_r = min(triton.next_power_of_2(rows), max(1, _ELEMS // block_half))
     _rope_angles_kernel[(triton.cdiv(rows, block_r),)](
         pos0.contiguous(), inv_freq.contiguous(), cos, sin, rows, T, HALF=half, BLOCK_R=block_r,
-        BLOCK_HALF=block_half, INTERPRET=interpret_flag(pos0), num_warps=1 if block_r * block_half <= 256 else 4)
+        BLOCK_HALF=block_half, INTERPRET=interpret_flag(pos0), num_warps=1 if block_r * block_half <= 256 else 4,
+        **pdl_launch(cos))
     return cos, sin
 
 

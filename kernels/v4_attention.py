@@ -66,6 +66,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -218,7 +219,9 @@ def _attn_split_kernel(
         T, H, S, E, NSEL, W, NW, M_RATIO, qk_scale,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, ENT_MODE: tl.constexpr, LOWP: tl.constexpr, INTERPRET: tl.constexpr,
-        POS_BLOCKS: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
+        POS_BLOCKS: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False,
+        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # q [B, T, H, D] (strides sq_*, last 1); kv [B, T, D] (strides skv_*, last 1); ring [n_slots, S, D],
     # entries [n_slots, E, D], selected [B, T, NSEL] contiguous. ENT_MODE 0: no entries, 1: selected
     # (CSA), 2: the visible prefix (HCA). Partials pacc [B·T, SPLIT, H, D], pm / pl [B·T, SPLIT, H].
@@ -332,7 +335,9 @@ def _attn_split_kernel(
 @triton.jit
 def _combine_kernel(kv_ptr, ring_ptr, slots_ptr, pos0_ptr, nreal_ptr, sinks_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr,
                     skv_b, skv_t, T, H, S,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # o [B·T, H, D] fp32 from the SPLIT partials (skipped when SPLIT = 1: the first kernel wrote o);
     # then head block 0 writes kv[b, t] to ring[slots[b], (pos0[b] + t) mod S] if n_real[b] - S <= t < n_real[b]
     bt = tl.program_id(0)
@@ -482,10 +487,10 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
         T, H, S, E, n_sel, window, nw, max(m, 1), LOG2E / math.sqrt(d),
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_N=bn, SPLIT=split, ENT_MODE=ent_mode, LOWP=lowp,
         INTERPRET=interp, POS_BLOCKS=cfg.batch_invariant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **paged)
+        **paged, **pdl_launch(q))
     _combine_kernel[(B * T, hb if split > 1 else 1)](
         kv, ring, slots, pos0, n_real, sinks, o, pacc, pm, pl, kv.stride(0), kv.stride(1), T, H, S,
-        D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, SPLIT=split, num_warps=8)
+        D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, SPLIT=split, num_warps=8, **pdl_launch(kv))
     return o
 
 

@@ -54,6 +54,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_W = 4096  # one entry row (w channels) in registers per program
@@ -75,7 +76,9 @@ def _v4_compress_kernel(kv_ptr, sc_ptr, slots_ptr, pos0_ptr, nreal_ptr, ape_ptr,
                         M: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CW: tl.constexpr,
                         STATE_ITERS: tl.constexpr, DO_ENTRIES: tl.constexpr, DO_STATE: tl.constexpr,
-                        RNE_BF16: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
+                        RNE_BF16: tl.constexpr, bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # kv/score [B, T, C·W] (strides kv_sb, kv_st / sc_sb, sc_st; channels contiguous); ape [M, C·W];
     # state [n_slots, R, C·W] and entries [n_slots, E, W] contiguous; slots/pos0/n_real [B] int64;
     # n_pg = grid dim 1 (G with entries, T for the state-only launch). PAGED: entries is a pool
@@ -278,8 +281,8 @@ def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor
             d.T, d.R, d.E, G)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), float(eps))
     meta = {"M": m, "C": d.c, "W": d.w, "HALF": d.half, "BLOCK_R": br, "BLOCK_W": block_w,
-                "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
-                "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16, **paged}
+            "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
+            "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16, **paged, **pdl_launch(kv)}
     if one_launch(d.R, d.T, d.c, m):
         _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=triton.cdiv(d.T, G), DO_ENTRIES=True,
                                       DO_STATE=True, **meta)

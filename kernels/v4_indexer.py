@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import interpret_flag
+from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait
 
 __all__ = ["v4_indexer_scores", "v4_indexer_scores_ref", "v4_indexer_topk_fused", "v4_indexer_topk_fused_op",
            "v4_indexer_topk_fused_ref", "v4_indexer_topk_paged_fused_op", "v4_indexer_topk_paged_fused_ref"]
@@ -74,7 +74,8 @@ def _n_visible(pos0_ptr, row, T, E, m):
 def _scores_kernel(q_ptr, w_ptr, k_ptr, slots_ptr, pos0_ptr, s_ptr, T, E, m, scale,
                    HI: tl.constexpr, DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                    D_STEP: tl.constexpr, BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr,
-                   bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False):
+                   bt_ptr=None, NB=1, RB: tl.constexpr = 1, PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # q [B·T, HI, DI], w [B·T, HI] fp32, keys [n_slots, E, DI], s (out) [B·T, E] fp32; all contiguous.
     # PAGED: keys is a pool [N + 1, RB, DI], entry e of the slot at row e mod RB of block bt[slot, e // RB]
     # (block table [n_slots, NB] int64, E = NB·RB; RB a constexpr: // and % are shifts or multiplies). A tile
@@ -146,7 +147,8 @@ def _count_ge(u, valid, cand):
 
 @triton.jit
 def _select_kernel(s_ptr, pos0_ptr, out_ptr, T, E, m, K: tl.constexpr, CHUNK: tl.constexpr,
-                   N_CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr):
+                   N_CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # s [B·T, E] fp32 scores, out [B·T, K] int64
     row = tl.program_id(0).to(tl.int64)
     n_vis = _n_visible(pos0_ptr, row, T, E, m)
@@ -249,7 +251,7 @@ def _scores_into(scores: torch.Tensor, q, weights, keys, slots, pos0, m: int, bl
     grid = (B * T, triton.cdiv(E, BLOCK_E))
     _scores_kernel[grid](q, weights, keys, slots, pos0, scores, T, E, m, dI ** -0.5, HI=HI, DI=dI,
                          BLOCK_H=max(16, triton.next_power_of_2(HI)), BLOCK_D=block_d, D_STEP=d_step,
-                         BLOCK_E=BLOCK_E, INTERPRET=interpret_flag(q), num_warps=4, **paged)
+                         BLOCK_E=BLOCK_E, INTERPRET=interpret_flag(q), num_warps=4, **paged, **pdl_launch(q))
 
 
 def v4_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
@@ -285,7 +287,7 @@ def v4_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
     chunk = min(MAX_ROW, triton.next_power_of_2(E))
     _select_kernel[(B * T,)](scores, pos0, out, T, E, m, K=topk, CHUNK=chunk, N_CHUNKS=triton.cdiv(E, chunk),
                              BLOCK_K=min(BLOCK_K, triton.next_power_of_2(topk)), DIGIT=DIGIT_BITS,
-                             num_warps=8 if chunk >= 1024 else 4)
+                             num_warps=8 if chunk >= 1024 else 4, **pdl_launch(scores))
     return out
 
 

@@ -126,9 +126,11 @@ _SM90_SCRIPT = textwrap.dedent('''
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
 
     sig = {"pos0_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rows": "i32",
-           "T": "i32", "HALF": "constexpr", "BLOCK_R": "constexpr", "BLOCK_HALF": "constexpr", "INTERPRET": "constexpr"}
+           "T": "i32", "HALF": "constexpr", "BLOCK_R": "constexpr", "BLOCK_HALF": "constexpr", "INTERPRET": "constexpr",
+           "PDL": "constexpr"}
     for half, block_r, warps in ((32, 1, 1), (32, 32, 4), (8, 1, 1)):
-        p = ptx(_rope_angles_kernel, sig, {(6,): half, (7,): block_r, (8,): triton.next_power_of_2(half), (9,): False},
+        p = ptx(_rope_angles_kernel, sig, {(6,): half, (7,): block_r, (8,): triton.next_power_of_2(half), (9,): False,
+                                     (10,): True},
                 range(4), warps)
         # every use of a converted position is a mul.rn (the angle, rounded once, not contracted)
         pos = re.findall(r"cvt\\.rn\\.f32\\.s64\\s+(%r\\d+)", p)

@@ -182,7 +182,7 @@ _SM90_SCRIPT = textwrap.dedent('''
         types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
         consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      K_SPLIT=8192 // split, SPLIT=split)
+                      K_SPLIT=8192 // split, SPLIT=split, PDL=True)  # PDL: as sm_90 launches it
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)

@@ -244,7 +244,7 @@ ints = dict(sq_b=32768, sq_t=32768, sq_h=512, skv_b=512, skv_t=512, T=1, H=64, S
             M_RATIO=4)
 for paged in (False, True):
     consts = dict(D=512, BLOCK_D=512, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=2, ENT_MODE=1, LOWP=True,
-                  INTERPRET=False, POS_BLOCKS=False, PAGED=paged, RB=32 if paged else 1)
+                  INTERPRET=False, POS_BLOCKS=False, PAGED=paged, RB=32 if paged else 1, PDL=True)  # as sm_90 launches
     vals = {**ints, "E": 1088 if paged else 1066, "NB": 34 if paged else 1}
     consts.update({n: 1 for n, v in vals.items() if v == 1})
     if not paged:
