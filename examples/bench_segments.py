@@ -34,6 +34,7 @@ from dsv4c.export import GraphSpec, export_graph, flat_caches
 from dsv4c.model import build_model
 from dsv4c.passes import PassContext, run_pipeline
 from dsv4c.passes.split_at_routers import apply_plan, plan_segments
+from dsv4c.runtime.sampling import greedy_rows
 from dsv4c.runtime.segments import SegmentExecutor
 from dsv4c.targets import DEFAULT_BUCKETS
 
@@ -118,7 +119,7 @@ def decode(ex, flat, pos0, B: int, steps: int, V: int, dev, seed: int = 1):
         else:
             times.append((time.perf_counter() - t0) * 1e3)
         first = logits.float().clone() if first is None else first
-        ids = logits[:, -1].argmax(-1, keepdim=True)
+        ids = greedy_rows(logits[:, -1])[:, None]  # the Session's greedy pick (kernels/argmax.py on a GPU)
         toks.append(ids[:, 0].cpu())
         pos += 1
     return torch.stack(toks), first, times

@@ -260,6 +260,16 @@ def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # plain decoding (k = 0): one token per row, on the device, nothing read back
 # ------------------------------------------------------------------------------------------------
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] int64, torch.argmax of each row. On a GPU the split kernel of kernels/argmax.py
+    (the same index: first maximum, NaN largest), which spreads a row over the SMs where torch.argmax
+    reduces it in one thread block (27 of a 2-layer slice step's 1110 µs at batch 1, H100)."""
+    if logits.device.type != "cuda":
+        return logits.argmax(-1)
+    from dsv4c.kernels.argmax import argmax_rows
+    return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+
+
 def sample_rows(logits: torch.Tensor, rp: RowParams, u: torch.Tensor) -> torch.Tensor:
     """One token per row of logits [B, V]: the argmax on greedy rows, else `draw_rows` at u [B] from the
     row's processed distribution (`processed_probs_rows`' stages; the final renormalisation and the
@@ -267,7 +277,7 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, u: torch.Tensor) -> torch.T
     -> [B] int64. A handful of kernels, none of which waits for the host."""
     logits = logits.float()
     if rp.all_greedy:
-        return logits.argmax(-1)
+        return greedy_rows(logits)
     x = logits / rp.divisor[:, None]
     if rp.any_top_k:
         V = x.shape[-1]
@@ -283,7 +293,7 @@ def sample_rows(logits: torch.Tensor, rp: RowParams, u: torch.Tensor) -> torch.T
         probs = _min_p(probs, rp.min_p[:, None])
     tok = draw_rows(probs, u)
     if rp.any_greedy:
-        tok = torch.where(rp.temperature == 0, logits.argmax(-1), tok)
+        tok = torch.where(rp.temperature == 0, greedy_rows(logits), tok)
     return tok
 
 
@@ -338,7 +348,7 @@ class DecodeSampler:
             state.count(slots, tok)
             return tok
         if self.rp.all_greedy:
-            return logits.float().argmax(-1)
+            return greedy_rows(logits)
         return sample_rows(logits, self.rp, self.uniforms(pos))
 
     def uniforms(self, pos: list[int]) -> torch.Tensor:
