@@ -91,9 +91,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return out
     pv = torch.empty(B, S, dtype=torch.float32, device=x.device)
     pi = torch.empty(B, S, dtype=torch.int32, device=x.device)
-    pdl = pdl_launch(x)
-    _argmax_part_kernel[(B, S)](x, pv, pi, V, S, x.stride(0), BLOCK=BLOCK, num_warps=4, **pdl)
-    _argmax_final_kernel[(B,)](pv, pi, out, S, SP=triton.next_power_of_2(S), num_warps=1 if S <= 256 else 4, **pdl)
+    _argmax_part_kernel[(B, S)](x, pv, pi, V, S, x.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_launch(x))
+    _argmax_final_kernel[(B,)](pv, pi, out, S, SP=triton.next_power_of_2(S), num_warps=1 if S <= 256 else 4,
+                               **pdl_launch(x))
     return out
 
 

@@ -281,15 +281,16 @@ def v4_compress_fused(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor
             d.T, d.R, d.E, G)
     strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1), float(eps))
     meta = {"M": m, "C": d.c, "W": d.w, "HALF": d.half, "BLOCK_R": br, "BLOCK_W": block_w,
-            "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
-            "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16, **paged, **pdl_launch(kv)}
+                "BLOCK_CW": triton.next_power_of_2(d.cw), "num_warps": _num_warps(block_w),
+                "RNE_BF16": kv.device.type == "cpu" and entries.dtype == torch.bfloat16, **paged}
     if one_launch(d.R, d.T, d.c, m):
         _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=triton.cdiv(d.T, G), DO_ENTRIES=True,
-                                      DO_STATE=True, **meta)
+                                      DO_STATE=True, **meta, **pdl_launch(kv))
     else:
-        _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=0, DO_ENTRIES=True, DO_STATE=False, **meta)
+        _v4_compress_kernel[(d.B, G)](*args, G, *strides, STATE_ITERS=0, DO_ENTRIES=True, DO_STATE=False, **meta,
+                                      **pdl_launch(kv))
         _v4_compress_kernel[(d.B, d.T)](*args, d.T, *strides, STATE_ITERS=1, DO_ENTRIES=False, DO_STATE=True,
-                                        **meta)
+                                        **meta, **pdl_launch(kv))
 
 
 def v4_compress_fused_ref(kv: torch.Tensor, score: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
