@@ -116,6 +116,9 @@ def sweep_configs(m: int, n: int, k: int, sms: int) -> list[Fp8GemvConfig]:
     out.append(replace(d, num_warps=4 if d.num_warps == 8 else 8))
     if d.block_m > 1:
         out += [replace(d, num_stages=s) for s in (2, 3, 6) if s != d.num_stages]
+        # wide tiles: the activation rows, re-read by every N program, shrink against the weight tile
+        out += [replace(d, block_n=bn, block_k=128, num_stages=st, num_warps=w, split=sp)
+                for bn in (64, 128) for st in (3, 4) for w in (4, 8) for sp in {d.split, max(1, d.split // 2)}]
     else:  # one token on tensor cores (15 padding rows) instead of CUDA cores
         out.append(replace(default_config(2, n, k, sms), split=d.split))
     return list(dict.fromkeys(out))
