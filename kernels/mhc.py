@@ -10,6 +10,9 @@ Public API::
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
     hc_post(y, X, post, comb, exact=None) -> Tensor    # one launch
     hc_post_ref(...)                                   # HyperConnection.post, unchanged
+    hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb')
+                                                       # a post and the next site's pre: two launches at decode
+    hc_post_pre_ref(...)                               # HyperConnection.post, then .pre on its output
 
 Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the reference)::
 
@@ -17,6 +20,8 @@ Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the 
     dsv4c::hc_pre(Tensor X, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters)
         -> (Tensor u, Tensor post, Tensor comb)
     dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb) -> Tensor
+    dsv4c::hc_post_pre(Tensor y, Tensor X, Tensor post, Tensor comb, Tensor fn, Tensor base, Tensor scale,
+        float eps, float hc_eps, int iters) -> (Tensor, Tensor, Tensor, Tensor)    # passes/fuse_hc_chain.py
     dsv4c::hc_pre_rows, dsv4c::hc_post_bi, dsv4c::sinkhorn_bi   # the same, one variant at any M (deterministic)
 
 Two variants of each kernel, chosen by the launch's M (tokens, matrices): from EXACT_ROWS_MIN
@@ -346,6 +351,7 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
+HC_CHAIN_BLOCK_D = 128  # d columns per program of _hc_post_mix_kernel (fn: MIXP x N x 128 fp32 = 64 KB a program)
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -520,6 +526,20 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
 
 
 @triton.jit
+def _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 [N, BLOCK_D]: X'[k, d] = post_k·y[d] + Σ_j comb[j, k]·X[j, d] of token `tok` (0 where not dm)."""
+    k = tl.arange(0, N)
+    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
+    for jj in tl.static_range(N):
+        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
+        xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc += cj[:, None] * xj[None, :]
+    p = tl.load(post_ptr + tok * N + k)
+    return p[:, None] * y[None, :] + acc
+
+
+@triton.jit
 def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
@@ -528,16 +548,37 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     tok = pid_m.to(tl.int64)
-    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
-    acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
-    for jj in tl.static_range(N):
-        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
-        xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
-        acc += cj[:, None] * xj[None, :]
-    p = tl.load(post_ptr + tok * N + k)
-    out = p[:, None] * y[None, :] + acc
+    out = _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
+
+
+@triton.jit
+def _hc_post_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_ptr, ssp_ptr, M, D, MIX,
+                        N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """hc_post and the first launch of the next site's hc_pre in one: the program's [N, BLOCK_D] slice of
+    X' (as `_hc_post_kernel`), stored in X's dtype, then that slice's share of z and of Σ X'² over X' as
+    stored: zp[pid_d, m, j] = Σ_{k, d in the slice} fn[j, k·D + d]·X'[k, d], ssp[pid_d, m] = Σ X'[k, d]².
+    These are hc_pre's partials split by d-block (S = ⌈D/BLOCK_D⌉) instead of by K chunk."""
+    pdl_wait(PDL)
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, N)
+    j = tl.arange(0, MIXP)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    tok = pid_m.to(tl.int64)
+    xq = _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], xq, mask=dm[None, :])
+    xr = xq.to(tl.float32)                                                            # [N, BD], 0 where not dm
+    acc = tl.zeros((MIXP,), dtype=tl.float32)
+    for kk in tl.static_range(N):
+        row = tl.sum(tl.where(k[:, None] == kk, xr, 0.0), axis=0)                     # X'[kk, slice]  [BD]
+        wm = (j[:, None] < MIX) & dm[None, :]
+        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * (N * D) + kk * D + d[None, :], mask=wm, other=0.0)
+        acc += tl.sum(w * row[None, :], axis=1)                                       # [MIXP]
+    srow = pid_d.to(tl.int64) * M + pid_m
+    tl.store(zp_ptr + srow * MIXP + j, acc)
+    tl.store(ssp_ptr + srow, tl.sum(tl.sum(xr * xr, axis=1), axis=0))
 
 
 @triton.jit
@@ -642,19 +683,71 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                               BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4,
                                                               **pdl_launch(x))
+    _finish(x, zp, ssp, base, scale, (u, post, comb), splits, mixp, eps, hc_eps, iters, block_d, finish_warps,
+            use_exact)
+    return u, post, comb
+
+
+def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, hc_eps: float, iters: int,
+            block_d: int, finish_warps: int | None, exact: bool) -> None:
+    """hc_pre's second launch: x [M, N, D] contiguous, the partials zp [S, M, MIXP] / ssp [S, M] -> outs
+    (u [M, D], post [M, N], comb [M, N, N])."""
+    u, post, comb = outs
+    n, d = x.shape[-2], x.shape[-1]
+    m, k = x.numel() // (n * d), n * d
     bd = min(block_d, triton.next_power_of_2(d))
-    if use_exact:
+    if exact:
         _hc_pre_finish_exact_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-            INTERPRET=interpret_flag(X), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False,
+            INTERPRET=interpret_flag(x), num_warps=finish_warps or HC_FINISH_WARPS, enable_fp_fusion=False,
             **pdl_launch(x))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
             num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
-    return u, post, comb
+
+
+def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float, iters: int,
+                chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D):
+    """One site's post-mix and the next site's pre-mix: X' = hc_post(y, X, post, comb), then
+    (u, post', comb') = hc_pre(X', fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb').
+    `chained` (default: M <= HC_ROWS_MAX tokens, decode) takes two launches, `_hc_post_mix_kernel` (X' and
+    the partials of z split by d-block) and hc_pre's fast finish; otherwise hc_post then hc_pre, as unfused
+    (three launches). CPU tensors run under the Triton interpreter."""
+    n, d = _check_post(y, X, post, comb)
+    _check_pre(X, fn, base, scale, iters)  # X' has X's shape and dtype
+    if block_d < 1 or block_d & (block_d - 1):
+        raise ValueError(f"hc_post_pre: block_d must be a power of two, got {block_d}")
+    m = X.numel() // (n * d) if n * d else 0
+    if not (m <= HC_ROWS_MAX if chained is None else chained):
+        x2 = hc_post(y, X, post, comb)
+        return (x2, *hc_pre(x2, fn, base, scale, eps, hc_eps, iters))
+    lead = X.shape[:-2]
+    x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
+    fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    x2 = torch.empty_like(x)
+    outs = (torch.empty((*lead, d), dtype=X.dtype, device=X.device),
+            torch.empty((*lead, n), dtype=torch.float32, device=X.device),
+            torch.empty((*lead, n, n), dtype=torch.float32, device=X.device))
+    if m == 0:
+        return (x2, *outs)
+    mix, bd = (2 + n) * n, min(block_d, triton.next_power_of_2(d))
+    mixp, splits = max(16, triton.next_power_of_2(mix)), triton.cdiv(d, bd)
+    zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
+    ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
+    _hc_post_mix_kernel[(m, splits)](y, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
+                                     num_warps=4, **pdl_launch(x))
+    _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
+    return (x2, *outs)
+
+
+def hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps: float, hc_eps: float, iters: int):
+    """The eager model's `HyperConnection.post` then `.pre` on its output (the specification)."""
+    x2 = hc_post_ref(y, X, post, comb)
+    return (x2, *hc_pre_ref(x2, fn, base, scale, eps, hc_eps, iters))
 
 
 def _eager_z(x: torch.Tensor, fn: torch.Tensor, m: int, k: int, mix: int):
@@ -755,6 +848,23 @@ def hc_post_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch
 @hc_post_op.register_fake
 def _hc_post_fake(y, X, post, comb):
     return torch.empty_like(X)
+
+
+@torch.library.custom_op("dsv4c::hc_post_pre", mutates_args=())
+def hc_post_pre_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                   base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float,
+                   iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_post_pre` on CUDA tensors; on CPU the model's own functions (bit-exact with the unfused pair)."""
+    if X.device.type == "cpu":
+        _check_post(y, X, post, comb)
+        _check_pre(X, fn, base, scale, iters)
+        return hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps, hc_eps, iters)
+    return hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters)
+
+
+@hc_post_pre_op.register_fake
+def _hc_post_pre_fake(y, X, post, comb, fn, base, scale, eps, hc_eps, iters):
+    return (torch.empty_like(X), *_hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters))
 
 
 @torch.library.custom_op("dsv4c::hc_pre_rows", mutates_args=())

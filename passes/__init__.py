@@ -61,6 +61,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     applies the plan `split_at_routers` makes of the final graph.)"""
     from dsv4c.passes.absorb_mla import absorb_mla
     from dsv4c.passes.fuse_hc import fuse_hc
+    from dsv4c.passes.fuse_hc_chain import fuse_hc_chain
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
     from dsv4c.passes.fuse_rope import fuse_rope
@@ -80,6 +81,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("absorb_mla", absorb_mla),
         ("fuse_sinkhorn", fuse_sinkhorn),
         ("fuse_hc", fuse_hc),
+        ("fuse_hc_chain", fuse_hc_chain),  # a site's hc_post and the next site's hc_pre: one op
         ("fuse_rmsnorm", fuse_rmsnorm),
         ("fuse_rope", fuse_rope),
         ("fuse_rope_angles", fuse_rope_angles),
