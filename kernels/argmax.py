@@ -29,10 +29,13 @@ import triton
 import triton.language as tl
 from dsv4c.kernels._tl import pdl_launch, pdl_wait
 
-__all__ = ["argmax_rows", "argmax_rows_ref", "BLOCK", "MAX_CHUNKS"]
+__all__ = ["argmax_rows", "argmax_rows_ref", "BLOCK", "MAX_CHUNKS", "SPLIT_MIN_COLUMNS"]
 
 BLOCK = 2048        # columns per program of launch 1 (8 KB of fp32 logits; 64 programs a row at V = 129280)
 MAX_CHUNKS = 8192   # partials a launch-2 program holds in registers: V up to 16.7M
+# Rows shorter than this stay with torch.argmax (runtime/sampling.greedy_rows): one block reads them in a few
+# microseconds (the bundled model's 4096 columns: 16 KB), and one ATen launch costs the host less than two Triton ones
+SPLIT_MIN_COLUMNS = 16 * BLOCK
 _NO_INDEX = 2 ** 31 - 1
 
 

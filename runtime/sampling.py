@@ -261,12 +261,15 @@ def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # plain decoding (k = 0): one token per row, on the device, nothing read back
 # ------------------------------------------------------------------------------------------------
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> [B] int64, torch.argmax of each row. On a GPU the split kernel of kernels/argmax.py
-    (the same index: first maximum, NaN largest), which spreads a row over the SMs where torch.argmax
-    reduces it in one thread block (27 of a 2-layer slice step's 1110 µs at batch 1, H100)."""
+    """logits [B, V] -> [B] int64, torch.argmax of each row. On a GPU, for a vocabulary of
+    kernels/argmax.SPLIT_MIN_COLUMNS or more, the split kernel there (the same index: first maximum, NaN
+    largest), which spreads a row over the SMs where torch.argmax reduces it in one thread block (27 of a
+    2-layer slice step's 1110 µs at batch 1 and V = 129280, H100)."""
     if logits.device.type != "cuda":
         return logits.argmax(-1)
-    from dsv4c.kernels.argmax import argmax_rows
+    from dsv4c.kernels.argmax import SPLIT_MIN_COLUMNS, argmax_rows
+    if logits.shape[-1] < SPLIT_MIN_COLUMNS:
+        return logits.argmax(-1)
     return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
 
 

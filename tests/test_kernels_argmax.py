@@ -82,3 +82,13 @@ def test_on_cuda_at_the_flash_vocabulary_and_in_a_graph(b, dtype):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [4096, A.SPLIT_MIN_COLUMNS, 129280])
+def test_the_sessions_greedy_pick_on_cuda(v):
+    from dsv4c.runtime.sampling import greedy_rows
+
+    x = _rows(8, v, torch.float32, v).cuda()
+    assert torch.equal(greedy_rows(x), x.argmax(-1))
+    assert torch.equal(greedy_rows(x.bfloat16()), x.bfloat16().argmax(-1))
