@@ -351,7 +351,9 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
-HC_CHAIN_BLOCK_D = 128  # d columns per program of _hc_post_mix_kernel (fn: MIXP x N x 128 fp32 = 64 KB a program)
+# d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
+# row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
+HC_CHAIN_BLOCK_D = 32
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -739,7 +741,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(m, splits)](y, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
-                                     num_warps=4, **pdl_launch(x))
+                                     num_warps=HC_ROWS_WARPS, **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
 
