@@ -169,6 +169,8 @@ def main(argv=None) -> int:
                     help="routed experts in this format (as compile --expert-format; default: h200's fp8_block)")
     ap.add_argument("--layers", type=int, default=None,
                     help="cut the slice to its first N layers (the 4-layer bf16 build and its FP8 copy outgrow 80 GB)")
+    ap.add_argument("--skip-passes", nargs="+", default=(), metavar="PASS",
+                    help="lower without these passes (e.g. fuse_hc_chain: its effect, against a run with it)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
@@ -186,9 +188,10 @@ def main(argv=None) -> int:
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
     quantize = not a.bf16_experts
     fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
-    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, expert_format=a.expert_format)
+    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),
+                              expert_format=a.expert_format)
     res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels,
-                 "quantize": quantize, "expert_format": fmt,
+                 "quantize": quantize, "expert_format": fmt, "skipped_passes": list(a.skip_passes),
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
