@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 
 from dsv4c import quant as Q
@@ -28,7 +27,7 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _act_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
                     UE8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     pid_m = tl.program_id(0)
     kb = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -46,7 +45,7 @@ def _act_fp8_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
 @triton.jit
 def _act_nvfp4_kernel(x_ptr, g_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
                       BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     BK: tl.constexpr = GROUPS * 16
@@ -91,7 +90,7 @@ def act_quant_fp8(x: torch.Tensor, ue8m0: bool = True, block_m: int = 16) -> tup
     if m:
         grid = (triton.cdiv(m, block_m), k // Q.FP8_BLOCK)
         _act_fp8_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                              UE8M0=ue8m0, BLOCK_M=block_m, BLOCK=Q.FP8_BLOCK, **pdl_launch(x))
+                              UE8M0=ue8m0, BLOCK_M=block_m, BLOCK=Q.FP8_BLOCK, **U.pdl_launch(x))
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -115,7 +114,7 @@ def act_quant_nvfp4(x: torch.Tensor, input_scale: torch.Tensor, block_m: int = 1
     if m:
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, groups * Q.NVFP4_BLOCK))
         _act_nvfp4_kernel[grid](x, input_scale, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                BLOCK_M=block_m, GROUPS=groups, **pdl_launch(x))
+                                BLOCK_M=block_m, GROUPS=groups, **U.pdl_launch(x))
     return q, s.view(torch.float8_e4m3fn)
 
 

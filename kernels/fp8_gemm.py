@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_w8a8, fp8_gemv_w8a16
 
@@ -34,7 +33,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, M, N, K: tl.constexpr,
                      stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
                      A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,7 +86,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype) -> torch.Tenso
     _fp8_gemm_kernel[grid](a, a_s, w_q, ws, y, m, n, k, a.stride(0), a_s.stride(0), w_q.stride(0), ws.stride(0),
                            y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                            INTERPRET=U.interpret_flag(a), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_B,
-                           num_warps=4, num_stages=3, **pdl_launch(a))
+                           num_warps=4, num_stages=3, **U.pdl_launch(a))
     return y
 
 

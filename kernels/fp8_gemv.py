@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 
 from dsv4c import quant as Q
@@ -171,7 +170,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s."""
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -245,7 +244,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        ws.stride(0), y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        K_SPLIT=k_split, SPLIT=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       **pdl_launch(a))
+                       **U.pdl_launch(a))
     return y
 
 

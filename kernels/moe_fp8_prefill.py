@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4c.kernels import _tl as U
@@ -139,7 +138,7 @@ def _fp8_prefill_kernel(
     ids // TOPK, halves w1 rows n and w3 rows N + n, epilogue SwiGLU (+clamp) * routing weight ->
     e4m3 h + ue8m0 scale per row (one 128-column block per tile). GEMM 2: A = h's own rows, out
     = bf16 y row ids[r]. N_W: weight rows per expert (2I or D)."""
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     if PERSISTENT:
         tile = tl.program_id(0)
         while tile < NB * NT:
@@ -220,7 +219,7 @@ def _gemm(a, a_s, w, w_s, routing, rw, out, out_s, n: int, k: int, topk: int, li
         a.stride(0), a_s.stride(0), w2d.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0), out_s.stride(0),
         GATHER=gather, SWIGLU=gemm1, HAS_LIMIT=gemm1 and limit > 0, HALVES=halves, TMA=cfg.tma, ORDERED_FMA=cfg.ordered_fma,
         PERSISTENT=cfg.persistent, INTERPRET=interpret, GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BN=_BN,
-        BLOCK_K=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a))
+        BLOCK_K=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
 
 
 def moe_fp8_prefill(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts: Fp8BlockExperts,

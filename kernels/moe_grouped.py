@@ -61,7 +61,6 @@ from typing import ClassVar
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
 from dsv4c.kernels.moe_combine import combine_slots
@@ -430,7 +429,7 @@ def _moe_gemm_kernel(
     SCALED_FP4 (FMT 2): tl.dot_scaled on the packed weights and their e8m0 scales.
     DIRECT: no sorted routing; M-block pid_m is assignment pid_m alone (row 0 of the tile, the
     other rows masked), bexp_ptr is the flat idx [N_A], and out / h have one row per assignment."""
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -675,7 +674,7 @@ def _gemm(fmt: str, a, a_s, a_g, experts, which: str, routing: Routing, weight_f
         SPLIT_FP4=cfg.fp4_split and fmt in ("mxfp4", "nvfp4"), SCALED_FP4=cfg.fp4_scaled and fmt == "mxfp4",
         DIRECT=routing.direct, K_CHUNK=k_chunk, ATOMIC_OUT=out.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
 
 
 def _dynamic_scale(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 
 MAX_E = 512  # one row of scores in registers (V4-Flash E = 256, Pro E = 384)
@@ -71,7 +70,7 @@ def _sqrt_softplus(x):
 @triton.jit
 def _route_topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, scale,
                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     # logits [T, E], bias [E], idx [T, K] int64, w [T, K] fp32; all contiguous; one row per program
     row = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK_E)
@@ -98,7 +97,7 @@ def _route_topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, scale,
 @triton.jit
 def _route_hashed_kernel(logits_ptr, idx_ptr, w_ptr, E, scale, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     # logits [T, E], idx [T, K] int64 (given), w [T, K] fp32; one row per program
     row = tl.program_id(0).to(tl.int64)
     kl = tl.arange(0, BLOCK_K)
@@ -160,7 +159,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -
         block = triton.next_power_of_2(E)
         _route_topk_kernel[(T,)](logits, bias, idx, w, E, float(scale), K=k, BLOCK_E=block,
                                  BLOCK_K=triton.next_power_of_2(k), num_warps=max(1, min(4, block // 128)),
-                                 **pdl_launch(logits))
+                                 **U.pdl_launch(logits))
     return idx, w
 
 
@@ -170,7 +169,7 @@ def route_hashed(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> torch
     w = torch.empty((T, K), dtype=torch.float32, device=logits.device)
     if T:
         _route_hashed_kernel[(T,)](logits, idx, w, E, float(scale), K=K, BLOCK_K=triton.next_power_of_2(K),
-                                   num_warps=1, **pdl_launch(logits))
+                                   num_warps=1, **U.pdl_launch(logits))
     return w
 
 

@@ -44,7 +44,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
 from dsv4c.kernels import _tl as U
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -66,7 +65,7 @@ def _round(x, ty: tl.constexpr, RNE_BF16: tl.constexpr):
 @triton.jit
 def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
                        CLAMP: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
+    U.pdl_wait(PDL)
     # g, u: rows of I elements at row strides g_rs, u_rs (unit stride within a row); out [rows, I] contiguous
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -134,7 +133,7 @@ def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     grid = (out.numel() // I, triton.cdiv(I, block))
     _swiglu_act_kernel[grid](g, u, out, I, g_rs, u_rs, float(limit), CLAMP=limit > 0,
                              RNE_BF16=g.device.type == "cpu" and g.dtype == torch.bfloat16, BLOCK=block,
-                             num_warps=max(1, min(4, block // 256)), **pdl_launch(g))
+                             num_warps=max(1, min(4, block // 256)), **U.pdl_launch(g))
     return out
 
 

@@ -100,6 +100,6 @@ def test_every_launch_asks_for_pdl():
     assert len(launches) >= 30
     for file, kernel, call, outer in launches:
         kws = [ast.unparse(k) for k in call.keywords]
-        ok = (any(k.startswith("**pdl_launch(") for k in kws)
+        ok = (any(k.startswith(("**pdl_launch(", "**U.pdl_launch(")) for k in kws)
               or ("**launch" in kws and "'launch_pdl': True" in outer))   # the FP4 GEMV chain's own switch
         assert ok, f"{file}: the launch of {kernel} at line {call.lineno} passes no **pdl_launch(...)"
