@@ -27,23 +27,24 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch.fx import GraphModule, Node
 
 from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
 
 
 def _pairs(gm: GraphModule, pre_op, post_op) -> list[tuple[Node, Node]]:
-    """(post, pre) where pre's streams are post's output, pre's results are read only through getitem,
-    and pre's other tensor inputs are weights (placeholders or attributes, which can move above post)."""
+    """(post, pre) where pre's streams are post's output (and no other pre's), pre's results are read only
+    through getitem, and pre's other tensor inputs are weights (placeholders or attributes, which can move
+    above post)."""
     out = []
     for pre in gm.graph.nodes:
         if pre.target is not pre_op or not isinstance(pre.args[0], Node) or pre.args[0].target is not post_op:
             continue
+        post = pre.args[0]
         weights = [a for a in pre.args[1:] if isinstance(a, Node)]
-        if all(u.target is operator.getitem for u in pre.users) and all(a.op in ("placeholder", "get_attr")
-                                                                         for a in weights):
-            out.append((pre.args[0], pre))
+        if (sum(u.target is pre_op for u in post.users) == 1 and all(u.target is operator.getitem for u in pre.users)
+                and all(a.op in ("placeholder", "get_attr") for a in weights)):
+            out.append((post, pre))
     return out
 
 

@@ -2,6 +2,8 @@
 custom op and the fuse_hc_chain pass."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from dsv4c.kernels.mhc import HC_ROWS_MAX, hc_post_pre, hc_post_pre_ref
 from dsv4c.model import register_ops
 from dsv4c.passes import PassContext, run_pipeline, verify
 from dsv4c.passes.fuse_hc import fuse_hc
-from dsv4c.passes.fuse_hc_chain import fuse_hc_chain
+from dsv4c.passes.fuse_hc_chain import _pairs, fuse_hc_chain
 from dsv4c.passes.make_batch_invariant import batch_invariance_blockers
 from dsv4c.passes.split_at_routers import OP_CAPTURE, host_sync_ops, plan_segments, reference_impl
 from fusion_cases import (assert_same as _assert_same, exported as _exported, inputs as _inputs, model as _model,
@@ -139,6 +141,22 @@ def test_chained_graph_with_the_triton_kernels_matches():
     assert sum(1 for n in gm.graph.nodes if n.target is hc_post_pre) == 3
     args = _inputs("v4", "decode")
     _assert_same(_run(gm, args), _run(_exported("v4", "decode"), args), rel=2e-6)
+
+
+def test_a_post_read_by_two_pres_stays():
+    """Only a post whose streams feed exactly one pre is chained (the other pre would lose its input)."""
+    def graph(pres: int) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        y, X, p, c, fn, b, s = (g.placeholder(n) for n in ("y", "X", "p", "c", "fn", "b", "s"))
+        x1 = g.call_function(OPS.hc_post.default, (y, X, p, c))
+        outs = [g.call_function(operator.getitem, (g.call_function(OPS.hc_pre.default, (x1, fn, b, s, EPS, HC_EPS,
+                                                                                        ITERS)), 0))
+                for _ in range(pres)]
+        g.output(tuple(outs))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    assert len(_pairs(graph(1), OPS.hc_pre.default, OPS.hc_post.default)) == 1
+    assert _pairs(graph(2), OPS.hc_pre.default, OPS.hc_post.default) == []
 
 
 def test_deterministic_graphs_and_other_models_are_left_alone():
