@@ -48,12 +48,13 @@ def _pairs(gm: GraphModule, pre_op, post_op) -> list[tuple[Node, Node]]:
     return out
 
 
-def _chain(gm: GraphModule, post: Node, pre: Node, op) -> None:
+def _chain(gm: GraphModule, post: Node, pre: Node, op, order: dict[Node, float]) -> None:
+    """`order`: the nodes' positions, computed once by the pass and kept current for the nodes moved here."""
     g = gm.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
     for a in pre.args[1:]:  # an attribute read first by the pre moves above the post (it has no inputs)
         if isinstance(a, Node) and a.op == "get_attr" and order[a] > order[post]:
             post.prepend(a)
+            order[a] = order[post] - 0.5
     with g.inserting_before(post):
         fused = g.call_function(op, (*post.args, *pre.args[1:]))
         x1 = g.call_function(operator.getitem, (fused, 0))
@@ -76,8 +77,9 @@ def fuse_hc_chain(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False, {"chained": 0, "skipped": unavailable("hc_pre", "hc_post", "hc_post_pre")})
     pre_op, post_op, chain_op = ops
     pairs = _pairs(gm, pre_op, post_op)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for post, pre in pairs:
-        _chain(gm, post, pre, chain_op)
+        _chain(gm, post, pre, chain_op, order)
     if pairs:
         gm.graph.lint()
         gm.recompile()
