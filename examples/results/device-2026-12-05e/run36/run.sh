@@ -1,8 +1,9 @@
 # run36, call 1 of 3: GPU tests of the PDL chain, the argmax kernel and fuse_hc_chain; the argmax microbench.
 # Call 2: ab.sh (the step A/B). Call 3: sweep.sh (the W8A16 dense GEMV tiles). Outputs in $OUT.
 set -x
+export PYTHONPATH=$PWD  # the editable install is not always on the path of the python that runs
 R=examples/results/device-2026-12-05e/run36
-pip install --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
+python -m pip install --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
 python $R/argmax_bench.py $OUT/argmax.json > $OUT/argmax.txt 2>&1
 timeout 300 python -m pytest -q -m gpu tests/test_kernels_argmax.py tests/test_fuse_hc_chain.py \
