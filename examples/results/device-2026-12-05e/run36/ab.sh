@@ -1,3 +1,5 @@
+export PYTHONPATH=$PWD  # a fresh machine: install first (run.sh does it too)
+python -c "import dsv4c" 2>/dev/null || python -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
 # A/B of this session's step changes on the 2-layer slice (fp8_block experts), same tree, interleaved:
 #   new      = as committed (step-wide PDL, fuse_hc_chain)
 #   pdl-off  = pdl_switch.py off (every kernel launched as before e17debf; the FP4 chain keeps its own PDL)
