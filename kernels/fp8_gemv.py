@@ -75,29 +75,29 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
-    """Tiles for an [m, k] x [n, k]^T product on `sm_count` SMs (sm_90 register and shared-memory
-    counts from ptxas in the comments; the H200 sweep of examples/bench_dense_kernels.py decides).
+    """Tiles for an [m, k] x [n, k]^T product on `sm_count` SMs, as the sweeps of
+    examples/bench_dense_kernels.py chose them at the slice's six dense shapes (H200 for one token,
+    H100 run36 for 8 and 64: examples/results/device-2026-12-05e/).
 
     One token: 32 rows x 512 columns per step on 8 warps (120 registers, 16 KB of the next step in
-    flight per program). Up to 16 tokens: 32 x 256 on tensor cores (75 registers, 48 KB of shared
-    memory for 4 stages). Above: 64 x 128 (166 registers, 88 KB). block_n grows with m so that the
-    activation tile, re-read from L2 by every N program, stays small against the weight tile
-    (2*m bytes per weight column against block_n). The K split doubles until the programs reach
-    two per SM, while each split keeps a K step and the fp32 partials (split * m * n * 4 bytes,
-    written and read once) stay under a quarter of the weight bytes."""
+    flight per program); the K split doubles while the programs stay under two per SM. More tokens:
+    tensor cores, 16 (up to 16 tokens) or 32 / 64 token rows x 64 weight rows x 128 columns per step,
+    3 stages, 4 warps; the K split doubles only while the doubled grid stays within two programs per SM
+    (at 8 tokens the wider split of the one-token rule was 1.1-1.6x slower on every split shape). Both
+    keep a K step per split and the fp32 partials (split * m * n * 4 bytes, written and read once)
+    under a quarter of the weight bytes."""
     if m == 1:
-        bm, bn, bk, warps = 1, 32, 512 if k >= 1024 else _B, 8
-    elif m <= 16:
-        bm, bn, bk, warps = 16, 32, 256 if k >= 512 else _B, 4
+        bm, bn, bk, warps, stages = 1, 32, 512 if k >= 1024 else _B, 8, 4
     else:
-        bm, bn, bk, warps = min(MAX_M, triton.next_power_of_2(m)), 64, _B, 4
+        bm, bn, bk, warps, stages = min(MAX_M, max(16, triton.next_power_of_2(m))), 64, _B, 4, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
+    grid_cap = 2 * sm_count if m == 1 else sm_count  # programs (one token) or programs before a doubling
     split = 1
-    while (tiles * split < 2 * sm_count and steps >= 2 * split
+    while (tiles * split < grid_cap and steps >= 2 * split
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
-    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps)
+    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
 
 
 @triton.jit

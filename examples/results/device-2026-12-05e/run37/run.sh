@@ -1,0 +1,10 @@
+# run37: the W8A16 GEMV's retuned default tiles (bn64 bk128, 3 stages, the tensor-core K split) against bf16
+# F.linear at the slice's dense shapes; then the GPU tests of the dense FP8 kernels and pass.
+export PYTHONPATH=$PWD
+python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
+nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
+python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "w8a16 gemv" \
+  --out $OUT/dense.json --md $OUT/dense.md > $OUT/dense.txt 2>&1
+cat $OUT/dense.md
+timeout 150 python -m pytest -q -m gpu tests/test_kernels_fp8_gemm.py tests/test_quantize_dense.py > $OUT/gpu_tests.txt 2>&1
+echo rc=$? >> $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt
