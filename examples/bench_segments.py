@@ -61,11 +61,15 @@ ABLATED = ("fuse_sinkhorn", "fuse_hc", "fuse_rmsnorm", "fuse_rope", "lower_f32_l
 
 
 def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = (),
-          kind: str = "decode", k: int = 0, extra_ring_slots: int = 0, expert_format: str | None = None):
+          kind: str = "decode", k: int = 0, extra_ring_slots: int = 0, expert_format: str | None = None,
+          dense_format: str | None = None, deterministic: bool = False):
     """A graph (default: decode, 1 token per row) lowered for h200; `quantize=False` skips
-    quantize_experts (bf16 experts); `skip` leaves out further passes; `expert_format` overrides
-    the target's routed-expert format (as `compile --expert-format`)."""
-    ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())), expert_format)
+    quantize_experts (bf16 experts); `skip` leaves out further passes; `expert_format` and `dense_format`
+    override the target's formats (as `compile --expert-format / --dense-format`; in-memory dense weights
+    are quantised to FP8 blocks by passes/quantize_dense.py); `deterministic` lowers as `compile
+    --deterministic` does (passes/make_batch_invariant.py; the caller picks the kernels and experts)."""
+    ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())), expert_format,
+                      dense_format=dense_format, deterministic=deterministic)
     spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
     gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=tuple(skip) + (() if quantize else ("quantize_experts",)))

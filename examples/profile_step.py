@@ -4,10 +4,17 @@ with torch.profiler at one batch size.
     python examples/profile_step.py --out $OUT/profile.json        # H200
     python examples/profile_step.py --layers 2 --expert-format mxfp4_w4a16 --out $OUT/p.json   # H100 (80 GB)
     python examples/profile_step.py --device cpu --quick           # CPU smoke run (tiny model)
+    python examples/profile_step.py --layers 2 --dense-format fp8_block_w8a16 --out $OUT/p.json   # FP8 dense
+    python examples/profile_step.py --layers 2 --deterministic --expert-format mxfp4_w4a16 --out $OUT/d.json
 
 The experts run as the h200 lowering quantises them (fp8_block, or `--expert-format`; `--bf16-experts`
-keeps them bf16). The 4-layer slice is built in bf16 and its experts converted beside it, which outgrows
-an 80 GB card with FP8 experts: `--layers 2` cuts it.
+keeps them bf16). The dense linears the release stores in FP8 stay bf16 as h200 lowers them, or run on
+FP8 blocks with `--dense-format` (the bf16 weights quantised in memory, their bytes counted as stored;
+the grouped wo_a, which quantize_dense does not rewrite, still in bf16). The 4-layer slice is built in
+bf16 and its experts converted beside it, which outgrows an 80 GB card with FP8 experts: `--layers 2`
+cuts it. `--deterministic` lowers as `compile --deterministic` (batch-invariant kernels, the fused
+attention's `fused_det`), with bf16 experts (`--bf16-experts`) or FP4 weight-only ones (`--expert-format
+mxfp4_w4a16` / `nvfp4_w4a16`): where its step time goes.
 
 Prints, for the eager step (segments run op by op): device time and kernel count per operator
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
@@ -17,7 +24,7 @@ from "too many kernels" (each kernel inside a CUDA graph still costs a launch sl
 On a GPU it also groups the replay's kernels by class (`kernel_class`: routed experts, attention and
 caches, dense GEMMs and head, other) and sets each class's time beside the bytes it must read
 (examples/bench_segments.py `step_bytes`: the experts in the lowering's format, the unique experts of B
-tokens as expected under uniform routing, bf16 dense weights and head, the caches read at the prompt's
+tokens as expected under uniform routing, the dense weights as run and the bf16 head, the caches read at the prompt's
 length) and the measured copy bandwidth: achieved GB/s and the share of the bandwidth per class
 (`class_table`; issue 28's per-kernel-class profile).
 """
@@ -167,6 +174,10 @@ def main(argv=None) -> int:
                     help="skip quantize_experts (bf16 experts; the default keeps the target's expert format)")
     ap.add_argument("--expert-format", default=None, choices=sorted(EXPERT_BYTE_FACTOR),
                     help="routed experts in this format (as compile --expert-format; default: h200's fp8_block)")
+    ap.add_argument("--dense-format", default=None, choices=["bf16", "fp8_block", "fp8_block_w8a16"],
+                    help="the FP8-stored dense linears' format (as compile --dense-format; default: h200's bf16)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the deterministic lowering; needs --bf16-experts or an FP4 weight-only --expert-format")
     ap.add_argument("--layers", type=int, default=None,
                     help="cut the slice to its first N layers (the 4-layer bf16 build and its FP8 copy outgrow 80 GB)")
     ap.add_argument("--skip-passes", nargs="+", default=(), metavar="PASS",
@@ -187,17 +198,33 @@ def main(argv=None) -> int:
     pos0 = cache.pos.clone()
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
     quantize = not a.bf16_experts
+    if a.deterministic:
+        if quantize and a.expert_format not in ("mxfp4_w4a16", "nvfp4_w4a16"):
+            ap.error("--deterministic: the experts must be bf16 (--bf16-experts) or FP4 weight-only "
+                     "(--expert-format mxfp4_w4a16 or nvfp4_w4a16); the other formats' kernels are not batch-invariant")
+        kernels.setdefault("v4_attention", "fused_det")
     fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
-    plan, split, _ = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),
-                              expert_format=a.expert_format)
+    plan, split, stats = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),
+                                  expert_format=a.expert_format, dense_format=a.dense_format,
+                                  deterministic=a.deterministic)
+    blockers = stats.get("make_batch_invariant", {}).get("blockers", [])
+    if a.deterministic and blockers and dev.type == "cuda":
+        raise SystemExit(f"--deterministic: the graph keeps ops that are not batch-invariant: {blockers[:6]}")
+    fp8_dense = len(stats.get("quantize_dense", {}).get("linears", []))
     res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels,
-                 "quantize": quantize, "expert_format": fmt, "skipped_passes": list(a.skip_passes),
+                 "quantize": quantize, "expert_format": fmt, "dense_format": a.dense_format or "bf16 (h200)",
+                 "fp8_dense_linears": fp8_dense, "deterministic": a.deterministic, "blockers": blockers,
+                 "skipped_passes": list(a.skip_passes),
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)
     if quantize:  # the experts' bytes as stored in their format (bf16 counted by step_bytes)
         sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[fmt]
+    if fp8_dense:  # the rewritten FP8-stored weights as stored (1 byte + a scale byte per 128x128 tile); the
+        saved = bs.stored_bytes_saved(model)  # grouped wo_a is not rewritten (quantize_dense): still bf16
+        for key in ("non_expert_weights", "total"):
+            sb[key] -= saved["saved"] - saved["wo_a_saved"]
     bw = bs.copy_bandwidth(dev) if dev.type == "cuda" else 0.0
     res["step_bytes"], res["copy_bandwidth_gb_s"] = sb, bw / 1e9
     V = model.config.vocab_size

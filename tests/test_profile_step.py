@@ -50,3 +50,30 @@ def test_expert_bytes_per_format_against_bf16():
     f = ps.EXPERT_BYTE_FACTOR
     assert f["fp8_block"] * 2 == pytest.approx(1 + 4 / 16384)
     assert f["mxfp4_w4a16"] * 2 == pytest.approx(0.53125) and f["nvfp4_w4a16"] * 2 == pytest.approx(0.5625)
+
+
+def test_quick_run_with_fp8_dense_counts_the_rewritten_weights_as_stored(tmp_path):
+    """`--dense-format fp8_block_w8a16` on the CPU (tiny model): quantize_dense rewrites the FP8-stored
+    linears, and the dense bytes drop by what those weights save as stored (the grouped wo_a stays bf16)."""
+    import torch
+
+    import bench_segments as bs
+
+    out = tmp_path / "p.json"
+    assert ps.main(["--device", "cpu", "--quick", "--dense-format", "fp8_block_w8a16", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["fp8_dense_linears"] > 0 and r["dense_format"] == "fp8_block_w8a16" and not r["deterministic"]
+    model = bs.build("v4-tiny-a", torch.device("cpu"), torch.float32)
+    cfg = model.config
+    bf16 = bs.step_bytes(model, 1, 40, [ps.expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, 1)]
+                         * cfg.num_hidden_layers)
+    saved = bs.stored_bytes_saved(model)
+    assert 0 < saved["wo_a_saved"] < saved["saved"]
+    for key in ("non_expert_weights", "total"):
+        assert r["step_bytes"][key] == bf16[key] - (saved["saved"] - saved["wo_a_saved"])
+
+
+def test_deterministic_refuses_expert_formats_without_a_batch_invariant_kernel(capsys):
+    with pytest.raises(SystemExit):
+        ps.main(["--device", "cpu", "--quick", "--deterministic", "--expert-format", "fp8_block"])
+    assert "batch-invariant" in capsys.readouterr().err

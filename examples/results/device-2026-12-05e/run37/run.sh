@@ -1,5 +1,7 @@
-# run37: the W8A16 GEMV's retuned default tiles (bn64 bk128, 3 stages, the tensor-core K split) against bf16
-# F.linear at the slice's dense shapes; then the GPU tests of the dense FP8 kernels and pass.
+# run37, call 1 of 2 (~4 min): the W8A16 GEMV's retuned default tiles (d7dc9ba: bn64 bk128, 3 stages, the
+# tensor-core K split) against bf16 F.linear at the slice's dense shapes; the GPU tests of the dense FP8
+# kernels and pass; where the deterministic mode's decode step goes (2-layer slice, MXFP4 weight-only
+# experts, batch 1 and 8: run29 measured it at 4.5x the default step and nothing says why).
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
@@ -8,3 +10,8 @@ python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "w8a16
 cat $OUT/dense.md
 timeout 150 python -m pytest -q -m gpu tests/test_kernels_fp8_gemm.py tests/test_quantize_dense.py > $OUT/gpu_tests.txt 2>&1
 echo rc=$? >> $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt
+for b in 1 8; do
+  python examples/profile_step.py --layers 2 --batch $b --deterministic --expert-format mxfp4_w4a16 --top 45 \
+    --out $OUT/det_b$b.json > $OUT/det_b$b.txt 2>&1
+  grep "^== \|^| routed\|^| dense\|^| attention\|^| other" $OUT/det_b$b.txt
+done
