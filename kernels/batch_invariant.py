@@ -2,7 +2,8 @@
 
 Public API::
 
-    bi_matmul(x, w, bias=None, out_dtype=None) -> Tensor   # Triton: y = x @ w^T (+ bias), fixed tiles
+    bi_matmul(x, w, bias=None, out_dtype=None, split=1) -> Tensor   # Triton: y = x @ w^T (+ bias), fixed tiles
+    bi_split(n, k) -> int                                  # the K split of a decode-kind graph's [n, k] linear
     bi_matmul_ref(x, w, bias=None, out_dtype=None) -> Tensor  # the same function through torch
     bi_gemv_gathered(x, rows, experts, w) -> Tensor        # Triton: y[p] = x[rows[p]] @ w[experts[p]]^T
     bi_gemv_gathered_ref(...)                              # the same through torch
@@ -10,7 +11,8 @@ Public API::
 Custom ops (targets of passes/lower_invariant_linears.py and select_kernels' `moe_experts=invariant`;
 CPU tensors run the reference)::
 
-    dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32) -> Tensor
+    dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32, int split=1) -> Tensor
+    dsv4c::grouped_linear_bi(Tensor x, Tensor w, int split=1) -> Tensor
     dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
     dsv4c::moe_experts_fp4_bi(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
                               swiglu_limit) -> Tensor      # FP4 weight-only experts (mxfp4, nvfp4)
@@ -22,9 +24,16 @@ Why: cuBLAS (and the other GEMM paths: split-K, tile sizes chosen from M, MoE pa
 count) may sum one row's products in an order that depends on how many rows share the call, so a
 row's bf16 output (and a greedy argmax at a near tie) depends on the batch. Here one program computes
 one [BLOCK_M, BLOCK_N] tile and walks K in BLOCK_K steps from 0 upward, accumulating in fp32; the tile
-sizes are constants, never chosen from M, and there is no split-K. An MMA's row i depends only on
-row i of its A operand, so each row's result is the same bits whatever M is (tests:
-test_kernels_batch_invariant.py, 1 vs 8 rows). The experts' GEMV computes one pair per program with a
+sizes are constants, never chosen from M, and no split-K is chosen from M. An MMA's row i depends only
+on row i of its A operand, so each row's result is the same bits whatever M is (tests:
+test_kernels_batch_invariant.py, 1 vs 8 rows). A K split fixed by the weight's shape keeps that: with
+`split` S, program s walks its own K range in the same fixed steps and the last program of a tile adds
+the S fp32 partials in split order (then the bias), so a row's sums are the same for any M.
+make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N, K)`: at decode a
+[1536, 4096] weight in 64-row tiles is 24 programs, each walking all of K, a few percent of the copy
+bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. A row is invariant
+within its graph kind, and every token's row is always computed by the same kind (a prompt token by
+prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
 the same at 1 token and at 64. FP4 weight-only experts keep their stored bytes: `moe_experts_fp4_bi`
 runs the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py at every token count with one fixed tile
@@ -44,16 +53,21 @@ from dsv4c.kernels._tl import pdl_launch, pdl_wait
 BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
 BLOCK_N = 64
 BLOCK_K = 64
+SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
+SPLIT_MIN_STEPS = 8   # the device's count: the split fixes the bits); each split walks >= 8 BLOCK_K steps
 GEMV_BLOCK_N = 64
 GEMV_BLOCK_K = 128
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
+def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
+                      K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (pid_m, pid_n, pid_s): acc [BLOCK_M, BLOCK_N] over K range pid_s (all of K when SPLIT = 1)."""
     pdl_wait(PDL)
+    pid_s = tl.program_id(2)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -61,7 +75,10 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, sw
     x_rows = x_ptr + m[:, None].to(tl.int64) * sxm     # [BLOCK_M, 1]
     w_rows = w_ptr + n[:, None].to(tl.int64) * swn     # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # fixed order: k0 = 0, BLOCK_K, ... whatever M is
+    k_lo = 0
+    if SPLIT > 1:
+        k_lo = pid_s * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):  # fixed order: k_lo, k_lo + BLOCK_K, ... whatever M is
         km = (k0 + k) < K
         a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -72,10 +89,36 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, sxm, sw
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + m[:, None].to(tl.int64) * sym + n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    ok = mm[:, None] & nm[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        # partials [SPLIT, M, N] fp32; the last program of the tile adds them in split order, then the bias
+        p = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(p + pid_s * M * N, acc, mask=ok)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel",
+                             scope="gpu")
+        if done == SPLIT - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                tot += tl.load(p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            tl.store(y, tot.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def bi_split(n: int, k: int) -> int:
+    """The K split of an [n, k] weight in a decode-kind graph: doubles while one M tile's grid stays under
+    SPLIT_PROGRAMS and each split keeps SPLIT_MIN_STEPS K steps. From the weight's shape only (never M),
+    so every row count gets the same split and the same bits."""
+    tiles, steps, split = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K), 1
+    while tiles * split < SPLIT_PROGRAMS and steps >= 2 * split * SPLIT_MIN_STEPS:
+        split *= 2
+    return split
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -88,10 +131,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, split: int = 1) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w [N, K]^T (+ bias) with fixed tiles and K order (batch-invariant),
-    fp32 accumulation, one rounding to `out_dtype` (default x's). CPU tensors run under the interpreter."""
+    fp32 accumulation, one rounding to `out_dtype` (default x's). `split` (a power of two, from the
+    weight's shape: `bi_split`) programs share a tile's K and add their partials in split order.
+    CPU tensors run under the interpreter."""
     _check(x, w, bias)
+    if split < 1 or split & (split - 1):
+        raise ValueError(f"bi_matmul: split must be a power of two >= 1, got {split}")
     N, K = w.shape
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -100,11 +147,18 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M:
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-        _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, M, N, K, x2.stride(0), wc.stride(0),
-                                y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                BLOCK_K=BLOCK_K, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
-                                num_warps=4, **pdl_launch(x2))
+        k_split = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+        if split > 1:
+            part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+            cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+        else:
+            part, cnt = y, y
+        _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, part, cnt, M, N, K, x2.stride(0),
+                                wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32=x.dtype == torch.float32,
+                                INTERPRET=x.device.type == "cpu", K_SPLIT=k_split, SPLIT=split, num_warps=4,
+                                **pdl_launch(x2))
     return y.view(*x.shape[:-1], N)
 
 
@@ -181,17 +235,19 @@ def moe_experts_bi_impl(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor
 
 
 @torch.library.custom_op("dsv4c::linear_bi", mutates_args=())
-def linear_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_f32: bool) -> torch.Tensor:
-    """`bi_matmul` on CUDA tensors (output fp32 with `out_f32`, else x's dtype); CPU tensors run the
-    reference (torch's CPU GEMM: not proven batch-invariant, see ARCHITECTURE.md, deterministic mode)."""
+def linear_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_f32: bool,
+              split: int = 1) -> torch.Tensor:
+    """`bi_matmul` on CUDA tensors (output fp32 with `out_f32`, else x's dtype; K split `split`); CPU
+    tensors run the reference (torch's CPU GEMM: not proven batch-invariant, see ARCHITECTURE.md,
+    deterministic mode)."""
     out = torch.float32 if out_f32 else x.dtype
     if x.device.type == "cpu":
         return bi_matmul_ref(x, w, bias, out)
-    return bi_matmul(x, w, bias, out)
+    return bi_matmul(x, w, bias, out, split)
 
 
 @linear_bi.register_fake
-def _linear_bi_fake(x, w, bias, out_f32):
+def _linear_bi_fake(x, w, bias, out_f32, split=1):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32 if out_f32 else x.dtype)
 
 
@@ -266,17 +322,18 @@ def _moe_experts_fp4_bi_fake(x, idx, weight, fmt, w13, w13_scale, w13_global, w2
 
 
 @torch.library.custom_op("dsv4c::grouped_linear_bi", mutates_args=())
-def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor, split: int = 1) -> torch.Tensor:
     """`dsv4c::grouped_linear` (z [B, T, G, R] = einsum('btgi,gri->btgr', x.to(w.dtype), w)) as one
-    `bi_matmul` per group: the same path for any token count (the default op switches to the einsum
-    above 16 rows). CPU tensors run the reference."""
+    `bi_matmul` per group (K split `split`): the same path for any token count (the default op switches
+    to the einsum above 16 rows). CPU tensors run the reference."""
     xw = x.to(w.dtype)
-    mm = bi_matmul_ref if x.device.type == "cpu" else bi_matmul
-    return torch.stack([mm(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
+    if x.device.type == "cpu":
+        return torch.stack([bi_matmul_ref(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
+    return torch.stack([bi_matmul(xw[:, :, g], w[g], split=split) for g in range(w.shape[0])], dim=2)
 
 
 @grouped_linear_bi.register_fake
-def _grouped_linear_bi_fake(x, w):
+def _grouped_linear_bi_fake(x, w, split=1):
     return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
 
 

@@ -7,16 +7,18 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
              q = dsv4c.moe_experts_q(x, idx, wt, "mxfp4" | "nvfp4", w13, s13, g13, w2, s2, g2, None, None, L)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
              r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
-    after:   y = dsv4c.linear_bi(x, w, b, False)   z = dsv4c.linear_bi(x, w, None, True)
-             y = dsv4c.linear_bi(h, w, None, False)
-             o = dsv4c.grouped_linear_bi(x, w)     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
+    after:   y = dsv4c.linear_bi(x, w, b, False[, S])   z = dsv4c.linear_bi(x, w, None, True[, S])
+             y = dsv4c.linear_bi(h, w, None, False[, S])
+             o = dsv4c.grouped_linear_bi(x, w[, S])     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, L)
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
              r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
 
 Why it is valid: each replacement computes the same function up to the order of its fp32 sums
 (kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by how
-many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M, one expert path for any
+many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M (a decode-kind graph's
+linears get a K split S = `bi_split(N, K)` from the weight's shape alone, added in split order, so that
+a [1536, 4096] weight is not 24 programs at one token; prefill keeps S = 1), one expert path for any
 token count (bf16 experts: a gathered GEMV; FP4 weight-only experts, as quantize_experts left them: the
 FP4 CUDA-core GEMV with one tile), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
 kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
@@ -90,8 +92,19 @@ def _fp4_weight_only() -> tuple[str, ...]:
     return FP4_WEIGHT_ONLY
 
 
-def _replacement(n: Node):
-    """(op, args) computing n's value batch-invariantly, or None when n is not a pattern of the pass."""
+def _split(w: Node, decode: bool) -> tuple:
+    """The K split argument of a linear_bi / grouped_linear_bi on weight w ([N, K] or [G, N, K]): in a
+    decode-kind graph `bi_split(N, K)` when above 1, else none (the op's default, 1)."""
+    from dsv4c.kernels.batch_invariant import bi_split
+
+    v = _val(w)
+    split = bi_split(v.shape[-2], v.shape[-1]) if decode and v is not None and v.dim() >= 2 else 1
+    return (split,) if split > 1 else ()
+
+
+def _replacement(n: Node, decode: bool):
+    """(op, args) computing n's value batch-invariantly, or None when n is not a pattern of the pass.
+    `decode`: the graph is of a decode kind (its linears get a K split from their weight's shape)."""
     ops = torch.ops.dsv4c
     t = n.target
     if t is aten.linear.default:
@@ -99,16 +112,16 @@ def _replacement(n: Node):
         b = n.args[2] if len(n.args) > 2 else None
         vx, vw = _val(x), _val(w)
         if vx is not None and vw is not None and vx.dtype == vw.dtype and vx.dtype in _FLOAT and vw.dim() == 2:
-            return ops.linear_bi.default, (x, w, b, False)
+            return ops.linear_bi.default, (x, w, b, False, *_split(w, decode))
     elif t is aten.matmul.default:
         x, w = n.args[0], _transposed_weight(n.args[1])
         vx = _val(x)
         if w is not None and vx is not None and vx.dtype == _val(w).dtype and vx.dtype in _FLOAT:
-            return ops.linear_bi.default, (x, w, None, False)
+            return ops.linear_bi.default, (x, w, None, False, *_split(w, decode))
     elif t is ops.linear_f32.default:
-        return ops.linear_bi.default, (n.args[0], n.args[1], None, True)
+        return ops.linear_bi.default, (n.args[0], n.args[1], None, True, *_split(n.args[1], decode))
     elif t is ops.grouped_linear.default:
-        return ops.grouped_linear_bi.default, tuple(n.args)
+        return ops.grouped_linear_bi.default, (*n.args, *_split(n.args[1], decode))
     elif t in (ops.moe_experts.default, ops.moe_experts_gathered.default):
         return ops.moe_experts_bi.default, tuple(n.args)
     elif op_name(t) == "dsv4c.moe_experts_q" and len(n.args) == 13 and n.args[3] in _fp4_weight_only():
@@ -152,7 +165,7 @@ def make_batch_invariant(gm: GraphModule, ctx: PassContext) -> PassResult:
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        r = _replacement(n)
+        r = _replacement(n, ctx.graph_kind != "prefill")
         if r is None:
             continue
         op, args = r

@@ -203,3 +203,38 @@ def test_fp8_dense_and_fp8_experts_are_blockers_and_fp4_experts_are_rewritten():
     assert len(blockers) == 2, blockers  # the FP4 node is not among them
     (new,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "moe_experts_fp4_bi" in str(n.target)]
     assert new.args[3] == "mxfp4" and len(new.args) == 11 and new.args[-1] == 7.0
+
+
+def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
+    """make_batch_invariant on a Flash-shaped [1536, 4096] linear and a grouped [8, 1024, 4096] one (meta
+    tensors): a decode-kind graph's ops carry `bi_split`'s K split, the prefill graph's none, whatever
+    the example's row count."""
+    from dsv4c.kernels.batch_invariant import bi_split
+    from dsv4c.model import register_ops
+    from dsv4c.passes import PassContext
+    from dsv4c.passes.make_batch_invariant import make_batch_invariant
+
+    register_ops()
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(1536, 4096, device="meta"))
+            self.g = torch.nn.Parameter(torch.empty(8, 1024, 4096, device="meta"))
+
+        def forward(self, x, xg):
+            return torch.nn.functional.linear(x, self.w), torch.ops.dsv4c.grouped_linear(xg, self.g)
+
+    cfg = ModelConfig.preset("v4-tiny-a")
+    splits = {}
+    for kind, rows in (("decode", 1), ("decode", 64), ("prefill", 1), ("mtp", 3)):
+        args = (torch.empty(rows, 4096, device="meta"), torch.empty(rows, 1, 8, 4096, device="meta"))
+        gm = torch.export.export(Two(), args, strict=False).module()
+        res = make_batch_invariant(gm, PassContext(cfg, "h200", kind, deterministic=True))
+        nodes = [n for n in res.graph.graph.nodes if n.op == "call_function" and "_bi" in str(n.target)]
+        assert len(nodes) == 2 and not res.stats["blockers"], (kind, res.stats)
+        splits[kind, rows] = [n.args[4] if "grouped" not in str(n.target) else n.args[2] for n in nodes
+                              if len(n.args) > (2 if "grouped" in str(n.target) else 4)]
+    assert splits["decode", 1] == splits["decode", 64] == splits["mtp", 3] == [bi_split(1536, 4096),
+                                                                              bi_split(1024, 4096)] == [8, 8]
+    assert splits["prefill", 1] == []

@@ -7,6 +7,11 @@ units: the GPU tests below repeat the row check on the device at M = 1/8/64.)
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -15,6 +20,7 @@ from dsv4c.kernels.batch_invariant import (
     bi_gemv_gathered_ref,
     bi_matmul,
     bi_matmul_ref,
+    bi_split,
     moe_experts_bi_impl,
 )
 
@@ -24,18 +30,33 @@ def _rand(*shape, dtype, device="cpu", seed=0):
     return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
 
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bi_matmul_rows_do_not_depend_on_m(dtype):
+def test_bi_matmul_rows_do_not_depend_on_m(dtype, split):
+    """Rows alone equal rows among 8, with and without a K split (split 4 over K = 200: ranges of 64 columns,
+    the last one partly masked); the split moves the sums' grouping, so its bits may differ from split 1's."""
     K, N = 200, 70  # K not a multiple of BLOCK_K, N not of BLOCK_N: the masked tails are exercised
     x, w, b = _rand(8, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
-    y8 = bi_matmul(x, w, b)
+    y8 = bi_matmul(x, w, b, split=split)
     for i in (0, 5, 7):
-        assert torch.equal(bi_matmul(x[i:i + 1], w, b), y8[i:i + 1])
+        assert torch.equal(bi_matmul(x[i:i + 1], w, b, split=split), y8[i:i + 1])
     ref = bi_matmul_ref(x, w, b)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (y8.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
-    y32 = bi_matmul(x, w, None, torch.float32)  # the linear_f32 form: bf16 operands, fp32 out
-    assert y32.dtype == torch.float32 and torch.equal(bi_matmul(x[3:4], w, None, torch.float32), y32[3:4])
+    y32 = bi_matmul(x, w, None, torch.float32, split)  # the linear_f32 form: bf16 operands, fp32 out
+    assert y32.dtype == torch.float32 and torch.equal(bi_matmul(x[3:4], w, None, torch.float32, split), y32[3:4])
+    assert (y32 - bi_matmul_ref(x, w, None, torch.float32)).abs().max() <= 1e-5 * y32.abs().max()
+
+
+def test_bi_split_comes_from_the_weight_shape_only():
+    """The slice's decode shapes get a split that fills the GPU; the head and the wide projections none;
+    bad splits are refused."""
+    # wq_a || wkv, wo_a's group, wo_b, shared w2: 24 / 16 / 64 / 64 tiles of 64 rows
+    assert [bi_split(n, k) for n, k in ((1536, 4096), (1024, 4096), (4096, 8192), (4096, 2048))] == [8, 8, 8, 4]
+    assert bi_split(129280, 4096) == bi_split(40960, 1024) == 1
+    assert bi_split(1536, 512) == 1  # K of 8 steps: one split keeps them all
+    with pytest.raises(ValueError, match="power of two"):
+        bi_matmul(_rand(1, 64, dtype=torch.float32), _rand(8, 64, dtype=torch.float32), split=3)
 
 
 def test_bi_gemv_and_experts_rows_do_not_depend_on_token_count():
@@ -87,8 +108,10 @@ def test_invariant_ops_rows_on_gpu():
     assert torch.equal(ops.sum_bi(x[:1].float(), -1, True, True), s[:1])
     xg, wg = _rand(64, 1, 4, 256, dtype=torch.bfloat16, device="cuda"), _rand(4, 64, 256, dtype=torch.bfloat16,
                                                                               device="cuda", seed=1)
-    z = ops.grouped_linear_bi(xg, wg)
-    assert torch.equal(ops.grouped_linear_bi(xg[:8], wg), z[:8])
+    for split in (1, 2):
+        z = ops.grouped_linear_bi(xg, wg, split)
+        assert torch.equal(ops.grouped_linear_bi(xg[:8], wg, split), z[:8])
+        assert torch.equal(ops.grouped_linear_bi(xg[:1], wg, split), z[:1])
     E, I, D, C = 16, 128, 512, 6
     w1, w3 = _rand(E, I, D, dtype=torch.bfloat16, device="cuda", seed=2), _rand(E, I, D, dtype=torch.bfloat16,
                                                                                 device="cuda", seed=3)
@@ -106,11 +129,16 @@ def test_invariant_ops_rows_on_gpu():
 def test_bi_matmul_rows_on_gpu(dtype):
     K, N = 4096, 1536  # a Flash q_a-like projection
     x, w = _rand(64, K, dtype=dtype, device="cuda"), _rand(N, K, dtype=dtype, device="cuda", seed=1)
-    y64 = bi_matmul(x, w)
-    for m in (1, 8):
-        assert torch.equal(bi_matmul(x[:m], w), y64[:m])
     ref = bi_matmul_ref(x, w)
-    assert (y64.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+    for split in (1, bi_split(N, K)):  # 8: the decode graphs' split of this shape
+        y64 = bi_matmul(x, w, split=split)
+        for m in (1, 8):
+            assert torch.equal(bi_matmul(x[:m], w, split=split), y64[:m]), (split, m)
+        assert (y64.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+    b = _rand(N, dtype=dtype, device="cuda", seed=2)
+    yb = bi_matmul(x, w, b, split=8)
+    assert torch.equal(bi_matmul(x[:1], w, b, split=8), yb[:1])
+    assert (yb.float() - bi_matmul_ref(x, w, b).float()).abs().max() <= 1e-2 * ref.float().abs().max()
     rows = torch.arange(64, device="cuda")
     e = torch.zeros(64, dtype=torch.int64, device="cuda")
     g64 = bi_gemv_gathered(x, rows, e, w[None])
@@ -197,3 +225,37 @@ def test_fp4_experts_rows_on_gpu(fmt):
     y = torch.ops.dsv4c.moe_experts_fp4_bi(x, idx, wt, *args)
     for m in (1, 8):
         assert torch.equal(torch.ops.dsv4c.moe_experts_fp4_bi(x[:m], idx[:m], wt[:m], *args), y[:m])
+
+
+_SM90_SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels.batch_invariant import _bi_matmul_kernel as fn
+
+    names = list(fn.arg_names)
+    ints = ("N", "sxm", "swn", "sym")  # launch-time multiples of 16
+    for dt, split, bias in (("bf16", 1, False), ("bf16", 8, True), ("fp32", 4, False)):
+        types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
+                 "cnt_ptr": "*i32"}
+        consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, F32=dt == "fp32", INTERPRET=False,
+                      K_SPLIT=4096 // split, SPLIT=split, PDL=True)  # PDL: as sm_90 launches it
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        print("kernel", dt, split, int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx))
+''')
+
+
+def test_bi_matmul_compiles_for_sm90(tmp_path):
+    """Compile (not run) the kernel for sm_90 with the real Triton compiler in a subprocess (tests import
+    kernels under TRITON_INTERPRET=1), with and without a K split: tensor-core MMAs for bf16 (fp32's IEEE
+    products run on FMAs), and a global atomic (the split's tile counter) only where the K is split."""
+    script = tmp_path / "sm90.py"
+    script.write_text(_SM90_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("kernel")]
+    assert rows == [["bf16", "1", "0", "1"], ["bf16", "8", "1", "1"], ["fp32", "4", "1", "0"]], res.stdout
