@@ -7,9 +7,6 @@ units: the GPU tests below repeat the row check on the device at M = 1/8/64.)
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -23,6 +20,7 @@ from dsv4c.kernels.batch_invariant import (
     bi_split,
     moe_experts_bi_impl,
 )
+from sm90_compile import run_sm90_script
 
 
 def _rand(*shape, dtype, device="cpu", seed=0):
@@ -252,10 +250,5 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
     """Compile (not run) the kernel for sm_90 with the real Triton compiler in a subprocess (tests import
     kernels under TRITON_INTERPRET=1), with and without a K split: tensor-core MMAs for bf16 (fp32's IEEE
     products run on FMAs), and a global atomic (the split's tile counter) only where the K is split."""
-    script = tmp_path / "sm90.py"
-    script.write_text(_SM90_SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("kernel")]
-    assert rows == [["bf16", "1", "0", "1"], ["bf16", "8", "1", "1"], ["fp32", "4", "1", "0"]], res.stdout
+    rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
+    assert rows == [["bf16", "1", "0", "1"], ["bf16", "8", "1", "1"], ["fp32", "4", "1", "0"]], rows

@@ -3,8 +3,6 @@ GPU with -m gpu)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -30,6 +28,7 @@ from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 
 from dsv4c import ModelConfig
 from dsv4c import quant as Q
+from sm90_compile import run_sm90_script
 
 
 def operands(m, n, k, scale_fmt, seed=0, device="cpu"):
@@ -201,13 +200,8 @@ def test_gemv_compiles_for_sm90(tmp_path):
     """Compile (not run) three tiles for sm_90 with the real Triton compiler in a subprocess (tests
     import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
     the split tiles count with a global atomic, the one-token tile has no MMA."""
-    script = tmp_path / "sm90.py"
-    script.write_text(_SM90_SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith("kernel")]
-    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"]], res.stdout
+    rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
+    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):
