@@ -1,14 +1,16 @@
-# run37, call 1 of 2 (~4 min): the W8A16 GEMV's retuned default tiles (d7dc9ba: bn64 bk128, 3 stages, the
+# run37, call 1 of 2 (~5 min): the W8A16 GEMV's retuned default tiles (d7dc9ba: bn64 bk128, 3 stages, the
 # tensor-core K split) against bf16 F.linear at the slice's dense shapes; the GPU tests of the dense FP8
-# kernels and pass; where the deterministic mode's decode step goes (2-layer slice, MXFP4 weight-only
-# experts, batch 1 and 8: run29 measured it at 4.5x the default step and nothing says why).
+# kernels and pass, and of the batch-invariant kernels (1b1480d's K split: decode rows bit-identical at
+# M = 1 / 8 / 64); where the deterministic step goes (2-layer slice, MXFP4 weight-only experts, batch 1
+# and 8: run29 measured it at 4.5x the default step and nothing says why), after 1b1480d.
 export PYTHONPATH=$PWD
 python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
 python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "w8a16 gemv" \
   --out $OUT/dense.json --md $OUT/dense.md > $OUT/dense.txt 2>&1
 cat $OUT/dense.md
-timeout 150 python -m pytest -q -m gpu tests/test_kernels_fp8_gemm.py tests/test_quantize_dense.py > $OUT/gpu_tests.txt 2>&1
+timeout 150 python -m pytest -q -m gpu tests/test_kernels_fp8_gemm.py tests/test_quantize_dense.py \
+  tests/test_kernels_batch_invariant.py tests/test_deterministic.py > $OUT/gpu_tests.txt 2>&1
 echo rc=$? >> $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt
 for b in 1 8; do
   python examples/profile_step.py --layers 2 --batch $b --deterministic --expert-format mxfp4_w4a16 --top 45 \
