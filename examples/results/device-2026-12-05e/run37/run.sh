@@ -3,17 +3,19 @@
 # kernels and pass, and of the batch-invariant kernels (1b1480d's K split: decode rows bit-identical at
 # M = 1 / 8 / 64); where the deterministic step goes (2-layer slice, MXFP4 weight-only experts, batch 1
 # and 8: run29 measured it at 4.5x the default step and nothing says why), after 1b1480d.
-export PYTHONPATH=$PWD
-python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.txt 2>&1
+export PYTHONPATH=$PWD  # 8 files come back per call: gpu, dense.json/md, gpu_tests, 4 det JSONs
+python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
 python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "w8a16 gemv" \
-  --out $OUT/dense.json --md $OUT/dense.md > $OUT/dense.txt 2>&1
+  --out $OUT/dense.json --md $OUT/dense.md > /tmp/dense.txt 2>&1
 cat $OUT/dense.md
 timeout 150 python -m pytest -q -m gpu tests/test_kernels_fp8_gemm.py tests/test_quantize_dense.py \
   tests/test_kernels_batch_invariant.py tests/test_deterministic.py > $OUT/gpu_tests.txt 2>&1
 echo rc=$? >> $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt
-for b in 1 8; do
-  python examples/profile_step.py --layers 2 --batch $b --deterministic --expert-format mxfp4_w4a16 --top 45 \
-    --out $OUT/det_b$b.json > $OUT/det_b$b.txt 2>&1
-  grep "^== \|^| routed\|^| dense\|^| attention\|^| other" $OUT/det_b$b.txt
+R=examples/results/device-2026-12-05e/run37
+for v in 1:on 1:off 8:on 8:off; do  # the K split of 1b1480d against none, interleaved
+  b=${v%%:*}; sw=${v##*:}
+  python $R/split_switch.py $sw examples/profile_step.py --layers 2 --batch $b --deterministic \
+    --expert-format mxfp4_w4a16 --top 45 --out $OUT/det_${sw}_b$b.json > /tmp/det_${sw}_b$b.txt 2>&1
+  grep "^== \|^| routed\|^| dense\|^| attention\|^| other" /tmp/det_${sw}_b$b.txt | sed "s/^/split $sw b=$b /"
 done
