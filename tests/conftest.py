@@ -84,8 +84,8 @@ def bundle2_art(tmp_path_factory, worker_id):
 # by default it orders that queue by the number of tests per file. The files whose time is one long compile
 # (a fixture or a single end-to-end test: 1-3 tests of 40-100 s) then start last, and one worker runs the
 # last of them while the other idles. Here they start first, longest first (the scheduling rule "longest
-# processing time first"), and xdist keeps the collection order. Seconds per file on a 2-core machine
-# (setup + calls, `--durations`, 2026-12-05), rounded; files not listed keep their place after these.
+# processing time first"), and xdist keeps the collection order. Seconds per file on a 2-core machine, about
+# (the file's tests among the 60 slowest of `--durations`, 2026-12-05); files not listed keep their place.
 LONGEST_FIRST = {
     "test_mtp_quantized.py": 100, "test_quantize_experts.py": 75, "test_bench_prefix_cache.py": 62,
     "test_compare_passes.py": 60, "test_paged_session.py": 55, "test_speculative_compiled.py": 50,

@@ -9,18 +9,17 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MTP = 2  # drafts per round
 
 
-def test_quick_turn2_resumes_past_the_answers(tmp_path, mtp=2):
+def test_quick_turn2_resumes_past_the_answers(tmp_path):
     """MTP rounds of 2 drafts (`--mtp 2`)."""
     sys.path.insert(0, str(EXAMPLES))
     import bench_prefix_cache as bpc
 
     out = tmp_path / "pc.json"
-    argv = ["--quick", "--device", "cpu", "--turn2", "--work", str(tmp_path / "w"), "--out", str(out), "--mtp", str(mtp)]
+    argv = ["--quick", "--device", "cpu", "--turn2", "--work", str(tmp_path / "w"), "--out", str(out), "--mtp", str(MTP)]
     assert bpc.main(argv) == 0
     r = json.loads(out.read_text())
     b, n_prompt = r["prefix_pool"]["block_size"], r["system"] + r["suffix"]

@@ -183,7 +183,7 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_ym")  # launch-time multiples of 16
-    for a_fp8, bm, bn, bk, split, warps in ((False, 1, 32, 512, 4, 8), (True, 16, 32, 256, 8, 4), (False, 64, 64, 128, 4, 4)):
+    for a_fp8, bm, bn, bk, split, warps in ((False, 1, 32, 512, 4, 8), (True, 16, 64, 128, 8, 4), (False, 64, 64, 128, 4, 4)):
         types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
         consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
