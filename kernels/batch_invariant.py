@@ -45,6 +45,8 @@ past E/4 pairs) changes which program runs when, not what any program computes.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -327,9 +329,8 @@ def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor, split: int = 1) -> torch
     `bi_matmul` per group (K split `split`): the same path for any token count (the default op switches
     to the einsum above 16 rows). CPU tensors run the reference."""
     xw = x.to(w.dtype)
-    if x.device.type == "cpu":
-        return torch.stack([bi_matmul_ref(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
-    return torch.stack([bi_matmul(xw[:, :, g], w[g], split=split) for g in range(w.shape[0])], dim=2)
+    mm = bi_matmul_ref if x.device.type == "cpu" else functools.partial(bi_matmul, split=split)
+    return torch.stack([mm(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
 
 
 @grouped_linear_bi.register_fake

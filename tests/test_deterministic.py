@@ -233,8 +233,8 @@ def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
         res = make_batch_invariant(gm, PassContext(cfg, "h200", kind, deterministic=True))
         nodes = [n for n in res.graph.graph.nodes if n.op == "call_function" and "_bi" in str(n.target)]
         assert len(nodes) == 2 and not res.stats["blockers"], (kind, res.stats)
-        splits[kind, rows] = [n.args[4] if "grouped" not in str(n.target) else n.args[2] for n in nodes
-                              if len(n.args) > (2 if "grouped" in str(n.target) else 4)]
+        split_at = [2 if "grouped" in str(n.target) else 4 for n in nodes]  # the split's position in the args
+        splits[kind, rows] = [n.args[i] for n, i in zip(nodes, split_at) if len(n.args) > i]
     assert splits["decode", 1] == splits["decode", 64] == splits["mtp", 3] == [bi_split(1536, 4096),
                                                                               bi_split(1024, 4096)] == [8, 8]
     assert splits["prefill", 1] == []
