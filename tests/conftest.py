@@ -78,27 +78,3 @@ def bundle2_art(tmp_path_factory, worker_id):
 
     return _shared(tmp_path_factory, worker_id, "bundle2", build)
 
-
-# ---- file order: the longest files first -----------------------------------------------------------
-# Under `-n 2 --dist loadfile` xdist hands whole files to whichever worker is free, in its queue's order, and
-# by default it orders that queue by the number of tests per file. The files whose time is one long compile
-# (a fixture or a single end-to-end test: 1-3 tests of 40-100 s) then start last, and one worker runs the
-# last of them while the other idles. Here they start first, longest first (the scheduling rule "longest
-# processing time first"), and xdist keeps the collection order. Seconds per file on a 2-core machine, about
-# (the file's tests among the 60 slowest of `--durations`, 2026-12-05); files not listed keep their place.
-LONGEST_FIRST = {
-    "test_mtp_quantized.py": 100, "test_quantize_experts.py": 75, "test_bench_prefix_cache.py": 62,
-    "test_compare_passes.py": 60, "test_paged_session.py": 55, "test_speculative_compiled.py": 50,
-    "test_batched_prefill.py": 48, "test_kernels_v4_attention.py": 45, "test_deterministic.py": 45,
-    "test_bench_artifact.py": 40, "test_serve.py": 40, "test_parallel_run.py": 38, "test_compile_session.py": 35,
-    "test_boundary_check.py": 26, "test_prefill_graphs.py": 20,
-}
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order pytest_collection_modifyitems sets
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda it: -LONGEST_FIRST.get(it.path.name, 0))  # stable: a file's tests keep their order
