@@ -92,6 +92,45 @@ def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypat
     assert bool(calls) == (mode == "deterministic-mxfp4") and set(calls) <= {"mxfp4"}, calls
 
 
+@pytest.mark.parametrize("entry", ["run", "verify_rows"])
+def test_bench_frees_the_previous_build_before_the_next(monkeypatch, entry):
+    """An earlier call's model, graphs and caches hold each other in reference cycles; each entry point
+    collects them before it builds (on the H100 the GPU test's second mode ran out of memory without it)."""
+    import gc
+    import sys
+    import weakref
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import bench_deterministic
+    import bench_segments
+
+    class Built(Exception):
+        pass
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    first = []
+
+    def build(*a, **k):
+        alive = [r() is not None for r in first]
+        first.append(weakref.ref(Cycle()))  # garbage in a cycle, as a finished call leaves its model
+        raise Built(alive)
+
+    monkeypatch.setattr(bench_segments, "build", build)
+    fn = getattr(bench_deterministic, entry)
+    kw = {"mode": "deterministic"} if entry == "verify_rows" else {}
+    gc.disable()
+    try:
+        for _ in range(2):
+            with pytest.raises(Built) as e:
+                fn(layers=1, batches=(1,), device="cpu", **kw)
+    finally:
+        gc.enable()
+    assert e.value.args[0] == [False]  # the first call's cycle was gone when the second built
+
+
 def test_session_refuses_an_artifact_not_compiled_deterministic(art, monkeypatch):
     import dsv4c.runtime.session as session_mod
 
