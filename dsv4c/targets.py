@@ -10,8 +10,10 @@ grouped kernels, kernels/moe_grouped.py); `expert_format_reason` and `expert_for
 passes/quantize_dense.py runs the linears whose checkpoint weights are FP8 blocks (attention, indexer
 wq_b, shared experts, MTP projections) on the stored FP8 weights: `fp8_block` = W8A8 (1x128 activation
 scales), `fp8_block_w8a16` = FP8 weights x bf16 activations; `reference` / `bf16` rewrite nothing.
-The GPU targets keep `bf16` (the dense weights widened, as before) until the FP8 dense kernels have
-been measured on the device: `compile --dense-format fp8_block|fp8_block_w8a16` opts in.
+The GPU targets keep `bf16` (the dense weights widened): one dense format serves every graph, and on the
+H100 (BENCHMARKS.md, 2026-12-06) FP8 dense made the decode step 1.06x faster at batch 1 and 0.98x at batch 64
+while every FP8 GEMM here ran prefill-sized linears slower than cuBLAS bf16 (W8A16 tile 0.33x, W8A8 0.84x).
+`compile --dense-format fp8_block|fp8_block_w8a16` opts in (decode-bound serving, half the dense memory).
 """
 from __future__ import annotations
 
