@@ -2,7 +2,7 @@
 
 Public API::
 
-    bi_matmul(x, w, bias=None, out_dtype=None, split=1) -> Tensor   # Triton: y = x @ w^T (+ bias), fixed tiles
+    bi_matmul(x, w, bias=None, out_dtype=None, split=1, decode=False) -> Tensor  # Triton: y = x @ w^T (+ bias)
     bi_split(n, k) -> int                                  # the K split of a decode-kind graph's [n, k] linear
     bi_matmul_ref(x, w, bias=None, out_dtype=None) -> Tensor  # the same function through torch
     bi_gemv_gathered(x, rows, experts, w) -> Tensor        # Triton: y[p] = x[rows[p]] @ w[experts[p]]^T
@@ -11,8 +11,8 @@ Public API::
 Custom ops (targets of passes/lower_invariant_linears.py and select_kernels' `moe_experts=invariant`;
 CPU tensors run the reference)::
 
-    dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32, int split=1) -> Tensor
-    dsv4c::grouped_linear_bi(Tensor x, Tensor w, int split=1) -> Tensor
+    dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32, int split=1, bool decode=False) -> Tensor
+    dsv4c::grouped_linear_bi(Tensor x, Tensor w, int split=1, bool decode=False) -> Tensor
     dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
     dsv4c::moe_experts_fp4_bi(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
                               swiglu_limit) -> Tensor      # FP4 weight-only experts (mxfp4, nvfp4)
@@ -31,7 +31,12 @@ test_kernels_batch_invariant.py, 1 vs 8 rows). A K split fixed by the weight's s
 the S fp32 partials in split order (then the bias), so a row's sums are the same for any M.
 make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N, K)`: at decode a
 [1536, 4096] weight in 64-row tiles is 24 programs, each walking all of K, a few percent of the copy
-bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. A row is invariant
+bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. Decode-kind graphs also
+get the decode tile (`decode=True`, DECODE_*): the 64 x 64 tile spends 63 of its 64 MMA rows on padding at
+one token and walks K 64 columns at a time, 25% of the copy bandwidth on the H100 even with the split
+(BENCHMARKS.md, 2026-12-06); the decode tile puts 64 weight rows on the MMA's rows and 16 token rows on its
+columns, with 128-column K steps and 4 stages in flight. Column j of w_tile @ x_tile^T depends on token
+row j only, so it is batch-invariant for the same reason. A row is invariant
 within its graph kind, and every token's row is always computed by the same kind (a prompt token by
 prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
@@ -55,19 +60,41 @@ from dsv4c.kernels._tl import pdl_launch, pdl_wait
 BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
 BLOCK_N = 64
 BLOCK_K = 64
+# The decode tile (decode-kind graphs): weight rows are the MMA's row dim, 16 token rows its column dim, K in
+# 128-column steps, 4 stages in flight; fixed for every M too.
+DECODE_BLOCK_T = 16
+DECODE_BLOCK_N = 64
+DECODE_BLOCK_K = 128
+DECODE_STAGES = 4
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
-SPLIT_MIN_STEPS = 8   # the device's count: the split fixes the bits); each split walks >= 8 BLOCK_K steps
+SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64
 GEMV_BLOCK_K = 128
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _tile_product(a, b, acc, F32: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc [R, C] += a [R, BK] @ b [C, BK]^T, fp32 accumulation."""
+    if INTERPRET:  # fp32 products summed per row, no host BLAS: the interpreter's tl.dot is numpy's matmul,
+        # whose fp32 rows depended on the tile's other rows on one CI host (M = 1 vs 8, last bit)
+        return acc + tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
+    elif F32:  # fp32 operands: IEEE products, not TF32
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
 def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
-                      K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (pid_m, pid_n, pid_s): acc [BLOCK_M, BLOCK_N] over K range pid_s (all of K when SPLIT = 1)."""
+                      K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+    """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
+    SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
+    the MMA's rows, the few token rows its columns) and transposes it; a token row's products and their order
+    are the same either way within one tile shape."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,7 +103,10 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     mm, nm = m < M, n < N
     x_rows = x_ptr + m[:, None].to(tl.int64) * sxm     # [BLOCK_M, 1]
     w_rows = w_ptr + n[:, None].to(tl.int64) * swn     # [BLOCK_N, 1]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
     if SPLIT > 1:
         k_lo = pid_s * K_SPLIT
@@ -84,13 +114,12 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
         km = (k0 + k) < K
         a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        if INTERPRET:  # fp32 products summed per row, no host BLAS: the interpreter's tl.dot is numpy's matmul,
-            # whose fp32 rows depended on the tile's other rows on one CI host (M = 1 vs 8, last bit)
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], 2)
-        elif F32:  # fp32 operands: IEEE products, not TF32
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        if SWAP:
+            acc_t = _tile_product(b, a, acc_t, F32, INTERPRET)
         else:
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _tile_product(a, b, acc, F32, INTERPRET)
+    if SWAP:
+        acc = tl.trans(acc_t)
     y = y_ptr + m[:, None].to(tl.int64) * sym + n[None, :]
     ok = mm[:, None] & nm[None, :]
     if SPLIT == 1:
@@ -114,10 +143,10 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
 
 
 def bi_split(n: int, k: int) -> int:
-    """The K split of an [n, k] weight in a decode-kind graph: doubles while one M tile's grid stays under
-    SPLIT_PROGRAMS and each split keeps SPLIT_MIN_STEPS K steps. From the weight's shape only (never M),
-    so every row count gets the same split and the same bits."""
-    tiles, steps, split = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K), 1
+    """The K split of an [n, k] weight in a decode-kind graph (the decode tile): doubles while one M tile's
+    grid stays under SPLIT_PROGRAMS and each split keeps SPLIT_MIN_STEPS K steps. From the weight's shape
+    only (never M), so every row count gets the same split and the same bits."""
+    tiles, steps, split = triton.cdiv(n, DECODE_BLOCK_N), triton.cdiv(k, DECODE_BLOCK_K), 1
     while tiles * split < SPLIT_PROGRAMS and steps >= 2 * split * SPLIT_MIN_STEPS:
         split *= 2
     return split
@@ -133,10 +162,12 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None, split: int = 1) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, split: int = 1, decode: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w [N, K]^T (+ bias) with fixed tiles and K order (batch-invariant),
     fp32 accumulation, one rounding to `out_dtype` (default x's). `split` (a power of two, from the
     weight's shape: `bi_split`) programs share a tile's K and add their partials in split order.
+    `decode`: the decode tile (DECODE_*: weight rows on the MMA's rows, 16 token rows per tile), for
+    decode-kind graphs, where M is a few rows; else the 64 x 64 tile. Each is fixed for every M.
     CPU tensors run under the interpreter."""
     _check(x, w, bias)
     if split < 1 or split & (split - 1):
@@ -149,17 +180,19 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
     if M:
-        k_split = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+        bm, bn, bk = (DECODE_BLOCK_T, DECODE_BLOCK_N, DECODE_BLOCK_K) if decode else (BLOCK_M, BLOCK_N, BLOCK_K)
+        stages = {"num_stages": DECODE_STAGES if x.dtype != torch.float32 else 2} if decode else {}
+        k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)  # M tiles of one N tile launch side by side
         if split > 1:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
         else:
             part, cnt = y, y
         _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, part, cnt, M, N, K, x2.stride(0),
-                                wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
-                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32=x.dtype == torch.float32,
-                                INTERPRET=x.device.type == "cpu", K_SPLIT=k_split, SPLIT=split, num_warps=4,
+                                wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+                                BLOCK_K=bk, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
+                                K_SPLIT=k_split, SPLIT=split, SWAP=decode, num_warps=4, **stages,
                                 **pdl_launch(x2))
     return y.view(*x.shape[:-1], N)
 
@@ -238,18 +271,18 @@ def moe_experts_bi_impl(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor
 
 @torch.library.custom_op("dsv4c::linear_bi", mutates_args=())
 def linear_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_f32: bool,
-              split: int = 1) -> torch.Tensor:
-    """`bi_matmul` on CUDA tensors (output fp32 with `out_f32`, else x's dtype; K split `split`); CPU
-    tensors run the reference (torch's CPU GEMM: not proven batch-invariant, see ARCHITECTURE.md,
-    deterministic mode)."""
+              split: int = 1, decode: bool = False) -> torch.Tensor:
+    """`bi_matmul` on CUDA tensors (output fp32 with `out_f32`, else x's dtype; K split `split`; the
+    decode tile with `decode`); CPU tensors run the reference (torch's CPU GEMM: not proven
+    batch-invariant, see ARCHITECTURE.md, deterministic mode)."""
     out = torch.float32 if out_f32 else x.dtype
     if x.device.type == "cpu":
         return bi_matmul_ref(x, w, bias, out)
-    return bi_matmul(x, w, bias, out, split)
+    return bi_matmul(x, w, bias, out, split, decode)
 
 
 @linear_bi.register_fake
-def _linear_bi_fake(x, w, bias, out_f32, split=1):
+def _linear_bi_fake(x, w, bias, out_f32, split=1, decode=False):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32 if out_f32 else x.dtype)
 
 
@@ -324,17 +357,17 @@ def _moe_experts_fp4_bi_fake(x, idx, weight, fmt, w13, w13_scale, w13_global, w2
 
 
 @torch.library.custom_op("dsv4c::grouped_linear_bi", mutates_args=())
-def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor, split: int = 1) -> torch.Tensor:
+def grouped_linear_bi(x: torch.Tensor, w: torch.Tensor, split: int = 1, decode: bool = False) -> torch.Tensor:
     """`dsv4c::grouped_linear` (z [B, T, G, R] = einsum('btgi,gri->btgr', x.to(w.dtype), w)) as one
-    `bi_matmul` per group (K split `split`): the same path for any token count (the default op switches
-    to the einsum above 16 rows). CPU tensors run the reference."""
+    `bi_matmul` per group (K split `split`, the decode tile with `decode`): the same path for any token
+    count (the default op switches to the einsum above 16 rows). CPU tensors run the reference."""
     xw = x.to(w.dtype)
-    mm = bi_matmul_ref if x.device.type == "cpu" else functools.partial(bi_matmul, split=split)
+    mm = bi_matmul_ref if x.device.type == "cpu" else functools.partial(bi_matmul, split=split, decode=decode)
     return torch.stack([mm(xw[:, :, g], w[g]) for g in range(w.shape[0])], dim=2)
 
 
 @grouped_linear_bi.register_fake
-def _grouped_linear_bi_fake(x, w, split=1):
+def _grouped_linear_bi_fake(x, w, split=1, decode=False):
     return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
 
 

@@ -7,9 +7,9 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
              q = dsv4c.moe_experts_q(x, idx, wt, "mxfp4" | "nvfp4", w13, s13, g13, w2, s2, g2, None, None, L)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
              r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
-    after:   y = dsv4c.linear_bi(x, w, b, False[, S])   z = dsv4c.linear_bi(x, w, None, True[, S])
-             y = dsv4c.linear_bi(h, w, None, False[, S])
-             o = dsv4c.grouped_linear_bi(x, w[, S])     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
+    after:   y = dsv4c.linear_bi(x, w, b, False[, S, True])   z = dsv4c.linear_bi(x, w, None, True[, S, True])
+             y = dsv4c.linear_bi(h, w, None, False[, S, True])
+             o = dsv4c.grouped_linear_bi(x, w[, S, True])     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, L)
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
              r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
@@ -17,8 +17,10 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
 Why it is valid: each replacement computes the same function up to the order of its fp32 sums
 (kernels/batch_invariant.py, mhc.py), and that order is now fixed by the shapes of one row, not by how
 many rows share the call: fixed GEMM tiles and K walk, no split-K chosen from M (a decode-kind graph's
-linears get a K split S = `bi_split(N, K)` from the weight's shape alone, added in split order, so that
-a [1536, 4096] weight is not 24 programs at one token; prefill keeps S = 1), one expert path for any
+linears get the decode tile, weight rows on the MMA's rows and 16 token rows per tile, and a K split
+S = `bi_split(N, K)` from the weight's shape alone, added in split order, so that a [1536, 4096] weight is
+not 24 programs at one token; prefill keeps the 64 x 64 tile and S = 1; a token's row is always computed
+by graphs of one kind, so each kind needs only its own fixed tile), one expert path for any
 token count (bf16 experts: a gathered GEMV; FP4 weight-only experts, as quantize_experts left them: the
 FP4 CUDA-core GEMV with one tile), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
 kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
@@ -93,13 +95,15 @@ def _fp4_weight_only() -> tuple[str, ...]:
 
 
 def _split(w: Node, decode: bool) -> tuple:
-    """The K split argument of a linear_bi / grouped_linear_bi on weight w ([N, K] or [G, N, K]): in a
-    decode-kind graph `bi_split(N, K)` when above 1, else none (the op's default, 1)."""
+    """The trailing (split, decode) arguments of a linear_bi / grouped_linear_bi on weight w ([N, K] or
+    [G, N, K]): in a decode-kind graph `bi_split(N, K)` and the decode tile, else none (the ops' defaults:
+    no split, the 64 x 64 tile)."""
     from dsv4c.kernels.batch_invariant import bi_split
 
     v = _val(w)
-    split = bi_split(v.shape[-2], v.shape[-1]) if decode and v is not None and v.dim() >= 2 else 1
-    return (split,) if split > 1 else ()
+    if not decode or v is None or v.dim() < 2:
+        return ()
+    return bi_split(v.shape[-2], v.shape[-1]), True
 
 
 def _replacement(n: Node, decode: bool):

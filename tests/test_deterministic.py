@@ -51,6 +51,8 @@ def test_deterministic_artifact_has_only_invariant_reductions(art):
         targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
         assert not [t for t in targets if t.startswith(GEMM_OPS)], name
         assert any(t.startswith("dsv4c.linear_bi") for t in targets), name
+        tiles = {n.args[5] for n in ep.graph.nodes if str(n.target).startswith("dsv4c.linear_bi")}
+        assert tiles == {True}, (name, tiles)  # the decode tile survives the artifact's save and load
         assert any(t.startswith("dsv4c.moe_experts_bi") for t in targets), name
         assert any(t.startswith("dsv4c.rms_norm_bi") for t in targets), name
 
@@ -246,8 +248,8 @@ def test_fp8_dense_and_fp8_experts_are_blockers_and_fp4_experts_are_rewritten():
 
 def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
     """make_batch_invariant on a Flash-shaped [1536, 4096] linear and a grouped [8, 1024, 4096] one (meta
-    tensors): a decode-kind graph's ops carry `bi_split`'s K split, the prefill graph's none, whatever
-    the example's row count."""
+    tensors): a decode-kind graph's ops carry `bi_split`'s K split and the decode tile, the prefill graph's
+    neither, whatever the example's row count."""
     from dsv4c.kernels.batch_invariant import bi_split
     from dsv4c.model import register_ops
     from dsv4c.passes import PassContext
@@ -273,7 +275,8 @@ def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
         nodes = [n for n in res.graph.graph.nodes if n.op == "call_function" and "_bi" in str(n.target)]
         assert len(nodes) == 2 and not res.stats["blockers"], (kind, res.stats)
         split_at = [2 if "grouped" in str(n.target) else 4 for n in nodes]  # the split's position in the args
-        splits[kind, rows] = [n.args[i] for n, i in zip(nodes, split_at) if len(n.args) > i]
-    assert splits["decode", 1] == splits["decode", 64] == splits["mtp", 3] == [bi_split(1536, 4096),
-                                                                              bi_split(1024, 4096)] == [8, 8]
-    assert splits["prefill", 1] == []
+        splits[kind, rows] = [tuple(n.args[i:]) for n, i in zip(nodes, split_at)]  # (split, decode) or ()
+    assert splits["decode", 1] == splits["decode", 64] == splits["mtp", 3] == [(bi_split(1536, 4096), True),
+                                                                              (bi_split(1024, 4096), True)]
+    assert [a[0] for a in splits["decode", 1]] == [8, 8]
+    assert splits["prefill", 1] == [(), ()]

@@ -28,21 +28,25 @@ def _rand(*shape, dtype, device="cpu", seed=0):
     return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
 
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bi_matmul_rows_do_not_depend_on_m(dtype, split):
-    """Rows alone equal rows among 8, with and without a K split (split 4 over K = 200: ranges of 64 columns,
-    the last one partly masked); the split moves the sums' grouping, so its bits may differ from split 1's."""
+def test_bi_matmul_rows_do_not_depend_on_m(dtype, split, decode):
+    """Rows alone equal rows among 20, with and without a K split (split 4 over K = 200: ranges of 64 or 128
+    columns, the last one partly masked), on the 64 x 64 tile and the decode tile (20 rows: two 16-row
+    tiles); the split moves the sums' grouping, so its bits may differ from split 1's."""
     K, N = 200, 70  # K not a multiple of BLOCK_K, N not of BLOCK_N: the masked tails are exercised
-    x, w, b = _rand(8, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
-    y8 = bi_matmul(x, w, b, split=split)
-    for i in (0, 5, 7):
-        assert torch.equal(bi_matmul(x[i:i + 1], w, b, split=split), y8[i:i + 1])
+    x, w, b = _rand(20, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
+    y20 = bi_matmul(x, w, b, split=split, decode=decode)
+    for i in (0, 5, 17):
+        assert torch.equal(bi_matmul(x[i:i + 1], w, b, split=split, decode=decode), y20[i:i + 1])
+    assert torch.equal(bi_matmul(x[:8], w, b, split=split, decode=decode), y20[:8])
     ref = bi_matmul_ref(x, w, b)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert (y8.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
-    y32 = bi_matmul(x, w, None, torch.float32, split)  # the linear_f32 form: bf16 operands, fp32 out
-    assert y32.dtype == torch.float32 and torch.equal(bi_matmul(x[3:4], w, None, torch.float32, split), y32[3:4])
+    assert (y20.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    y32 = bi_matmul(x, w, None, torch.float32, split, decode)  # the linear_f32 form: bf16 operands, fp32 out
+    assert y32.dtype == torch.float32
+    assert torch.equal(bi_matmul(x[3:4], w, None, torch.float32, split, decode), y32[3:4])
     assert (y32 - bi_matmul_ref(x, w, None, torch.float32)).abs().max() <= 1e-5 * y32.abs().max()
 
 
@@ -52,7 +56,7 @@ def test_bi_split_comes_from_the_weight_shape_only():
     # wq_a || wkv, wo_a's group, wo_b, shared w2: 24 / 16 / 64 / 64 tiles of 64 rows
     assert [bi_split(n, k) for n, k in ((1536, 4096), (1024, 4096), (4096, 8192), (4096, 2048))] == [8, 8, 8, 4]
     assert bi_split(129280, 4096) == bi_split(40960, 1024) == 1
-    assert bi_split(1536, 512) == 1  # K of 8 steps: one split keeps them all
+    assert bi_split(1536, 512) == 1  # K of 4 decode steps: one split keeps them all
     with pytest.raises(ValueError, match="power of two"):
         bi_matmul(_rand(1, 64, dtype=torch.float32), _rand(8, 64, dtype=torch.float32), split=3)
 
@@ -106,10 +110,10 @@ def test_invariant_ops_rows_on_gpu():
     assert torch.equal(ops.sum_bi(x[:1].float(), -1, True, True), s[:1])
     xg, wg = _rand(64, 1, 4, 256, dtype=torch.bfloat16, device="cuda"), _rand(4, 64, 256, dtype=torch.bfloat16,
                                                                               device="cuda", seed=1)
-    for split in (1, 2):
-        z = ops.grouped_linear_bi(xg, wg, split)
-        assert torch.equal(ops.grouped_linear_bi(xg[:8], wg, split), z[:8])
-        assert torch.equal(ops.grouped_linear_bi(xg[:1], wg, split), z[:1])
+    for split, decode in ((1, False), (2, False), (1, True), (2, True)):
+        z = ops.grouped_linear_bi(xg, wg, split, decode)
+        assert torch.equal(ops.grouped_linear_bi(xg[:8], wg, split, decode), z[:8])
+        assert torch.equal(ops.grouped_linear_bi(xg[:1], wg, split, decode), z[:1])
     E, I, D, C = 16, 128, 512, 6
     w1, w3 = _rand(E, I, D, dtype=torch.bfloat16, device="cuda", seed=2), _rand(E, I, D, dtype=torch.bfloat16,
                                                                                 device="cuda", seed=3)
@@ -128,14 +132,14 @@ def test_bi_matmul_rows_on_gpu(dtype):
     K, N = 4096, 1536  # a Flash q_a-like projection
     x, w = _rand(64, K, dtype=dtype, device="cuda"), _rand(N, K, dtype=dtype, device="cuda", seed=1)
     ref = bi_matmul_ref(x, w)
-    for split in (1, bi_split(N, K)):  # 8: the decode graphs' split of this shape
-        y64 = bi_matmul(x, w, split=split)
-        for m in (1, 8):
-            assert torch.equal(bi_matmul(x[:m], w, split=split), y64[:m]), (split, m)
+    for split, decode in ((1, False), (1, True), (bi_split(N, K), True)):  # 8: the decode graphs' split
+        y64 = bi_matmul(x, w, split=split, decode=decode)
+        for m in (1, 8, 17):
+            assert torch.equal(bi_matmul(x[:m], w, split=split, decode=decode), y64[:m]), (split, decode, m)
         assert (y64.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
     b = _rand(N, dtype=dtype, device="cuda", seed=2)
-    yb = bi_matmul(x, w, b, split=8)
-    assert torch.equal(bi_matmul(x[:1], w, b, split=8), yb[:1])
+    yb = bi_matmul(x, w, b, split=8, decode=True)
+    assert torch.equal(bi_matmul(x[:1], w, b, split=8, decode=True), yb[:1])
     assert (yb.float() - bi_matmul_ref(x, w, b).float()).abs().max() <= 1e-2 * ref.float().abs().max()
     rows = torch.arange(64, device="cuda")
     e = torch.zeros(64, dtype=torch.int64, device="cuda")
@@ -233,22 +237,29 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "sxm", "swn", "sym")  # launch-time multiples of 16
-    for dt, split, bias in (("bf16", 1, False), ("bf16", 8, True), ("fp32", 4, False)):
+    for dt, split, bias, swap in (("bf16", 1, False, False), ("bf16", 8, True, False), ("fp32", 4, False, False),
+                                  ("bf16", 8, True, True), ("fp32", 4, False, True)):
         types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
                  "cnt_ptr": "*i32"}
-        consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, F32=dt == "fp32", INTERPRET=False,
-                      K_SPLIT=4096 // split, SPLIT=split, PDL=True)  # PDL: as sm_90 launches it
+        bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
+        consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, F32=dt == "fp32", INTERPRET=False,
+                      K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True)  # PDL: as sm_90 launches it
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        print("kernel", dt, split, int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx))
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+        ptx = k.asm["ptx"]
+        print("kernel", dt, split, int(swap), int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx),
+              int("cp.async" in ptx or "cp.async.bulk" in ptx))
 ''')
 
 
 def test_bi_matmul_compiles_for_sm90(tmp_path):
     """Compile (not run) the kernel for sm_90 with the real Triton compiler in a subprocess (tests import
-    kernels under TRITON_INTERPRET=1), with and without a K split: tensor-core MMAs for bf16 (fp32's IEEE
-    products run on FMAs), and a global atomic (the split's tile counter) only where the K is split."""
+    kernels under TRITON_INTERPRET=1), with and without a K split, the 64 x 64 tile and the decode tile:
+    tensor-core MMAs for bf16 (fp32's IEEE products run on FMAs), a global atomic (the split's tile
+    counter) only where the K is split, and the loads software-pipelined (cp.async)."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["bf16", "1", "0", "1"], ["bf16", "8", "1", "1"], ["fp32", "4", "1", "0"]], rows
+    assert rows == [["bf16", "1", "0", "0", "1", "1"], ["bf16", "8", "0", "1", "1", "1"],
+                    ["fp32", "4", "0", "1", "0", "1"], ["bf16", "8", "1", "1", "1", "1"],
+                    ["fp32", "4", "1", "1", "0", "1"]], rows
