@@ -10,7 +10,10 @@ shared expert's w1 ‖ w3 and w2) and each token count M:
   * `bf16 linear`: F.linear on the weight widened to bf16 (cuBLAS; what the bf16 artifacts run);
   * `w8a16 gemv` / `w8a8 gemv+quant`: kernels/fp8_gemv.py (the dense ops' path up to 64 tokens; W8A8
     includes its activation-quantisation launch, kernels/act_quant.py);
-  * `w8a16 tile` / `w8a8 tile+quant`: the tile GEMMs of kernels/fp8_gemm.py (the ops' path before).
+  * `w8a16 tile` / `w8a8 tile+quant`: the tile GEMMs of kernels/fp8_gemm.py (the ops' path before);
+  * `bi tile` / `bi decode tile`: the deterministic mode's batch-invariant matmul on the bf16 weight
+    (kernels/batch_invariant.py) with the decode graphs' K split `bi_split`, on its 64 x 64 tile (what
+    decode graphs ran until the decode tile) and on the decode tile (what they run now).
 Timing: CUDA-graph replay of back-to-back calls that cycle over enough weight copies to exceed twice
 the L2 cache (each call reads its weight from HBM), µs per call. GB/s counts the bytes the call
 must read (weights as the kernel reads them: bf16, or e4m3 + one scale per 128x128 tile; the
@@ -41,11 +44,13 @@ from bench_segments import _commit, copy_bandwidth  # noqa: E402
 from dsv4c import ModelConfig  # noqa: E402
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.kernels.act_quant import act_quant_fp8  # noqa: E402
+from dsv4c.kernels.batch_invariant import bi_matmul, bi_split  # noqa: E402
 from dsv4c.kernels.fp8_gemm import fp8_gemm_w8a8, fp8_gemm_w8a16  # noqa: E402
 from dsv4c.kernels.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv_w8a8, fp8_gemv_w8a16  # noqa: E402
 from dsv4c.kernels.tolerances import rel_err  # noqa: E402
 
-KERNELS = ("bf16 linear", "w8a16 gemv", "w8a8 gemv+quant", "w8a16 tile", "w8a8 tile+quant")
+KERNELS = ("bf16 linear", "w8a16 gemv", "w8a8 gemv+quant", "w8a16 tile", "w8a8 tile+quant", "bi tile",
+           "bi decode tile")
 
 
 def dense_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -59,7 +64,7 @@ def dense_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
 
 def weight_bytes(kernel: str, n: int, k: int, m: int) -> int:
     """Bytes a call must read: the weight as the kernel reads it plus the bf16 activations."""
-    w = 2 * n * k if kernel.startswith("bf16") else n * k + math.ceil(n / 128) * math.ceil(k / 128)
+    w = 2 * n * k if kernel.startswith(("bf16", "bi ")) else n * k + math.ceil(n / 128) * math.ceil(k / 128)
     return w + 2 * m * k
 
 
@@ -75,6 +80,9 @@ def make_call(kernel: str, cfg: Fp8GemvConfig | None = None):
         return lambda a, wb, wq, ws: fp8_gemm_w8a16(a, wq, ws)
     if kernel == "w8a8 tile+quant":
         return lambda a, wb, wq, ws: fp8_gemm_w8a8(*act_quant_fp8(a), wq, ws)
+    if kernel in ("bi tile", "bi decode tile"):
+        decode = kernel == "bi decode tile"
+        return lambda a, wb, wq, ws: bi_matmul(a, wb, split=bi_split(*wb.shape), decode=decode)
     raise ValueError(f"kernel: one of {KERNELS}, got {kernel!r}")
 
 

@@ -1,14 +1,31 @@
-# run38 (~80 s): c1fa12a's decode tile for the deterministic linears. The batch-invariant kernels' GPU tests
-# (rows at M = 1 / 8 / 17 the bits of M = 64, decode tile and split), then the deterministic step at batch 1
-# and 8 on the 2-layer slice with MXFP4 experts, as run37's `split on` rows (2.616 / 3.026 ms).
+# run38 (~6 min; planned 2026-12-06, no device time left that session). c1fa12a's decode tile for the
+# deterministic linears, then the FP8-dense step's extra "other" kernels that run37 could not name.
+# B=SECONDS (default 500): parts that would not fit are skipped and say so. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
+B=${B:-500}
+fits() { if [ $((SECONDS + $1)) -lt $B ]; then return 0; fi; echo "skipped ($1 s would pass B=$B at $SECONDS s): $2"; return 1; }
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/det.txt
-timeout 60 python -m pytest -q -m gpu tests/test_kernels_batch_invariant.py -k "bi_matmul_rows_on_gpu or invariant_ops" \
-  > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt; tail -2 $OUT/gpu_tests.txt
-for b in 1 8; do
-  python examples/profile_step.py --layers 2 --batch $b --deterministic --expert-format mxfp4_w4a16 --top 45 \
-    --out $OUT/det_b$b.json > /tmp/det_b$b.txt 2>&1
-  grep "^== \|^| routed\|^| dense\|^| attention\|^| other\|Error" /tmp/det_b$b.txt | sed "s/^/decode tile b=$b /" \
+R=examples/results/device-2026-12-05e/run38
+# 1. the batch-invariant matmul per shape: bf16 cuBLAS, the 64 x 64 tile, the decode tile, the W8A16 GEMV
+python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "bi tile" "bi decode tile" "w8a16 gemv" \
+  --out $OUT/bi_kernels.json --md /tmp/bi.md > /tmp/bi.txt 2>&1; cat /tmp/bi.md
+# 2. the deterministic step, decode tile on / off, interleaved (run37 `split on`: 2.616 / 3.026 ms)
+for v in 1:on 1:off 8:on 8:off 64:on 64:off; do
+  b=${v%%:*}; sw=${v##*:}
+  fits 40 "det $v" | tee -a $OUT/det.txt | grep -q skipped && continue
+  python $R/tile_switch.py $sw examples/profile_step.py --layers 2 --batch $b --deterministic \
+    --expert-format mxfp4_w4a16 --top 45 --out /tmp/det_${sw}_b$b.json > /tmp/det_${sw}_b$b.txt 2>&1
+  grep "^== \|^| routed\|^| dense\|^| attention\|^| other\|Error" /tmp/det_${sw}_b$b.txt | sed "s/^/tile $sw b=$b /" \
     | tee -a $OUT/det.txt
 done
+cp /tmp/det_on_b1.json $OUT/ 2>/dev/null
+# 3. FP8 dense's extra kernels: the step at batch 64 both ways, every kernel kept (one JSON each)
+for f in bf16 fp8_block_w8a16; do
+  fits 40 "dense $f" && python examples/profile_step.py --layers 2 --batch 64 --expert-format fp8_block \
+    --dense-format $f --top 200 --out $OUT/dense_${f}_b64.json > /tmp/d.txt 2>&1 && grep "^== full" /tmp/d.txt
+done
+# 4. GPU tests: the batch-invariant kernels (decode tile) and deterministic mode (both Flash cases: 11dd028)
+LEFT=$((B - SECONDS)); [ $LEFT -lt 30 ] && LEFT=30
+timeout $LEFT python -m pytest -q -m gpu tests/test_kernels_batch_invariant.py tests/test_deterministic.py \
+  > $OUT/gpu_tests.txt 2>&1; echo rc=$? timeout=$LEFT >> $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt
