@@ -93,8 +93,8 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
                       PDL: tl.constexpr = False):
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
-    the MMA's rows, the few token rows its columns) and transposes it; a token row's products and their order
-    are the same either way within one tile shape."""
+    the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
+    alone, as row i of x_tile @ w_tile^T depends on row i alone."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -94,7 +94,7 @@ def _fp4_weight_only() -> tuple[str, ...]:
     return FP4_WEIGHT_ONLY
 
 
-def _split(w: Node, decode: bool) -> tuple:
+def _tile_args(w: Node, decode: bool) -> tuple:
     """The trailing (split, decode) arguments of a linear_bi / grouped_linear_bi on weight w ([N, K] or
     [G, N, K]): in a decode-kind graph `bi_split(N, K)` and the decode tile, else none (the ops' defaults:
     no split, the 64 x 64 tile)."""
@@ -108,7 +108,8 @@ def _split(w: Node, decode: bool) -> tuple:
 
 def _replacement(n: Node, decode: bool):
     """(op, args) computing n's value batch-invariantly, or None when n is not a pattern of the pass.
-    `decode`: the graph is of a decode kind (its linears get a K split from their weight's shape)."""
+    `decode`: the graph is of a decode kind (its linears get the decode tile and a K split from their
+    weight's shape)."""
     ops = torch.ops.dsv4c
     t = n.target
     if t is aten.linear.default:
@@ -116,16 +117,16 @@ def _replacement(n: Node, decode: bool):
         b = n.args[2] if len(n.args) > 2 else None
         vx, vw = _val(x), _val(w)
         if vx is not None and vw is not None and vx.dtype == vw.dtype and vx.dtype in _FLOAT and vw.dim() == 2:
-            return ops.linear_bi.default, (x, w, b, False, *_split(w, decode))
+            return ops.linear_bi.default, (x, w, b, False, *_tile_args(w, decode))
     elif t is aten.matmul.default:
         x, w = n.args[0], _transposed_weight(n.args[1])
         vx = _val(x)
         if w is not None and vx is not None and vx.dtype == _val(w).dtype and vx.dtype in _FLOAT:
-            return ops.linear_bi.default, (x, w, None, False, *_split(w, decode))
+            return ops.linear_bi.default, (x, w, None, False, *_tile_args(w, decode))
     elif t is ops.linear_f32.default:
-        return ops.linear_bi.default, (n.args[0], n.args[1], None, True, *_split(n.args[1], decode))
+        return ops.linear_bi.default, (n.args[0], n.args[1], None, True, *_tile_args(n.args[1], decode))
     elif t is ops.grouped_linear.default:
-        return ops.grouped_linear_bi.default, (*n.args, *_split(n.args[1], decode))
+        return ops.grouped_linear_bi.default, (*n.args, *_tile_args(n.args[1], decode))
     elif t in (ops.moe_experts.default, ops.moe_experts_gathered.default):
         return ops.moe_experts_bi.default, tuple(n.args)
     elif op_name(t) == "dsv4c.moe_experts_q" and len(n.args) == 13 and n.args[3] in _fp4_weight_only():
