@@ -36,7 +36,7 @@ from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
 from dsv4c.passes.quantize_dense import RECIPE as DENSE_RECIPE
 from dsv4c.passes.quantize_dense import describe_dense, merge_dense_quant_map, with_dense_format
 from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
-from dsv4c.passes.shard import slice_weight
+from dsv4c.passes.shard import slice_fp8_block, slice_weight
 from dsv4c.provenance import describe_source, source_hashes
 from dsv4c.targets import get_target
 
@@ -116,13 +116,10 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     if plan is not None and not plan.is_single:
         if deterministic:
             raise DeterminismError("--deterministic with --tp/--ep: the sharded compile has no deterministic mode yet")
-        if dense_format not in (None, "reference", "bf16"):
-            raise ArtifactError(f"--dense-format {dense_format} with --tp/--ep: sharded FP8 dense linears are not "
-                                f"implemented yet")
         return compile_sharded(ckpt, out, plan, target=target, skip=skip, max_tokens=max_tokens,
                                max_batch=max_batch, buckets=buckets, mtp_k=mtp_k, dtype=dtype, force=force,
                                progress=progress, expert_format=expert_format, fused_mtp=fused_mtp,
-                               convert_device=convert_device, paged=paged)
+                               convert_device=convert_device, paged=paged, dense_format=dense_format)
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
@@ -450,12 +447,14 @@ def _recipes(records) -> dict[str, tuple]:
 
 
 def _write_weights(ckpt: Path, cfg: ModelConfig, model, specs: dict, recipes: dict, out: Path,
-                   progress: bool, quant_map: dict | None = None, device: torch.device = torch.device("cpu")) -> dict:
+                   progress: bool, quant_map: dict | None = None, device: torch.device = torch.device("cpu"),
+                   slices: dict | None = None) -> dict:
     """Stream every graph weight from the checkpoint into safetensors shards under weights/ (and record
-    the W4A4 activation scales the streaming chose in `quant_map`)."""
+    the W4A4 activation scales the streaming chose in `quant_map`). `slices`: a sharded rank's slice
+    recipes of checkpoint weights (passes/shard.py), which its FP8 dense weights follow."""
     reader = CheckpointReader(ckpt, cfg)
     experts = CheckpointExperts(reader, device)  # quantised routed experts, one layer at a time
-    dense = _DenseFP8(reader)  # the FP8 dense weights as stored
+    dense = _DenseFP8(reader, slices)  # the FP8 dense weights as stored (a rank's slices of them)
     writer = _ShardWriter(out / "weights", 2 << 30)
 
     def value(name: str, shape, dtype) -> torch.Tensor:
@@ -511,7 +510,8 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
                     skip: tuple[str, ...] = (), max_tokens: int = 4096, max_batch: int = 8,
                     buckets: tuple[int, ...] | None = None, mtp_k: int = 0, dtype: torch.dtype | None = None,
                     force: bool = False, progress: bool = False, expert_format: str | None = None,
-                    fused_mtp: bool = True, convert_device: str | None = None, paged=None) -> dict:
+                    fused_mtp: bool = True, convert_device: str | None = None, paged=None,
+                    dense_format: str | None = None) -> dict:
     """A sharded artifact: every graph exported once on `meta`, then per rank the shard pass
     (passes/shard.py) and the default pipeline; each rank's weights streamed from the checkpoint one
     tensor at a time and sliced by the shard pass's recipes.
@@ -526,13 +526,16 @@ def compile_sharded(ckpt: str | Path, out: str | Path, plan: "ParallelPlan", tar
     a block raises naming the limit (`convert.check_inter_split`); nvfp4_w4a4 (static per-layer
     activation scales) is not sharded yet. V3/V3.2: absorb_mla takes the rank's head count from its
     kv_b_proj rows, so the absorbed W_UK/W_UV are the rank's heads too. `paged` (a PagedConfig): every rank's
-    graphs read its own pool through the one block table that rank 0 decides (runtime/distributed.py)."""
+    graphs read its own pool through the one block table that rank 0 decides (runtime/distributed.py).
+    `dense_format` (as compile_checkpoint's): a rank's FP8 dense weights are its slices of the stored FP8
+    bytes and their scale tiles (`shard.slice_fp8_block`; a slice that would split a scale tile raises)."""
     t0 = time.perf_counter()
     ckpt, out = Path(ckpt), Path(out)
     tgt = get_target(target)
     if expert_format is not None and expert_format != tgt.expert_format:
         tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None,
                                   expert_format_reason=f"--expert-format {expert_format}")
+    tgt = with_dense_format(tgt, dense_format)
     check_format(tgt)
     dtype = dtype if dtype is not None else getattr(torch, tgt.dtype)
     model = load_model(ckpt, device="meta", dtype=dtype)
@@ -563,6 +566,7 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
     for r in range(plan.world_size):
         (out / f"rank{r}" / "graphs").mkdir(parents=True)
         (out / f"rank{r}" / "weights").mkdir()
+    fp8_stored = _fp8_stored(ckpt, cfg)  # quantize_dense rewrites only what the checkpoint stores in FP8
     exported = []
     for name, kind, k in graph_kinds(cfg, mtp_k, fused_mtp):
         spec = GraphSpec(kind, k=k, n_slots=max_batch + 1, max_len=max_tokens,
@@ -571,16 +575,19 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
     ranks = []
     for r in range(plan.world_size):
         rank_dir = out / f"rank{r}"
-        graphs, weight_specs, recipes, plans, quant_map = {}, {}, {}, {}, {}
+        graphs, weight_specs, recipes, plans, quant_map, rank_slices = {}, {}, {}, {}, {}, {}
         for name, kind, k, spec, eg in exported:
-            ctx = PassContext(cfg, target, kind, (), tgt.expert_format)
+            ctx = PassContext(cfg, target, kind, (), tgt.expert_format, dense_format=tgt.dense_format,
+                              fp8_stored=fp8_stored)
             gm, records = run_pipeline(eg.module(), ctx, passes=[("shard", shard_pass(plan, r)), *default_pipeline()],
                                        skip=skip)
             slices = records[0].stats.get("slices", {})
+            rank_slices.update(slices)
             recipes.update(_shard_expert_recipes(model, _recipes(records), slices))
             for w, rec in slices.items():
                 recipes[w] = (SHARD_RECIPE, [tuple(x) for x in rec])
             merge_quant_map(quant_map, records, name)
+            merge_dense_quant_map(quant_map, records, name)
             for kind_, rec in recipes.values():  # each quantised module's slice of the unsplit stack
                 if kind_ == EXPERTS_RECIPE and rec["module"] in quant_map.get("modules", {}):
                     quant_map["modules"][rec["module"]]["shard"] = rec["shard"]
@@ -595,7 +602,8 @@ def _compile_sharded_into(out: Path, ckpt: Path, model, cfg: ModelConfig, plan: 
                             "export_seconds": round(eg.seconds, 2), "weights": sorted(weights),
                             "passes": [_record(x) for x in records]}
         table = _write_weights(ckpt, cfg, model, weight_specs, recipes, rank_dir, progress, quant_map,
-                               torch.device(convert_device or ("cuda" if torch.cuda.is_available() else "cpu")))
+                               torch.device(convert_device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                               slices=rank_slices)
         for v in table.values():
             v["file"] = f"rank{r}/{v['file']}"
         ranks.append({"rank": r, "coords": list(plan.coords(r)), "graphs": graphs, "weights": table,
@@ -701,8 +709,8 @@ class _DenseFP8:
     scale rows, the members' stored bytes concatenated (no requantisation; the pass only rewrites
     weights the checkpoint stores in FP8)."""
 
-    def __init__(self, reader: CheckpointReader):
-        self.reader, self.sources, self._last = reader, {}, (None, None)
+    def __init__(self, reader: CheckpointReader, slices: dict | None = None):
+        self.reader, self.sources, self._last, self.slices = reader, {}, (None, None), slices or {}
 
     def __call__(self, rec: dict) -> torch.Tensor:
         if self._last[0] != rec["weight"]:
@@ -718,9 +726,22 @@ class _DenseFP8:
         missing = [n for n, st in zip(names, stored) if st is None]
         if missing:  # the pass saw them in the headers as FP8 (ctx.fp8_stored): a changed checkpoint
             raise ArtifactError(f"{rec['weight']}: members {missing} are not stored as FP8 in {self.reader.path}")
+        stored = [self._rank_slice(m, q, s) for m, (q, s) in zip(rec["members"], stored)]
         self.sources[rec["weight"]] = "checkpoint fp8 bytes"
         w_s = torch.cat([s for _, s in stored])
         return {"w_q": torch.cat([q for q, _ in stored]), "w_s": w_s.view(torch.uint8) if e8m0 else w_s}
+
+    def _rank_slice(self, member: str, w_q: torch.Tensor, w_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sharded rank's slice of one member's stored FP8 rows / columns and scale tiles (unsharded: all)."""
+        from dsv4c.parallel import PlanError
+
+        recipe = self.slices.get(member)
+        if not recipe:
+            return w_q, w_s
+        try:
+            return slice_fp8_block(w_q, w_s, [tuple(x) for x in recipe], name=member)
+        except PlanError as e:
+            raise ArtifactError(str(e)) from None
 
     def annotate(self, qmap: dict) -> dict:
         for name, src in self.sources.items():

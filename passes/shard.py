@@ -42,6 +42,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dsv4c.parallel import TP_GROUP, WORLD_GROUP, ParallelPlan, PlanError
+from dsv4c.quant import FP8_BLOCK
 from dsv4c.passes import PassContext, PassResult, get_param, set_param, tensor_value
 
 aten = torch.ops.aten
@@ -117,6 +118,24 @@ def slice_weight(w: torch.Tensor, recipe: Recipe | list) -> torch.Tensor:
     for dim, lo, hi in recipe:
         w = w.narrow(dim, lo, hi - lo)
     return w.contiguous() if recipe else w
+
+
+def slice_fp8_block(w_q: torch.Tensor, w_s: torch.Tensor, recipe: Recipe | list, block: int = FP8_BLOCK,
+                    name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """A slice recipe applied to an FP8 block weight as stored: w_q [N, K] e4m3 and w_s, one scale per
+    block x block tile [ceil(N/block), ceil(K/block)]. The slice keeps w_q's rows / columns and the scale
+    tiles covering them; the kernels map local index j to tile j // block, which is the stored tile when
+    the slice starts on a tile boundary or lies inside one tile (then its one tile). Any other slice would
+    pair values with another tile's scale: PlanError naming the weight and the limit."""
+    for dim, lo, hi in recipe:
+        if lo % block and lo // block != (hi - 1) // block:
+            raise PlanError("tp", f"{name}: the shard [{lo}, {hi}) of dim {dim} starts inside a {block}-wide FP8 "
+                                  f"scale block and crosses into the next; FP8 dense linears shard only on block "
+                                  f"boundaries (a tp that cuts this dim into multiples of {block}, or "
+                                  f"--dense-format bf16)")
+        w_q = w_q.narrow(dim, lo, hi - lo)
+        w_s = w_s.narrow(dim, lo // block, (hi - 1) // block - lo // block + 1)
+    return (w_q.contiguous(), w_s.contiguous()) if recipe else (w_q, w_s)
 
 
 def local_shape(shape: tuple[int, ...], recipe: Recipe) -> tuple[int, ...]:
