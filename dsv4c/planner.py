@@ -473,8 +473,7 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     assumptions = [
         f"weights counted exactly from the meta-device model: dense in {str(dtype).replace('torch.', '')} (fp32 "
         f"islands fp32; the target's dense_format is {tgt.dense_format}; `compile --dense-format fp8_block` keeps "
-        f"a single-GPU artifact's FP8-stored linears at 1 byte, not counted here: sharded artifacts refuse it), "
-        f"routed experts "
+        f"the FP8-stored linears at 1 byte, each rank its slice; not counted here), routed experts "
         f"in {fmt} (quantize_experts containers, scales included)",
         f"caches: runtime/kv_cache.cache_layout for {max_batch + 1} slots x {max_tokens} tokens, replicated on every GPU",
         f"workspace: {how}",
