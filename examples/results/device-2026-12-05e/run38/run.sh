@@ -1,4 +1,4 @@
-# run38 (~6 min; planned 2026-12-06, no device time left that session). c1fa12a's decode tile for the
+# run38 (~7 min; planned 2026-12-06, no device time left that session). c1fa12a's decode tile for the
 # deterministic linears, then the FP8-dense step's extra "other" kernels that run37 could not name.
 # B=SECONDS (default 500): parts that would not fit are skipped and say so. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
@@ -10,6 +10,12 @@ R=examples/results/device-2026-12-05e/run38
 # 1. the batch-invariant matmul per shape: bf16 cuBLAS, the 64 x 64 tile, the decode tile, the W8A16 GEMV
 python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "bi tile" "bi decode tile" "w8a16 gemv" \
   --out $OUT/bi_kernels.json --md /tmp/bi.md > /tmp/bi.txt 2>&1; cat /tmp/bi.md
+# 1b. FP8 W8A16 at prefill sizes on the GEMV kernel (weights on wgmma's register A operand, 64-token tiles; the
+# sm_90 build's PTX shows the register form) against the tile GEMM (weights through shared memory: 0.33x bf16 in
+# run37) and cuBLAS bf16
+fits 60 "w8a16 prefill" && python examples/bench_dense_kernels.py --m 512 4096 \
+  --kernels "bf16 linear" "w8a16 tile" "w8a16 gemv" --out /tmp/w8a16_prefill.json --md $OUT/w8a16_prefill.md \
+  > /tmp/w8a16_prefill.txt 2>&1; cat $OUT/w8a16_prefill.md
 # 2. the deterministic step, decode tile on / off, interleaved (run37 `split on`: 2.616 / 3.026 ms)
 for v in 1:on 1:off 8:on 8:off 64:on 64:off; do
   b=${v%%:*}; sw=${v##*:}
