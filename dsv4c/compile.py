@@ -31,6 +31,7 @@ from dsv4c.checkpoint import CheckpointReader, _ShardWriter, load_model, read_pa
 from dsv4c.config import ModelConfig
 from dsv4c.convert import CheckpointExperts, check_format
 from dsv4c.export import GraphSpec, example_inputs, export_graph, export_lifted, lift_weights
+from dsv4c.parallel import PlanError
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
 from dsv4c.passes.quantize_dense import RECIPE as DENSE_RECIPE
@@ -733,8 +734,6 @@ class _DenseFP8:
 
     def _rank_slice(self, member: str, w_q: torch.Tensor, w_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A sharded rank's slice of one member's stored FP8 rows / columns and scale tiles (unsharded: all)."""
-        from dsv4c.parallel import PlanError
-
         recipe = self.slices.get(member)
         if not recipe:
             return w_q, w_s

@@ -77,4 +77,3 @@ def bundle2_art(tmp_path_factory, worker_id):
         compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=64, max_batch=8)
 
     return _shared(tmp_path_factory, worker_id, "bundle2", build)
-
