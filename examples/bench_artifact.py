@@ -16,13 +16,18 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
   4. `dsv4c compile CKPT --target h200 --max-batch 64 ...` (a subprocess; log in the work folder);
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
      (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
+     then benchmark.md's prefill workloads (--prefill, default 4096 and 16384 tokens at batch 1): one
+     `dsv4c bench --batch 1 --prompt-len N --output-len 2` each, whose prefill calls are timed one by one
+     from an idle GPU, against the compute roofline (`prefill_flops` at the matmul peaks measured in
+     stage 1: all FLOPs at the FP8 peak, and the FP8- or FP4-stored weights' FLOPs at the FP8 peak with
+     the rest at the bf16 peak);
   6. on a GPU, where a Session step's time goes: the interval between decode steps against the CUDA
      graph replay alone (`step_breakdown`), in this process;
   7. accuracy next to speed (`artifact_accuracy`): the artifact's prefill logits of one prompt through
      Session.logits against the eager model's, with routing pinned to eager's decisions (only the
      kernels' and formats' error: a fast but wrong lowering shows here) and free; every summary row
      carries the pinned SNR (`pinned_snr_db`), so no speed figure stands without it.
-The roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
+The decode roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
 them; bf16 everything else) over the measured copy bandwidth. Beside it, issue 28's stored-format roofline:
 the dense linears the release checkpoint stores as FP8 blocks (attention, shared experts) counted at 1 byte
 and one scale byte per 128 x 128 tile, as an artifact compiled with `--dense-format fp8_block` reads them
@@ -45,8 +50,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_segments import (_commit, _ExpertCount, build, copy_bandwidth, decode, prefill, step_bytes,  # noqa: E402
-                            stored_bytes_saved)
+from bench_segments import (_commit, _ExpertCount, build, copy_bandwidth, decode, matmul_peaks,  # noqa: E402
+                            prefill, prefill_flops, step_bytes, stored_bytes_saved)
 
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.checkpoint import keeps_fp32, release_format, save_checkpoint  # noqa: E402
@@ -141,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=27, help="decode steps per batch; the first 3 are warm-up")
     ap.add_argument("--long-context", type=int, default=0, help="also bench batch 1 with a prompt this long")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384],
+                    help="prompt lengths whose prefill (batch 1) is timed against the compute roofline")
     ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifact")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-torch-compile", action="store_true", help="leave out the torch.compile peer")
@@ -148,6 +155,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.batches, a.prompt, a.steps, a.target = "v4-tiny-a", [1, 3], 40, 6, "cpu"
+        a.prefill = [64] if a.prefill else []
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
@@ -165,6 +173,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     bw = copy_bandwidth(dev) if dev.type == "cuda" else None
     res["copy_bandwidth_GBps"] = bw / 1e9 if bw else None
+    peaks = matmul_peaks(dev) if dev.type == "cuda" else {}
+    res["matmul_peak_TFLOPs"] = {k: v / 1e12 for k, v in peaks.items()}
     model = build(a.preset, dev, dtype)
     res["rounded"] = round_to_release_(model)
     stage("build", t0)
@@ -210,6 +220,11 @@ def main(argv=None) -> int:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
         roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
         res["roofline"][r["batch"]] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
+    if a.long_context:  # the batch-1 step at the long prompt: its caches' bytes, batch 1's unique experts
+        by = step_bytes(model, 1, a.long_context, peers["eager"][0]["unique_experts"] if a.batches[0] == 1 else [])
+        roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
+        res["roofline_long_context"] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
+    res["prefill_flops"] = {P: prefill_flops(model, P) for P in a.prefill}
     compiled = None  # the compiled function holds the model
     torch._dynamo.reset()
     del model, cache, snapshot
@@ -220,7 +235,7 @@ def main(argv=None) -> int:
     # 4. dsv4c compile
     t0 = time.perf_counter()
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
-                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context) + a.steps + 8),
+                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context, *a.prefill) + a.steps + 8),
                 "--buckets", ",".join(map(str, sorted(set(a.batches)))))  # capture only what is timed
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")
@@ -234,14 +249,14 @@ def main(argv=None) -> int:
     graphs = "full" if dev.type == "cuda" else "off"
     res["bench"] = []
 
-    def bench(batches: list[int], prompt: int) -> None:
+    def bench(batches: list[int], prompt: int, steps: int = a.steps, key: str = "bench") -> None:
         t0 = time.perf_counter()
-        js = a.work / f"bench_{prompt}.json"
+        js = a.work / f"{key}_{prompt}.json"
         cmd = dsv4c("bench", str(art), "--batch", *map(str, batches), "--prompt-len", str(prompt), "--output-len",
-                    str(a.steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
-        _run(cmd, a.work / f"bench_{prompt}.log")
-        res["bench"].append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
-        stage(f"bench_{prompt}", t0)
+                    str(steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
+        _run(cmd, a.work / f"{key}_{prompt}.log")
+        res.setdefault(key, []).append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
+        stage(f"{key}_{prompt}", t0)
 
     bench(a.batches, a.prompt)
     if dev.type == "cuda":
@@ -261,7 +276,15 @@ def main(argv=None) -> int:
     stage("accuracy", t0)
     if a.long_context:
         bench([1], a.long_context)
+    for P in a.prefill:
+        try:
+            bench([1], P, steps=2, key="prefill")
+        except RuntimeError as e:  # the decode figures above stand without it
+            res.setdefault("prefill_failed", {})[P] = str(e)[-300:]
+            print(f"prefill {P} failed: {e}", flush=True)
     res["summary"] = summarize(res)
+    res["long_context_summary"] = summarize_long(res)
+    res["prefill_summary"] = summarize_prefill(res)
     print(table(res))
     a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0
@@ -372,6 +395,41 @@ def summarize(res: dict) -> list[dict]:
     return out
 
 
+def summarize_long(res: dict) -> dict | None:
+    """The long-prompt batch-1 step against the roofline at that context (its cache reads)."""
+    roof = res.get("roofline_long_context")
+    if not roof or len(res["bench"]) < 2:
+        return None
+    r = res["bench"][1]["rows"][0]
+    out = {"prompt": r["prompt_len"], "artifact_step_ms": r["step_ms_p50"],
+           "prefill_tokens_per_s": r["prefill_tokens_per_s"]}
+    for k in ("roofline_ms", "roofline_stored_ms"):
+        out[k] = roof[k]
+        out[k.replace("_ms", "_fraction")] = roof[k] / r["step_ms_p50"] if roof[k] else None
+    return out
+
+
+def summarize_prefill(res: dict) -> list[dict]:
+    """Per prompt length: the prefill's time (its calls, each from an idle GPU) against the compute
+    roofline: all FLOPs at the FP8 peak (`fp8_roofline`), and FP8/FP4-stored weights' FLOPs at the FP8
+    peak with the rest at the bf16 peak (`mixed_roofline`)."""
+    peak = {k: v * 1e12 for k, v in res.get("matmul_peak_TFLOPs", {}).items()}
+    out = []
+    for b in res.get("prefill", []):
+        r = b["rows"][0]
+        P, s = r["prompt_len"], r["prefill_s"]
+        fl = res["prefill_flops"].get(P) or res["prefill_flops"].get(str(P))  # int keys turn str in JSON
+        row = {"prompt": P, "prefill_ms": s * 1e3, "tokens_per_s": r["prefill_tokens_per_s"],
+               "tflop": fl["total"] / 1e12, "achieved_TFLOPs": fl["total"] / s / 1e12}
+        if peak:
+            fp8 = fl["total"] / peak["fp8"]
+            mixed = fl["fp8"] / peak["fp8"] + (fl["total"] - fl["fp8"]) / peak["bf16"]
+            row.update(fp8_roofline_ms=fp8 * 1e3, fp8_roofline_fraction=fp8 / s,
+                       mixed_roofline_ms=mixed * 1e3, mixed_roofline_fraction=mixed / s)
+        out.append(row)
+    return out
+
+
 def table(res: dict) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -390,6 +448,23 @@ def table(res: dict) -> str:
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
                      f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x | "
                      f"{_snr(r.get('pinned_snr_db'))} ({_snr(r.get('free_snr_db'))}) |")
+    lc = res.get("long_context_summary")
+    if lc:
+        lines.append(f"batch 1 after a {lc['prompt']}-token prompt: {lc['artifact_step_ms']:.3f} ms/step, "
+                     f"{f(lc['roofline_fraction'], '.1%')} of its roofline ({f(lc['roofline_ms'], '.3f')} ms), "
+                     f"{f(lc['roofline_stored_fraction'], '.1%')} of the stored-format one; prefill "
+                     f"{lc['prefill_tokens_per_s']:.0f} tokens/s")
+    pk = res.get("matmul_peak_TFLOPs") or {}
+    if res.get("prefill_summary"):
+        lines += [f"prefill, batch 1 (matmul peaks: bf16 {f(pk.get('bf16'), '.0f')}, FP8 {f(pk.get('fp8'), '.0f')} "
+                  "TFLOP/s)",
+                  "| tokens | ms | tokens/s | TFLOP | TFLOP/s | FP8 roofline ms | vs it | mixed roofline ms | vs it |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["prefill_summary"]:
+            lines.append(f"| {r['prompt']} | {r['prefill_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tflop']:.2f} | "
+                         f"{r['achieved_TFLOPs']:.1f} | {f(r.get('fp8_roofline_ms'), '.2f')} | "
+                         f"{f(r.get('fp8_roofline_fraction'), '.1%')} | {f(r.get('mixed_roofline_ms'), '.2f')} | "
+                         f"{f(r.get('mixed_roofline_fraction'), '.1%')} |")
     acc = res.get("accuracy", {})
     lines.append(f"SNR: the artifact's prefill logits (Session.logits, {acc.get('prompt_len', '?')} tokens) against the "
                  "eager model's with routing pinned to eager's decisions (free in parentheses)"

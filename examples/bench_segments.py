@@ -147,6 +147,73 @@ def copy_bandwidth(dev) -> float:
     return 2 * x.numel() / (statistics.median(ms) / 1e3)
 
 
+def matmul_peaks(dev, n: int = 8192) -> dict:
+    """benchmark.md's matmul peaks, FLOP/s of one n^3 product: bf16 `torch.matmul` and FP8 e4m3
+    `torch._scaled_mm` (per-tensor scales, bf16 out); median of 10 CUDA-event timings after warm-up."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm: b column-major
+    one = torch.ones((), device=dev)
+    out = {}
+    for name, fn in (("bf16", lambda: a @ b),
+                     ("fp8", lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))):
+        for _ in range(3):
+            fn()
+        ms = []
+        for _ in range(10):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ms.append(e0.elapsed_time(e1))
+        out[name] = 2 * n ** 3 / (statistics.median(ms) / 1e3)
+    return out
+
+
+def _linear_params(model) -> tuple[int, int]:
+    """(all, FP8-stored) weight elements one token multiplies in the non-expert linears of all layers:
+    every 2-D parameter of `layers.*` but the routed experts and the compressors' `ape` (added, not
+    multiplied). The embedding (a lookup), the head (prefill's last row only) and the MTP block stay out."""
+    from dsv4c.checkpoint import release_format
+
+    total = fp8 = 0
+    for name, p in model.named_parameters():
+        if not name.startswith("layers.") or p.dim() != 2 or ".ffn.experts." in name or name.endswith(".ape"):
+            continue
+        total += p.numel()
+        fp8 += p.numel() if release_format(model.config, name) == "fp8" else 0
+    return total, fp8
+
+
+def prefill_flops(model, P: int) -> dict:
+    """FLOPs a prefill of one P-token prompt from position 0 must do (deepseek_v4.md §4), counted as
+    2 per multiply-add: the non-expert linears and the top-k routed experts per token, the LM head for
+    the last row, and per layer the attention over each query's keys (its window, plus the visible
+    compressed entries: all of them for HCA, the indexer's top-k for CSA, QK^T and PV with one shared
+    KV row of head_dim) and the indexer's scores over every visible entry. Elementwise work (norms,
+    RoPE, SwiGLU, compressor pooling, softmax) is left out. `fp8` is the share of the FLOPs whose
+    weights the release stores as FP8 or FP4 (dense FP8 blocks and routed experts)."""
+    cfg = model.config
+    dense, dense_fp8 = _linear_params(model)
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok * cfg.num_hidden_layers
+    t = torch.arange(1, P + 1, dtype=torch.float64)  # keys visible to query t - 1, itself included
+    attn = index = 0.0
+    for m in cfg.compress_ratios[:cfg.num_hidden_layers]:
+        keys = t.clamp(max=cfg.sliding_window)
+        if m:
+            visible = torch.div(t, m, rounding_mode="floor")
+            keys = keys + (visible.clamp(max=cfg.index_topk) if m == 4 else visible)
+            if m == 4:
+                index += 2 * cfg.index_n_heads * cfg.index_head_dim * float(visible.sum())
+        attn += 2 * 2 * cfg.num_attention_heads * cfg.head_dim * float(keys.sum())
+    out = {"linear": 2 * P * dense, "experts": 2 * P * expert, "head": 2 * cfg.vocab_size * cfg.hidden_size,
+           "attention": attn, "indexer": index}
+    out["total"] = sum(out.values())
+    out["fp8"] = 2 * P * (dense_fp8 + expert)
+    return out
+
+
 def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:
     """benchmark.md's roofline bytes of one decode step, as stored (bf16 weights, bf16 caches)."""
     cfg = model.config
