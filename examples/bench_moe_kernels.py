@@ -183,7 +183,10 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
         return [("default", None), ("bn64 sk2", C(16, 64, 128, 4, 3, False, 2)),
                 ("bn64 direct", C(16, 64, 128, 4, 3, direct=True))]
     if prefill:
-        return [("default", None), ("m128 n128 w4 s3", C(128, 128, 128, 4, 3)), ("m64 n128 w4 s4", C(64, 128, 128, 4, 4)),
+        # fp8_prefill: kernels/moe_fp8_prefill.py, which default_config picks from 64 assignments per expert
+        extra = [("fp8_prefill", C(fp8_prefill=True))] if fmt == "fp8_block" else []
+        return [("default", None)] + extra + [
+                ("m128 n128 w4 s3", C(128, 128, 128, 4, 3)), ("m64 n128 w4 s4", C(64, 128, 128, 4, 4)),
                 ("m128 n256 w8 s3", C(128, 256, 128, 8, 3)), ("m128 n128 w8 s4", C(128, 128, 128, 8, 4)),
                 ("m128 n64 w4 s4", C(128, 64, 128, 4, 4)), ("m64 n256 w8 s3", C(64, 256, 128, 8, 3))]
     def tag(name, direct):

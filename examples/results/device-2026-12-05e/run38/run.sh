@@ -1,4 +1,4 @@
-# run38 (~7 min; planned 2026-12-06, no device time left that session). c1fa12a's decode tile for the
+# run38 (~8 min; planned 2026-12-06, no device time left that session). c1fa12a's decode tile for the
 # deterministic linears, then the FP8-dense step's extra "other" kernels that run37 could not name.
 # B=SECONDS (default 500): parts that would not fit are skipped and say so. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
@@ -16,6 +16,11 @@ python examples/bench_dense_kernels.py --m 1 8 64 --kernels "bf16 linear" "bi ti
 fits 60 "w8a16 prefill" && python examples/bench_dense_kernels.py --m 512 4096 \
   --kernels "bf16 linear" "w8a16 tile" "w8a16 gemv" --out /tmp/w8a16_prefill.json --md $OUT/w8a16_prefill.md \
   > /tmp/w8a16_prefill.txt 2>&1; cat $OUT/w8a16_prefill.md
+# 1c. the FP8 grouped MoE at the Session's prefill chunk (2048 tokens: 48 assignments per expert, under
+# default_config's 64 for the fp8_prefill kernels) and beside it: the default tile vs kernels/moe_fp8_prefill.py
+fits 90 "moe prefill" && python examples/bench_moe_kernels.py --sweep --formats fp8_block --tokens 1024,2048,4096 \
+  --candidates default,fp8_prefill --budget-s 80 --out /tmp/moe_pre.json > $OUT/moe_prefill.txt 2>&1; \
+  grep "^| fp8" $OUT/moe_prefill.txt
 # 2. the deterministic step, decode tile on / off, interleaved (run37 `split on`: 2.616 / 3.026 ms)
 for v in 1:on 1:off 8:on 8:off 64:on 64:off; do
   b=${v%%:*}; sw=${v##*:}
