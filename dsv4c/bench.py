@@ -85,14 +85,15 @@ class _Timer:
 
 def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_len: int, device: str = "cpu",
                    graphs: str | None = None, emulate: bool = False, mtp=0, seed: int = 0,
-                   warmup: bool = True, deterministic: bool = False) -> dict:
+                   warmup: bool = True, deterministic: bool = False,
+                   max_num_batched_tokens: int | None = None) -> dict:
     from dsv4c.runtime import Session
     from dsv4c.runtime.speculative import merge_spec_stats
 
     t0 = time.perf_counter()
     # prefix caching off: a warm-up prompt served again from cached blocks would not time its prefill
     sess = Session.load(art, device=device, emulate=emulate, graphs=graphs, prefix_cache=False,
-                        deterministic=deterministic)
+                        deterministic=deterministic, max_num_batched_tokens=max_num_batched_tokens)
     load_s = time.perf_counter() - t0
     V = sess.config.vocab_size
     if prompt_len + output_len > sess.max_tokens:
@@ -120,6 +121,7 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
         decode_s = sum(steps)
         row = {"batch": B, "prompt_len": prompt_len, "output_len": output_len, "wall_s": wall,
                "prefill_s": sum(prefill), "prefill_tokens_per_s": B * prompt_len / max(sum(prefill), 1e-12),
+               "prefill_calls": len(prefill), "max_num_batched_tokens": sess.max_num_batched_tokens,
                "decode_s": decode_s, "decode_steps": len(steps),
                "decode_tokens_per_s": (gen - B) / max(decode_s, 1e-12),  # the first token comes from prefill
                "step_ms_p50": _percentile(steps, 50) * 1e3, "step_ms_p90": _percentile(steps, 90) * 1e3,

@@ -274,7 +274,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
                          emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed,
-                         deterministic=a.deterministic)
+                         deterministic=a.deterministic, max_num_batched_tokens=a.max_num_batched_tokens)
     print(format_table(res))
     if a.json:
         write_json(res, a.json)
@@ -540,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes (sequences)")
     s.add_argument("--prompt-len", type=int_at_least(1, "--prompt-len"), default=128, help="prompt tokens")
     s.add_argument("--output-len", type=int_at_least(1, "--output-len"), default=32, help="generated tokens")
+    s.add_argument("--max-num-batched-tokens", type=int_at_least(1, "--max-num-batched-tokens"), default=None,
+                   help="prompt tokens per prefill call (default: the Session's, min(max_tokens, 2048))")
     s.add_argument("--device", type=device_arg, default=_default_device(),
                    help="cpu or cuda (default: cuda when a GPU is present)")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")

@@ -17,7 +17,8 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
      (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
      then benchmark.md's prefill workloads (--prefill, default 4096 and 16384 tokens at batch 1): one
-     `dsv4c bench --batch 1 --prompt-len N --output-len 2` each, whose prefill calls are timed one by one
+     `dsv4c bench --batch 1 --prompt-len N --output-len 2` each (and per --prefill-chunks size, its
+     `--max-num-batched-tokens`), whose prefill calls are timed one by one
      from an idle GPU, against the compute roofline (`prefill_flops` at the matmul peaks measured in
      stage 1: all FLOPs at the FP8 peak, and the FP8- or FP4-stored weights' FLOPs at the FP8 peak with
      the rest at the bf16 peak);
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long-context", type=int, default=0, help="also bench batch 1 with a prompt this long")
     ap.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384],
                     help="prompt lengths whose prefill (batch 1) is timed against the compute roofline")
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[0],
+                    help="prefill chunk sizes (max_num_batched_tokens) to time them at; 0: the Session's default")
     ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifact")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-torch-compile", action="store_true", help="leave out the torch.compile peer")
@@ -156,6 +159,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.preset, a.batches, a.prompt, a.steps, a.target = "v4-tiny-a", [1, 3], 40, 6, "cpu"
         a.prefill = [64] if a.prefill else []
+        a.prefill_chunks = [0, 32] if a.prefill_chunks == [0] else a.prefill_chunks
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
@@ -249,14 +253,16 @@ def main(argv=None) -> int:
     graphs = "full" if dev.type == "cuda" else "off"
     res["bench"] = []
 
-    def bench(batches: list[int], prompt: int, steps: int = a.steps, key: str = "bench") -> None:
+    def bench(batches: list[int], prompt: int, steps: int = a.steps, key: str = "bench", chunk: int = 0) -> None:
         t0 = time.perf_counter()
-        js = a.work / f"{key}_{prompt}.json"
+        tag = f"{key}_{prompt}" + (f"_chunk{chunk}" if chunk else "")
+        js = a.work / f"{tag}.json"
         cmd = dsv4c("bench", str(art), "--batch", *map(str, batches), "--prompt-len", str(prompt), "--output-len",
-                    str(steps), "--graphs", graphs, "--device", str(dev), "--json", str(js))
-        _run(cmd, a.work / f"{key}_{prompt}.log")
+                    str(steps), "--graphs", graphs, "--device", str(dev), "--json", str(js),
+                    *(["--max-num-batched-tokens", str(chunk)] if chunk else []))
+        _run(cmd, a.work / f"{tag}.log")
         res.setdefault(key, []).append({"command": " ".join(cmd[2:]), **json.loads(js.read_text())})
-        stage(f"{key}_{prompt}", t0)
+        stage(tag, t0)
 
     bench(a.batches, a.prompt)
     if dev.type == "cuda":
@@ -276,12 +282,13 @@ def main(argv=None) -> int:
     stage("accuracy", t0)
     if a.long_context:
         bench([1], a.long_context)
-    for P in a.prefill:
-        try:
-            bench([1], P, steps=2, key="prefill")
-        except RuntimeError as e:  # the decode figures above stand without it
-            res.setdefault("prefill_failed", {})[P] = str(e)[-300:]
-            print(f"prefill {P} failed: {e}", flush=True)
+    for chunk in a.prefill_chunks:
+        for P in a.prefill:
+            try:
+                bench([1], P, steps=2, key="prefill", chunk=chunk)
+            except RuntimeError as e:  # the decode figures above stand without it
+                res.setdefault("prefill_failed", {})[f"{P}/{chunk}"] = str(e)[-300:]
+                print(f"prefill {P} (chunk {chunk or 'default'}) failed: {e}", flush=True)
     res["summary"] = summarize(res)
     res["long_context_summary"] = summarize_long(res)
     res["prefill_summary"] = summarize_prefill(res)
@@ -419,7 +426,8 @@ def summarize_prefill(res: dict) -> list[dict]:
         r = b["rows"][0]
         P, s = r["prompt_len"], r["prefill_s"]
         fl = res["prefill_flops"].get(P) or res["prefill_flops"].get(str(P))  # int keys turn str in JSON
-        row = {"prompt": P, "prefill_ms": s * 1e3, "tokens_per_s": r["prefill_tokens_per_s"],
+        row = {"prompt": P, "chunk": r.get("max_num_batched_tokens"), "calls": r.get("prefill_calls"),
+               "prefill_ms": s * 1e3, "tokens_per_s": r["prefill_tokens_per_s"],
                "tflop": fl["total"] / 1e12, "achieved_TFLOPs": fl["total"] / s / 1e12}
         if peak:
             fp8 = fl["total"] / peak["fp8"]
@@ -458,10 +466,11 @@ def table(res: dict) -> str:
     if res.get("prefill_summary"):
         lines += [f"prefill, batch 1 (matmul peaks: bf16 {f(pk.get('bf16'), '.0f')}, FP8 {f(pk.get('fp8'), '.0f')} "
                   "TFLOP/s)",
-                  "| tokens | ms | tokens/s | TFLOP | TFLOP/s | FP8 roofline ms | vs it | mixed roofline ms | vs it |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| tokens | chunk | calls | ms | tokens/s | TFLOP | TFLOP/s | FP8 roofline ms | vs it | "
+                  "mixed roofline ms | vs it |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in res["prefill_summary"]:
-            lines.append(f"| {r['prompt']} | {r['prefill_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['tflop']:.2f} | "
+            lines.append(f"| {r['prompt']} | {r['chunk']} | {r['calls']} | {r['prefill_ms']:.1f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['tflop']:.2f} | "
                          f"{r['achieved_TFLOPs']:.1f} | {f(r.get('fp8_roofline_ms'), '.2f')} | "
                          f"{f(r.get('fp8_roofline_fraction'), '.1%')} | {f(r.get('mixed_roofline_ms'), '.2f')} | "
                          f"{f(r.get('mixed_roofline_fraction'), '.1%')} |")

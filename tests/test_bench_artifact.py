@@ -34,10 +34,13 @@ def test_bench_artifact_quick_run(tmp_path):
     assert "| batch | artifact ms/step |" in r.stdout
     # the long prompt's step and the prefill workload (--quick: 64 tokens), timed through `dsv4c bench`
     assert res["long_context_summary"]["prompt"] == 80 and res["long_context_summary"]["artifact_step_ms"] > 0
-    (pre,) = res["prefill_summary"]
-    assert pre["prompt"] == 64 and pre["prefill_ms"] > 0
-    assert pre["tokens_per_s"] == pytest.approx(64e3 / pre["prefill_ms"])
-    assert pre["tflop"] * 1e12 == res["prefill_flops"]["64"]["total"] > 0 and "| tokens | ms |" in r.stdout
+    default, chunked = res["prefill_summary"]  # --quick: the Session's chunk, then 32 tokens per call
+    assert default["calls"] == 1 and default["chunk"] >= 64 and (chunked["chunk"], chunked["calls"]) == (32, 2)
+    for pre in (default, chunked):
+        assert pre["prompt"] == 64 and pre["prefill_ms"] > 0
+        assert pre["tokens_per_s"] == pytest.approx(64e3 / pre["prefill_ms"])
+        assert pre["tflop"] * 1e12 == res["prefill_flops"]["64"]["total"] > 0
+    assert "| tokens | chunk | calls |" in r.stdout
 
 
 def test_routing_flips_quick_run(tmp_path):
