@@ -19,6 +19,7 @@ from dsv4c.kernels.batch_invariant import (
     bi_matmul_ref,
     bi_split,
     moe_experts_bi_impl,
+    row_sum,
 )
 from sm90_compile import run_sm90_script
 
@@ -101,6 +102,21 @@ def test_hc_pre_rows_and_sum_rows_do_not_depend_on_m():
     assert torch.allclose(sum_bi(X, -1, True, True), X.mean(-1, keepdim=True), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_sum_rows_do_not_depend_on_m(dtype):
+    """row_sum (sum_bi over the last dim on a GPU) under the interpreter: K = 2500 spans three 1024-lane steps,
+    the last one masked; a row alone equals the row among 9, and the sums equal torch's to fp32 rounding."""
+    x = _rand(9, 1, 2500, dtype=dtype)
+    s9 = row_sum(x)
+    assert s9.shape == (9, 1) and s9.dtype == torch.float32
+    for i in (0, 4, 8):
+        assert torch.equal(row_sum(x[i:i + 1]), s9[i:i + 1])
+    assert torch.allclose(s9, x.float().sum(-1), rtol=1e-5, atol=1e-4)
+    assert row_sum(x[:0]).shape == (0, 1)
+    with pytest.raises(ValueError, match="row_sum"):
+        row_sum(x.to(torch.int32))
+
+
 @pytest.mark.gpu
 def test_invariant_ops_rows_on_gpu():
     """The custom ops' CUDA paths: rows at M = 1 and 8 equal rows of M = 64, bit for bit."""
@@ -108,6 +124,11 @@ def test_invariant_ops_rows_on_gpu():
     x = _rand(64, 1, 512, dtype=torch.bfloat16, device="cuda")
     s = ops.sum_bi(x.float(), -1, True, True)
     assert torch.equal(ops.sum_bi(x[:1].float(), -1, True, True), s[:1])
+    h = _rand(64, 1, 16384, dtype=torch.float32, device="cuda")  # the head's mean over hc x D at Flash dims
+    m = ops.sum_bi(h, -1, True, True)
+    assert torch.equal(ops.sum_bi(h[:1], -1, True, True), m[:1])
+    assert torch.equal(ops.sum_bi(h[:8], -1, True, True), m[:8])
+    assert torch.allclose(m, h.mean(-1, keepdim=True), rtol=1e-5, atol=1e-6)
     xg, wg = _rand(64, 1, 4, 256, dtype=torch.bfloat16, device="cuda"), _rand(4, 64, 256, dtype=torch.bfloat16,
                                                                               device="cuda", seed=1)
     for split, decode in ((1, False), (2, False), (1, True), (2, True)):
