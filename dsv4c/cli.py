@@ -364,7 +364,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting: must be >= 1, got {a.max_waiting}")
     cfg = ServeConfig(Path(a.artifact), served_model_name=a.served_model_name,
                       api_key=a.api_key or os.environ.get("DSV4C_API_KEY") or None, max_waiting=a.max_waiting,
-                      mtp=mtp, device=a.device, graphs=a.graphs, reasoning_parser=a.reasoning_parser)
+                      mtp=mtp, device=a.device, graphs=a.graphs, reasoning_parser=a.reasoning_parser,
+                      max_num_batched_tokens=a.max_num_batched_tokens)
     serve(cfg, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
@@ -562,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
                    "$DSV4C_API_KEY, else none)")
     s.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a cache slot before 503")
+    s.add_argument("--max-num-batched-tokens", type=int_at_least(1, "--max-num-batched-tokens"), default=None,
+                   help="prompt tokens per prefill call (default: the Session's, min(max_tokens, 2048)); larger "
+                        "chunks prefill faster and hold decode steps back longer")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
                    "artifact folder's name)")
     s.add_argument("--mtp", default="auto", help="MTP speculative decoding: 0, k = 1..K, or auto (decided at "
@@ -611,7 +615,8 @@ def _parallel(a: argparse.Namespace, fn) -> int | None:
                 D.send_stop(dev)
         from dsv4c.runtime import Session
 
-        D.serve_follower(Session.load(a.artifact, device=dev, emulate=a.emulate, graphs=a.graphs))
+        D.serve_follower(Session.load(a.artifact, device=dev, emulate=a.emulate, graphs=a.graphs,
+                                      max_num_batched_tokens=getattr(a, "max_num_batched_tokens", None)))
         return 0
     finally:
         D.dist.destroy_process_group()

@@ -74,6 +74,7 @@ class ServeConfig:
     device: str | None = None  # default: cuda when present
     graphs: str | None = None
     reasoning_parser: str = "auto"  # REASONING_PARSERS: auto = deepseek where the chat template closes </think>
+    max_num_batched_tokens: int | None = None  # prompt tokens per prefill call (None: the Session's default)
 
     @property
     def model_name(self) -> str:
@@ -1001,7 +1002,8 @@ def _load(st: _State) -> None:
         cfg = st.cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         t0 = time.perf_counter()
-        sess = Session.load(cfg.artifact, device=device, graphs=cfg.graphs)
+        sess = Session.load(cfg.artifact, device=device, graphs=cfg.graphs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens)
         log.info("loaded %s in %.1fs", cfg.artifact, time.perf_counter() - t0)
         _ready(st, sess)
     except Exception as e:  # /health reports it; the process keeps answering

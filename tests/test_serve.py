@@ -667,3 +667,27 @@ def _check_incremental(sess: Session, temperature: float = 0.8) -> None:
                 break
     assert [got[i] for i in range(len(specs))] == want
     assert sess.live_counts() == (0, 0)
+
+
+def test_serve_hands_the_prefill_chunk_to_the_session(tmp_path, monkeypatch):
+    """`dsv4c serve ART --max-num-batched-tokens N`: the config carries N and the loader passes it to
+    Session.load (prefill calls of at most N prompt tokens)."""
+    import dsv4c.runtime.serve as S
+    from dsv4c.cli import main
+
+    seen, load_kw = {}, {}
+    monkeypatch.setattr(S, "serve", lambda cfg, **kw: seen.update(cfg=cfg))
+    (tmp_path / "manifest.json").write_text("{}")
+    assert main(["serve", str(tmp_path), "--max-num-batched-tokens", "512"]) == 0
+    assert seen["cfg"].max_num_batched_tokens == 512
+
+    def load(cls, *args, **kw):
+        load_kw.update(kw)
+        raise RuntimeError("not loading in this test")
+
+    monkeypatch.setattr(Session, "load", classmethod(load))
+    st = S._State(seen["cfg"])
+    S._load(st)
+    assert load_kw["max_num_batched_tokens"] == 512 and "not loading" in st.load_error
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--max-num-batched-tokens", "0"])
