@@ -34,8 +34,13 @@ of its fp32 bits under the order-preserving map (flip all bits of negatives, the
 rest), by a radix search: 8 passes of 4 bits, each counting, for the 16 candidate next digits at
 once, how many visible scores are >= the candidate. Then one pass writes, compacted in ascending
 order with prefix sums, every entry above the threshold and the first (K - #above) entries equal
-to it. A row of E <= MAX_ROW scores stays in registers for all passes; a longer one is re-read in
-chunks of MAX_ROW (from L1/L2: it was written by launch 1 just before).
+to it. A row of E <= MAX_ROW scores stays in registers for all passes. A longer one (E > MAX_ROW: contexts
+past 4·MAX_ROW = 8192 tokens) is selected in stages (`_select_sliced`, while 2·K <= MAX_ROW): slices of
+MAX_ROW entries side by side, each keeping its top K with their scores, until one slice holds the survivors;
+the same set and order as one program would take. Otherwise one program re-reads the row in chunks of MAX_ROW
+(from L1/L2: it was written by launch 1 just before), 8 counting passes and 2 writing passes over all of it:
+at 65536 tokens (E = 16384) the slice's batch-1 decode step was 0.32 ms slower than at 1024 (2026-12-06, run39),
+this one-program selection the likely share of it (not profiled).
 
 Both grids are fixed by the shapes, nothing is read back to the host: capture-safe. `slots` must
 index real cache slots (not checked on device; `batch_meta` checks it on the host).
@@ -158,38 +163,88 @@ def _select_kernel(s_ptr, pos0_ptr, out_ptr, T, E, m, K: tl.constexpr, CHUNK: tl
         for j0 in range(0, K, BLOCK_K):
             j = j0 + tl.arange(0, BLOCK_K)
             tl.store(out_row + j, tl.where(j < n_vis, j, -1).to(tl.int64), mask=j < K)
+    elif N_CHUNKS == 1:
+        e, u, valid = _load_keys(s_row, 0, n_vis, CHUNK)
+        thr = _threshold(u, valid, K, DIGIT)
+        # write: every key > thr, then the lowest-index keys == thr until K are taken; ascending entry order
+        need = K - tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
+        _write_chunk(out_row, e, u, valid, thr, need, 0, 0, K)
     else:
         RADIX: tl.constexpr = 1 << DIGIT
         digits = tl.arange(0, RADIX).to(tl.uint32)
-        if N_CHUNKS == 1:
-            e, u, valid = _load_keys(s_row, 0, n_vis, CHUNK)
         # thr: the K-th largest key, built digit by digit from the top; count(keys >= thr) >= K throughout
         thr = tl.zeros((), tl.uint32)
         for p in tl.static_range(32 // DIGIT):
             cand = thr + (digits << (32 - DIGIT * (p + 1)))                        # [RADIX], ascending
-            if N_CHUNKS == 1:
-                cnt = _count_ge(u, valid, cand)
-            else:
-                cnt = tl.zeros((RADIX,), tl.int32)
-                for c in range(N_CHUNKS):
-                    e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
-                    cnt += _count_ge(u, valid, cand)
+            cnt = tl.zeros((RADIX,), tl.int32)
+            for c in range(N_CHUNKS):
+                e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
+                cnt += _count_ge(u, valid, cand)
             best = tl.sum((cnt >= K).to(tl.int32), axis=0) - 1                      # cnt is non-increasing
             thr = thr + (best.to(tl.uint32) << (32 - DIGIT * (p + 1)))
         # write: every key > thr, then the lowest-index keys == thr until K are taken; ascending entry order
-        if N_CHUNKS == 1:
-            need = K - tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
-            _write_chunk(out_row, e, u, valid, thr, need, 0, 0, K)
-        else:
-            need = K
-            for c in range(N_CHUNKS):
-                e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
-                need -= tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
-            taken = 0
-            ties = 0
-            for c in range(N_CHUNKS):
-                e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
-                taken, ties = _write_chunk(out_row, e, u, valid, thr, need, taken, ties, K)
+        need = K
+        for c in range(N_CHUNKS):
+            e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
+            need -= tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
+        taken = 0
+        ties = 0
+        for c in range(N_CHUNKS):
+            e, u, valid = _load_keys(s_row, c * CHUNK, n_vis, CHUNK)
+            taken, ties = _write_chunk(out_row, e, u, valid, thr, need, taken, ties, K)
+
+
+@triton.jit
+def _threshold(u, valid, K: tl.constexpr, DIGIT: tl.constexpr):
+    """The K-th largest valid key of u [C] (in registers): built digit by digit from the top, DIGIT bits a
+    pass, keeping count(valid keys >= thr) >= K."""
+    RADIX: tl.constexpr = 1 << DIGIT
+    digits = tl.arange(0, RADIX).to(tl.uint32)
+    thr = tl.zeros((), tl.uint32)
+    for p in tl.static_range(32 // DIGIT):
+        cand = thr + (digits << (32 - DIGIT * (p + 1)))                            # [RADIX], ascending
+        best = tl.sum((_count_ge(u, valid, cand) >= K).to(tl.int32), axis=0) - 1    # counts are non-increasing
+        thr = thr + (best.to(tl.uint32) << (32 - DIGIT * (p + 1)))
+    return thr
+
+
+@triton.jit
+def _select_slice_kernel(s_ptr, id_ptr, pos0_ptr, cs_ptr, cid_ptr, T, L, m, K: tl.constexpr, SLICE: tl.constexpr,
+                         BLOCK_K: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, DIGIT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program (row, s) of one stage of the sliced selection (rows longer than MAX_ROW): the top K of the row's
+    candidates [s·SLICE, (s+1)·SLICE) by (score desc, id asc), their ids (and, unless LAST, their scores)
+    written in ascending id order at [row, s·K ...] of cid / cs [rows, S·K], then (-1, -inf) up to K.
+    FIRST: the candidates are the score row [rows, L] itself, id = position, valid below n_vis; else ids come
+    from id_ptr [rows, L] (-1: empty). LAST (one slice): cid is the op's output [rows, K]."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    p = sl * SLICE + tl.arange(0, SLICE)
+    if FIRST:
+        valid = p < _n_visible(pos0_ptr, row, T, L, m)
+        ids = p.to(tl.int64)
+    else:
+        ids = tl.load(id_ptr + row * L + p, mask=p < L, other=-1)
+        valid = ids >= 0
+    sc = tl.load(s_ptr + row * L + p, mask=valid, other=0.0)
+    u = _ordered_bits(sc)
+    if tl.sum(valid.to(tl.int32), axis=0) > K:
+        thr = _threshold(u, valid, K, DIGIT)
+        eq = ((u == thr) & valid).to(tl.int32)
+        need = K - tl.sum(((u > thr) & valid).to(tl.int32), axis=0)
+        take = (((u > thr) & valid) | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))).to(tl.int32)
+    else:
+        take = valid.to(tl.int32)
+    dst = tl.cumsum(take, axis=0) - take                                           # ascending positions
+    base = (row * tl.num_programs(1) + sl) * K
+    tl.store(cid_ptr + base + dst, ids, mask=take != 0)
+    j = tl.arange(0, BLOCK_K)
+    pad = (j >= tl.sum(take, axis=0)) & (j < K)
+    tl.store(cid_ptr + base + j, tl.full((BLOCK_K,), -1, tl.int64), mask=pad)
+    if not LAST:
+        tl.store(cs_ptr + base + dst, sc, mask=take != 0)
+        tl.store(cs_ptr + base + j, tl.full((BLOCK_K,), float("-inf"), tl.float32), mask=pad)
 
 
 @triton.jit
@@ -269,7 +324,8 @@ def v4_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
 def v4_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                           pos0: torch.Tensor, topk: int, m: int, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """idx [B, T, topk] int64: the model op's set of entries in ascending entry order, -1 after (module
-    doc). Two launches; CPU tensors run under the Triton interpreter. With `block_table` [n_slots, NB]
+    doc). Two launches (a stage more per 4x of a row past MAX_ROW); CPU tensors run under the Triton
+    interpreter. With `block_table` [n_slots, NB]
     (paged): keys is a pool [N + 1, RB, dI] read through the table, E = NB·RB."""
     _check(q, weights, keys, slots, pos0, topk, m)
     B, T = q.shape[:2]
@@ -284,11 +340,37 @@ def v4_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
         return out.fill_(-1)
     scores = torch.empty(B, T, E, dtype=torch.float32, device=q.device)
     _scores_into(scores, q, weights, keys, slots, pos0, m, block_table)
+    if E > MAX_ROW and 2 * topk <= MAX_ROW:
+        _select_sliced(scores.view(B * T, E), pos0, out.view(B * T, topk), T, m, topk)
+        return out
     chunk = min(MAX_ROW, triton.next_power_of_2(E))
     _select_kernel[(B * T,)](scores, pos0, out, T, E, m, K=topk, CHUNK=chunk, N_CHUNKS=triton.cdiv(E, chunk),
                              BLOCK_K=min(BLOCK_K, triton.next_power_of_2(topk)), DIGIT=DIGIT_BITS,
                              num_warps=8 if chunk >= 1024 else 4, **pdl_launch(scores))
     return out
+
+
+def _select_sliced(scores: torch.Tensor, pos0: torch.Tensor, out: torch.Tensor, T: int, m: int, topk: int) -> None:
+    """Launch 2 for rows longer than MAX_ROW, in stages: each stage cuts every row into slices of MAX_ROW
+    candidates, one program a slice keeps its top K (ids ascending, with their scores), so a row of L candidates
+    becomes ceil(L / MAX_ROW)·K, until one slice holds them all and writes `out`. A row's top K by (score desc,
+    id asc) is within the union of its slices' top K (each slice's share of it is a prefix of that slice's
+    order), so the result is the one-program selection's, exactly; the slices run side by side instead of one
+    program re-reading the row 8 + 2 times. Needs 2·K <= MAX_ROW (each stage at least halves a long row)."""
+    R, L = scores.shape
+    s, ids, first = scores, scores, True  # ids unused in the first stage (the position is the id)
+    while True:
+        S = triton.cdiv(L, MAX_ROW)
+        last = S == 1
+        slice_ = MAX_ROW if not last else max(16, triton.next_power_of_2(L))
+        cs = s if last else torch.empty(R, S * topk, dtype=torch.float32, device=s.device)
+        cid = out if last else torch.empty(R, S * topk, dtype=torch.int64, device=s.device)
+        _select_slice_kernel[(R, S)](s, ids, pos0, cs, cid, T, L, m, K=topk, SLICE=slice_,
+                                     BLOCK_K=triton.next_power_of_2(max(topk, 1)), FIRST=first, LAST=last,
+                                     DIGIT=DIGIT_BITS, num_warps=8 if slice_ >= 1024 else 4, **pdl_launch(s))
+        if last:
+            return
+        s, ids, L, first = cs, cid, S * topk, False
 
 
 def v4_indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,

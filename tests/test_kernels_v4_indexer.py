@@ -7,12 +7,15 @@ Dimensions: B rows, T tokens, HI heads, dI head dim, E entry capacity, K topk.
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from dsv4c.kernels import v4_indexer as V
 from dsv4c.kernels.tolerances import rel_err
 
 from dsv4c.model.v4_ops import v4_indexer_topk
+from sm90_compile import run_sm90_script
 
 SCORE_REL_ERR = 1e-6   # fp32 scores vs fp64 (only the summation order differs); measured <= 8.5e-8 on CPU
 NEAR_TIE = 1e-5        # relative distance to the K-th score within which set membership may differ
@@ -142,6 +145,36 @@ def test_multi_chunk_rows(monkeypatch, topk):
     assert_selection(V.v4_indexer_topk_fused(*args, topk, M), args, topk)
 
 
+@pytest.mark.parametrize("topk", [4, 16])
+@pytest.mark.parametrize("tie", [None, "equal"])
+def test_sliced_selection_of_long_rows(monkeypatch, topk, tie):
+    """Rows longer than MAX_ROW (32 here) go through `_select_sliced`: 300 entries and K = 4 take three stages
+    (300 -> 10 slices x 4 -> 2 x 4 -> the output), K = 16 five. The result equals the one-program order
+    exactly: the top K by (score desc, index asc), ascending, with rows of nothing, fewer than K and partly
+    visible entries, and ties spread over many slices."""
+    monkeypatch.setattr(V, "MAX_ROW", 32)
+    stages = []
+    real = V._select_slice_kernel
+
+    class Count:  # counts the stage launches, runs the real kernel
+        def __getitem__(self, grid):
+            stages.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(V, "_select_slice_kernel", Count())
+    q, w, keys, slots, pos0 = make_inputs(3, 2, 4, 16, 300, [0, 40, 1500], seed=11)  # n_vis 0 / 10-11 / 300
+    if tie:
+        keys[:, 100:] = 100 * keys[:, 100:101]            # entries 100.. tie, far above the rest
+        w = w.abs()
+    args = [q, w, keys, slots, pos0]
+    out = V.v4_indexer_topk_fused(*args, topk, M)
+    assert torch.equal(out, lowest_index_topk(V.v4_indexer_scores(*args, M), topk))
+    assert_selection(out, args, topk)
+    assert [g[1] for g in stages] == ([10, 2, 1] if topk == 4 else [10, 5, 3, 2, 1])
+    if tie:
+        assert (out[2] >= 100).all()                      # the long rows took the lowest of 200 tied entries
+
+
 def test_negative_and_zero_scores():
     """Negative weights give negative scores, relu gives exact zeros: the fp32 -> ordered-bits map."""
     q, w, keys, slots, pos0 = make_inputs(2, 2, 4, 16, 60, [230, 239], seed=3)
@@ -200,6 +233,19 @@ def test_gpu_flash_shapes(B, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_gpu_sliced_selection_at_65536_tokens(B):
+    """E = 16384 (a 65536-token context): the staged selection (`_select_sliced`, 8 -> 2 -> 1 slices) gives
+    exactly the top 512 by (score desc, index asc) of the kernel's own scores, and the model op's set."""
+    E = 16384
+    pos0 = [65535 - 7919 * i for i in range(B)]
+    args = make_inputs(B, 1, 64, 128, E, pos0, n_slots=max(B, 2), dtype=torch.bfloat16, device="cuda")
+    out = V.v4_indexer_topk_fused(*args, 512, M)
+    assert torch.equal(out, lowest_index_topk(V.v4_indexer_scores(*args, M), 512))
+    assert_selection(out, args, 512)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay_equals_eager():
     B, T, E = 8, 2, 2048
     args = make_inputs(B, T, 64, 128, E, [100 * i + 7 for i in range(B)], n_slots=B, dtype=torch.bfloat16,
@@ -215,3 +261,28 @@ def test_gpu_cuda_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, V.v4_indexer_topk_fused(*args, 512, M))
+
+
+_SM90_SLICE_SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels.v4_indexer import _select_slice_kernel as fn
+
+    names = list(fn.arg_names)
+    types = {"s_ptr": "*fp32", "id_ptr": "*i64", "pos0_ptr": "*i64", "cs_ptr": "*fp32", "cid_ptr": "*i64"}
+    for first, last in ((True, False), (False, False), (False, True)):
+        consts = dict(K=512, SLICE=2048 if not last else 1024, BLOCK_K=512, FIRST=first, LAST=last, DIGIT=4, PDL=True)
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        print("kernel", int(first), int(last), int("griddepcontrol.wait" in k.asm["ptx"]))
+''')
+
+
+def test_sliced_selection_compiles_for_sm90(tmp_path):
+    """`_select_slice_kernel` at the Flash indexer's K = 512 and MAX_ROW = 2048, each stage kind, compiled (not
+    run) for sm_90 with the real compiler, with the PDL wait as sm_90 launches it."""
+    rows = run_sm90_script(tmp_path, _SM90_SLICE_SCRIPT)
+    assert rows == [["1", "0", "1"], ["0", "0", "1"], ["0", "1", "1"]], rows
