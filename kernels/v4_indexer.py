@@ -324,9 +324,9 @@ def v4_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
 def v4_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                           pos0: torch.Tensor, topk: int, m: int, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """idx [B, T, topk] int64: the model op's set of entries in ascending entry order, -1 after (module
-    doc). Two launches (a stage more per 4x of a row past MAX_ROW); CPU tensors run under the Triton
-    interpreter. With `block_table` [n_slots, NB]
-    (paged): keys is a pool [N + 1, RB, dI] read through the table, E = NB·RB."""
+    doc). Two launches (rows past MAX_ROW entries: one more per stage of `_select_sliced`); CPU tensors run
+    under the Triton interpreter. With `block_table` [n_slots, NB] (paged): keys is a pool [N + 1, RB, dI]
+    read through the table, E = NB·RB."""
     _check(q, weights, keys, slots, pos0, topk, m)
     B, T = q.shape[:2]
     E = keys.shape[1]
