@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=27, help="decode steps per batch; the first 3 are warm-up")
-    ap.add_argument("--long-context", type=int, default=0, help="also bench batch 1 with a prompt this long")
+    ap.add_argument("--long-context", type=int, nargs="*", default=[],
+                    help="also bench batch 1 after prompts this long (benchmark.md: 8192; issue 28: 65536)")
     ap.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384],
                     help="prompt lengths whose prefill (batch 1) is timed against the compute roofline")
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[0],
@@ -224,10 +225,11 @@ def main(argv=None) -> int:
         by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
         roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
         res["roofline"][r["batch"]] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
-    if a.long_context:  # the batch-1 step at the long prompt: its caches' bytes, batch 1's unique experts
-        by = step_bytes(model, 1, a.long_context, peers["eager"][0]["unique_experts"] if a.batches[0] == 1 else [])
+    res["roofline_long_context"] = {}
+    for n in a.long_context:  # the batch-1 step after a long prompt: its caches' bytes, batch 1's unique experts
+        by = step_bytes(model, 1, n, peers["eager"][0]["unique_experts"] if a.batches[0] == 1 else [])
         roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
-        res["roofline_long_context"] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
+        res["roofline_long_context"][n] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
     res["prefill_flops"] = {P: prefill_flops(model, P) for P in a.prefill}
     compiled = None  # the compiled function holds the model
     torch._dynamo.reset()
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
     # 4. dsv4c compile
     t0 = time.perf_counter()
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
-                str(max(a.batches)), "--max-tokens", str(max(a.prompt, a.long_context, *a.prefill) + a.steps + 8),
+                str(max(a.batches)), "--max-tokens", str(max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8),
                 "--buckets", ",".join(map(str, sorted(set(a.batches)))))  # capture only what is timed
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")
@@ -280,8 +282,8 @@ def main(argv=None) -> int:
         res["accuracy"] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"accuracy failed: {e}", flush=True)
     stage("accuracy", t0)
-    if a.long_context:
-        bench([1], a.long_context)
+    for n in a.long_context:
+        bench([1], n)
     for chunk in a.prefill_chunks:
         for P in a.prefill:
             try:
@@ -402,17 +404,19 @@ def summarize(res: dict) -> list[dict]:
     return out
 
 
-def summarize_long(res: dict) -> dict | None:
-    """The long-prompt batch-1 step against the roofline at that context (its cache reads)."""
-    roof = res.get("roofline_long_context")
-    if not roof or len(res["bench"]) < 2:
-        return None
-    r = res["bench"][1]["rows"][0]
-    out = {"prompt": r["prompt_len"], "artifact_step_ms": r["step_ms_p50"],
-           "prefill_tokens_per_s": r["prefill_tokens_per_s"]}
-    for k in ("roofline_ms", "roofline_stored_ms"):
-        out[k] = roof[k]
-        out[k.replace("_ms", "_fraction")] = roof[k] / r["step_ms_p50"] if roof[k] else None
+def summarize_long(res: dict) -> list[dict]:
+    """Per long prompt: the batch-1 step after it against the roofline at that context (its cache reads)."""
+    roofs = res.get("roofline_long_context") or {}
+    out = []
+    for b in res["bench"][1:]:
+        r = b["rows"][0]
+        roof = roofs.get(r["prompt_len"]) or roofs.get(str(r["prompt_len"]))  # int keys turn str in JSON
+        row = {"prompt": r["prompt_len"], "artifact_step_ms": r["step_ms_p50"],
+               "prefill_tokens_per_s": r["prefill_tokens_per_s"]}
+        for k in ("roofline_ms", "roofline_stored_ms"):
+            row[k] = roof[k]
+            row[k.replace("_ms", "_fraction")] = roof[k] / r["step_ms_p50"] if roof[k] else None
+        out.append(row)
     return out
 
 
@@ -456,8 +460,7 @@ def table(res: dict) -> str:
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
                      f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x | "
                      f"{_snr(r.get('pinned_snr_db'))} ({_snr(r.get('free_snr_db'))}) |")
-    lc = res.get("long_context_summary")
-    if lc:
+    for lc in res.get("long_context_summary") or []:
         lines.append(f"batch 1 after a {lc['prompt']}-token prompt: {lc['artifact_step_ms']:.3f} ms/step, "
                      f"{f(lc['roofline_fraction'], '.1%')} of its roofline ({f(lc['roofline_ms'], '.3f')} ms), "
                      f"{f(lc['roofline_stored_fraction'], '.1%')} of the stored-format one; prefill "
