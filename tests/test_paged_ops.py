@@ -208,6 +208,24 @@ def test_triton_indexer_table_lookups_per_tile_and_odd_block_rows(RB):
         assert torch.equal(want, v4_indexer_topk_fused(q, w, pool, slots, pos0, topk, 4, block_table=table))
 
 
+def test_triton_indexer_sliced_selection_through_the_block_table(monkeypatch):
+    """Rows longer than MAX_ROW (32 here, E = 192 entries in blocks of 12) take the staged selection on the
+    paged layout too: bit for bit the slot path, and the paged reference's set."""
+    from dsv4c.kernels import v4_indexer as V
+
+    monkeypatch.setattr(V, "MAX_ROW", 32)
+    g = torch.Generator().manual_seed(10)
+    B, HI, dI, n_slots, E, RB = 3, 4, 16, 4, 192, 12
+    q, w = torch.randn(B, 1, HI, dI, generator=g), torch.randn(B, 1, HI, generator=g)
+    keys = torch.randn(n_slots, E, dI, generator=g)
+    slots, pos0 = torch.tensor([2, 0, 1]), torch.tensor([700, 300, 40])
+    pool, table = paged_copy(keys, 3 * E // RB + 2, RB)
+    want = V.v4_indexer_topk_fused(q, w, keys, slots, pos0, 8, 4)
+    got = V.v4_indexer_topk_fused(q, w, pool, slots, pos0, 8, 4, block_table=table)
+    assert torch.equal(want, got)
+    assert torch.equal(got, V.v4_indexer_topk_paged_fused_ref(q, w, pool, table, slots, pos0, 8, 4))
+
+
 def test_bench_paged_kernels_quick_run(tmp_path):
     """examples/bench_paged_kernels.py on the interpreter: every kernel and its paged twin, both block
     layouts, give bit-identical results (no timing on the CPU)."""
