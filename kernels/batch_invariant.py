@@ -34,11 +34,12 @@ make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N,
 [1536, 4096] weight in 64-row tiles is 24 programs, each walking all of K, a few percent of the copy
 bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. Decode-kind graphs also
 get the decode tile (`decode=True`, DECODE_*): the 64 x 64 tile spends 63 of its 64 MMA rows on padding at
-one token and walks K 64 columns at a time, 25% of the copy bandwidth on the H100 even with the split
-(BENCHMARKS.md, 2026-12-06); the decode tile puts 64 weight rows on the MMA's rows and 16 token rows on its
-columns, with 128-column K steps and 4 stages in flight. Column j of w_tile @ x_tile^T depends on token
-row j only, so it is batch-invariant for the same reason. A row is invariant
-within its graph kind, and every token's row is always computed by the same kind (a prompt token by
+one token and walks K 64 columns at a time; the decode tile puts 64 weight rows on the MMA's rows and 16 token
+rows on its columns, with 128-column K steps and 4 stages in flight (H200, the slice's dense shapes: 0.98x /
+0.97x of cuBLAS bf16 at 1 / 8 tokens against the 64 x 64 tile's 0.92x, but 0.48x at 64 tokens, where each
+weight tile is read once per 16 tokens; BENCHMARKS.md, 2026-12-06, run38). Column j of w_tile @ x_tile^T
+depends on token row j only, so it is batch-invariant for the same reason. A row is invariant within its
+graph kind, and every token's row is always computed by the same kind (a prompt token by
 prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
 the same at 1 token and at 64. FP4 weight-only experts keep their stored bytes: `moe_experts_fp4_bi`
