@@ -248,7 +248,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise ValueError("run: give at least one --prompt, --prompt-file or --prompt-ids")
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     sess = Session.load(a.artifact, device=a.device, emulate=a.emulate, graphs=a.graphs,
-                        deterministic=a.deterministic)
+                        deterministic=a.deterministic, max_num_batched_tokens=a.max_num_batched_tokens)
     results = sess.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, mtp=a.mtp, min_p=a.min_p, presence_penalty=a.presence_penalty,
                             frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty)
@@ -407,6 +407,13 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
+def _chunk_arg(s: argparse.ArgumentParser) -> None:
+    """--max-num-batched-tokens of run, bench and serve: the Session's prefill chunk."""
+    s.add_argument("--max-num-batched-tokens", type=int_at_least(1, "--max-num-batched-tokens"), default=None,
+                   help="prompt tokens per prefill call (default: the Session's, min(max_tokens, 2048)); larger "
+                        "chunks prefill faster and hold decode steps back longer")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import dsv4c
 
@@ -507,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-ids", action="append", metavar="IDS", help="a prompt as comma-separated token ids "
                    "(repeatable; for artifacts without a tokenizer)")
     s.add_argument("--max-new-tokens", type=int_at_least(1, "--max-new-tokens"), default=32)
+    _chunk_arg(s)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0)
@@ -541,8 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes (sequences)")
     s.add_argument("--prompt-len", type=int_at_least(1, "--prompt-len"), default=128, help="prompt tokens")
     s.add_argument("--output-len", type=int_at_least(1, "--output-len"), default=32, help="generated tokens")
-    s.add_argument("--max-num-batched-tokens", type=int_at_least(1, "--max-num-batched-tokens"), default=None,
-                   help="prompt tokens per prefill call (default: the Session's, min(max_tokens, 2048))")
+    _chunk_arg(s)
     s.add_argument("--device", type=device_arg, default=_default_device(),
                    help="cpu or cuda (default: cuda when a GPU is present)")
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
@@ -563,9 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: "
                    "$DSV4C_API_KEY, else none)")
     s.add_argument("--max-waiting", type=int, default=256, help="requests waiting for a cache slot before 503")
-    s.add_argument("--max-num-batched-tokens", type=int_at_least(1, "--max-num-batched-tokens"), default=None,
-                   help="prompt tokens per prefill call (default: the Session's, min(max_tokens, 2048)); larger "
-                        "chunks prefill faster and hold decode steps back longer")
+    _chunk_arg(s)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
                    "artifact folder's name)")
     s.add_argument("--mtp", default="auto", help="MTP speculative decoding: 0, k = 1..K, or auto (decided at "

@@ -306,6 +306,28 @@ def test_max_batch_1_artifact_runs_and_a_bare_string_is_one_prompt(art, session)
         session.generate("a\udcffb", max_new_tokens=1)
 
 
+def test_run_prefills_in_chunks_of_max_num_batched_tokens(art, session, monkeypatch):
+    """`dsv4c run --max-num-batched-tokens 2`: the Session loads with 2-token prefill calls, and a 9-token prompt
+    gives the tokens of the default chunking."""
+    from dsv4c.runtime import Session
+
+    seen = {}
+    real = Session.load.__func__
+
+    def load(cls, *args, **kw):
+        seen.update(kw)
+        return real(cls, *args, **kw)
+
+    monkeypatch.setattr(Session, "load", classmethod(load))
+    rc, out, err = cli("run", art, "--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-new-tokens", "3",
+                       "--max-num-batched-tokens", "2", "--stats")
+    assert rc == 0, err
+    assert seen["max_num_batched_tokens"] == 2
+    want = session.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]], max_new_tokens=3)[0].text
+    line, stats = out.splitlines()[:2]
+    assert line == "5,6,7,8,9,10,11,12,13" + want and "prefill chunks 5]" in stats  # ceil(9 / 2) calls
+
+
 def test_run_reads_prompt_files_and_stdin(art, session, tmp_path, monkeypatch):
     from dsv4c.runtime import Session
 
