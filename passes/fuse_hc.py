@@ -1,4 +1,5 @@
-"""Fuse each mHC site's pre-mix and post-mix into one custom op each (DeepSeek-V4).
+"""Fuse each mHC site's pre-mix and post-mix, and the collapse before the head, into one custom op each
+(DeepSeek-V4).
 
 Every V4 block has two mHC sites (attention and FFN; the MTP block too). Exported, one site's
 `HyperConnection.pre` is ~36 ATen ops around the (already fused) Sinkhorn, and `.post` ~8, each a GPU
@@ -15,6 +16,11 @@ After:
     u, post, comb = dsv4c.hc_pre(X, fn, base, scale, eps, hc_eps, iters)
     X' = dsv4c.hc_post(y, X, post, comb)
 
+And the head's collapse of the streams (`hc_head_collapse`, once per graph before the final norm and the LM
+head, and in the MTP block; ~12 ATen ops: the same z, then w = sigmoid(scale·z + base) + hc_eps, u = Σ_k w_k·X[k]):
+    u = dsv4c.hc_head(X, fn, base, scale, eps, hc_eps)        # hc_pre's launches with N mix rows, u alone
+Deterministic graphs keep the head unfused (its ATen mean and linear become make_batch_invariant's ops).
+
 Why it is valid: the patterns are not written by hand. Each is the model's own function
 (`HyperConnection.pre`, `HyperConnection.post`) exported with torch.export for this config's N, eps,
 hc_eps and iters and the graph's activation dtype, so it is exactly the op sequence the model's graphs
@@ -26,7 +32,7 @@ functions: on the CPU they call `HyperConnection.pre`/`.post` (bit-exact), on CU
 compute the same formulas in fp32 (tests/test_fuse_hc.py bounds the difference). A site whose
 tensors do not have the model's dtypes and shapes (N a power of two <= 16, fp32 weights) stays.
 
-`stats`: `pre` and `post`, the sites fused.
+`stats`: `pre`, `post` and `head`, the sites fused.
 """
 from __future__ import annotations
 
@@ -52,6 +58,17 @@ class _Pre(nn.Module):
         from dsv4c.model.v4 import HyperConnection
 
         return HyperConnection.pre(self.hc, X, fn, base, scale)
+
+
+class _Head(nn.Module):
+    def __init__(self, eps: float, hc_eps: float):
+        super().__init__()
+        self.eps, self.hc_eps = eps, hc_eps
+
+    def forward(self, X, fn, base, scale):
+        from dsv4c.model.v4 import hc_head_collapse
+
+        return hc_head_collapse(X, fn, base, scale, self.eps, self.hc_eps)
 
 
 class _Post(nn.Module):
@@ -86,6 +103,13 @@ def post_pattern(n: int, dtype: torch.dtype):
     return export_pattern(_Post(), ex).graph
 
 
+@functools.lru_cache(maxsize=8)
+def head_pattern(n: int, eps: float, hc_eps: float, dtype: torch.dtype):
+    """`hc_head_collapse` exported on X [2, 3, n, 8] of `dtype`."""
+    ex = (torch.zeros(2, 3, n, 8, dtype=dtype), torch.zeros(n, n * 8), torch.zeros(n), torch.zeros(1))
+    return export_pattern(_Head(eps, hc_eps), ex).graph
+
+
 def _streams_ok(X, n: int):
     v = tensor_value(X)
     return v is not None and v.dim() == 4 and v.dtype in _ACT and v.shape[-2] == n
@@ -102,6 +126,14 @@ def _pre_ok(site, n: int) -> bool:
         return False
     mix, d = (2 + n) * n, tensor_value(X).shape[-1]
     return isinstance(d, int) and _fp32(fn, (mix, n * d)) and _fp32(base, (mix,)) and _fp32(scale, (3,))
+
+
+def _head_ok(site, n: int) -> bool:
+    X, fn, base, scale = site.inputs
+    if not _streams_ok(X, n):
+        return False
+    d = tensor_value(X).shape[-1]
+    return isinstance(d, int) and _fp32(fn, (n, n * d)) and _fp32(base, (n,)) and _fp32(scale, (1,))
 
 
 def _post_ok(site, n: int) -> bool:
@@ -121,12 +153,13 @@ def fuse_hc(gm: GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.config
     if not cfg.is_v4:
         return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": "no mHC (not a V4 model)"})
-    ops = kernel_ops(ctx, "hc_pre", "hc_post")
+    ops = kernel_ops(ctx, "hc_pre", "hc_post", "hc_head")
     if ops is None:
-        return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": unavailable("hc_pre", "hc_post")})
-    pre_op, post_op = ops
+        return PassResult(gm, False, {"pre": 0, "post": 0, "head": 0,
+                                      "skipped": unavailable("hc_pre", "hc_post", "hc_head")})
+    pre_op, post_op, head_op = ops
     n, eps, hc_eps, iters = cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
-    pre = post = 0
+    pre = post = head = 0
     for dt in _act_dtypes(gm):
         for fused in (True, False):
             pattern = pre_pattern(n, eps, hc_eps, iters, dt, fused)
@@ -134,7 +167,10 @@ def fuse_hc(gm: GraphModule, ctx: PassContext) -> PassResult:
                 pre += fuse_sites(gm, pattern, lambda s: (pre_op, (*s.inputs, eps, hc_eps, iters)) if _pre_ok(s, n)
                                   else None)
         post += fuse_sites(gm, post_pattern(n, dt), lambda s: (post_op, tuple(s.inputs)) if _post_ok(s, n) else None)
-    if pre or post:
+        if not ctx.deterministic:
+            head += fuse_sites(gm, head_pattern(n, eps, hc_eps, dt),
+                               lambda s: (head_op, (*s.inputs, eps, hc_eps)) if _head_ok(s, n) else None)
+    if pre or post or head:
         gm.graph.lint()
         gm.recompile()
-    return PassResult(gm, bool(pre or post), {"pre": pre, "post": post})
+    return PassResult(gm, bool(pre or post or head), {"pre": pre, "post": post, "head": head})

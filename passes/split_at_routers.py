@@ -98,6 +98,7 @@ OP_CAPTURE: dict[str, str | None] = {
     # grids fixed by the shapes
     "dsv4c.hc_pre": None,
     "dsv4c.hc_post": None,
+    "dsv4c.hc_head": None,  # passes/fuse_hc.py: hc_pre's launches
     "dsv4c.hc_post_pre": None,  # passes/fuse_hc_chain.py: two or three of the same launches
     "dsv4c.rms_norm": None,
     "dsv4c.rope_interleaved": None,

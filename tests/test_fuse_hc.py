@@ -12,8 +12,8 @@ import torch
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph
 import dsv4c.kernels.mhc as mhc_mod
-from dsv4c.kernels.mhc import (_eager_z, hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn, sinkhorn_cuda_order,
-                               sinkhorn_ref)
+from dsv4c.kernels.mhc import (_eager_z, hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn,
+                               sinkhorn_cuda_order, sinkhorn_ref)
 from dsv4c.kernels.norm import EXACT_ROWS_MIN, torch_cuda_row_sum
 from dsv4c.model import build_model, register_ops
 from dsv4c.model.v4 import HyperConnection
@@ -108,6 +108,33 @@ def test_hc_pre_kernel_matches_fp64(lead, N, D, dtype, chunk, rows, exact):
     if got[2].numel():  # Sinkhorn did normalise: columns sum to ~1 (a kernel skipping it fails here)
         assert torch.allclose(got[2].sum(-2), torch.ones(()), atol=1e-4)
         assert _rel(got[1], want[1]) <= KERNEL_REL[torch.float32] < _rel(got[1] / 2, want[1])
+
+
+def _head64(X, fn, base, scale, eps, hc_eps):
+    x = X.flatten(-2).double()
+    z = (x @ fn.double().t()) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    w = torch.sigmoid(scale.double() * z + base.double()) + hc_eps
+    return (w[..., None] * X.double()).sum(-2)
+
+
+@pytest.mark.parametrize("lead,N,D,dtype", [((2, 3), 4, 40, torch.float32), ((5,), 2, 33, torch.float32),
+                                            ((3, 1), 4, 64, torch.bfloat16), ((0, 1), 4, 16, torch.float32)])
+@pytest.mark.parametrize("rows,exact", [(True, False), (False, False), (False, True), (True, True)])
+def test_hc_head_kernel_matches_fp64_and_the_model(lead, N, D, dtype, rows, exact):
+    """hc_head (the collapse before the LM head: hc_pre's launches with N mix rows, u alone) in every variant:
+    the one-row and tiled first launches, the fast and exact finishes (exact without rows: z from eager's ops)."""
+    g = torch.Generator().manual_seed(N * D)
+    X = torch.randn(*lead, N, D, generator=g).to(dtype)
+    fn, base = torch.randn(N, N * D, generator=g) / (N * D) ** 0.5, 0.3 * torch.randn(N, generator=g)
+    scale = 0.5 + torch.rand(1, generator=g)
+    got = hc_head(X, fn, base, scale, EPS, HC_EPS, rows=rows, exact=exact)
+    assert got.shape == (*lead, D) and got.dtype == dtype
+    assert _rel(got, _head64(X, fn, base, scale, EPS, HC_EPS)) <= KERNEL_REL[dtype]
+    assert _rel(got, hc_head_ref(X, fn, base, scale, EPS, HC_EPS)) <= 2 * KERNEL_REL[dtype]
+    assert torch.equal(torch.ops.dsv4c.hc_head(X, fn, base, scale, EPS, HC_EPS),
+                       hc_head_ref(X, fn, base, scale, EPS, HC_EPS))  # the CPU op is the model's function
+    with pytest.raises(ValueError, match="hc_head: scale"):
+        hc_head(X, fn, base, scale.repeat(3), EPS, HC_EPS)
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -367,16 +394,27 @@ def test_pass_fuses_every_site_bit_exact(kind, dtype, sinkhorn_first):
     res = fuse_hc(gm, ctx)
     gm = res.graph
     verify(gm, ctx, after="fuse_hc")
-    assert res.changed and res.stats == {"pre": _sites(kind), "post": _sites(kind)}
+    assert res.changed and res.stats == {"pre": _sites(kind), "post": _sites(kind), "head": 1}  # one head a graph
     assert _count(gm, torch.ops.dsv4c.hc_pre.default) == _count(gm, torch.ops.dsv4c.hc_post.default) == _sites(kind)
+    assert _count(gm, torch.ops.dsv4c.hc_head.default) == 1
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.dsv4c.sinkhorn.default not in ops
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.einsum.default and n.args[0] == "btjk,btjd->btkd"]
-    assert ops.count(torch.ops.aten.sigmoid.default) == 1  # hc_head_collapse's, not an mHC site's
+    assert torch.ops.aten.sigmoid.default not in ops  # every mHC site's and the head's are inside the fused ops
     args = _inputs("v4", kind, dtype)
     _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the ops are the model's functions: exact
     again = fuse_hc(gm, ctx)
-    assert not again.changed and again.stats == {"pre": 0, "post": 0}
+    assert not again.changed and again.stats == {"pre": 0, "post": 0, "head": 0}
+
+
+def test_deterministic_graphs_keep_the_head_unfused():
+    """With --deterministic the head's collapse stays ATen ops (make_batch_invariant makes them invariant);
+    the sites are fused as always."""
+    model = _model("v4")
+    ctx = PassContext(model.config, "cpu", graph_kind="decode", deterministic=True)
+    res = fuse_hc(fuse_sinkhorn(_exported("v4", "decode"), ctx).graph, ctx)
+    assert res.stats == {"pre": _sites("decode"), "post": _sites("decode"), "head": 0}
+    assert _count(res.graph, torch.ops.dsv4c.hc_head.default) == 0
 
 
 def test_fused_graph_with_the_triton_kernels_matches():
@@ -384,23 +422,29 @@ def test_fused_graph_with_the_triton_kernels_matches():
     ctx = PassContext(_model().config, "cpu", graph_kind="decode")
     ref_gm = _exported("v4", "decode")
     gm = fuse_hc(_exported("v4", "decode"), ctx).graph
+    heads = 0
     for n in gm.graph.nodes:
         if n.target is torch.ops.dsv4c.hc_pre.default:
             n.target = hc_pre
         elif n.target is torch.ops.dsv4c.hc_post.default:
             n.target = hc_post
+        elif n.target is torch.ops.dsv4c.hc_head.default:
+            n.target, heads = hc_head, heads + 1
+    assert heads == 1
     gm.recompile()
     args = _inputs("v4", "decode")
     _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
 
 
 def test_sites_that_differ_are_left_alone():
-    """Constants of pre that differ from the graph's literals: pre does not match (post has none)."""
+    """Constants of pre that differ from the graph's literals: pre does not match (post has none); the head
+    reads eps and hc_eps, not the Sinkhorn's iterations."""
     gm = fuse_sinkhorn(_exported("v4", "decode"), PassContext(_model().config, "cpu", "decode")).graph
     for change in ({"hc_eps": 1e-5}, {"rms_norm_eps": 1e-5}, {"hc_sinkhorn_iters": ITERS + 1}):
         cfg = dataclasses.replace(_model().config, **change)
         res = fuse_hc(copy.deepcopy(gm), PassContext(cfg, "cpu", graph_kind="decode"))
-        assert res.stats == {"pre": 0, "post": _sites("decode")}, change
+        head = int("hc_sinkhorn_iters" in change)
+        assert res.stats == {"pre": 0, "post": _sites("decode"), "head": head}, change
 
 
 def test_not_a_v4_graph():
@@ -435,12 +479,13 @@ def test_in_the_pipeline_sites_sit_in_capturable_segments():
     unfused, _ = run_pipeline(_exported("v4", "verify"), ctx, skip=skip + ("fuse_hc",))
     gm, recs = run_pipeline(_exported("v4", "verify"), ctx, skip=skip)
     rec = next(r for r in recs if r.name == "fuse_hc")
-    assert rec.stats == {"pre": _sites("verify"), "post": _sites("verify")}
+    assert rec.stats == {"pre": _sites("verify"), "post": _sites("verify"), "head": 1}
     _assert_same(_run(gm, args), _run(unfused, args))
     plan = plan_segments(gm, ctx)
-    names = {n.name for n in gm.graph.nodes
-             if n.target in (torch.ops.dsv4c.hc_pre.default, torch.ops.dsv4c.hc_post.default)}
-    assert len(names) == 2 * _sites("verify")
+    names = {n.name for n in gm.graph.nodes if n.target in (torch.ops.dsv4c.hc_pre.default,
+                                                             torch.ops.dsv4c.hc_post.default,
+                                                             torch.ops.dsv4c.hc_head.default)}
+    assert len(names) == 2 * _sites("verify") + 1
     holding = [s for s in plan.segments if names & set(s.nodes)]
     assert sum(len(names & set(s.nodes)) for s in holding) == len(names)
     assert all(s.kind == "static" and s.capturable for s in holding), [(s.index, s.reason) for s in holding]
@@ -467,6 +512,22 @@ def test_kernels_on_cuda_at_flash_dims(batch, dtype):
     out = torch.ops.dsv4c.hc_post(y, X, got[1], got[2])
     assert _rel(out, _post64(y, X, got[1], got[2])) <= cuda_rel[dtype]
     assert _rel(out, hc_post_ref(y, X, got[1], got[2])) <= 2 * cuda_rel[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(1, 1), (8, 1), (1, 256)])
+def test_hc_head_on_cuda_at_flash_dims(lead):
+    """dsv4c::hc_head on CUDA at V4-Flash dims against fp64 and the model's function run on CUDA; from
+    EXACT_ROWS_MIN rows (1 x 256: a prefill chunk) bit-exact with eager, as hc_pre."""
+    g = torch.Generator().manual_seed(lead[0])
+    X = torch.randn(*lead, 4, 4096, generator=g).to(torch.bfloat16).cuda()
+    fn = (torch.randn(4, 4 * 4096, generator=g) / 128).cuda()
+    base, scale = (0.3 * torch.randn(4, generator=g)).cuda(), (0.5 + torch.rand(1, generator=g)).cuda()
+    got = torch.ops.dsv4c.hc_head(X, fn, base, scale, EPS, HC_EPS)
+    eager = hc_head_ref(X, fn, base, scale, EPS, HC_EPS)
+    assert _rel(got, _head64(X, fn, base, scale, EPS, HC_EPS)) <= 5e-3 and _rel(got, eager) <= 1e-2
+    if lead[1] >= EXACT_ROWS_MIN:
+        assert torch.equal(got, eager)
 
 
 @pytest.mark.gpu
