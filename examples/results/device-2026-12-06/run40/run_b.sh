@@ -22,6 +22,6 @@ for v in on off on off; do
   grep "^== full" /tmp/s.txt | sed "s/^/head $v b1 /" | tee -a $OUT/steps.txt
 done
 LEFT=$((B - SECONDS)); [ $LEFT -lt 30 ] && LEFT=30
-timeout $LEFT python -m pytest -q -m gpu tests/test_kernels_v4_indexer.py tests/test_kernels_batch_invariant.py tests/test_fuse_hc.py \
-  tests/test_deterministic.py > $OUT/gpu_tests.txt 2>&1; echo rc=$? timeout=$LEFT >> $OUT/gpu_tests.txt
+timeout $LEFT python -m pytest -q -m gpu tests/test_kernels_v4_indexer.py tests/test_fuse_hc.py \
+  tests/test_kernels_batch_invariant.py tests/test_deterministic.py > $OUT/gpu_tests.txt 2>&1; echo rc=$? timeout=$LEFT >> $OUT/gpu_tests.txt
 tail -3 $OUT/gpu_tests.txt
