@@ -22,13 +22,13 @@ head, and in the MTP block; ~12 ATen ops: the same z, then w = sigmoid(scale·z 
 Deterministic graphs keep the head unfused (its ATen mean and linear become make_batch_invariant's ops).
 
 Why it is valid: the patterns are not written by hand. Each is the model's own function
-(`HyperConnection.pre`, `HyperConnection.post`) exported with torch.export for this config's N, eps,
+(`HyperConnection.pre`, `HyperConnection.post`, `hc_head_collapse`) exported with torch.export for this config's N, eps,
 hc_eps and iters and the graph's activation dtype, so it is exactly the op sequence the model's graphs
 hold, literals included; `pre` is matched both with the Sinkhorn chain and with `dsv4c.sinkhorn` in
 its place (the pattern run through fuse_sinkhorn), so the pass works whether or not fuse_sinkhorn ran.
 `torch.fx`'s SubgraphMatcher finds the sites, and a site is only kept when no intermediate value is
 used outside it (export's dtype checks aside, passes/pattern.py). The ops are defined as those same
-functions: on the CPU they call `HyperConnection.pre`/`.post` (bit-exact), on CUDA the Triton kernels
+functions: on the CPU they call `HyperConnection.pre`/`.post`/`hc_head_collapse` (bit-exact), on CUDA the Triton kernels
 compute the same formulas in fp32 (tests/test_fuse_hc.py bounds the difference). A site whose
 tensors do not have the model's dtypes and shapes (N a power of two <= 16, fp32 weights) stays.
 
@@ -152,7 +152,7 @@ def _act_dtypes(gm: GraphModule) -> list[torch.dtype]:
 def fuse_hc(gm: GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.config
     if not cfg.is_v4:
-        return PassResult(gm, False, {"pre": 0, "post": 0, "skipped": "no mHC (not a V4 model)"})
+        return PassResult(gm, False, {"pre": 0, "post": 0, "head": 0, "skipped": "no mHC (not a V4 model)"})
     ops = kernel_ops(ctx, "hc_pre", "hc_post", "hc_head")
     if ops is None:
         return PassResult(gm, False, {"pre": 0, "post": 0, "head": 0,
