@@ -21,7 +21,8 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
      `--max-num-batched-tokens`), whose prefill calls are timed one by one
      from an idle GPU, against the compute roofline (`prefill_flops` at the matmul peaks measured in
      stage 1: all FLOPs at the FP8 peak, and the FP8- or FP4-stored weights' FLOPs at the FP8 peak with
-     the rest at the bf16 peak);
+     the rest at the bf16 peak), and against the per-call bound (each call reads the weights and the experts
+     its tokens touch again: at 2048-token calls the slice's prefill is bound by bytes, not FLOPs);
   6. on a GPU, where a Session step's time goes: the interval between decode steps against the CUDA
      graph replay alone (`step_breakdown`), in this process;
   7. accuracy next to speed (`artifact_accuracy`): the artifact's prefill logits of one prompt through
@@ -51,8 +52,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_segments import (_commit, _ExpertCount, build, copy_bandwidth, decode, matmul_peaks,  # noqa: E402
-                            prefill, prefill_flops, step_bytes, stored_bytes_saved)
+from bench_segments import (EXPERT_BYTE_FACTOR, _commit, _ExpertCount, build, copy_bandwidth,  # noqa: E402
+                            decode, matmul_peaks, prefill, prefill_chunk_bound, prefill_flops, step_bytes,
+                            stored_bytes_saved)
 
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.checkpoint import keeps_fp32, release_format, save_checkpoint  # noqa: E402
@@ -231,6 +233,15 @@ def main(argv=None) -> int:
         roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
         res["roofline_long_context"][n] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
     res["prefill_flops"] = {P: prefill_flops(model, P) for P in a.prefill}
+    if peaks and bw:  # per call: max(FLOPs at the FP8 peak, bytes at copy bandwidth), experts as the target stores
+        from dsv4c.runtime.session import PREFILL_CHUNK
+        from dsv4c.targets import get_target
+
+        default = min(max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8, PREFILL_CHUNK)
+        factor = EXPERT_BYTE_FACTOR.get(get_target(a.target).expert_format, 1.0)
+        res["prefill_chunk_bound"] = {f"{P}/{c or default}": prefill_chunk_bound(model, P, c or default, peaks["fp8"],
+                                                                                  bw, factor)
+                                      for P in a.prefill for c in a.prefill_chunks}
     compiled = None  # the compiled function holds the model
     torch._dynamo.reset()
     del model, cache, snapshot
@@ -423,7 +434,8 @@ def summarize_long(res: dict) -> list[dict]:
 def summarize_prefill(res: dict) -> list[dict]:
     """Per prompt length: the prefill's time (its calls, each from an idle GPU) against the compute
     roofline: all FLOPs at the FP8 peak (`fp8_roofline`), and FP8/FP4-stored weights' FLOPs at the FP8
-    peak with the rest at the bf16 peak (`mixed_roofline`)."""
+    peak with the rest at the bf16 peak (`mixed_roofline`); and against the calls' bound (`chunk_bound`,
+    bench_segments.prefill_chunk_bound: per call the larger of its FLOPs and the bytes it must read)."""
     peak = {k: v * 1e12 for k, v in res.get("matmul_peak_TFLOPs", {}).items()}
     out = []
     for b in res.get("prefill", []):
@@ -433,6 +445,9 @@ def summarize_prefill(res: dict) -> list[dict]:
         row = {"prompt": P, "chunk": r.get("max_num_batched_tokens"), "calls": r.get("prefill_calls"),
                "prefill_ms": s * 1e3, "tokens_per_s": r["prefill_tokens_per_s"],
                "tflop": fl["total"] / 1e12, "achieved_TFLOPs": fl["total"] / s / 1e12}
+        bound = res.get("prefill_chunk_bound", {}).get(f"{P}/{row['chunk']}")
+        if bound:  # the calls' bound: bytes before FLOPs while a call re-reads every expert
+            row.update(chunk_bound_ms=bound["ms"], chunk_bound_fraction=bound["ms"] / 1e3 / s)
         if peak:
             fp8 = fl["total"] / peak["fp8"]
             mixed = fl["fp8"] / peak["fp8"] + (fl["total"] - fl["fp8"]) / peak["bf16"]
@@ -470,13 +485,15 @@ def table(res: dict) -> str:
         lines += [f"prefill, batch 1 (matmul peaks: bf16 {f(pk.get('bf16'), '.0f')}, FP8 {f(pk.get('fp8'), '.0f')} "
                   "TFLOP/s)",
                   "| tokens | chunk | calls | ms | tokens/s | TFLOP | TFLOP/s | FP8 roofline ms | vs it | "
-                  "mixed roofline ms | vs it |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "mixed roofline ms | vs it | per-call bound ms | vs it |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in res["prefill_summary"]:
             lines.append(f"| {r['prompt']} | {r['chunk']} | {r['calls']} | {r['prefill_ms']:.1f} | "
                          f"{r['tokens_per_s']:.0f} | {r['tflop']:.2f} | "
                          f"{r['achieved_TFLOPs']:.1f} | {f(r.get('fp8_roofline_ms'), '.2f')} | "
                          f"{f(r.get('fp8_roofline_fraction'), '.1%')} | {f(r.get('mixed_roofline_ms'), '.2f')} | "
-                         f"{f(r.get('mixed_roofline_fraction'), '.1%')} |")
+                         f"{f(r.get('mixed_roofline_fraction'), '.1%')} | {f(r.get('chunk_bound_ms'), '.2f')} | "
+                         f"{f(r.get('chunk_bound_fraction'), '.1%')} |")
     acc = res.get("accuracy", {})
     lines.append(f"SNR: the artifact's prefill logits (Session.logits, {acc.get('prompt_len', '?')} tokens) against the "
                  "eager model's with routing pinned to eager's decisions (free in parentheses)"

@@ -147,6 +147,16 @@ def copy_bandwidth(dev) -> float:
     return 2 * x.numel() / (statistics.median(ms) / 1e3)
 
 
+# bytes of a routed-expert weight in a format against bf16's 2 (weights + block scales)
+EXPERT_BYTE_FACTOR = {"fp8_block": (1 + 4 / 128 ** 2) / 2, "mxfp4_w4a16": (0.5 + 1 / 32) / 2,
+                      "nvfp4_w4a16": (0.5 + 1 / 16) / 2}
+
+
+def expected_unique(E: int, top: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens choose under uniform routing (top of E each)."""
+    return E * (1 - (1 - top / E) ** tokens)
+
+
 def matmul_peaks(dev, n: int = 8192) -> dict:
     """benchmark.md's matmul peaks, FLOP/s of one n^3 product: bf16 `torch.matmul` and FP8 e4m3
     `torch._scaled_mm` (per-tensor scales, bf16 out); median of 10 CUDA-event timings after warm-up."""
@@ -212,6 +222,31 @@ def prefill_flops(model, P: int) -> dict:
     out["total"] = sum(out.values())
     out["fp8"] = 2 * P * (dense_fp8 + expert)
     return out
+
+
+def prefill_chunk_bound(model, P: int, chunk: int, flop_s: float, byte_s: float, expert_factor: float) -> dict:
+    """The bound of a prefill of P tokens in calls of `chunk` tokens: per call, max(its FLOPs at `flop_s`, the
+    bytes it must read at `byte_s`), summed. A call reads every non-expert weight as the artifact stores it
+    (bf16; `step_bytes`), the head (its last row's logits) and the unique routed experts its tokens touch
+    under uniform routing (`expected_unique`; a 2048-token call of Flash's top-6 of 256 touches all), at
+    `expert_factor` of their bf16 bytes (EXPERT_BYTE_FACTOR). Seconds: {"ms", "bytes_ms", "flops_ms"}."""
+    cfg = model.config
+    by = step_bytes(model, 1, 0, [1] * cfg.num_hidden_layers)  # one expert per layer: its bytes
+    expert = by["routed_experts"] / cfg.num_hidden_layers * expert_factor  # one expert of one layer
+    total = {"ms": 0.0, "bytes_ms": 0.0, "flops_ms": 0.0}
+    done, prev = 0, prefill_flops(model, 0)["total"] - 2 * cfg.vocab_size * cfg.hidden_size  # no head yet
+    while done < P:
+        n = min(chunk, P - done)
+        f = prefill_flops(model, done + n)["total"]
+        fl = f - prev  # the call's FLOPs: its tokens' linears, experts, attention and indexer, and its head row
+        prev = f - 2 * cfg.vocab_size * cfg.hidden_size
+        nbytes = (by["non_expert_weights"] + by["head"]
+                  + cfg.num_hidden_layers * expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, n) * expert)
+        total["flops_ms"] += fl / flop_s * 1e3
+        total["bytes_ms"] += nbytes / byte_s * 1e3
+        total["ms"] += max(fl / flop_s, nbytes / byte_s) * 1e3
+        done += n
+    return total
 
 
 def step_bytes(model, B: int, ctx_len: int, unique: list[int]) -> dict:

@@ -96,9 +96,7 @@ CLASS_EXACT = {
     "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_bi_matmul_kernel"),
 }
 CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
-# bytes of a routed-expert weight in a format against bf16's 2 (weights + block scales)
-EXPERT_BYTE_FACTOR = {"fp8_block": (1 + 4 / 128 ** 2) / 2, "mxfp4_w4a16": (0.5 + 1 / 32) / 2,
-                      "nvfp4_w4a16": (0.5 + 1 / 16) / 2}
+EXPERT_BYTE_FACTOR = bs.EXPERT_BYTE_FACTOR  # bytes of a routed-expert weight in a format against bf16's 2
 CLASS_BYTES = {"routed experts": ("routed_experts",), "attention and caches": ("kv",),
                "dense GEMMs and head": ("non_expert_weights", "head")}
 
@@ -129,9 +127,7 @@ def class_table(rows: list[dict], steps: int, step_bytes: dict, bandwidth: float
     return out
 
 
-def expected_unique(E: int, top: int, tokens: int) -> float:
-    """Expected distinct experts `tokens` tokens choose under uniform routing (top of E each)."""
-    return E * (1 - (1 - top / E) ** tokens)
+expected_unique = bs.expected_unique
 
 
 class JitCompiles:

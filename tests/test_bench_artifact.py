@@ -126,3 +126,35 @@ def test_prefill_flops_match_the_eager_models_ops(P):
               if n.startswith("layers.") and ".experts." not in n and release_format(cfg, n) == "fp8")
     assert got["fp8"] == 2 * P * fp8 + experts and 0 < got["fp8"] < got["total"]
     assert got["total"] == sum(got[k] for k in ("linear", "experts", "head", "attention", "indexer"))
+
+
+def test_prefill_chunk_bound_counts_each_calls_flops_and_bytes():
+    """bench_segments.prefill_chunk_bound: one call of all P tokens is max(the prefill's FLOPs, one read of the
+    weights and the experts P tokens touch); in calls of c tokens the FLOPs add one head row per call and the
+    bytes one read per call, each call's max summed."""
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    from bench_segments import expected_unique, prefill_chunk_bound, prefill_flops, step_bytes
+
+    from dsv4c import ModelConfig
+    from dsv4c.model import build_model
+
+    cfg = ModelConfig.preset("v4-tiny-a")
+    model = build_model(cfg, torch.device("cpu"), torch.float32)
+    P, head = 40, 2 * cfg.vocab_size * cfg.hidden_size
+    by = step_bytes(model, 1, 0, [1] * cfg.num_hidden_layers)
+    one_expert = by["routed_experts"] / cfg.num_hidden_layers / 2  # factor 0.5 below
+
+    def reads(n):
+        return by["non_expert_weights"] + by["head"] + cfg.num_hidden_layers * expected_unique(
+            cfg.n_routed_experts, cfg.num_experts_per_tok, n) * one_expert
+
+    flops = prefill_flops(model, P)["total"]
+    whole = prefill_chunk_bound(model, P, 64, 1e12, 1e9, 0.5)
+    assert whole["flops_ms"] == pytest.approx(flops / 1e12 * 1e3) and whole["bytes_ms"] == pytest.approx(reads(P) / 1e6)
+    assert whole["ms"] == pytest.approx(max(whole["flops_ms"], whole["bytes_ms"]))
+    calls = prefill_chunk_bound(model, P, 16, 1e12, 1e9, 0.5)  # 16 + 16 + 8 tokens
+    assert calls["flops_ms"] == pytest.approx((flops + 2 * head) / 1e9)
+    assert calls["bytes_ms"] == pytest.approx((2 * reads(16) + reads(8)) / 1e6)
+    assert calls["ms"] >= max(calls["flops_ms"], calls["bytes_ms"]) and calls["bytes_ms"] > whole["bytes_ms"]
