@@ -164,6 +164,7 @@ def main(argv=None) -> int:
         a.prefill = [64] if a.prefill else []
         a.prefill_chunks = [0, 32] if a.prefill_chunks == [0] else a.prefill_chunks
     dev = torch.device(a.device)
+    max_tokens = max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8  # the artifact's, every workload fits
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
     ckpt, art = a.work / "ckpt", a.work / "art"
@@ -221,23 +222,23 @@ def main(argv=None) -> int:
     with torch.no_grad():
         full, routing = eager_routing(model, chk.tolist())  # logits [T, V] and eager's routing decisions
         check = (chk.tolist(), full[-1].cpu(), greedy(model, chk[None].to(dev), 8)[0].tolist(), full.cpu(), routing)
-    res["roofline"] = {}
     saved = stored_bytes_saved(model)["saved"]  # the FP8-stored dense linears read as stored (issue 28)
-    for r in peers["eager"]:
-        by = step_bytes(model, r["batch"], a.prompt, r["unique_experts"])
+
+    def roofline(B: int, ctx: int, unique: list) -> dict:
+        by = step_bytes(model, B, ctx, unique)
         roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
-        res["roofline"][r["batch"]] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
-    res["roofline_long_context"] = {}
-    for n in a.long_context:  # the batch-1 step after a long prompt: its caches' bytes, batch 1's unique experts
-        by = step_bytes(model, 1, n, peers["eager"][0]["unique_experts"] if a.batches[0] == 1 else [])
-        roof = {"roofline_ms": by["total_fp8_experts"], "roofline_stored_ms": by["total_fp8_experts"] - saved}
-        res["roofline_long_context"][n] = {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
+        return {**by, **{k: v / bw * 1e3 if bw else None for k, v in roof.items()}}
+
+    res["roofline"] = {r["batch"]: roofline(r["batch"], a.prompt, r["unique_experts"]) for r in peers["eager"]}
+    # the batch-1 step after a long prompt: its caches' bytes, batch 1's unique experts
+    unique1 = peers["eager"][0]["unique_experts"] if a.batches[0] == 1 else []
+    res["roofline_long_context"] = {n: roofline(1, n, unique1) for n in a.long_context}
     res["prefill_flops"] = {P: prefill_flops(model, P) for P in a.prefill}
     if peaks and bw:  # per call: max(FLOPs at the FP8 peak, bytes at copy bandwidth), experts as the target stores
         from dsv4c.runtime.session import PREFILL_CHUNK
         from dsv4c.targets import get_target
 
-        default = min(max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8, PREFILL_CHUNK)
+        default = min(max_tokens, PREFILL_CHUNK)  # the Session's max_num_batched_tokens
         factor = EXPERT_BYTE_FACTOR.get(get_target(a.target).expert_format, 1.0)
         res["prefill_chunk_bound"] = {f"{P}/{c or default}": prefill_chunk_bound(model, P, c or default, peaks["fp8"],
                                                                                   bw, factor)
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     # 4. dsv4c compile
     t0 = time.perf_counter()
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
-                str(max(a.batches)), "--max-tokens", str(max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8),
+                str(max(a.batches)), "--max-tokens", str(max_tokens),
                 "--buckets", ",".join(map(str, sorted(set(a.batches)))))  # capture only what is timed
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")

@@ -157,4 +157,6 @@ def test_prefill_chunk_bound_counts_each_calls_flops_and_bytes():
     calls = prefill_chunk_bound(model, P, 16, 1e12, 1e9, 0.5)  # 16 + 16 + 8 tokens
     assert calls["flops_ms"] == pytest.approx((flops + 2 * head) / 1e9)
     assert calls["bytes_ms"] == pytest.approx((2 * reads(16) + reads(8)) / 1e6)
-    assert calls["ms"] >= max(calls["flops_ms"], calls["bytes_ms"]) and calls["bytes_ms"] > whole["bytes_ms"]
+    F = [prefill_flops(model, n)["total"] - head for n in (0, 16, 32, 40)]  # FLOPs before each call, no head
+    per_call = [max((F[i + 1] - F[i] + head) / 1e9, reads(n) / 1e6) for i, n in enumerate((16, 16, 8))]
+    assert calls["ms"] == pytest.approx(sum(per_call))
