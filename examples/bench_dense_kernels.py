@@ -10,7 +10,10 @@ shared expert's w1 ‖ w3 and w2) and each token count M:
   * `bf16 linear`: F.linear on the weight widened to bf16 (cuBLAS; what the bf16 artifacts run);
   * `w8a16 gemv` / `w8a8 gemv+quant`: kernels/fp8_gemv.py (the dense ops' path up to 64 tokens; W8A8
     includes its activation-quantisation launch, kernels/act_quant.py);
-  * `w8a16 tile` / `w8a8 tile+quant`: the tile GEMMs of kernels/fp8_gemm.py (the ops' path before);
+  * `w8a16 tile` / `w8a8 tile+quant`: the tile GEMMs of kernels/fp8_gemm.py (the W8A16 op's path
+    from 65 to DEQUANT_M - 1 tokens; W8A8's above 64);
+  * `w8a16 dequant+linear`: the weight widened to bf16 (`fp8_dequant`) then F.linear, the W8A16 op's
+    path from DEQUANT_M tokens;
   * `bi tile` / `bi decode tile`: the deterministic mode's batch-invariant matmul on the bf16 weight
     (kernels/batch_invariant.py) with the decode graphs' K split `bi_split`, on its 64 x 64 tile (what
     decode graphs ran until the decode tile) and on the decode tile (what they run now).
@@ -45,12 +48,12 @@ from dsv4c import ModelConfig  # noqa: E402
 from dsv4c import quant as Q  # noqa: E402
 from dsv4c.kernels.act_quant import act_quant_fp8  # noqa: E402
 from dsv4c.kernels.batch_invariant import bi_matmul, bi_split  # noqa: E402
-from dsv4c.kernels.fp8_gemm import fp8_gemm_w8a8, fp8_gemm_w8a16  # noqa: E402
+from dsv4c.kernels.fp8_gemm import fp8_dequant, fp8_gemm_w8a8, fp8_gemm_w8a16  # noqa: E402
 from dsv4c.kernels.fp8_gemv import Fp8GemvConfig, default_config, fp8_gemv_w8a8, fp8_gemv_w8a16  # noqa: E402
 from dsv4c.kernels.tolerances import rel_err  # noqa: E402
 
-KERNELS = ("bf16 linear", "w8a16 gemv", "w8a8 gemv+quant", "w8a16 tile", "w8a8 tile+quant", "bi tile",
-           "bi decode tile")
+KERNELS = ("bf16 linear", "w8a16 gemv", "w8a8 gemv+quant", "w8a16 tile", "w8a8 tile+quant",
+           "w8a16 dequant+linear", "bi tile", "bi decode tile")
 
 
 def dense_shapes(cfg: ModelConfig) -> list[tuple[str, int, int]]:
@@ -80,6 +83,8 @@ def make_call(kernel: str, cfg: Fp8GemvConfig | None = None):
         return lambda a, wb, wq, ws: fp8_gemm_w8a16(a, wq, ws)
     if kernel == "w8a8 tile+quant":
         return lambda a, wb, wq, ws: fp8_gemm_w8a8(*act_quant_fp8(a), wq, ws)
+    if kernel == "w8a16 dequant+linear":
+        return lambda a, wb, wq, ws: F.linear(a, fp8_dequant(wq, ws, a.dtype))
     if kernel in ("bi tile", "bi decode tile"):
         decode = kernel == "bi decode tile"
         return lambda a, wb, wq, ws: bi_matmul(a, wb, split=bi_split(*wb.shape), decode=decode)

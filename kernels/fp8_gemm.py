@@ -5,9 +5,14 @@
   accumulation per 128-wide K block, bf16 output. Ref: `fp8_gemm_w8a8_ref`.
 * `fp8_gemm_w8a16(a, w_q, w_s)`: bf16 activations times the same FP8 weights; the weight
   scale is applied to each K block's fp32 partial product. Ref: `fp8_gemm_w8a16_ref`.
+* `fp8_dequant(w_q, w_s)`: the weight widened to bf16 (w_q * its tile's scale, rounded once: exact for
+  ue8m0 scales), one pass at copy bandwidth. Ref: `dsv4c.quant.dequant_fp8_block`.
 
 These tile GEMMs give each program 128 output rows and all of K; the decode shapes (up to 64
-tokens) run on kernels/fp8_gemv.py instead (the custom ops below choose by M).
+tokens) run on kernels/fp8_gemv.py instead (the custom ops below choose by M), and W8A16 from
+DEQUANT_M tokens widens the weight (`fp8_dequant`) for cuBLAS: at prefill sizes the tile GEMM ran at
+a third of cuBLAS bf16 (BENCHMARKS.md, H100, 2026-12-06), while widening costs one read of the FP8
+bytes and one write of bf16 ones, small beside a GEMM of hundreds of token rows.
 
 Weight scales may be float8_e8m0fnu (V4, decoded in the kernel) or fp32 (V3 weight_scale_inv).
 Shapes: M tokens, N output features, K reduction; Kb = K/128 blocks. K is a constexpr (one
@@ -23,9 +28,12 @@ from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_w8a8, fp8_gemv_w8a16
 
 from dsv4c import quant as Q
 
-__all__ = ["fp8_gemm_w8a8", "fp8_gemm_w8a8_ref", "fp8_gemm_w8a16", "fp8_gemm_w8a16_ref"]
+__all__ = ["fp8_gemm_w8a8", "fp8_gemm_w8a8_ref", "fp8_gemm_w8a16", "fp8_gemm_w8a16_ref", "fp8_dequant",
+           "DEQUANT_M"]
 
 _B = Q.FP8_BLOCK
+DEQUANT_M = 128  # fp8_linear_w8a16 from here: fp8_dequant + cuBLAS (below: the GEMV, then the tile GEMM)
+_DQ_N = 32  # rows per dequant program (a divisor of 128: one scale tile per program)
 
 
 @triton.jit
@@ -90,6 +98,36 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype) -> torch.Tenso
     return y
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, ws_ptr, y_ptr, N, K, stride_wn, stride_wsn, stride_yn, WS_E8M0: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    U.pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(ws_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn + pid_k)  # the tile's one scale
+    if WS_E8M0:
+        s = U.e8m0_value(s.to(tl.int32))
+    tl.store(y_ptr + rows[:, None] * stride_yn + cols[None, :], (w * s).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_dequant(w_q: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W [N, K] out_dtype = w_q [N, K] e4m3 * w_s [ceil(N/128), ceil(K/128)] (e8m0 or fp32) per 128x128
+    tile, computed in fp32 and rounded once (= dsv4c.quant.dequant_fp8_block(w_q, w_s, out_dtype))."""
+    ws = _check_weight(w_q, w_s, w_q.shape[-1] if w_q.dim() else 0)
+    n, k = w_q.shape
+    y = torch.empty(n, k, dtype=out_dtype, device=w_q.device)
+    if n and k:
+        grid = (triton.cdiv(n, _DQ_N), triton.cdiv(k, _B))
+        _dequant_kernel[grid](w_q, ws, y, n, k, w_q.stride(0), ws.stride(0), y.stride(0),
+                              WS_E8M0=ws.dtype == torch.uint8, BLOCK_N=_DQ_N, BLOCK_K=_B, num_warps=4,
+                              **U.pdl_launch(w_q))
+    return y
+
+
 def fp8_gemm_w8a8(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y [M, N] = block-scaled a_q [M, K] @ w_q [N, K]^T (§3); a_q float8_e4m3fn (K % 128 == 0),
@@ -128,8 +166,8 @@ def fp8_gemm_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) ->
 # custom ops for passes/quantize_dense.py: a linear on FP8 block weights, any leading dims
 # (x [..., K] -> y [..., N], y in x's dtype). CUDA: Triton launches with grids from shapes only and
 # no host sync (capture safe): up to MAX_M = 64 token rows the decode kernels of kernels/fp8_gemv.py
-# (split over N and K), above them the tile GEMMs here; CPU (artifacts with emulate=True, tests):
-# the `*_ref` math in fp32.
+# (split over N and K), above them the tile GEMMs here; W8A16 from DEQUANT_M rows the widened weight
+# on cuBLAS; CPU (artifacts with emulate=True, tests): the `*_ref` math in fp32.
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -173,8 +211,12 @@ def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> t
     if x.device.type == "cpu":
         y = fp8_gemm_w8a16_ref(a, w_q, w_s)
     else:
-        gemm = fp8_gemv_w8a16 if a.shape[0] <= MAX_M else fp8_gemm_w8a16
-        y = gemm(a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16), w_q, w_s)
+        a = a if a.dtype in (torch.bfloat16, torch.float16) else a.to(torch.bfloat16)
+        if a.shape[0] >= DEQUANT_M:
+            y = torch.nn.functional.linear(a, fp8_dequant(w_q, w_s, a.dtype))
+        else:
+            gemm = fp8_gemv_w8a16 if a.shape[0] <= MAX_M else fp8_gemm_w8a16
+            y = gemm(a, w_q, w_s)
     return y.to(x.dtype).view(*x.shape[:-1], w_q.shape[0])
 
 

@@ -57,8 +57,8 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                                         "moe_experts_fp4_bi)",
                  "dsv4c.fp8_linear_w8a8": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
                                           "above",
-                 "dsv4c.fp8_linear_w8a16": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
-                                           "above",
+                 "dsv4c.fp8_linear_w8a16": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the tile "
+                                           "GEMM above, cuBLAS on the widened weight from DEQUANT_M",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
                  "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
                  "dsv4c.hc_post_pre": "kernels/mhc.py chains the pair up to HC_ROWS_MAX rows only (fuse_hc_chain "

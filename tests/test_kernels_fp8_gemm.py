@@ -12,6 +12,8 @@ import torch
 import triton
 
 from dsv4c.kernels.fp8_gemm import (
+    DEQUANT_M,
+    fp8_dequant,
     fp8_gemm_w8a8,
     fp8_gemm_w8a8_ref,
     fp8_gemm_w8a16,
@@ -61,6 +63,46 @@ def test_fp8_gemm_rejects_bad_scales():
         fp8_gemm_w8a16(a, w_q, w_s[:, :1])
     with pytest.raises(ValueError, match="a_q: expected"):
         fp8_gemm_w8a8(a, torch.ones(2, 2), w_q, w_s)
+
+
+@pytest.mark.parametrize("n, k, fmt", [(130, 200, "ue8m0"), (64, 384, "fp32"), (256, 128, "ue8m0")])
+def test_dequant_equals_the_quant_reference(n, k, fmt):
+    """fp8_dequant equals dsv4c.quant's dequantisation (fp32 product, one rounding), ragged tiles included:
+    bit-identical in fp32, and in bf16 with e8m0 scales (the product is then exact). With fp32 scales the
+    interpreter's bf16 conversion truncates where the GPU rounds to nearest: one ulp here, exact on the GPU
+    (test_w8a16_op_paths_gpu)."""
+    _, w_q, w_s = operands(1, n, k, fmt, seed=n)
+    ref = Q.dequant_fp8_block(w_q, w_s)                                              # fp32 [N, K]
+    assert torch.equal(fp8_dequant(w_q, w_s, torch.float32), ref), (n, k, fmt)
+    y = fp8_dequant(w_q, w_s)
+    assert y.dtype == torch.bfloat16 and y.shape == (n, k)
+    if fmt == "ue8m0":
+        assert torch.equal(y.float(), ref)
+    else:
+        assert ((y.float() - ref).abs() <= ref.abs() * 2.0 ** -7).all()
+    with pytest.raises(ValueError, match="w_s: expected"):
+        fp8_dequant(w_q, w_s.reshape(-1)[:1].reshape(1, 1))  # every case expects more tiles
+
+
+@pytest.mark.gpu
+def test_w8a16_op_paths_gpu():
+    """dsv4c::fp8_linear_w8a16 by row count on the GPU: from DEQUANT_M rows the widened weight on cuBLAS,
+    bit-identical to F.linear on the bf16 weight a bf16-dense artifact holds; below it the tile GEMM and the
+    GEMV within the kernels' tolerance."""
+    from dsv4c.kernels.fp8_gemm import fp8_linear_w8a16
+
+    _, w_q, w_s = operands(1, 1000, 1024, "fp32", device="cuda")
+    assert torch.equal(fp8_dequant(w_q, w_s), Q.dequant_fp8_block(w_q, w_s, torch.bfloat16))  # rounded as torch
+    for m in (DEQUANT_M, 300, DEQUANT_M - 1, 64):
+        a, w_q, w_s = operands(m, 1000, 1024, "ue8m0", seed=m, device="cuda")
+        wb = Q.dequant_fp8_block(w_q, w_s, torch.bfloat16)
+        assert torch.equal(fp8_dequant(w_q, w_s), wb)
+        y = fp8_linear_w8a16(a.view(1, m, -1), w_q, w_s.view(torch.uint8))
+        assert y.shape == (1, m, 1000) and y.dtype == torch.bfloat16
+        if m >= DEQUANT_M:
+            assert torch.equal(y[0], torch.nn.functional.linear(a, wb)), m
+        else:
+            assert rel_err(y[0], fp8_gemm_w8a16_ref(a, w_q, w_s)) < KERNEL_REL_ERR["gemm_fp8_w_bf16_a"], m
 
 
 @pytest.mark.gpu
