@@ -110,8 +110,9 @@ def compile_checkpoint(ckpt: str | Path, out: str | Path, target: str = "cpu", s
     format of the FP8-stored dense linears (passes/quantize_dense.py: bf16, fp8_block, fp8_block_w8a16).
     `plan`: a `ParallelPlan` with more than one rank writes a sharded artifact (`compile_sharded`);
     None or tp = ep = 1 writes the single-GPU layout.
-    `deterministic`: batch-invariant kernels (`deterministic_target`, passes/make_batch_invariant.py);
-    on a CUDA target it raises DeterminismError naming any op it cannot make batch-invariant.
+    `deterministic`: batch-invariant kernels (`deterministic_target`, passes/make_batch_invariant.py; dense
+    linears bf16 unless `dense_format` says otherwise); on a CUDA target it raises DeterminismError naming
+    any op it cannot make batch-invariant.
     `paged`: a `dsv4c.runtime.block_pool.PagedConfig`: the caches that grow with the sequence in blocks of
     a shared pool, read through a block table (the manifest's "paged" entry; runtime/block_pool.py)."""
     if plan is not None and not plan.is_single:
@@ -239,8 +240,9 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     """The target and kernel overrides of the deterministic mode: routed experts unquantised (default;
     make_batch_invariant swaps in `moe_experts_bi`) or, with `expert_format` mxfp4_w4a16 / nvfp4_w4a16,
     FP4 weight-only as stored (`moe_experts_fp4_bi`: the FP4 GEMV at every token count; a quarter of the
-    bf16 bytes), and `v4_attention=fused_det` where the target runs the fused attention (its key blocks
-    follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0). Raises
+    bf16 bytes), dense linears widened to bf16 (the FP8 dense kernels pick a path by token count), and
+    `v4_attention=fused_det` where the target runs the fused attention (its key blocks follow absolute
+    positions, so a verify step's rows reduce like decode rows: MTP k >= 0). Raises
     DeterminismError for what it cannot make invariant: the other expert formats' kernels (FP8 block,
     NVFP4 W4A4) choose their path by token count."""
     if expert_format not in (None, "reference") + DETERMINISTIC_FP4:
@@ -259,7 +261,9 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     else:
         expert_format = "reference"
         why = "--deterministic: unquantised experts, one kernel path (kernels/batch_invariant.py moe_experts_bi)"
-    tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None, expert_format_reason=why)
+    dense = tgt.dense_format if tgt.dense_format in ("reference", "bf16") else "bf16"  # linear_bi runs bf16 weights
+    tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None, expert_format_reason=why,
+                              dense_format=dense)
     return tgt, kernels
 
 

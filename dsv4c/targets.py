@@ -10,10 +10,13 @@ grouped kernels, kernels/moe_grouped.py); `expert_format_reason` and `expert_for
 passes/quantize_dense.py runs the linears whose checkpoint weights are FP8 blocks (attention, indexer
 wq_b, shared experts, MTP projections) on the stored FP8 weights: `fp8_block` = W8A8 (1x128 activation
 scales), `fp8_block_w8a16` = FP8 weights x bf16 activations; `reference` / `bf16` rewrite nothing.
-The GPU targets keep `bf16` (the dense weights widened): one dense format serves every graph, and on the
-H100 (BENCHMARKS.md, 2026-12-06) FP8 dense made the decode step 1.06x faster at batch 1 and 0.98x at batch 64
-while every FP8 GEMM here ran prefill-sized linears slower than cuBLAS bf16 (W8A16 tile 0.33x, W8A8 0.84x).
-`compile --dense-format fp8_block|fp8_block_w8a16` opts in (decode-bound serving, half the dense memory).
+H100 and H200 run `fp8_block_w8a16`: the release's FP8 bytes, half the dense memory. On the H100
+(BENCHMARKS.md, 2026-12-06) it made the decode step 1.06x / 1.02x faster at batch 1 / 8 and 0.98x at 64
+(the H200: 1.01x at 64); prefill-sized calls (from DEQUANT_M rows, kernels/fp8_gemm.py) widen each weight
+to bf16 for cuBLAS, since every FP8 GEMM here ran them slower than cuBLAS bf16 (W8A16 tile 0.33x, W8A8
+0.84x). W8A8 (`fp8_block`) stays opt-in: 5 dB of pinned SNR lost on the slice and slower decode. The
+B200 keeps `bf16` until measured; `compile --dense-format bf16` restores the widened weights, and the
+deterministic mode runs them (its batch-invariant linears are bf16, compile.deterministic_target).
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us a
                   "for weights quantised from bf16; for the released MXFP4 experts, mxfp4_w4a16 keeps the "
                   "checkpoint's exact values. One format per artifact (graphs share weights), so fp8_block; "
                   "--expert-format mxfp4_w4a16 for latency-bound decode at batch <= 8 (and half the expert memory).")
-_HOPPER = {"expert_format": "fp8_block", "dense_format": "bf16", "kernels": _CUDA,
+_HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block_w8a16", "kernels": _CUDA,
            "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
 
 TARGETS: dict[str, Target] = {

@@ -32,8 +32,9 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
 The decode roofline is benchmark.md's: bytes a step must read (FP8 routed experts, as the artifact stores
 them; bf16 everything else) over the measured copy bandwidth. Beside it, issue 28's stored-format roofline:
 the dense linears the release checkpoint stores as FP8 blocks (attention, shared experts) counted at 1 byte
-and one scale byte per 128 x 128 tile, as an artifact compiled with `--dense-format fp8_block` reads them
-(`roofline_stored_ms`; examples/bench_dense_formats.py's `stored`).
+and one scale byte per 128 x 128 tile, as the h100/h200 targets' default `fp8_block_w8a16` reads them
+(`roofline_stored_ms`; examples/bench_dense_formats.py's `stored`). `--dense-format` compiles with another
+dense format (`bf16`: the widened weights the bf16-counted roofline counts).
 
 Legend: B batch rows, P prompt tokens, S new tokens per sequence.
 """
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
                     help="prefill chunk sizes (max_num_batched_tokens) to time them at; 0: the Session's default")
     ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint and the artifact")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dense-format", help="compile --dense-format (default: the target's)")
     ap.add_argument("--no-torch-compile", action="store_true", help="leave out the torch.compile peer")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt, cpu target (a smoke run)")
     a = ap.parse_args(argv)
@@ -254,12 +256,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cmd = dsv4c("compile", str(ckpt), "--target", a.target, "-o", str(art), "--force", "--max-batch",
                 str(max(a.batches)), "--max-tokens", str(max_tokens),
-                "--buckets", ",".join(map(str, sorted(set(a.batches)))))  # capture only what is timed
+                "--buckets", ",".join(map(str, sorted(set(a.batches)))),  # capture only what is timed
+                *(["--dense-format", a.dense_format] if a.dense_format else []))
     res["compile_command"] = " ".join(cmd[2:])
     _run(cmd, a.work / "compile.log")
     m = json.loads((art / "manifest.json").read_text())
     res["artifact"] = {"bytes": sum(f["size"] for f in m["files"].values()), "compile_seconds": m["compile_seconds"],
-                       "expert_format": m["target"]["expert_format"], "convert_device": m.get("convert_device"),
+                       "expert_format": m["target"]["expert_format"], "dense_format": m["target"]["dense_format"],
+                       "convert_device": m.get("convert_device"),
                        "buckets": m["buckets"]}
     stage("compile", t0)
 

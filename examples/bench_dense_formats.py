@@ -21,7 +21,10 @@ Stages (the JSON is rewritten after each, so a timeout keeps what was measured):
      eager's routing and logits of one prompt are kept for the accuracy check;
   3. per dense format: `dsv4c compile --target h200 --dense-format F` (the artifact is deleted after its
      stage unless --keep-artifacts: three slice artifacts do not fit the disk), `dsv4c bench --graphs full`,
-     and the pinned-routing SNR of the artifact's logits against eager (bench_artifact.artifact_accuracy).
+     the pinned-routing SNR of the artifact's logits against eager (bench_artifact.artifact_accuracy),
+     and with --prefill N the prefill of an N-token prompt at batch 1 (`dsv4c bench --prompt-len N
+     --output-len 2`, its prefill calls timed one by one; the FP8 formats' prefill-sized linears run
+     other kernels than their decode ones, kernels/fp8_gemm.py).
 Rooflines (bench_segments.step_bytes, over the measured copy bandwidth): `bf16_counted` counts every
 non-expert weight in bf16 (the figure issue 28 starts from); `stored` counts the weights the release
 stores in FP8 at 1 byte + one ue8m0 byte per 128x128 tile (V4's grouped wo_a included, which the
@@ -139,9 +142,11 @@ def main(argv=None) -> int:
                     help="reuse the checkpoint, prep.pt and artifacts in --work, merge earlier calls' formats")
     ap.add_argument("--keep-artifacts", action="store_true", help="leave each artifact in --work")
     ap.add_argument("--skip-accuracy", action="store_true", help="time only (no pinned-routing SNR)")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths whose prefill is timed")
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.batches, a.prompt, a.steps = "v4-tiny-b", [1, 3], 40, 6
+        a.prefill = [48] if a.prefill else []
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
@@ -186,7 +191,8 @@ def main(argv=None) -> int:
                 rec["compile_s"], rec["reused_artifact"] = 0.0, str(art)
             else:
                 cmd = dsv4c("compile", str(ckpt), "--target", target, "--dense-format", fmt, "-o", str(art), "--force",
-                            "--max-batch", str(max(a.batches)), "--max-tokens", str(a.prompt + a.steps + 8),
+                            "--max-batch", str(max(a.batches)),
+                            "--max-tokens", str(max(a.prompt, *a.prefill) + a.steps + 8),
                             "--buckets", ",".join(map(str, sorted(set(a.batches)))))
                 rec["compile_s"] = round(_run(cmd, a.work / f"compile_{fmt}.log"), 1)
             m = json.loads((art / "manifest.json").read_text())
@@ -202,6 +208,16 @@ def main(argv=None) -> int:
             stage(f"format_{fmt}_bench", t0)
             if not a.skip_accuracy:
                 rec["accuracy"] = artifact_accuracy(art, dev, check)
+            for P in a.prefill:
+                js = a.work / f"prefill_{fmt}_{P}.json"
+                cmd = dsv4c("bench", str(art), "--batch", "1", "--prompt-len", str(P), "--output-len", "2",
+                            "--graphs", graphs, "--device", str(dev), "--json", str(js))
+                _run(cmd, a.work / f"prefill_{fmt}_{P}.log")
+                r = json.loads(js.read_text())["rows"][0]
+                rec.setdefault("prefill", []).append({"prompt": P, "prefill_ms": r["prefill_s"] * 1e3,
+                                                      "calls": r.get("prefill_calls"),
+                                                      "tokens_per_s": r["prefill_tokens_per_s"]})
+                stage(f"format_{fmt}_prefill_{P}", t0)
         except Exception as e:  # the other formats still get measured
             rec["failed"] = f"{type(e).__name__}: {str(e)[:600]}"
             print(f"{fmt} failed: {rec['failed']}", flush=True)
@@ -210,6 +226,10 @@ def main(argv=None) -> int:
         stage(f"format_{fmt}", t0)
     res["summary"] = summarize(res)
     print(table(res["summary"]))
+    for fmt, rec in res["formats"].items():
+        for p in rec.get("prefill", []):
+            print(f"prefill {fmt} {p['prompt']} tokens: {p['prefill_ms']:.1f} ms ({p['calls']} calls, "
+                  f"{p['tokens_per_s']:.0f} tok/s)")
     a.out.write_text(json.dumps(res, indent=1, default=str))
     last.write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -8,7 +8,8 @@ After (`fp8_block`: W8A8, x quantised per token and 128-wide K block; `fp8_block
     y = dsv4c.fp8_linear_w8a8(x, W.w_q [N, K] e4m3, W.w_s [ceil(N/128), ceil(K/128)] scale)
     y = dsv4c.fp8_linear_w8a16(x, W.w_q, W.w_s)
 Both ops keep x's dtype and leading dims (kernels/fp8_gemm.py; on CUDA up to 64 token rows the
-split-K decode kernels of kernels/fp8_gemv.py). W leaves the graph.
+split-K decode kernels of kernels/fp8_gemv.py; W8A16 from DEQUANT_M rows cuBLAS on the weight widened
+per call). W leaves the graph.
 
 Why it is valid: the ops compute x @ dequant(w_q, w_s)^T. When W's values are FP8-block values (a
 model loaded from the release checkpoint, whose stored bytes these are), dequant(w_q, w_s) == W
@@ -27,8 +28,9 @@ K % 128 == 0 (the activation blocks); a linear with another K runs W8A16 and say
 (`quant_map[...]["kernel"]`, `["why"]`). The LM head, router, compressor/indexer-compressor
 projections and the mHC mixers are not FP8 in the release and stay as stored.
 
-Which format: the target's `dense_format` (dsv4c/targets.py), or `ctx.dense_format` (compile
---dense-format); `reference` and `bf16` rewrite nothing.
+Which format: `ctx.dense_format` (compile --dense-format), else the target's `dense_format`
+(dsv4c/targets.py), except in deterministic graphs (`ctx.deterministic`), whose batch-invariant
+linears run bf16 weights: there the default is `bf16`. `reference` and `bf16` rewrite nothing.
 
 Weights: the pass does not convert checkpoints. With real weights in the graph (tests, `dsv4c
 compare`) it quantises them to FP8 blocks now (exact for FP8-block values); on the meta device
@@ -190,8 +192,13 @@ def quantize_dense_as(fmt: str) -> Callable[[GraphModule, PassContext], PassResu
 def quantize_dense(gm: GraphModule, ctx: PassContext) -> PassResult:
     from dsv4c.targets import get_target
 
-    fmt = ctx.dense_format if ctx.dense_format is not None else get_target(ctx.target).dense_format
-    check_dense_format(fmt, "--dense-format" if ctx.dense_format is not None else f"target {ctx.target}: dense_format")
+    if ctx.dense_format is not None:
+        fmt, where = ctx.dense_format, "--dense-format"
+    elif ctx.deterministic:  # make_batch_invariant's linear_bi runs the bf16 weights
+        fmt, where = "bf16", "deterministic mode"
+    else:
+        fmt, where = get_target(ctx.target).dense_format, f"target {ctx.target}: dense_format"
+    check_dense_format(fmt, where)
     return _quantize(gm, ctx, fmt)
 
 
