@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.batches, a.prompt, a.steps = "v4-tiny-b", [1, 3], 40, 6
-        a.prefill = [48] if a.prefill else []
+        a.prefill = [48] if a.prefill else []  # within the tiny model's compile limits
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
             else:
                 cmd = dsv4c("compile", str(ckpt), "--target", target, "--dense-format", fmt, "-o", str(art), "--force",
                             "--max-batch", str(max(a.batches)),
-                            "--max-tokens", str(max(a.prompt, *a.prefill) + a.steps + 8),
+                            "--max-tokens", str(max([a.prompt, *a.prefill]) + a.steps + 8),
                             "--buckets", ",".join(map(str, sorted(set(a.batches)))))
                 rec["compile_s"] = round(_run(cmd, a.work / f"compile_{fmt}.log"), 1)
             m = json.loads((art / "manifest.json").read_text())
