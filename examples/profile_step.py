@@ -4,15 +4,15 @@ with torch.profiler at one batch size.
     python examples/profile_step.py --out $OUT/profile.json        # H200
     python examples/profile_step.py --layers 2 --expert-format mxfp4_w4a16 --out $OUT/p.json   # H100 (80 GB)
     python examples/profile_step.py --device cpu --quick           # CPU smoke run (tiny model)
-    python examples/profile_step.py --layers 2 --dense-format fp8_block_w8a16 --out $OUT/p.json   # FP8 dense
+    python examples/profile_step.py --layers 2 --dense-format bf16 --out $OUT/p.json   # dense widened to bf16
     python examples/profile_step.py --layers 2 --deterministic --expert-format mxfp4_w4a16 --out $OUT/d.json
 
 The experts run as the h200 lowering quantises them (fp8_block, or `--expert-format`; `--bf16-experts`
-keeps them bf16). The dense linears the release stores in FP8 stay bf16 as h200 lowers them, or run on
-FP8 blocks with `--dense-format` (the bf16 weights quantised in memory, their bytes counted as stored;
-the grouped wo_a, which quantize_dense does not rewrite, still in bf16). The 4-layer slice is built in
-bf16 and its experts converted beside it, which outgrows an 80 GB card with FP8 experts: `--layers 2`
-cuts it. `--deterministic` lowers as `compile --deterministic` (batch-invariant kernels, the fused
+keeps them bf16). The dense linears the release stores in FP8 run on FP8 blocks as h200 lowers them
+(fp8_block_w8a16: the bf16 weights quantised in memory, their bytes counted as stored; the grouped wo_a,
+which quantize_dense does not rewrite, still in bf16), or widened with `--dense-format bf16`. The
+4-layer slice is built in bf16 and its experts converted beside it, which outgrows an 80 GB card with
+FP8 experts: `--layers 2` cuts it. `--deterministic` lowers as `compile --deterministic` (batch-invariant kernels, the fused
 attention's `fused_det`), with bf16 experts (`--bf16-experts`) or FP4 weight-only ones (`--expert-format
 mxfp4_w4a16` / `nvfp4_w4a16`): where its step time goes.
 
@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-format", default=None, choices=sorted(EXPERT_BYTE_FACTOR),
                     help="routed experts in this format (as compile --expert-format; default: h200's fp8_block)")
     ap.add_argument("--dense-format", default=None, choices=["bf16", "fp8_block", "fp8_block_w8a16"],
-                    help="the FP8-stored dense linears' format (as compile --dense-format; default: h200's bf16)")
+                    help="the FP8-stored dense linears' format (as compile --dense-format; default: h200's, "
+                         "fp8_block_w8a16; bf16 in --deterministic)")
     ap.add_argument("--deterministic", action="store_true",
                     help="the deterministic lowering; needs --bf16-experts or an FP4 weight-only --expert-format")
     ap.add_argument("--layers", type=int, default=None,
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--deterministic: the graph keeps ops that are not batch-invariant: {blockers[:6]}")
     fp8_dense = len(stats.get("quantize_dense", {}).get("linears", []))
     res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels,
-                 "quantize": quantize, "expert_format": fmt, "dense_format": a.dense_format or "bf16 (h200)",
+                 "quantize": quantize, "expert_format": fmt, "dense_format": a.dense_format or "target default",
                  "fp8_dense_linears": fp8_dense, "deterministic": a.deterministic, "blockers": blockers,
                  "skipped_passes": list(a.skip_passes),
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
