@@ -4,9 +4,10 @@ For every plan with tp * ep = N whose degrees divide what they split (heads, out
 vocabulary, the dense/shared/expert intermediate dims over tp; the routed experts over ep), it counts the
 bytes one GPU holds:
 
-- weights by kind, exactly, from a meta-device model (`build_model(..., device="meta")`, nothing allocated)
+- weights by kind from a meta-device model (`build_model(..., device="meta")`, nothing allocated)
   in the artifact's dtypes: dense tensors in the compile dtype (the target's, bf16 on GPUs; the fp32
-  islands stay fp32, `keeps_fp32`), routed experts in the expert format's containers
+  islands stay fp32, `keeps_fp32`; the FP8-stored linears an FP8 `dense_format` keeps at 1 byte are counted
+  in that dtype too, an over-count), routed experts in the expert format's containers
   (`passes/quantize_experts.field_specs`, scales included, dims zero-padded to the format's block as the
   pass does, per shard). Sharding follows `dsv4c/parallel.py`: q/o projections, attention sinks and the
   indexer's heads split over tp (V4's grouped output projection by groups); the K=V latent, the
@@ -471,9 +472,10 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     fitting = [c for c in cands if c.fits]
     chosen = min(fitting, key=lambda c: (c.step_s, -c.headroom)).plan if fitting else None
     assumptions = [
-        f"weights counted exactly from the meta-device model: dense in {str(dtype).replace('torch.', '')} (fp32 "
-        f"islands fp32; the target's dense_format is {tgt.dense_format}; `compile --dense-format fp8_block` keeps "
-        f"the FP8-stored linears at 1 byte, each rank its slice; not counted here), routed experts "
+        f"weights counted from the meta-device model: dense in {str(dtype).replace('torch.', '')} (fp32 "
+        f"islands fp32; the target's dense_format is {tgt.dense_format}: fp8_block / fp8_block_w8a16 keep the "
+        f"FP8-stored linears at 1 byte, each rank its slice, counted here in the compile dtype: an over-count), "
+        f"routed experts "
         f"in {fmt} (quantize_experts containers, scales included)",
         f"caches: runtime/kv_cache.cache_layout for {max_batch + 1} slots x {max_tokens} tokens, replicated on every GPU",
         f"workspace: {how}",
