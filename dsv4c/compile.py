@@ -240,7 +240,8 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     """The target and kernel overrides of the deterministic mode: routed experts unquantised (default;
     make_batch_invariant swaps in `moe_experts_bi`) or, with `expert_format` mxfp4_w4a16 / nvfp4_w4a16,
     FP4 weight-only as stored (`moe_experts_fp4_bi`: the FP4 GEMV at every token count; a quarter of the
-    bf16 bytes), dense linears widened to bf16 (the FP8 dense kernels pick a path by token count), and
+    bf16 bytes), dense linears widened to bf16 unless `--dense-format` asks for FP8 (W8A16 then runs
+    `fp8_linear_bi`; the default-mode FP8 kernels pick a path by token count), and
     `v4_attention=fused_det` where the target runs the fused attention (its key blocks follow absolute
     positions, so a verify step's rows reduce like decode rows: MTP k >= 0). Raises
     DeterminismError for what it cannot make invariant: the other expert formats' kernels (FP8 block,

@@ -15,8 +15,9 @@ H100 and H200 run `fp8_block_w8a16`: the release's FP8 bytes, half the dense mem
 (the H200: 1.01x at 64); prefill-sized calls (from DEQUANT_M rows, kernels/fp8_gemm.py) widen each weight
 to bf16 for cuBLAS, since every FP8 GEMM here ran them slower than cuBLAS bf16 (W8A16 tile 0.33x, W8A8
 0.84x). W8A8 (`fp8_block`) stays opt-in: 5 dB of pinned SNR lost on the slice and slower decode. The
-B200 keeps `bf16` until measured; `compile --dense-format bf16` restores the widened weights, and the
-deterministic mode runs them (its batch-invariant linears are bf16, compile.deterministic_target).
+B200 keeps `bf16` until measured; `compile --dense-format bf16` restores the widened weights. The
+deterministic mode defaults to them too (compile.deterministic_target); with `--dense-format
+fp8_block_w8a16` its linears run the stored FP8 bytes on `fp8_linear_bi` (untimed on a GPU).
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ For each lowering (h200 pipeline, decode graph, one full CUDA graph per bucket):
   default-mxfp4, deterministic-mxfp4
                  the same two with MXFP4 weight-only experts (`--expert-format mxfp4_w4a16`; deterministic:
                  `moe_experts_fp4_bi`, the FP4 GEMV at every token count): the experts' bytes as stored
+  deterministic-mxfp4-fp8dense
+                 deterministic-mxfp4 with the FP8-stored dense linears as stored (`--dense-format
+                 fp8_block_w8a16`: `fp8_linear_bi`, the batch-invariant tiles on e4m3 bytes), the default
+                 modes' dense format since the h100/h200 targets run FP8 dense
 it prefills max(batch) slots with a `--prompt`-token prompt (eager model), then from the same cache state
 and the same first tokens runs `--steps` greedy decode steps at each batch size, and records
   * the median step time (CUDA events, after 3 warm-up steps) per batch: the mode's cost;
@@ -47,7 +51,9 @@ MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic, ex
     "deterministic": ({"v4_attention": "fused_det"}, True, True, None),
     "default-mxfp4": ({}, False, False, "mxfp4_w4a16"),
     "deterministic-mxfp4": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
+    "deterministic-mxfp4-fp8dense": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
 }
+DENSE = {"deterministic-mxfp4-fp8dense": "fp8_block_w8a16"}  # mode -> dense format (else the mode's default)
 DEFAULT_MODES = ("default", "default-bf16", "deterministic")
 
 
@@ -55,7 +61,8 @@ def lower(model, n_slots: int, max_len: int, mode: str, k: int = 0, extra_ring_s
     """The decode graph with 1 + k tokens per row (k > 0: the verify graph of `--mtp k`), lowered for
     the h200 target in `mode` -> (plan, split graph, blockers)."""
     kernels, no_quant, det, experts = MODES[mode]
-    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), experts, deterministic=det)
+    ctx = PassContext(model.config, "h200", "decode", tuple(sorted(kernels.items())), experts, deterministic=det,
+                      dense_format=DENSE.get(mode))
     spec = GraphSpec("decode", k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
     gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=("quantize_experts",) if no_quant else ())
@@ -136,7 +143,8 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
         del ex, split
     for det, base, key in (("deterministic", "default", "cost_vs_default"),
                            ("deterministic-mxfp4", "default-mxfp4", "cost_vs_default_mxfp4"),
-                           ("deterministic-mxfp4", "default", "cost_mxfp4_vs_default")):
+                           ("deterministic-mxfp4", "default", "cost_mxfp4_vs_default"),
+                           ("deterministic-mxfp4-fp8dense", "default-mxfp4", "cost_fp8dense_vs_default_mxfp4")):
         if det in res and base in res:
             res[key] = {b: res[det]["step_ms"][b] / res[base]["step_ms"][b] for b in batches if res[base]["step_ms"][b]}
     return res

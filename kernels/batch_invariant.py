@@ -3,6 +3,7 @@
 Public API::
 
     bi_matmul(x, w, bias=None, out_dtype=None, split=1, decode=False) -> Tensor  # Triton: y = x @ w^T (+ bias)
+    bi_matmul_fp8(x, w_q, w_s, out_dtype=None, split=1, decode=False) -> Tensor  # the same on FP8 block weights
     bi_split(n, k) -> int                                  # the K split of a decode-kind graph's [n, k] linear
     bi_matmul_ref(x, w, bias=None, out_dtype=None) -> Tensor  # the same function through torch
     bi_gemv_gathered(x, rows, experts, w) -> Tensor        # Triton: y[p] = x[rows[p]] @ w[experts[p]]^T
@@ -13,6 +14,7 @@ Custom ops (targets of passes/lower_invariant_linears.py and select_kernels' `mo
 CPU tensors run the reference)::
 
     dsv4c::linear_bi(Tensor x, Tensor w, Tensor? bias, bool out_f32, int split=1, bool decode=False) -> Tensor
+    dsv4c::fp8_linear_bi(Tensor x, Tensor w_q, Tensor w_s, int split=1, bool decode=False) -> Tensor
     dsv4c::grouped_linear_bi(Tensor x, Tensor w, int split=1, bool decode=False) -> Tensor
     dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
     dsv4c::moe_experts_fp4_bi(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
@@ -48,7 +50,11 @@ runs the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py at every token count 
 assignments per expert. Those GEMVs are per (token, choice) pair too: the activation's fp16 chunk
 scales are per token row, each program walks K in a fixed order with no atomics, and the choices are
 summed per token in choice order (kernels/moe_combine.py); ordering the programs by expert (a sort
-past E/4 pairs) changes which program runs when, not what any program computes.
+past E/4 pairs) changes which program runs when, not what any program computes. FP8 block weights
+(`bi_matmul_fp8`, the dense linears quantize_dense left on `fp8_linear_w8a16`) take the same tiles and K
+walk: each K step's e4m3 tile is widened in registers (exact), its product formed from zero and scaled by
+that step's 128x128 scale (K steps of 64 or 128 never straddle a scale block), then added in K order, so
+a row's sums still depend on that row alone.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
+from dsv4c.kernels._tl import e8m0_value, pdl_launch, pdl_wait
 
 BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
 BLOCK_N = 64
@@ -93,11 +99,14 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
                       K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, ws_ptr=None, swsn=0, W_FP8: tl.constexpr = False,
+                      WS_E8M0: tl.constexpr = False):
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
     the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
-    alone, as row i of x_tile @ w_tile^T depends on row i alone."""
+    alone, as row i of x_tile @ w_tile^T depends on row i alone. W_FP8: w is e4m3 with one scale per 128x128
+    tile at ws_ptr ([ceil(N/128), ceil(K/128)], row stride swsn; e8m0 bytes with WS_E8M0, else fp32): each K
+    step's product is formed from zero, scaled, then accumulated."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,7 +126,18 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
         km = (k0 + k) < K
         a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        if SWAP:
+        if W_FP8:  # e4m3 -> x's dtype is exact; one scale per weight row for this K step
+            b = b.to(x_ptr.dtype.element_ty)
+            sc = tl.load(ws_ptr + (n // 128) * swsn + k0 // 128, mask=nm, other=0)
+            if WS_E8M0:
+                sc = e8m0_value(sc.to(tl.int32))
+            if SWAP:
+                acc_t += _tile_product(b, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), F32,
+                                       INTERPRET) * sc[:, None]
+            else:
+                acc += _tile_product(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32,
+                                     INTERPRET) * sc[None, :]
+        elif SWAP:
             acc_t = _tile_product(b, a, acc_t, F32, INTERPRET)
         else:
             acc = _tile_product(a, b, acc, F32, INTERPRET)
@@ -173,6 +193,12 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     decode-kind graphs, where M is a few rows; else the 64 x 64 tile. Each is fixed for every M.
     CPU tensors run under the interpreter."""
     _check(x, w, bias)
+    return _launch_bi(x, w, bias, out_dtype, split, decode, None)
+
+
+def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+               split: int, decode: bool, ws: torch.Tensor | None) -> torch.Tensor:
+    """bi_matmul's launch; `ws` (the scale tiles, uint8 e8m0 bytes or fp32) when w holds e4m3 values."""
     if split < 1 or split & (split - 1):
         raise ValueError(f"bi_matmul: split must be a power of two >= 1, got {split}")
     N, K = w.shape
@@ -192,12 +218,48 @@ def bi_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
             cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
         else:
             part, cnt = y, y
+        fp8 = {} if ws is None else {"ws_ptr": ws, "swsn": ws.stride(0), "W_FP8": True,
+                                     "WS_E8M0": ws.dtype == torch.uint8}
         _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, part, cnt, M, N, K, x2.stride(0),
                                 wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
                                 BLOCK_K=bk, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
                                 K_SPLIT=k_split, SPLIT=split, SWAP=decode, num_warps=4, **stages,
-                                **pdl_launch(x2))
+                                **pdl_launch(x2), **fp8)
     return y.view(*x.shape[:-1], N)
+
+
+def bi_matmul_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out_dtype: torch.dtype | None = None,
+                  split: int = 1, decode: bool = False) -> torch.Tensor:
+    """`bi_matmul` of x [..., K] (bf16 / fp16) and FP8 block weights: w_q e4m3 [N, K], w_s [ceil(N/128),
+    ceil(K/128)] (e8m0, its uint8 bytes, or fp32), y = x @ dequant(w_q, w_s)^T with the same fixed tiles,
+    K walk and split; each K step's partial product scaled by its tile's scale. CPU tensors run under the
+    interpreter."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != (w_q.shape[-1] if w_q.dim() else -1):
+        raise ValueError(f"bi_matmul_fp8: x bf16/fp16 [..., K] with w_q's K expected, got {x.dtype} {list(x.shape)} "
+                         f"and w_q {list(w_q.shape)}")
+    ws = _fp8_scales(w_q, w_s)
+    return _launch_bi(x, w_q, None, out_dtype, split, decode, ws)
+
+
+def _fp8_scales(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
+    """w_s as the kernel reads it (uint8 for e8m0, fp32 as is), after checking both against the layout."""
+    if w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2:
+        raise ValueError(f"bi_matmul_fp8: w_q float8_e4m3fn [N, K] expected, got {w_q.dtype} {list(w_q.shape)}")
+    want = (triton.cdiv(w_q.shape[0], 128), triton.cdiv(w_q.shape[1], 128))
+    if tuple(w_s.shape) != want or w_s.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
+        raise ValueError(f"bi_matmul_fp8: w_s e8m0 / uint8 / fp32 {list(want)} (128x128 tiles of w_q) expected, "
+                         f"got {w_s.dtype} {list(w_s.shape)}")
+    ws = w_s.view(torch.uint8) if w_s.dtype == torch.float8_e8m0fnu else w_s
+    return ws if ws.stride(-1) == 1 else ws.contiguous()
+
+
+def bi_matmul_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The function `bi_matmul_fp8` computes: an fp32 product with the dequantised weight, rounded once."""
+    from dsv4c import quant as Q
+
+    w = Q.dequant_fp8_block(w_q, w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s)
+    return bi_matmul_ref(x.float(), w).to(out_dtype or x.dtype)
 
 
 def bi_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -287,6 +349,22 @@ def linear_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_f
 @linear_bi.register_fake
 def _linear_bi_fake(x, w, bias, out_f32, split=1, decode=False):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=torch.float32 if out_f32 else x.dtype)
+
+
+@torch.library.custom_op("dsv4c::fp8_linear_bi", mutates_args=())
+def fp8_linear_bi(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, split: int = 1,
+                  decode: bool = False) -> torch.Tensor:
+    """`dsv4c::fp8_linear_w8a16` batch-invariantly: `bi_matmul_fp8` on CUDA tensors (K split `split`, the
+    decode tile with `decode`), y in x's dtype; CPU tensors run the reference."""
+    if x.device.type == "cpu":
+        return bi_matmul_fp8_ref(x, w_q, w_s)
+    xb = x if x.dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)
+    return bi_matmul_fp8(xb, w_q, w_s, x.dtype, split, decode)
+
+
+@fp8_linear_bi.register_fake
+def _fp8_linear_bi_fake(x, w_q, w_s, split=1, decode=False):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
 
 
 @torch.library.custom_op("dsv4c::moe_experts_bi", mutates_args=())

@@ -5,12 +5,14 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
     before:  y = linear(x, w, b)             z = dsv4c.linear_f32(x, w)      y = matmul(h, t(w))
              o = dsv4c.grouped_linear(x, w)  e = dsv4c.moe_experts(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_q(x, idx, wt, "mxfp4" | "nvfp4", w13, s13, g13, w2, s2, g2, None, None, L)
+             f = dsv4c.fp8_linear_w8a16(x, w_q, w_s)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
              r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
     after:   y = dsv4c.linear_bi(x, w, b, False[, S, True])   z = dsv4c.linear_bi(x, w, None, True[, S, True])
              y = dsv4c.linear_bi(h, w, None, False[, S, True])
              o = dsv4c.grouped_linear_bi(x, w[, S, True])     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, L)
+             f = dsv4c.fp8_linear_bi(x, w_q, w_s[, S, True])
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
              r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
 
@@ -27,8 +29,9 @@ kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a varian
 
 It runs after quantize_experts and quantize_dense, so it sees the expert and dense ops the target chose.
 What stays: after the rewrite the pass lists the nodes it cannot vouch for (`blockers`): GEMM or
-reduction ATen ops it did not match, FP8 / W4A4 expert ops and FP8 dense linears (their kernels pick a
-path by token count), and the default `hc_pre`. On a CUDA target `compile --deterministic` refuses an
+reduction ATen ops it did not match, FP8 / W4A4 expert ops and W8A8 FP8 dense linears (their kernels pick
+a path by token count; W8A16 ones become `fp8_linear_bi`, the same tiles on the stored FP8 bytes), and the
+default `hc_pre`. On a CUDA target `compile --deterministic` refuses an
 artifact with any blocker, naming them (dsv4c/compile.py). On the CPU target the ops run their torch
 references, whose batch invariance is not proven; the manifest says so.
 """
@@ -57,8 +60,6 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                                         "moe_experts_fp4_bi)",
                  "dsv4c.fp8_linear_w8a8": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
                                           "above",
-                 "dsv4c.fp8_linear_w8a16": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the tile "
-                                           "GEMM above, cuBLAS on the widened weight from DEQUANT_M",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
                  "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
                  "dsv4c.hc_post_pre": "kernels/mhc.py chains the pair up to HC_ROWS_MAX rows only (fuse_hc_chain "
@@ -125,6 +126,8 @@ def _replacement(n: Node, decode: bool):
             return ops.linear_bi.default, (x, w, None, False, *_tile_args(w, decode))
     elif t is ops.linear_f32.default:
         return ops.linear_bi.default, (n.args[0], n.args[1], None, True, *_tile_args(n.args[1], decode))
+    elif op_name(t) == "dsv4c.fp8_linear_w8a16":
+        return ops.fp8_linear_bi.default, (*n.args, *_tile_args(n.args[1], decode))
     elif t is ops.grouped_linear.default:
         return ops.grouped_linear_bi.default, (*n.args, *_tile_args(n.args[1], decode))
     elif t in (ops.moe_experts.default, ops.moe_experts_gathered.default):

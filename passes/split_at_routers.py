@@ -84,6 +84,7 @@ OP_CAPTURE: dict[str, str | None] = {
     # kernels/batch_invariant.py, mhc.py (passes/make_batch_invariant.py, deterministic mode): Triton grids
     # fixed by the shapes, no host sync
     "dsv4c.linear_bi": None,
+    "dsv4c.fp8_linear_bi": None,  # bi_matmul's launch on FP8 block weights
     "dsv4c.grouped_linear_bi": None,
     "dsv4c.moe_experts_bi": None,
     "dsv4c.moe_experts_fp4_bi": None,  # kernels/moe_fp4_gemv.py on CUDA, as moe_experts_q's GEMV path

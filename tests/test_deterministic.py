@@ -68,7 +68,7 @@ def test_greedy_identical_across_batch_and_mtp(art):
     assert all(len(t) == 8 for t in together)
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4"])
+@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4", "deterministic-mxfp4-fp8dense"])
 def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypatch, mode):
     """The whole deterministic decode graph (2-layer tiny V4, h200 lowering; bf16 experts, or MXFP4
     weight-only ones through `moe_experts_fp4_bi`) with the batch-invariant ops' CPU paths pointed at
@@ -85,13 +85,17 @@ def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypat
 
     monkeypatch.setattr(bi, "bi_matmul_ref", lambda x, w, b=None, o=None: bi.bi_matmul(x.contiguous(), w, b, o))
     monkeypatch.setattr(bi, "bi_gemv_gathered_ref", bi.bi_gemv_gathered)
+    fp8 = []  # the FP8 dense linears' CPU path: the kernel, counted
+    monkeypatch.setattr(bi, "bi_matmul_fp8_ref", lambda x, q, s, o=None: fp8.append(q.shape) or bi.bi_matmul_fp8(
+        x.contiguous().to(torch.bfloat16), q, s, o or x.dtype))
     monkeypatch.setattr(mhc, "hc_pre_ref", lambda *a: mhc.hc_pre(*a, rows=True, exact=False))
     calls, gemv = [], bi.moe_experts_fp4_bi_gemv  # the FP4 experts' CPU path: the GEMV kernel, counted
     monkeypatch.setattr(bi, "moe_experts_fp4_bi_ref", lambda *a: calls.append(a[3].format) or gemv(*a))
     res = bench_deterministic.run(layers=2, batches=[1, 3], prompt=12, steps=2, modes=(mode,),
                                   device="cpu", preset="v4-tiny-a")[mode]
     assert res["blockers"] == [] and res["rows_identical"] and res["tokens_identical"], res
-    assert bool(calls) == (mode == "deterministic-mxfp4") and set(calls) <= {"mxfp4"}, calls
+    assert bool(calls) == mode.startswith("deterministic-mxfp4") and set(calls) <= {"mxfp4"}, calls
+    assert bool(fp8) == mode.endswith("fp8dense"), fp8  # quantize_dense left FP8 linears for make_batch_invariant
 
 
 @pytest.mark.parametrize("entry", ["run", "verify_rows"])

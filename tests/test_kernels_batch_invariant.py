@@ -16,6 +16,8 @@ from dsv4c.kernels.batch_invariant import (
     bi_gemv_gathered,
     bi_gemv_gathered_ref,
     bi_matmul,
+    bi_matmul_fp8,
+    bi_matmul_fp8_ref,
     bi_matmul_ref,
     bi_split,
     moe_experts_bi_impl,
@@ -49,6 +51,32 @@ def test_bi_matmul_rows_do_not_depend_on_m(dtype, split, decode):
     assert y32.dtype == torch.float32
     assert torch.equal(bi_matmul(x[3:4], w, None, torch.float32, split, decode), y32[3:4])
     assert (y32 - bi_matmul_ref(x, w, None, torch.float32)).abs().max() <= 1e-5 * y32.abs().max()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("split, fmt", [(1, "ue8m0"), (2, "fp32")])
+def test_bi_matmul_fp8_rows_do_not_depend_on_m(split, fmt, decode):
+    """FP8 block weights (e4m3 + one scale per 128x128 tile, e8m0 or fp32): rows alone equal rows among 20
+    on both tiles, with a K split; close to the fp32 product with the dequantised weight (whose bf16 form
+    `bi_matmul` would run: the two differ by the order of the scale's multiplication only)."""
+    from dsv4c import quant as Q
+
+    K, N = 384, 200  # three scale columns, two scale rows (the second partial): tails masked
+    x = _rand(20, K, dtype=torch.bfloat16)
+    w_q, w_s = Q.quant_fp8_block(_rand(N, K, dtype=torch.float32, seed=1) * 0.05, scale_fmt=fmt)
+    y20 = bi_matmul_fp8(x, w_q, w_s, split=split, decode=decode)
+    assert y20.dtype == torch.bfloat16 and y20.shape == (20, N)
+    for i in (0, 7, 19):
+        assert torch.equal(bi_matmul_fp8(x[i:i + 1], w_q, w_s, split=split, decode=decode), y20[i:i + 1])
+    assert torch.equal(bi_matmul_fp8(x[:8], w_q, w_s, split=split, decode=decode), y20[:8])
+    ref = bi_matmul_fp8_ref(x, w_q, w_s, torch.float32)
+    assert (y20.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    if fmt == "ue8m0":  # the bytes as the op takes them from a graph (uint8) give the same bits
+        assert torch.equal(bi_matmul_fp8(x, w_q, w_s.view(torch.uint8), split=split, decode=decode), y20)
+    with pytest.raises(ValueError, match="w_s"):
+        bi_matmul_fp8(x, w_q, w_s[:1, :1])
+    with pytest.raises(ValueError, match="x bf16"):
+        bi_matmul_fp8(x.float(), w_q, w_s)
 
 
 def test_bi_split_comes_from_the_weight_shape_only():
@@ -168,6 +196,25 @@ def test_bi_matmul_rows_on_gpu(dtype):
     assert torch.equal(bi_gemv_gathered(x[:1], rows[:1], e[:1], w[None]), g64[:1])
 
 
+@pytest.mark.gpu
+def test_bi_matmul_fp8_rows_on_gpu():
+    """`fp8_linear_bi` on the device: a Flash wo_b-like FP8 weight, rows at M = 1 / 8 / 17 equal rows of
+    M = 64 on the decode tile with the decode graphs' split and on the 64 x 64 tile; close to the fp32
+    product with the dequantised weight."""
+    from dsv4c import quant as Q
+
+    K, N = 8192, 4096
+    x = _rand(64, K, dtype=torch.bfloat16, device="cuda")
+    w_q, w_s = Q.quant_fp8_block(_rand(N, K, dtype=torch.float32, device="cuda", seed=1) * 0.02)
+    ref = bi_matmul_fp8_ref(x, w_q, w_s, torch.float32)
+    for split, decode in ((1, False), (bi_split(N, K), True)):
+        y64 = torch.ops.dsv4c.fp8_linear_bi(x, w_q, w_s.view(torch.uint8), split, decode)
+        for m in (1, 8, 17):
+            y = torch.ops.dsv4c.fp8_linear_bi(x[:m], w_q, w_s.view(torch.uint8), split, decode)
+            assert torch.equal(y, y64[:m]), (split, decode, m)
+        assert (y64.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
 @pytest.mark.parametrize("dtype,m,E,k", [(torch.float32, 4, 13, 7), (torch.bfloat16, 0, 0, 0),
                                          (torch.bfloat16, 16, 5, 0), (torch.bfloat16, 4, 13, 7)])
 def test_attention_verify_rows_equal_decode_rows(dtype, m, E, k):
@@ -258,20 +305,23 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "sxm", "swn", "sym")  # launch-time multiples of 16
-    for dt, split, bias, swap in (("bf16", 1, False, False), ("bf16", 8, True, False), ("fp32", 4, False, False),
-                                  ("bf16", 8, True, True), ("fp32", 4, False, True)):
-        types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "part_ptr": "*fp32",
-                 "cnt_ptr": "*i32"}
+    for dt, split, bias, swap, fp8 in (("bf16", 1, False, False, False), ("bf16", 8, True, False, False),
+                                       ("fp32", 4, False, False, False), ("bf16", 8, True, True, False),
+                                       ("fp32", 4, False, True, False), ("bf16", 8, False, True, True),
+                                       ("bf16", 1, False, False, True)):
+        types = {"x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv" if fp8 else f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
+                 "part_ptr": "*fp32", "cnt_ptr": "*i32", "ws_ptr": "*u8"}
         bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
         consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, F32=dt == "fp32", INTERPRET=False,
-                      K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True)  # PDL: as sm_90 launches it
+                      K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True,  # PDL: as sm_90 launches it
+                      W_FP8=fp8, WS_E8M0=fp8)
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
         ptx = k.asm["ptx"]
-        print("kernel", dt, split, int(swap), int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx),
-              int("cp.async" in ptx or "cp.async.bulk" in ptx))
+        print("kernel", dt + "+fp8" * fp8, split, int(swap), int("atom.global" in ptx),
+              int("wgmma" in ptx or "mma.sync" in ptx), int("cp.async" in ptx or "cp.async.bulk" in ptx))
 ''')
 
 
@@ -279,8 +329,10 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
     """Compile (not run) the kernel for sm_90 with the real Triton compiler in a subprocess (tests import
     kernels under TRITON_INTERPRET=1), with and without a K split, the 64 x 64 tile and the decode tile:
     tensor-core MMAs for bf16 (fp32's IEEE products run on FMAs), a global atomic (the split's tile
-    counter) only where the K is split, and the loads software-pipelined (cp.async)."""
+    counter) only where the K is split, and the loads software-pipelined (cp.async); the FP8-weight variant
+    (`bi_matmul_fp8`) on both tiles too."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
     assert rows == [["bf16", "1", "0", "0", "1", "1"], ["bf16", "8", "0", "1", "1", "1"],
                     ["fp32", "4", "0", "1", "0", "1"], ["bf16", "8", "1", "1", "1", "1"],
-                    ["fp32", "4", "1", "1", "0", "1"]], rows
+                    ["fp32", "4", "1", "1", "0", "1"], ["bf16+fp8", "8", "1", "1", "1", "1"],
+                    ["bf16+fp8", "1", "0", "0", "1", "1"]], rows
