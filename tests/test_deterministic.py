@@ -284,3 +284,22 @@ def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
                                                                               (bi_split(1024, 4096), True)]
     assert [a[0] for a in splits["decode", 1]] == [8, 8]
     assert splits["prefill", 1] == [(), ()]
+
+
+def test_deterministic_h200_compile_keeps_bf16_dense_unless_fp8_is_asked(tmp_path):
+    """The h200 target's FP8 dense default does not reach a deterministic artifact (its linears run bf16
+    weights); `--dense-format fp8_block_w8a16` puts the stored FP8 bytes on `fp8_linear_bi` with the decode
+    tile in decode graphs, and no blocker is left (a release-layout tiny V4, MXFP4 experts as stored)."""
+    from cut_presets import small
+
+    write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ck", seed=3, quant="release", dtype=torch.float32)
+    for dense in (None, "fp8_block_w8a16"):
+        art = tmp_path / f"art-{dense}"
+        m = compile_checkpoint(tmp_path / "ck", art, target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
+                               expert_format="mxfp4_w4a16", deterministic=True, dense_format=dense,
+                               verify_boundaries=False)
+        assert m["deterministic"]["blockers"] == {} and m["target"]["dense_format"] == (dense or "bf16")
+        ep = torch.export.load(str(art / m["graphs"]["decode"]["file"]))
+        fp8 = [n for n in ep.graph.nodes if str(n.target).startswith("dsv4c.fp8_linear")]
+        assert bool(fp8) == (dense is not None), dense
+        assert all(str(n.target).startswith("dsv4c.fp8_linear_bi") and n.args[4] is True for n in fp8)

@@ -253,7 +253,7 @@ def artifacts(tmp_path_factory):
         write_random_checkpoint(small(preset), ck, seed=3, quant=quant, dtype=torch.float32)
         man = compile_checkpoint(ck, art, target=target, max_tokens=32, max_batch=2, mtp_k=mtp, buckets=(1, 2),
                                  verify_boundaries=False,  # tests/test_boundary_check.py covers the check
-                                 dense_format="fp8_block" if target == "h200" else None)  # FP8 dense: opt-in
+                                 dense_format="fp8_block" if target == "h200" else None)  # W8A8 dense, by hand
         out[target] = (ck, art, man)
     return out
 
