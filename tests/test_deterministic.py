@@ -221,10 +221,11 @@ def test_gpu_flash_two_layer_rows_and_tokens_identical_across_batch_and_mtp_k_0_
     assert res["accepted_per_round"][64][3] > 0.5, res  # the rounds did accept drafts
 
 
-def test_fp8_dense_and_fp8_experts_are_blockers_and_fp4_experts_are_rewritten():
-    """make_batch_invariant runs after quantize_experts / quantize_dense: an FP8 dense linear and FP8 block
+def test_w8a8_dense_and_fp8_experts_are_blockers_w8a16_dense_and_fp4_experts_are_rewritten():
+    """make_batch_invariant runs after quantize_experts / quantize_dense: a W8A8 dense linear and FP8 block
     experts keep kernels that choose their path by token count (blockers, which compile refuses on a CUDA
-    target), FP4 weight-only experts become `moe_experts_fp4_bi` with the activation-scale inputs dropped."""
+    target); a W8A16 dense linear becomes `fp8_linear_bi` on the same FP8 bytes, FP4 weight-only experts
+    `moe_experts_fp4_bi` with the activation-scale inputs dropped."""
     import dsv4c.kernels.fp8_gemm  # noqa: F401  (registers the FP8 linear ops)
     import dsv4c.kernels.moe_grouped  # noqa: F401  (registers moe_experts_q)
     from dsv4c import ModelConfig
@@ -236,16 +237,19 @@ def test_fp8_dense_and_fp8_experts_are_blockers_and_fp4_experts_are_rewritten():
     x, idx, wt = g.placeholder("x"), g.placeholder("idx"), g.placeholder("wt")
     w = [g.placeholder(f"w{i}") for i in range(6)]
     dense = g.call_function(ops.fp8_linear_w8a16.default, (x, w[0], w[1]))
+    w8a8 = g.call_function(ops.fp8_linear_w8a8.default, (x, w[0], w[1]))
     fp8 = g.call_function(ops.moe_experts_q.default, (x, idx, wt, "fp8_block", w[0], w[1], None, w[2], w[3], None,
                                                       None, None, 7.0))
     fp4 = g.call_function(ops.moe_experts_q.default, (x, idx, wt, "mxfp4", w[0], w[1], None, w[2], w[3], None,
                                                       None, None, 7.0))
-    g.output((dense, fp8, fp4))
+    g.output((dense, w8a8, fp8, fp4))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     res = make_batch_invariant(gm, PassContext(ModelConfig.preset("v4-tiny-a"), "h200", "decode", deterministic=True))
     blockers = res.stats["blockers"]
-    assert any("fp8_linear_w8a16" in b for b in blockers) and any("moe_experts_q" in b for b in blockers), blockers
-    assert len(blockers) == 2, blockers  # the FP4 node is not among them
+    assert any("fp8_linear_w8a8" in b for b in blockers) and any("moe_experts_q" in b for b in blockers), blockers
+    assert len(blockers) == 2, blockers  # the W8A16 and FP4 nodes are not among them
+    (bi,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "fp8_linear_bi" in str(n.target)]
+    assert [a.name for a in bi.args] == ["x", "w0", "w1"]  # no weight values here: the ops' default tile
     (new,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "moe_experts_fp4_bi" in str(n.target)]
     assert new.args[3] == "mxfp4" and len(new.args) == 11 and new.args[-1] == 7.0
 
