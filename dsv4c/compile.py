@@ -262,7 +262,7 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     else:
         expert_format = "reference"
         why = "--deterministic: unquantised experts, one kernel path (kernels/batch_invariant.py moe_experts_bi)"
-    dense = tgt.dense_format if tgt.dense_format in ("reference", "bf16") else "bf16"  # linear_bi runs bf16 weights
+    dense = tgt.dense_format if tgt.dense_format in ("reference", "bf16") else "bf16"  # as quantize_dense's rule
     tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None, expert_format_reason=why,
                               dense_format=dense)
     return tgt, kernels

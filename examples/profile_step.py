@@ -12,9 +12,10 @@ keeps them bf16). The dense linears the release stores in FP8 run on FP8 blocks 
 (fp8_block_w8a16: the bf16 weights quantised in memory, their bytes counted as stored; the grouped wo_a,
 which quantize_dense does not rewrite, still in bf16), or widened with `--dense-format bf16`. The
 4-layer slice is built in bf16 and its experts converted beside it, which outgrows an 80 GB card with
-FP8 experts: `--layers 2` cuts it. `--deterministic` lowers as `compile --deterministic` (batch-invariant kernels, the fused
-attention's `fused_det`), with bf16 experts (`--bf16-experts`) or FP4 weight-only ones (`--expert-format
-mxfp4_w4a16` / `nvfp4_w4a16`): where its step time goes.
+FP8 experts: `--layers 2` cuts it. `--deterministic` lowers as `compile --deterministic`
+(batch-invariant kernels, the fused attention's `fused_det`, bf16 dense unless `--dense-format` says
+otherwise), with bf16 experts (`--bf16-experts`) or FP4 weight-only ones (`--expert-format mxfp4_w4a16` /
+`nvfp4_w4a16`): where its step time goes.
 
 Prints, for the eager step (segments run op by op): device time and kernel count per operator
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
