@@ -220,7 +220,8 @@ def _compile_plan(a: argparse.Namespace):
     from dsv4c.planner import choose_plan
 
     plan, _ = choose_plan(ModelConfig.from_pretrained(a.checkpoint), gpus, a.target, a.expert_format,
-                          max_tokens=a.max_tokens, max_batch=a.max_batch, mtp_k=a.mtp)
+                          max_tokens=a.max_tokens, max_batch=a.max_batch, mtp_k=a.mtp,
+                          dense_format=getattr(a, "dense_format", None))
     return plan
 
 

@@ -1,8 +1,9 @@
 """The memory planner (issue 24): which `ParallelPlan(tp, ep)` fits a model on N GPUs, and which is fastest.
 
 For every plan with tp * ep = N whose degrees divide what they split (heads, output groups, indexer heads,
-vocabulary, the dense/shared/expert intermediate dims over tp; the routed experts over ep), it counts the
-bytes one GPU holds:
+vocabulary, the dense/shared/expert intermediate dims over tp; the routed experts over ep), and whose tp
+slices keep to the format's blocks (quantised experts; FP8 dense linears: `fp8_dense_problems`), it counts
+the bytes one GPU holds:
 
 - weights by kind from a meta-device model (`build_model(..., device="meta")`, nothing allocated)
   in the artifact's dtypes: dense tensors in the compile dtype (the target's, bf16 on GPUs; the fp32
@@ -130,10 +131,12 @@ def classify(cfg: ModelConfig, name: str) -> tuple[str, str]:
 
 
 # ---- plans --------------------------------------------------------------------------------------
-def plan_problems(cfg: ModelConfig, plan: ParallelPlan, expert_format: str | None = None) -> list[str]:
-    """Why `plan` cannot shard `cfg` (empty when it can): each split dim must divide, and with quantised
+def plan_problems(cfg: ModelConfig, plan: ParallelPlan, expert_format: str | None = None,
+                  dense_format: str | None = None) -> list[str]:
+    """Why `plan` cannot shard `cfg` (empty when it can): each split dim must divide, with quantised
     routed experts each rank's intermediate columns must be whole blocks of the format (compile refuses
-    a tp that cuts one: dsv4c/convert.py check_inter_split)."""
+    a tp that cuts one: dsv4c/convert.py check_inter_split), and with an FP8 `dense_format` each rank's
+    slice of an FP8-stored dense linear must keep to the 128x128 scale tiles (`fp8_dense_problems`)."""
     tp, ep = plan.tp, plan.ep
     need = [("num_attention_heads", cfg.num_attention_heads, tp), ("vocab_size", cfg.vocab_size, tp),
             ("moe_intermediate_size", cfg.moe_intermediate_size, tp), ("n_routed_experts", cfg.n_routed_experts, ep)]
@@ -154,7 +157,33 @@ def plan_problems(cfg: ModelConfig, plan: ParallelPlan, expert_format: str | Non
                 check_inter_split(kfmt, cfg.moe_intermediate_size, tp)
         except PlanError as e:
             out.append(str(e))
+    if dense_format in ("fp8_block", "fp8_block_w8a16") and tp > 1 and not out:
+        out += fp8_dense_problems(cfg, plan)
     return out
+
+
+def fp8_dense_problems(cfg: ModelConfig, plan: ParallelPlan) -> list[str]:
+    """The FP8-stored dense weights (the release's, `checkpoint.release_format`) whose tp slices compile
+    would refuse: a rank's slice must start on a 128 boundary or lie inside one scale tile
+    (passes/shard.py `weight_recipe`, `slice_fp8_block`). V4's grouped wo_a is left out: quantize_dense
+    keeps it bf16."""
+    from dsv4c.checkpoint import release_format
+    from dsv4c.passes.shard import weight_recipe
+    from dsv4c.quant import FP8_BLOCK
+
+    bad: dict[str, list] = {}  # weight kind (the name past its layer) -> [(name, dim, lo, hi)]
+    for t in model_tensors(cfg, torch.bfloat16):
+        name = t.name[len("model."):] if t.name.startswith("model.") else t.name
+        if len(t.shape) != 2 or ".attn.wo_a." in name or release_format(cfg, name) != "fp8":
+            continue
+        cuts = [(name, dim, lo, hi) for r in range(plan.world_size)
+                for dim, lo, hi in weight_recipe(name, t.shape, plan, r)
+                if lo % FP8_BLOCK and lo // FP8_BLOCK != (hi - 1) // FP8_BLOCK]
+        if cuts:
+            bad.setdefault(name.split(".", 2)[-1], []).append(cuts[0])
+    return [f"{hits[0][0]} (and {len(hits) - 1} more like it): tp={plan.tp} slices dim {hits[0][1]} into "
+            f"[{hits[0][2]}, {hits[0][3]}), across a {FP8_BLOCK}-wide FP8 scale tile (FP8 dense shards on tile "
+            f"boundaries; --dense-format bf16 widens instead)" for hits in bad.values()]
 
 
 def candidate_plans(gpus: int) -> list[ParallelPlan]:
@@ -405,10 +434,11 @@ def _step(cfg: ModelConfig, tensors: tuple[_Tensor, ...], plan: ParallelPlan, we
 
 def choose_plan(config: ModelConfig | str, gpus: int, target: str, expert_format: str | None = None,
                 max_tokens: int = 4096, max_batch: int = 8, mtp_k: int = 0,
-                dtype: torch.dtype | None = None) -> tuple[ParallelPlan, PlanReport]:
+                dtype: torch.dtype | None = None, dense_format: str | None = None) -> tuple[ParallelPlan, PlanReport]:
     """The fastest plan that fits `config` on `gpus` GPUs of `target`, and the report of every candidate.
-    Raises PlanRefused (a ValueError, `.report` attached) naming the shortfall when none fits."""
-    report = plan_report(config, gpus, target, expert_format, max_tokens, max_batch, mtp_k, dtype)
+    Raises PlanRefused (a ValueError, `.report` attached) naming the shortfall when none fits.
+    `dense_format` (default: the target's) decides which tp slices the FP8 dense linears allow."""
+    report = plan_report(config, gpus, target, expert_format, max_tokens, max_batch, mtp_k, dtype, dense_format)
     if report.chosen is None:
         ok = [c for c in report.candidates if not c.problems]
         if not ok:
@@ -428,7 +458,7 @@ def choose_plan(config: ModelConfig | str, gpus: int, target: str, expert_format
 
 def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format: str | None = None,
                 max_tokens: int = 4096, max_batch: int = 8, mtp_k: int = 0,
-                dtype: torch.dtype | None = None) -> PlanReport:
+                dtype: torch.dtype | None = None, dense_format: str | None = None) -> PlanReport:
     """Every candidate plan's per-GPU bytes and decode-step roofline (no refusal; `chosen` None if none fits)."""
     from dsv4c.targets import get_target
 
@@ -441,7 +471,7 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     if mtp_k and not cfg.num_nextn_predict_layers:
         raise ValueError(f"--mtp {mtp_k}: this model has no MTP block (num_nextn_predict_layers = 0)")
     gpu, tgt = HARDWARE[target], get_target(target)
-    fmt = expert_format or tgt.expert_format
+    fmt, dense = expert_format or tgt.expert_format, dense_format or tgt.dense_format
     dtype = dtype or getattr(torch, tgt.dtype)
     tensors = model_tensors(cfg, dtype)
     extra = mtp_k if cfg.is_v4 else 0
@@ -456,7 +486,7 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     per_seq = layouts[0].bytes_per_slot
     cands, how = [], ""
     for plan in candidate_plans(gpus):
-        c = Candidate(plan, plan_problems(cfg, plan, fmt))
+        c = Candidate(plan, plan_problems(cfg, plan, fmt, dense))
         if not c.problems:
             c.weights = weight_bytes(cfg, tensors, plan, fmt, dtype, mtp=bool(mtp_k))
             c.caches = caches
@@ -473,7 +503,7 @@ def plan_report(config: ModelConfig | str, gpus: int, target: str, expert_format
     chosen = min(fitting, key=lambda c: (c.step_s, -c.headroom)).plan if fitting else None
     assumptions = [
         f"weights counted from the meta-device model: dense in {str(dtype).replace('torch.', '')} (fp32 "
-        f"islands fp32; the target's dense_format is {tgt.dense_format}: fp8_block / fp8_block_w8a16 keep the "
+        f"islands fp32; the dense format is {dense}: fp8_block / fp8_block_w8a16 keep the "
         f"FP8-stored linears at 1 byte, each rank its slice, counted here in the compile dtype: an over-count), "
         f"routed experts "
         f"in {fmt} (quantize_experts containers, scales included)",

@@ -17,6 +17,7 @@ from dsv4c.planner import (
     PlanRefused,
     choose_plan,
     expected_max_experts,
+    fp8_dense_problems,
     model_tensors,
     plan_problems,
     plan_report,
@@ -126,3 +127,13 @@ def test_a_tp_that_cuts_the_quantised_experts_blocks_is_a_problem():
     bad = plan_problems(cfg, ParallelPlan(tp=2, ep=1), "mxfp4_w4a16")
     assert len(bad) == 1 and "not a multiple of mxfp4's block of 32" in bad[0]
     assert plan_problems(cfg, ParallelPlan(tp=1, ep=2), "fp8_block") == []  # ep keeps whole experts
+
+
+def test_the_release_models_shard_with_fp8_dense_at_tp_2_4_8():
+    """The h100/h200 targets keep the FP8-stored dense linears as stored (fp8_block_w8a16): every tp slice of
+    V4-Flash, V4-Pro, V3 and V3.2 starts on a 128 scale-tile boundary, so the planner finds no problem and
+    choose_plan's candidates stand (tests/test_shard_dense_fp8.py checks a config it refuses, with compile)."""
+    for preset in ("v4-flash", "v4-pro", "v3", "v32"):
+        cfg = ModelConfig.resolve(preset)
+        for tp in (2, 4, 8):
+            assert fp8_dense_problems(cfg, ParallelPlan(tp, 1)) == [], (preset, tp)

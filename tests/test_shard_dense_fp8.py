@@ -97,3 +97,10 @@ def test_compile_names_the_weight_a_tp_would_cut_mid_tile(tmp_path):
     write_random_checkpoint(cfg, tmp_path / "ckpt", seed=1, quant="release", dtype=torch.float32)
     with pytest.raises(ArtifactError, match="wq_b.*scale block"):
         compile_checkpoint(tmp_path / "ckpt", tmp_path / "tp2", plan=ParallelPlan(2, 1), **KW)
+    from dsv4c.planner import fp8_dense_problems, plan_problems  # the planner refuses the same plan
+
+    problems = plan_problems(cfg, ParallelPlan(2, 1), None, "fp8_block_w8a16")
+    assert problems == fp8_dense_problems(cfg, ParallelPlan(2, 1)) and len(problems) == 1, problems  # 2 layers + MTP
+    assert problems[0].startswith("layers.0.attn.wq_b.weight (and 2 more like it): tp=2 slices dim 0 into "
+                                  "[192, 384)"), problems
+    assert plan_problems(cfg, ParallelPlan(2, 1), None, "bf16") == []
