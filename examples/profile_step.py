@@ -6,6 +6,8 @@ with torch.profiler at one batch size.
     python examples/profile_step.py --device cpu --quick           # CPU smoke run (tiny model)
     python examples/profile_step.py --layers 2 --dense-format bf16 --out $OUT/p.json   # dense widened to bf16
     python examples/profile_step.py --layers 2 --deterministic --expert-format mxfp4_w4a16 --out $OUT/d.json
+    python examples/profile_step.py --layers 2 --deterministic --expert-format mxfp4_w4a16 --batch 64 --verify 3 \
+        --out $OUT/v.json   # where a verify call of 1 + 3 tokens per row goes (MTP rounds, issue 23)
 
 The experts run as the h200 lowering quantises them (fp8_block, or `--expert-format`; `--bf16-experts`
 keeps them bf16). The dense linears the release stores in FP8 run on FP8 blocks as h200 lowers them
@@ -159,6 +161,32 @@ class JitCompiles:
         return out
 
 
+def run_steps(ex, flat, pos0, B: int, T: int, steps: int, V: int, dev) -> list[float]:
+    """`steps` calls of the graph from the prefilled state -> ms each: greedy decode steps (T = 1,
+    bench_segments.decode) or verify calls of T tokens per row (random drafts, positions advanced by T)."""
+    if T == 1:
+        return bs.decode(ex, flat, pos0, B, steps, V, dev)[2]
+    g = torch.Generator().manual_seed(1)
+    slots, pos = torch.arange(B, device=dev), pos0[:B].clone()
+    n = torch.full((B,), T, dtype=torch.int64, device=dev)
+    times = []
+    for _ in range(steps):
+        ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+        if dev.type == "cuda":  # CUDA events, as bench_segments.decode times a step
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            ex.run(ids, slots, pos, n, flat)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            ex.run(ids, slots, pos, n, flat)
+            times.append((time.perf_counter() - t0) * 1e3)
+        pos += T
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -176,6 +204,8 @@ def main(argv=None) -> int:
                          "fp8_block_w8a16; bf16 in --deterministic)")
     ap.add_argument("--deterministic", action="store_true",
                     help="the deterministic lowering; needs --bf16-experts or an FP4 weight-only --expert-format")
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="profile the verify graph of `--mtp K` (1 + K tokens per row, drafts at random) instead")
     ap.add_argument("--layers", type=int, default=None,
                     help="cut the slice to its first N layers (the 4-layer bf16 build and its FP8 copy outgrow 80 GB)")
     ap.add_argument("--skip-passes", nargs="+", default=(), metavar="PASS",
@@ -189,7 +219,8 @@ def main(argv=None) -> int:
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = bs.build(preset, dev, dtype, a.layers)
-    n_slots, max_len = a.batch + 1, prompt + 16
+    T = 1 + a.verify  # tokens per row and call
+    n_slots, max_len = a.batch + 1, prompt + 16 * T
     cache = bs.prefill(model, n_slots, prompt, max_len, chunk_rows=8, seed=0)
     flat = flat_caches(cache.layers)
     snap = {k: t.clone() for k, t in flat.items()}
@@ -204,7 +235,7 @@ def main(argv=None) -> int:
     fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
     plan, split, stats = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),
                                   expert_format=a.expert_format, dense_format=a.dense_format,
-                                  deterministic=a.deterministic)
+                                  deterministic=a.deterministic, k=a.verify)
     blockers = stats.get("make_batch_invariant", {}).get("blockers", [])
     if a.deterministic and blockers and dev.type == "cuda":
         raise SystemExit(f"--deterministic: the graph keeps ops that are not batch-invariant: {blockers[:6]}")
@@ -212,10 +243,10 @@ def main(argv=None) -> int:
     res: dict = {"preset": preset, "layers": model.config.num_hidden_layers, "batch": a.batch, "kernels": kernels,
                  "quantize": quantize, "expert_format": fmt, "dense_format": a.dense_format or "target default",
                  "fp8_dense_linears": fp8_dense, "deterministic": a.deterministic, "blockers": blockers,
-                 "skipped_passes": list(a.skip_passes),
+                 "skipped_passes": list(a.skip_passes), "tokens_per_row": T,
                  "segments": len(plan.segments), "capturable": plan.n_capturable}
     cfg = model.config
-    unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch)] * cfg.num_hidden_layers
+    unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch * T)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)
     if quantize:  # the experts' bytes as stored in their format (bf16 counted by step_bytes)
         sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[fmt]
@@ -238,11 +269,11 @@ def main(argv=None) -> int:
     for mode in modes:
         ex = SegmentExecutor(split, plan, dev, mode=mode, pad_slot=n_slots - 1)
         restore()
-        _, _, ms = bs.decode(ex, flat, pos0, a.batch, 8, V, dev)  # warm-up + capture
+        ms = run_steps(ex, flat, pos0, a.batch, T, 8, V, dev)  # warm-up + capture
         step_ms = statistics.median(ms[3:])
         restore()
         with profile(activities=acts) as prof:
-            bs.decode(ex, flat, pos0, a.batch, 3, V, dev)
+            run_steps(ex, flat, pos0, a.batch, T, 3, V, dev)
         ops = op_table(prof, a.top)
         kern, n_kern, kern_us = kernel_table(prof, a.top)
         res[mode] = {"step_ms": step_ms, "kernels_per_step": n_kern / 3, "kernel_us_per_step": kern_us / 3,

@@ -77,3 +77,14 @@ def test_deterministic_refuses_expert_formats_without_a_batch_invariant_kernel(c
     with pytest.raises(SystemExit):
         ps.main(["--device", "cpu", "--quick", "--deterministic", "--expert-format", "fp8_block"])
     assert "batch-invariant" in capsys.readouterr().err
+
+
+def test_quick_run_of_a_deterministic_verify_graph(tmp_path):
+    """`--verify 2 --deterministic` on the CPU (tiny model): the verify graph of 3 tokens per row is lowered
+    deterministically and profiled; the experts' bytes count the unique experts of 3 tokens per row."""
+    out = tmp_path / "v.json"
+    assert ps.main(["--device", "cpu", "--quick", "--deterministic", "--bf16-experts", "--verify", "2", "--batch", "2",
+                    "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens_per_row"] == 3 and r["deterministic"] and r["blockers"] == []
+    assert r["eager"]["step_ms"] > 0 and r["eager"]["kernels_per_step"] >= 0
