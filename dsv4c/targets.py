@@ -14,8 +14,9 @@ H100 and H200 run `fp8_block_w8a16`: the release's FP8 bytes, half the dense mem
 (BENCHMARKS.md, 2026-12-06) it made the 2-layer slice's decode step 1.12x faster at batch 1 and 1.00x at 64
 (an earlier run: 1.06x / 1.02x / 0.98x at 1 / 8 / 64; the H200: 1.01x at 64). Prefill-sized calls (from
 DEQUANT_M rows, kernels/fp8_gemm.py) widen each weight to bf16 for cuBLAS (0.92x of bf16 at 4096 tokens),
-since every FP8 GEMM here ran them slower (W8A16 tile 0.33x, W8A8 0.84x). W8A8 (`fp8_block`) stays opt-in: 5 dB of pinned SNR lost on the slice and slower decode. The
-B200 keeps `bf16` until measured; `compile --dense-format bf16` restores the widened weights. The
+since every FP8 GEMM here ran them slower (W8A16 tile 0.33x, W8A8 0.84x). W8A8 (`fp8_block`) stays
+opt-in: 5 dB of pinned SNR lost on the slice and slower decode. The B200 keeps `bf16` until measured;
+`compile --dense-format bf16` restores the widened weights. The
 deterministic mode defaults to them too (compile.deterministic_target); with `--dense-format
 fp8_block_w8a16` its linears run the stored FP8 bytes on `fp8_linear_bi` (untimed on a GPU).
 """
