@@ -226,8 +226,8 @@ def prefill_flops(model, P: int) -> dict:
 
 def prefill_chunk_bound(model, P: int, chunk: int, flop_s: float, byte_s: float, expert_factor: float) -> dict:
     """The bound of a prefill of P tokens in calls of `chunk` tokens: per call, max(its FLOPs at `flop_s`, the
-    bytes it must read at `byte_s`), summed. A call reads every non-expert weight as the artifact stores it
-    (bf16; `step_bytes`), the head (its last row's logits) and the unique routed experts its tokens touch
+    bytes it must read at `byte_s`), summed. A call reads every non-expert weight, counted in bf16 as
+    `step_bytes` counts it (an artifact with FP8 dense reads those linears' stored bytes: fewer), the head (its last row's logits) and the unique routed experts its tokens touch
     under uniform routing (`expected_unique`; a 2048-token call of Flash's top-6 of 256 touches all), at
     `expert_factor` of their bf16 bytes (EXPERT_BYTE_FACTOR). Seconds: {"ms", "bytes_ms", "flops_ms"}."""
     cfg = model.config
