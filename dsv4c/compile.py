@@ -35,7 +35,8 @@ from dsv4c.parallel import PlanError
 from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes.quantize_experts import RECIPE as EXPERTS_RECIPE
 from dsv4c.passes.quantize_dense import RECIPE as DENSE_RECIPE
-from dsv4c.passes.quantize_dense import describe_dense, merge_dense_quant_map, with_dense_format
+from dsv4c.passes.quantize_dense import (describe_dense, deterministic_dense_format, merge_dense_quant_map,
+                                         with_dense_format)
 from dsv4c.passes.quantize_experts import describe_quant_map, merge_quant_map
 from dsv4c.passes.shard import slice_fp8_block, slice_weight
 from dsv4c.provenance import describe_source, source_hashes
@@ -262,9 +263,8 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     else:
         expert_format = "reference"
         why = "--deterministic: unquantised experts, one kernel path (kernels/batch_invariant.py moe_experts_bi)"
-    dense = tgt.dense_format if tgt.dense_format in ("reference", "bf16") else "bf16"  # as quantize_dense's rule
     tgt = dataclasses.replace(tgt, expert_format=expert_format, expert_format_tokens=None, expert_format_reason=why,
-                              dense_format=dense)
+                              dense_format=deterministic_dense_format(tgt.dense_format))
     return tgt, kernels
 
 

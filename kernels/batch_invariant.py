@@ -234,31 +234,21 @@ def bi_matmul_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out_dty
     ceil(K/128)] (e8m0, its uint8 bytes, or fp32), y = x @ dequant(w_q, w_s)^T with the same fixed tiles,
     K walk and split; each K step's partial product scaled by its tile's scale. CPU tensors run under the
     interpreter."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != (w_q.shape[-1] if w_q.dim() else -1):
-        raise ValueError(f"bi_matmul_fp8: x bf16/fp16 [..., K] with w_q's K expected, got {x.dtype} {list(x.shape)} "
-                         f"and w_q {list(w_q.shape)}")
-    ws = _fp8_scales(w_q, w_s)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"bi_matmul_fp8: x bf16/fp16 [..., K] expected, got {x.dtype} {list(x.shape)}")
+    from dsv4c.kernels.fp8_gemm import _check_weight, _scale  # the dense FP8 kernels' weight contract
+
+    ws = _check_weight(w_q, _scale(w_s), x.shape[-1])  # uint8 e8m0 bytes or fp32, as the kernel reads them
     return _launch_bi(x, w_q, None, out_dtype, split, decode, ws)
-
-
-def _fp8_scales(w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:
-    """w_s as the kernel reads it (uint8 for e8m0, fp32 as is), after checking both against the layout."""
-    if w_q.dtype != torch.float8_e4m3fn or w_q.dim() != 2:
-        raise ValueError(f"bi_matmul_fp8: w_q float8_e4m3fn [N, K] expected, got {w_q.dtype} {list(w_q.shape)}")
-    want = (triton.cdiv(w_q.shape[0], 128), triton.cdiv(w_q.shape[1], 128))
-    if tuple(w_s.shape) != want or w_s.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
-        raise ValueError(f"bi_matmul_fp8: w_s e8m0 / uint8 / fp32 {list(want)} (128x128 tiles of w_q) expected, "
-                         f"got {w_s.dtype} {list(w_s.shape)}")
-    ws = w_s.view(torch.uint8) if w_s.dtype == torch.float8_e8m0fnu else w_s
-    return ws if ws.stride(-1) == 1 else ws.contiguous()
 
 
 def bi_matmul_fp8_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The function `bi_matmul_fp8` computes: an fp32 product with the dequantised weight, rounded once."""
     from dsv4c import quant as Q
+    from dsv4c.kernels.fp8_gemm import _scale
 
-    w = Q.dequant_fp8_block(w_q, w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s)
+    w = Q.dequant_fp8_block(w_q, _scale(w_s))
     return bi_matmul_ref(x.float(), w).to(out_dtype or x.dtype)
 
 

@@ -427,6 +427,39 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 
 
 @triton.jit
+def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps,
+                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+    """hc_pre's finish, token pid_m: post = 2·sigmoid(s₁·z_post·r + b) and comb = Sinkhorn(s₂·z_comb·r + b)
+    from the token's mix partials (rows zrow, valid where sm). EXACT: PyTorch's sigmoid and CUDA summation
+    orders (the exact finish kernel), else the fast ones."""
+    n = tl.arange(0, N)
+    z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
+    if EXACT:
+        post = 2 * _sigmoid_like_torch(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n), INTERPRET)
+    else:
+        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
+    tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
+    ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
+    zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
+    c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
+    # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
+    # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
+    # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
+    tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
+    tl.debug_barrier()
+    if EXACT and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+        one = tl.arange(0, 1)[:, None]
+        _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+    else:
+        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+        if EXACT:
+            comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
+        else:
+            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+
+
+@triton.jit
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
@@ -449,22 +482,9 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
     u = tl.sum(pre[:, None] * x, axis=0)
     tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
 
-    if not HEAD:  # HEAD (hc_head): z holds the N pre coefficients only
-        if pid_d == 0:
-            z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-            post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n))
-            tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
-            ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
-            zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
-            c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
-            # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
-            # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
-            # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
-            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
-            tl.debug_barrier()
-            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
-            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+    if not HEAD and pid_d == 0:  # HEAD (hc_head): z holds the N pre coefficients only
+        _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
+                          False, False)
 
 
 @triton.jit
@@ -508,26 +528,9 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
     u = ((a0 + a1) + a2) + a3
     tl.store(u_ptr + pid_m.to(tl.int64) * D + d, u.to(u_ptr.dtype.element_ty), mask=dm)
 
-    if not HEAD:
-        if pid_d == 0:
-            z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
-            post = 2 * _sigmoid_like_torch(tl.load(scale_ptr + 1) * z_post + tl.load(base_ptr + N + n), INTERPRET)
-            tl.store(post_ptr + pid_m.to(tl.int64) * N + n, post)
-            ij = n[:, None] * N + n[None, :]  # [N(i), N(j)]
-            zc = tl.load(zp_ptr + zrow[:, None, None] + 2 * N + ij[None, :, :], mask=sm[:, None, None], other=0.0)
-            c0 = tl.load(scale_ptr + 2) * (tl.sum(zc, axis=0) * r) + tl.load(base_ptr + 2 * N + ij)
-            # c0 inherits the layout of the [S_P, N, N] partials it was summed from: spread over every
-            # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
-            # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
-            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
-            tl.debug_barrier()
-            if N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
-                one = tl.arange(0, 1)[:, None]
-                _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
-            else:
-                c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-                comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
-                tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+    if not HEAD and pid_d == 0:
+        _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
+                          True, INTERPRET)
 
 
 @triton.jit

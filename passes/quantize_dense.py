@@ -71,6 +71,12 @@ def check_dense_format(fmt: str, where: str = "dense_format") -> None:
         raise DenseFormatError(f"{where}: expected one of {list(DENSE_FORMATS)}, got {fmt!r}")
 
 
+def deterministic_dense_format(fmt: str) -> str:
+    """The dense format a deterministic graph runs when none is asked for: `fmt` if it rewrites nothing,
+    else bf16 (`fp8_linear_bi` is opt-in until timed on a GPU)."""
+    return fmt if fmt in ("reference", "bf16") else "bf16"
+
+
 def scale_dtype(cfg) -> torch.dtype:
     """The FP8 weight scales' graph dtype: ue8m0 as uint8 bytes (V4, ue8m0 V3 checkpoints; torch 2.11's
     export serialiser has no float8_e8m0fnu), else fp32 (V3 weight_scale_inv)."""
@@ -195,8 +201,8 @@ def quantize_dense(gm: GraphModule, ctx: PassContext) -> PassResult:
 
     if ctx.dense_format is not None:
         fmt, where = ctx.dense_format, "--dense-format"
-    elif ctx.deterministic:  # bf16 until fp8_linear_bi is timed on a GPU (opt-in above)
-        fmt, where = "bf16", "deterministic mode"
+    elif ctx.deterministic:
+        fmt, where = deterministic_dense_format(get_target(ctx.target).dense_format), "deterministic mode"
     else:
         fmt, where = get_target(ctx.target).dense_format, f"target {ctx.target}: dense_format"
     check_dense_format(fmt, where)
