@@ -5,6 +5,7 @@ Public API::
     bi_matmul(x, w, bias=None, out_dtype=None, split=1, decode=False) -> Tensor  # Triton: y = x @ w^T (+ bias)
     bi_matmul_fp8(x, w_q, w_s, out_dtype=None, split=1, decode=False) -> Tensor  # the same on FP8 block weights
     bi_split(n, k) -> int                                  # the K split of a decode-kind graph's [n, k] linear
+    decode_groups(m) -> int                                # 16-row token groups per decode-tile program at M rows
     bi_matmul_ref(x, w, bias=None, out_dtype=None) -> Tensor  # the same function through torch
     bi_gemv_gathered(x, rows, experts, w) -> Tensor        # Triton: y[p] = x[rows[p]] @ w[experts[p]]^T
     bi_gemv_gathered_ref(...)                              # the same through torch
@@ -40,7 +41,11 @@ one token and walks K 64 columns at a time; the decode tile puts 64 weight rows 
 rows on its columns, with 128-column K steps and 4 stages in flight (H200, the slice's dense shapes: 0.98x /
 0.97x of cuBLAS bf16 at 1 / 8 tokens against the 64 x 64 tile's 0.92x, but 0.48x at 64 tokens, where each
 weight tile is read once per 16 tokens; BENCHMARKS.md, 2026-12-06, run38). Column j of w_tile @ x_tile^T
-depends on token row j only, so it is batch-invariant for the same reason. A row is invariant within its
+depends on token row j only, so it is batch-invariant for the same reason. Past 16 rows a program owns 2 or
+4 groups of 16 token rows (`decode_groups`, from M) and multiplies each loaded weight tile with each group
+as its own 16-column MMA and accumulator: the MMA shape and K walk of a row are those of its group alone,
+so the group count may follow M (a verify call of 1 + k tokens per row reads each weight tile once per 64
+rows, not once per 16; the sm_90 build test checks that every MMA has the one-group shape). A row is invariant within its
 graph kind, and every token's row is always computed by the same kind (a prompt token by
 prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
@@ -95,74 +100,127 @@ def _tile_product(a, b, acc, F32: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptr, m, M, sxm, k0, k, K: tl.constexpr):
+    """x rows m [R], K columns k0 + k [BK] -> [R, BK] (zeros past M and K)."""
+    return tl.load(x_ptr + m[:, None].to(tl.int64) * sxm + k0 + k[None, :],
+                   mask=(m < M)[:, None] & ((k0 + k) < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _swap_step(acc_t, b, sc, a, F32: tl.constexpr, INTERPRET: tl.constexpr, W_FP8: tl.constexpr):
+    """The decode tile's K step for one group of token rows: acc_t [BN, T] += b [BN, BK] @ a [T, BK]^T (W_FP8:
+    the step's product formed from zero and scaled per weight row by sc [BN])."""
+    if W_FP8:
+        return acc_t + _tile_product(b, a, tl.zeros(acc_t.shape, dtype=tl.float32), F32, INTERPRET) * sc[:, None]
+    return _tile_product(b, a, acc_t, F32, INTERPRET)
+
+
+@triton.jit
+def _put_tile(acc, m, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Store an output tile acc [R, BN] (rows m, columns n): y (+ bias) when SPLIT = 1, else the split's fp32
+    partial ([SPLIT, M, N] at part_ptr)."""
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None].to(tl.int64) * sym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + m[:, None].to(tl.int64) * N + n[None, :] + pid_s * M * N, acc, mask=ok)
+
+
+@triton.jit
+def _sum_parts(m, n, M, N, y_ptr, sym, b_ptr, part_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+               R: tl.constexpr, BN: tl.constexpr):
+    """The last program of a tile: y rows m = the SPLIT fp32 partials added in split order (+ bias)."""
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    p = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+    tot = tl.zeros((R, BN), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        tot += tl.load(p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        tot += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None].to(tl.int64) * sym + n[None, :], tot.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl.constexpr, sxm, swn, sym,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
                       K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
                       PDL: tl.constexpr = False, ws_ptr=None, swsn=0, W_FP8: tl.constexpr = False,
-                      WS_E8M0: tl.constexpr = False):
+                      WS_E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1):
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
     the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
-    alone, as row i of x_tile @ w_tile^T depends on row i alone. W_FP8: w is e4m3 with one scale per 128x128
-    tile at ws_ptr ([ceil(N/128), ceil(K/128)], row stride swsn; e8m0 bytes with WS_E8M0, else fp32): each K
-    step's product is formed from zero, scaled, then accumulated."""
+    alone, as row i of x_tile @ w_tile^T depends on row i alone. SWAP with GROUPS G (1, 2 or 4): the program
+    owns G consecutive groups of BLOCK_M token rows and multiplies each K step's weight tile, loaded once,
+    with each group as its own [BLOCK_N, BLOCK_M] product and accumulator: the same MMA and K walk as one
+    group alone, so G changes how often a weight tile is read, not any row's sums. W_FP8: w is e4m3 with one
+    scale per 128x128 tile at ws_ptr ([ceil(N/128), ceil(K/128)], row stride swsn; e8m0 bytes with WS_E8M0,
+    else fp32): each K step's product is formed from zero, scaled, then accumulated."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.program_id(0) * (BLOCK_M * GROUPS) + tl.arange(0, BLOCK_M)   # group 0's rows; group g: + g * BLOCK_M
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    mm, nm = m < M, n < N
-    x_rows = x_ptr + m[:, None].to(tl.int64) * sxm     # [BLOCK_M, 1]
+    nm = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * swn     # [BLOCK_N, 1]
-    if SWAP:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # SWAP: one accumulator per group
+    acc_t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
     if SPLIT > 1:
         k_lo = pid_s * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):  # fixed order: k_lo, k_lo + BLOCK_K, ... whatever M is
-        km = (k0 + k) < K
-        a = tl.load(x_rows + k0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & ((k0 + k) < K)[None, :], other=0.0)
+        sc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if W_FP8:  # e4m3 -> x's dtype is exact; one scale per weight row for this K step
             b = b.to(x_ptr.dtype.element_ty)
             sc = tl.load(ws_ptr + (n // 128) * swsn + k0 // 128, mask=nm, other=0)
             if WS_E8M0:
                 sc = e8m0_value(sc.to(tl.int32))
-            if SWAP:
-                acc_t += _tile_product(b, a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), F32,
-                                       INTERPRET) * sc[:, None]
-            else:
+            sc = sc.to(tl.float32)
+        if SWAP:
+            acc_t = _swap_step(acc_t, b, sc, _x_tile(x_ptr, m, M, sxm, k0, k, K), F32, INTERPRET, W_FP8)
+            if GROUPS > 1:
+                acc_t1 = _swap_step(acc_t1, b, sc, _x_tile(x_ptr, m + BLOCK_M, M, sxm, k0, k, K), F32, INTERPRET,
+                                    W_FP8)
+            if GROUPS > 2:
+                acc_t2 = _swap_step(acc_t2, b, sc, _x_tile(x_ptr, m + 2 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+                acc_t3 = _swap_step(acc_t3, b, sc, _x_tile(x_ptr, m + 3 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+        else:
+            a = _x_tile(x_ptr, m, M, sxm, k0, k, K)
+            if W_FP8:
                 acc += _tile_product(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32,
                                      INTERPRET) * sc[None, :]
-        elif SWAP:
-            acc_t = _tile_product(b, a, acc_t, F32, INTERPRET)
-        else:
-            acc = _tile_product(a, b, acc, F32, INTERPRET)
+            else:
+                acc = _tile_product(a, b, acc, F32, INTERPRET)
     if SWAP:
         acc = tl.trans(acc_t)
-    y = y_ptr + m[:, None].to(tl.int64) * sym + n[None, :]
-    ok = mm[:, None] & nm[None, :]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        # partials [SPLIT, M, N] fp32; the last program of the tile adds them in split order, then the bias
-        p = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(p + pid_s * M * N, acc, mask=ok)
+    _put_tile(acc, m, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+    if GROUPS > 1:
+        _put_tile(tl.trans(acc_t1), m + BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+    if GROUPS > 2:
+        _put_tile(tl.trans(acc_t2), m + 2 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+        _put_tile(tl.trans(acc_t3), m + 3 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+    if SPLIT > 1:  # the last program of the tile adds the partials in split order, then the bias
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel",
                              scope="gpu")
         if done == SPLIT - 1:
-            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                tot += tl.load(p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-            tl.store(y, tot.to(y_ptr.dtype.element_ty), mask=ok)
+            for g in tl.static_range(GROUPS):
+                _sum_parts(m + g * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
+
+
+def decode_groups(m: int) -> int:
+    """Token-row groups per program of the decode tile at M rows: 1 up to DECODE_BLOCK_T rows, 2 up to twice
+    that, else 4 (each weight tile read once per up to 64 rows instead of once per 16). Any count gives every
+    row the same bits (`_bi_matmul_kernel`), so it may follow M."""
+    return 1 if m <= DECODE_BLOCK_T else 2 if m <= 2 * DECODE_BLOCK_T else 4
 
 
 def bi_split(n: int, k: int) -> int:
@@ -211,8 +269,9 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
     if M:
         bm, bn, bk = (DECODE_BLOCK_T, DECODE_BLOCK_N, DECODE_BLOCK_K) if decode else (BLOCK_M, BLOCK_N, BLOCK_K)
         stages = {"num_stages": DECODE_STAGES if x.dtype != torch.float32 else 2} if decode else {}
+        groups = decode_groups(M) if decode else 1
         k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)  # M tiles of one N tile launch side by side
+        grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), split)  # M tiles of one N tile side by side
         if split > 1:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
@@ -223,7 +282,7 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, part, cnt, M, N, K, x2.stride(0),
                                 wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
                                 BLOCK_K=bk, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
-                                K_SPLIT=k_split, SPLIT=split, SWAP=decode, num_warps=4, **stages,
+                                K_SPLIT=k_split, SPLIT=split, SWAP=decode, GROUPS=groups, num_warps=4, **stages,
                                 **pdl_launch(x2), **fp8)
     return y.view(*x.shape[:-1], N)
 

@@ -44,6 +44,12 @@ def test_bi_matmul_rows_do_not_depend_on_m(dtype, split, decode):
     for i in (0, 5, 17):
         assert torch.equal(bi_matmul(x[i:i + 1], w, b, split=split, decode=decode), y20[i:i + 1])
     assert torch.equal(bi_matmul(x[:8], w, b, split=split, decode=decode), y20[:8])
+    if decode:  # 70 rows: two programs of four 16-row groups (decode_groups), the last group partly masked
+        x70 = torch.cat([x, _rand(50, K, dtype=dtype, seed=3)])
+        y70 = bi_matmul(x70, w, b, split=split, decode=True)
+        assert torch.equal(y70[:20], y20)
+        assert torch.equal(bi_matmul(x70[66:67], w, b, split=split, decode=True), y70[66:67])
+        assert torch.equal(bi_matmul(x70[40:50], w, b, split=split, decode=True), y70[40:50])
     ref = bi_matmul_ref(x, w, b)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (y20.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
@@ -69,6 +75,11 @@ def test_bi_matmul_fp8_rows_do_not_depend_on_m(split, fmt, decode):
     for i in (0, 7, 19):
         assert torch.equal(bi_matmul_fp8(x[i:i + 1], w_q, w_s, split=split, decode=decode), y20[i:i + 1])
     assert torch.equal(bi_matmul_fp8(x[:8], w_q, w_s, split=split, decode=decode), y20[:8])
+    if decode:  # 40 rows: four 16-row groups in one program, the last one partly masked
+        x40 = torch.cat([x, _rand(20, K, dtype=torch.bfloat16, seed=3)])
+        y40 = bi_matmul_fp8(x40, w_q, w_s, split=split, decode=True)
+        assert torch.equal(y40[:20], y20)
+        assert torch.equal(bi_matmul_fp8(x40[37:38], w_q, w_s, split=split, decode=True), y40[37:38])
     ref = bi_matmul_fp8_ref(x, w_q, w_s, torch.float32)
     assert (y20.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
     if fmt == "ue8m0":  # the bytes as the op takes them from a graph (uint8) give the same bits
@@ -179,13 +190,14 @@ def test_invariant_ops_rows_on_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_bi_matmul_rows_on_gpu(dtype):
     K, N = 4096, 1536  # a Flash q_a-like projection
-    x, w = _rand(64, K, dtype=dtype, device="cuda"), _rand(N, K, dtype=dtype, device="cuda", seed=1)
+    x, w = _rand(100, K, dtype=dtype, device="cuda"), _rand(N, K, dtype=dtype, device="cuda", seed=1)
     ref = bi_matmul_ref(x, w)
     for split, decode in ((1, False), (1, True), (bi_split(N, K), True)):  # 8: the decode graphs' split
-        y64 = bi_matmul(x, w, split=split, decode=decode)
-        for m in (1, 8, 17):
-            assert torch.equal(bi_matmul(x[:m], w, split=split, decode=decode), y64[:m]), (split, decode, m)
-        assert (y64.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+        y100 = bi_matmul(x, w, split=split, decode=decode)
+        for m in (1, 8, 17, 40, 64):  # the decode tile's groups per program: 1, 1, 2, 4, 4 (100 rows: 4)
+            assert torch.equal(bi_matmul(x[:m], w, split=split, decode=decode), y100[:m]), (split, decode, m)
+        assert torch.equal(bi_matmul(x[70:71], w, split=split, decode=decode), y100[70:71])
+        assert (y100.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
     b = _rand(N, dtype=dtype, device="cuda", seed=2)
     yb = bi_matmul(x, w, b, split=8, decode=True)
     assert torch.equal(bi_matmul(x[:1], w, b, split=8, decode=True), yb[:1])
@@ -199,20 +211,21 @@ def test_bi_matmul_rows_on_gpu(dtype):
 @pytest.mark.gpu
 def test_bi_matmul_fp8_rows_on_gpu():
     """`fp8_linear_bi` on the device: a Flash wo_b-like FP8 weight, rows at M = 1 / 8 / 17 equal rows of
-    M = 64 on the decode tile with the decode graphs' split and on the 64 x 64 tile; close to the fp32
+    M = 100 (decode tile: 1, 1, 2 and 4 groups of 16 rows per program) with the decode graphs' split and
+    on the 64 x 64 tile; close to the fp32
     product with the dequantised weight."""
     from dsv4c import quant as Q
 
     K, N = 8192, 4096
-    x = _rand(64, K, dtype=torch.bfloat16, device="cuda")
+    x = _rand(100, K, dtype=torch.bfloat16, device="cuda")
     w_q, w_s = Q.quant_fp8_block(_rand(N, K, dtype=torch.float32, device="cuda", seed=1) * 0.02)
     ref = bi_matmul_fp8_ref(x, w_q, w_s, torch.float32)
     for split, decode in ((1, False), (bi_split(N, K), True)):
-        y64 = torch.ops.dsv4c.fp8_linear_bi(x, w_q, w_s.view(torch.uint8), split, decode)
-        for m in (1, 8, 17):
+        y100 = torch.ops.dsv4c.fp8_linear_bi(x, w_q, w_s.view(torch.uint8), split, decode)
+        for m in (1, 8, 17, 40, 64):
             y = torch.ops.dsv4c.fp8_linear_bi(x[:m], w_q, w_s.view(torch.uint8), split, decode)
-            assert torch.equal(y, y64[:m]), (split, decode, m)
-        assert (y64.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+            assert torch.equal(y, y100[:m]), (split, decode, m)
+        assert (y100.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 @pytest.mark.parametrize("dtype,m,E,k", [(torch.float32, 4, 13, 7), (torch.bfloat16, 0, 0, 0),
@@ -298,6 +311,8 @@ def test_fp4_experts_rows_on_gpu(fmt):
 
 
 _SM90_SCRIPT = textwrap.dedent('''
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -305,23 +320,26 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "sxm", "swn", "sym")  # launch-time multiples of 16
-    for dt, split, bias, swap, fp8 in (("bf16", 1, False, False, False), ("bf16", 8, True, False, False),
-                                       ("fp32", 4, False, False, False), ("bf16", 8, True, True, False),
-                                       ("fp32", 4, False, True, False), ("bf16", 8, False, True, True),
-                                       ("bf16", 1, False, False, True)):
+    for dt, split, bias, swap, fp8, groups in (
+            ("bf16", 1, False, False, False, 1), ("bf16", 8, True, False, False, 1),
+            ("fp32", 4, False, False, False, 1), ("bf16", 8, True, True, False, 1), ("fp32", 4, False, True, False, 1),
+            ("bf16", 8, False, True, True, 1), ("bf16", 1, False, False, True, 1), ("bf16", 8, True, True, False, 4),
+            ("bf16", 8, False, True, True, 4)):
         types = {"x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv" if fp8 else f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                  "part_ptr": "*fp32", "cnt_ptr": "*i32", "ws_ptr": "*u8"}
         bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
         consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, F32=dt == "fp32", INTERPRET=False,
                       K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True,  # PDL: as sm_90 launches it
-                      W_FP8=fp8, WS_E8M0=fp8)
+                      W_FP8=fp8, WS_E8M0=fp8, GROUPS=groups)
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
         ptx = k.asm["ptx"]
         print("kernel", dt + "+fp8" * fp8, split, int(swap), int("atom.global" in ptx),
-              int("wgmma" in ptx or "mma.sync" in ptx), int("cp.async" in ptx or "cp.async.bulk" in ptx))
+              int("wgmma" in ptx or "mma.sync" in ptx), int("cp.async" in ptx or "cp.async.bulk" in ptx),
+              ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned"),
+              ",".join(sorted(set(re.findall(r"wgmma\.mma_async\.\S+|mma\.sync\.aligned\.\S+", ptx))) or "-"))
 ''')
 
 
@@ -330,9 +348,14 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
     kernels under TRITON_INTERPRET=1), with and without a K split, the 64 x 64 tile and the decode tile:
     tensor-core MMAs for bf16 (fp32's IEEE products run on FMAs), a global atomic (the split's tile
     counter) only where the K is split, and the loads software-pipelined (cp.async); the FP8-weight variant
-    (`bi_matmul_fp8`) on both tiles too."""
+    (`bi_matmul_fp8`) on both tiles too; the decode tile with 4 groups of token rows per program runs 4x the
+    MMAs of one group, all of one group's shape (m64n16k16: a row's products and K order as alone)."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["bf16", "1", "0", "0", "1", "1"], ["bf16", "8", "0", "1", "1", "1"],
-                    ["fp32", "4", "0", "1", "0", "1"], ["bf16", "8", "1", "1", "1", "1"],
-                    ["fp32", "4", "1", "1", "0", "1"], ["bf16+fp8", "8", "1", "1", "1", "1"],
-                    ["bf16+fp8", "1", "0", "0", "1", "1"]], rows
+    n64, n16 = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in (64, 16))
+    assert rows == [["bf16", "1", "0", "0", "1", "1", "4", n64], ["bf16", "8", "0", "1", "1", "1", "4", n64],
+                    ["fp32", "4", "0", "1", "0", "1", "0", "-"], ["bf16", "8", "1", "1", "1", "1", "8", n16],
+                    ["fp32", "4", "1", "1", "0", "1", "0", "-"], ["bf16+fp8", "8", "1", "1", "1", "1", "8", n16],
+                    ["bf16+fp8", "1", "0", "0", "1", "1", "4", n64],
+                    # the decode tile with 4 groups of token rows: 4x the MMAs, each of one group's shape
+                    ["bf16", "8", "1", "1", "1", "1", "32", n16],
+                    ["bf16+fp8", "8", "1", "1", "1", "1", "32", n16]], rows
