@@ -165,8 +165,8 @@ def plan_problems(cfg: ModelConfig, plan: ParallelPlan, expert_format: str | Non
 def fp8_dense_problems(cfg: ModelConfig, plan: ParallelPlan) -> list[str]:
     """The FP8-stored dense weights (the release's, `checkpoint.release_format`) whose tp slices compile
     would refuse: a rank's slice must start on a 128 boundary or lie inside one scale tile
-    (passes/shard.py `weight_recipe`, `slice_fp8_block`). V4's grouped wo_a is left out: quantize_dense
-    keeps it bf16."""
+    (passes/shard.py `weight_recipe`, `slice_fp8_block`). V4's grouped wo_a is one of them (its rows split by
+    whole groups of o_lora_rank rows)."""
     from dsv4c.checkpoint import release_format
     from dsv4c.passes.shard import weight_recipe
     from dsv4c.quant import FP8_BLOCK
@@ -174,7 +174,7 @@ def fp8_dense_problems(cfg: ModelConfig, plan: ParallelPlan) -> list[str]:
     bad: dict[str, list] = {}  # weight kind (the name past its layer) -> [(name, dim, lo, hi)]
     for t in model_tensors(cfg, torch.bfloat16):
         name = t.name[len("model."):] if t.name.startswith("model.") else t.name
-        if len(t.shape) != 2 or ".attn.wo_a." in name or release_format(cfg, name) != "fp8":
+        if len(t.shape) != 2 or release_format(cfg, name) != "fp8":
             continue
         cuts = [(name, dim, lo, hi) for r in range(plan.world_size)
                 for dim, lo, hi in weight_recipe(name, t.shape, plan, r)

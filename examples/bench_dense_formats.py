@@ -27,8 +27,8 @@ Stages (the JSON is rewritten after each, so a timeout keeps what was measured):
      other kernels than their decode ones, kernels/fp8_gemm.py).
 Rooflines (bench_segments.step_bytes, over the measured copy bandwidth): `bf16_counted` counts every
 non-expert weight in bf16 (the figure issue 28 starts from); `stored` counts the weights the release
-stores in FP8 at 1 byte + one ue8m0 byte per 128x128 tile (V4's grouped wo_a included, which the
-artifacts still read in bf16: `stored_wo_a_bf16` is the bound for what they read).
+stores in FP8 at 1 byte + one ue8m0 byte per 128x128 tile (V4's grouped wo_a included: `fp8_grouped_linear`
+reads it as stored; `stored_wo_a_bf16` is the bound of the trees before it, which read wo_a in bf16).
 
 Legend: B batch rows, P prompt tokens, S decode steps.
 """

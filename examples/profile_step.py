@@ -11,8 +11,8 @@ with torch.profiler at one batch size.
 
 The experts run as the h200 lowering quantises them (fp8_block, or `--expert-format`; `--bf16-experts`
 keeps them bf16). The dense linears the release stores in FP8 run on FP8 blocks as h200 lowers them
-(fp8_block_w8a16: the bf16 weights quantised in memory, their bytes counted as stored; the grouped wo_a,
-which quantize_dense does not rewrite, still in bf16), or widened with `--dense-format bf16`. The
+(fp8_block_w8a16: the bf16 weights quantised in memory, their bytes counted as stored; the grouped wo_a on
+`fp8_grouped_linear`, except in deterministic graphs, which keep it bf16), or widened with `--dense-format bf16`. The
 4-layer slice is built in bf16 and its experts converted beside it, which outgrows an 80 GB card with
 FP8 experts: `--layers 2` cuts it. `--deterministic` lowers as `compile --deterministic`
 (batch-invariant kernels, the fused attention's `fused_det`, bf16 dense unless `--dense-format` says
@@ -251,9 +251,10 @@ def main(argv=None) -> int:
     if quantize:  # the experts' bytes as stored in their format (bf16 counted by step_bytes)
         sb["routed_experts"] = sb["routed_experts"] * EXPERT_BYTE_FACTOR[fmt]
     if fp8_dense:  # the rewritten FP8-stored weights as stored (1 byte + a scale byte per 128x128 tile); the
-        saved = bs.stored_bytes_saved(model)  # grouped wo_a is not rewritten (quantize_dense): still bf16
+        saved = bs.stored_bytes_saved(model)  # grouped wo_a too where quantize_dense rewrote it (not deterministic)
+        wo_a_fp8 = any(r.get("grouped") for r in stats["quantize_dense"]["linears"])
         for key in ("non_expert_weights", "total"):
-            sb[key] -= saved["saved"] - saved["wo_a_saved"]
+            sb[key] -= saved["saved"] - (0 if wo_a_fp8 else saved["wo_a_saved"])
     bw = bs.copy_bandwidth(dev) if dev.type == "cuda" else 0.0
     res["step_bytes"], res["copy_bandwidth_gb_s"] = sb, bw / 1e9
     V = model.config.vocab_size

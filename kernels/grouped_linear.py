@@ -4,10 +4,13 @@ Public API::
 
     grouped_linear(x, w) -> Tensor        # Triton (decode-sized M), one launch
     grouped_linear_ref(x, w) -> Tensor    # the model's einsum, x cast to w's dtype first
+    fp8_grouped_linear(x, w_q, w_s, dtype) -> Tensor      # the same on the stored FP8 block weight (M <= 64)
+    fp8_grouped_linear_ref(x, w_q, w_s, dtype) -> Tensor  # the einsum on the weight dequantised to dtype
 
-Custom op (the target of passes/lower_grouped_linear.py; CPU = the reference)::
+Custom ops (targets of passes/lower_grouped_linear.py and quantize_dense.py; CPU = the reference)::
 
     dsv4c::grouped_linear(Tensor x, Tensor w) -> Tensor
+    dsv4c::fp8_grouped_linear(Tensor x, Tensor w_q, Tensor w_s, ScalarType dtype) -> Tensor
 
 Legend: M = B·T token rows, G output groups, R rank per group (o_lora_rank), I = H·d/G inputs per
 group. x [B, T, G, I] (any float dtype; cast to w's dtype, as the model casts the attention output
@@ -20,17 +23,29 @@ of them copies. Here program (g, r-block) reads its [BLOCK_R, I] weight slice on
 of group g (cast in registers), `tl.dot` with fp32 accumulation, and stores z in place: one launch,
 the weight read once. For M above `MAX_M` tokens the tensor-core GEMM is the better tool and the op
 runs the reference einsum. The grid is fixed by the shapes: capture-safe.
+
+FP8 (the release stores wo_a as e4m3 [G·R, I] with one scale per 128x128 tile, ue8m0 or fp32): w_q keeps
+that 2-D layout and w_s its tiles; group g's weight is rows [g·R, (g+1)·R). Program (m-tile, g, r-block)
+walks I in 128-column steps (one scale column per step), forms each step's product of x (cast to `dtype`)
+and the widened e4m3 values (exact) from zero, scales it per weight row by that row's tile scale and adds
+it in fp32: half the bytes of the bf16 weight. Up to FP8_MAX_M token rows in 16-row tiles (the tiles of one
+weight slice launch side by side); above, the weight is widened once per call (kernels/fp8_gemm.py
+`fp8_dequant`, = quant.dequant_fp8_block) for the einsum. Legend as above, with w_q [G·R, I].
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import pdl_launch, pdl_wait
+from dsv4c.kernels._tl import e8m0_value, pdl_launch, pdl_wait
+
+from dsv4c import quant as Q
 
 MAX_M = 16          # token rows up to which the Triton kernel runs (one 16-row dot tile)
 BLOCK_R = 32
 BLOCK_I = 256
+FP8_MAX_M = 64      # token rows up to which fp8_grouped_linear's kernel runs (16-row tiles)
+FP8_BLOCK_I = 128   # one scale column per K step
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -58,6 +73,40 @@ def _grouped_linear_kernel(x_ptr, w_ptr, z_ptr, M, G, R, I: tl.constexpr, BLOCK_
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    z = z_ptr + (m[:, None].to(tl.int64) * G + g) * R + r[None, :]
+    tl.store(z, acc.to(ty), mask=mm[:, None] & rm[None, :])
+
+
+@triton.jit
+def _fp8_grouped_kernel(x_ptr, w_ptr, ws_ptr, z_ptr, M, G, R, I: tl.constexpr, swsn, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, WS_E8M0: tl.constexpr, F32: tl.constexpr,
+                        INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (m-tile, g, r-block): z[m, g, r] = sum over 128-column steps of (x[m, g, :] . w_q[g·R + r, :])
+    times the step's scale of weight row g·R + r; fp32 accumulation, one rounding to z's dtype."""
+    pdl_wait(PDL)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.arange(0, BLOCK_I)
+    rm, mm = r < R, m < M
+    ty = z_ptr.dtype.element_ty
+    wrow = g.to(tl.int64) * R + r                                  # [BLOCK_R] rows of the stored [G·R, I]
+    x_rows = x_ptr + (m[:, None].to(tl.int64) * G + g) * I        # [BLOCK_M, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        km = (i0 + k) < I
+        x = tl.load(x_rows + i0 + k[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(ty)
+        w = tl.load(w_ptr + wrow[:, None] * I + i0 + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(ty)
+        sc = tl.load(ws_ptr + (wrow // 128) * swsn + i0 // 128, mask=rm, other=0)
+        if WS_E8M0:
+            sc = e8m0_value(sc.to(tl.int32))
+        if INTERPRET:  # the interpreter's low-precision dot is not exact: multiply the same values in fp32
+            p = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        elif F32:
+            p = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            p = tl.dot(x, tl.trans(w))
+        acc += p * sc.to(tl.float32)[None, :]
     z = z_ptr + (m[:, None].to(tl.int64) * G + g) * R + r[None, :]
     tl.store(z, acc.to(ty), mask=mm[:, None] & rm[None, :])
 
@@ -111,3 +160,71 @@ def grouped_linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @grouped_linear_op.register_fake
 def _grouped_linear_fake(x, w):
     return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
+
+
+def _check_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int]:
+    """-> (M, G, R); the scale as the kernel reads it is `_fp8_scale(w_s)`."""
+    from dsv4c.kernels.fp8_gemm import _check_weight, _scale
+
+    if dtype not in _DTYPES or x.dtype not in _DTYPES:
+        raise ValueError(f"fp8_grouped_linear: x and dtype must be float32/bfloat16/float16, got {x.dtype}, {dtype}")
+    if x.dim() != 4:
+        raise ValueError(f"fp8_grouped_linear: x must be [B, T, G, I], got {list(x.shape)}")
+    G, I = x.shape[2], x.shape[3]
+    _check_weight(w_q, _scale(w_s), I)
+    if G == 0 or w_q.shape[0] % G:
+        raise ValueError(f"fp8_grouped_linear: w_q [G·R, I] = {list(w_q.shape)} does not split into x's G = {G} "
+                         "groups")
+    if x.device != w_q.device or w_s.device != w_q.device:
+        raise ValueError(f"fp8_grouped_linear: x on {x.device}, w_q on {w_q.device}, w_s on {w_s.device}")
+    return x.shape[0] * x.shape[1], G, w_q.shape[0] // G
+
+
+def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """z [B, T, G, R] (dtype) = einsum('btgi,gri->btgr', x.to(dtype), dequant(w_q, w_s) viewed [G, R, I]) in one
+    Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
+    its uint8 bytes, or fp32). CPU tensors run under the interpreter."""
+    from dsv4c.kernels.fp8_gemm import _check_weight, _scale
+
+    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    if M > FP8_MAX_M:
+        raise ValueError(f"fp8_grouped_linear: {M} token rows exceed the kernel's FP8_MAX_M = {FP8_MAX_M} (use the "
+                         f"op: it widens the weight above that)")
+    ws = _check_weight(w_q, _scale(w_s), x.shape[3])
+    xc = x.contiguous()
+    z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
+    if M == 0:
+        return z
+    grid = (triton.cdiv(M, 16), G, triton.cdiv(R, BLOCK_R))  # m-tiles of one weight slice side by side
+    _fp8_grouped_kernel[grid](xc, w_q, ws, z, M, G, R, x.shape[3], ws.stride(0), BLOCK_M=16, BLOCK_R=BLOCK_R,
+                              BLOCK_I=FP8_BLOCK_I, WS_E8M0=ws.dtype == torch.uint8, F32=dtype == torch.float32,
+                              INTERPRET=xc.device.type == "cpu", num_warps=4, num_stages=4, **pdl_launch(xc))
+    return z
+
+
+def fp8_grouped_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The function computed: the model's einsum on the weight dequantised (fp32, rounded once to dtype)."""
+    from dsv4c.kernels.fp8_gemm import _scale
+
+    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    w = Q.dequant_fp8_block(w_q, _scale(w_s)).to(dtype).view(G, R, -1)
+    return grouped_linear_ref(x, w)
+
+
+@torch.library.custom_op("dsv4c::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear_op(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_grouped_linear` on CUDA tensors of up to FP8_MAX_M token rows; above, the weight widened once
+    (`fp8_dequant`) and the einsum; CPU tensors run the reference."""
+    from dsv4c.kernels.fp8_gemm import _scale, fp8_dequant
+
+    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    if x.device.type == "cpu":
+        return fp8_grouped_linear_ref(x, w_q, w_s, dtype)
+    if M > FP8_MAX_M:
+        return grouped_linear_ref(x, fp8_dequant(w_q, _scale(w_s), dtype).view(G, R, -1))
+    return fp8_grouped_linear(x, w_q, w_s, dtype)
+
+
+@fp8_grouped_linear_op.register_fake
+def _fp8_grouped_linear_fake(x, w_q, w_s, dtype):
+    return x.new_empty((*x.shape[:2], x.shape[2], w_q.shape[0] // x.shape[2]), dtype=dtype)

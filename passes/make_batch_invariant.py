@@ -67,6 +67,8 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                  "dsv4c.rms_norm": "kernels/norm.py picks its variant by the row count (EXACT_ROWS_MIN)",
                  "dsv4c.sinkhorn": "kernels/mhc.py picks its variant and tile by the matrix count",
                  "dsv4c.grouped_linear": "kernels/grouped_linear.py runs the einsum above MAX_M rows",
+                 "dsv4c.fp8_grouped_linear": "kernels/grouped_linear.py widens the weight for the einsum above "
+                                             "FP8_MAX_M rows (quantize_dense keeps wo_a bf16 in deterministic graphs)",
                  "dsv4c.linear_f32": "cuBLAS"}
 
 

@@ -7,7 +7,11 @@ groups of those from passes/fuse_projections.py):
 After (`fp8_block`: W8A8, x quantised per token and 128-wide K block; `fp8_block_w8a16`: W8A16):
     y = dsv4c.fp8_linear_w8a8(x, W.w_q [N, K] e4m3, W.w_s [ceil(N/128), ceil(K/128)] scale)
     y = dsv4c.fp8_linear_w8a16(x, W.w_q, W.w_s)
-Both ops keep x's dtype and leading dims (kernels/fp8_gemm.py; on CUDA up to 64 token rows the
+V4's grouped wo_a (after passes/lower_grouped_linear.py; the release stores it as e4m3 [G·R, I]):
+    z = dsv4c.grouped_linear(x, unflatten(W, 0, [G, R]))
+ -> z = dsv4c.fp8_grouped_linear(x, W.w_q [G·R, I], W.w_s, z's dtype)   # W8A16 in both FP8 formats
+(kernels/grouped_linear.py); deterministic graphs keep it (grouped_linear_bi has no FP8 form).
+Both linear ops keep x's dtype and leading dims (kernels/fp8_gemm.py; on CUDA up to 64 token rows the
 split-K decode kernels of kernels/fp8_gemv.py; W8A16 from DEQUANT_M rows cuBLAS on the weight widened
 per call). W leaves the graph.
 
@@ -15,7 +19,8 @@ Why it is valid: the ops compute x @ dequant(w_q, w_s)^T. When W's values are FP
 model loaded from the release checkpoint, whose stored bytes these are), dequant(w_q, w_s) == W
 exactly, so W8A16 differs from the linear only by accumulation order and the kernel's bf16 input;
 W8A8 adds the e4m3 rounding of x (1x128 ue8m0 scales). kernels/tolerances.py bounds both
-(`dense_w8a16`, `dense_w8a8`). That rounding is W8A8's whole accuracy cost, not a defect: one linear
+(`dense_w8a16`, `dense_w8a8`); fp8_grouped_linear computes the einsum on dequant(w_q, w_s) viewed [G, R, I],
+which is W for FP8-block values. That rounding is W8A8's whole accuracy cost, not a defect: one linear
 on Gaussian activations is ~31.5 dB SNR (fp32 activation scales: 31.8; bf16 output rounding alone
 ~55), and a W8A8 linear adds an independent noise source in series with the routed experts' own
 (fp8_block experts quantise their inputs too): 5 per layer (wq_a ‖ wkv, wq_b, wo_b, w1 ‖ w3, w2)
@@ -179,6 +184,40 @@ def _rewrite(gm: GraphModule, n: Node, x: Node, w: Node, kernel: str, ctx: PassC
             **({"why": why} if why else {})}
 
 
+def _grouped_site(n: Node) -> tuple[Node, Node, Node] | None:
+    """(x, unflatten, weight get_attr) of `dsv4c.grouped_linear(x, unflatten(W, 0, [G, R]))` (V4's wo_a after
+    passes/lower_grouped_linear.py), else None."""
+    if n.op != "call_function" or n.target is not torch.ops.dsv4c.grouped_linear.default:
+        return None
+    u = n.args[1]
+    if not (isinstance(u, Node) and u.op == "call_function" and u.target is aten.unflatten.int and u.args[1] == 0
+            and len(u.users) == 1):
+        return None
+    w = _weight_attr(u.args[0])
+    return (n.args[0], u, w) if w is not None else None
+
+
+def _rewrite_grouped(gm: GraphModule, n: Node, x: Node, u: Node, w: Node, fmt: str, ctx: PassContext) -> dict:
+    """grouped_linear(x, unflatten(W)) -> fp8_grouped_linear(x, W.w_q, W.w_s, dtype): the stored [G·R, I] bytes."""
+    W = get_param(gm, w.target)
+    base = w.target[: -len(".weight")] if w.target.endswith(".weight") else w.target
+    w_q, w_s = _quantized(ctx.config, W)
+    with gm.graph.inserting_before(n):
+        q_node = _attr(gm, x, f"{base}.w_q", w_q)
+        s_node = _attr(gm, x, f"{base}.w_s", w_s)
+        z = gm.graph.call_function(torch.ops.dsv4c.fp8_grouped_linear.default,
+                                   (x, q_node, s_node, n.meta["val"].dtype))
+        z.meta["val"] = n.meta["val"]
+    n.replace_all_uses_with(z)
+    erase_unused(gm, [n, u])
+    if not any(v.op == "get_attr" and v.target == w.target for v in gm.graph.nodes):
+        delete_param(gm, w.target)
+    why = {"why": "the grouped wo_a has no W8A8 kernel: W8A16"} if fmt == "fp8_block" else {}
+    return {"weight": w.target, "node": n.name, "kernel": "w8a16", "members": [w.target], "shape": list(W.shape),
+            "tensors": {"w_q": f"{base}.w_q", "w_s": f"{base}.w_s"}, "scale": str(w_s.dtype).replace("torch.", ""),
+            "grouped": True, **why}
+
+
 def quant_map_entry(rec: dict, fmt: str, graph_kind: str) -> dict:
     """The manifest's view of one rewritten weight."""
     return {"dense_format": fmt, "kernel": rec["kernel"], "scale": rec["scale"], "shape": rec["shape"],
@@ -215,8 +254,21 @@ def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
     kernel = KERNEL.get(fmt)
     if kernel is None:
         return PassResult(gm, False, {"format": fmt, "linears": [], "kept": [], "quant_map": {}})
+    from dsv4c.kernels import grouped_linear  # noqa: F401  (registers dsv4c::fp8_grouped_linear)
+
     done, kept = [], []
     for n in list(gm.graph.nodes):
+        grouped = _grouped_site(n)
+        if grouped is not None:
+            x, u, w = grouped
+            why = _why_not(ctx.config, [w.target], [None], len(w.users), ctx.fp8_stored)
+            if why is None and ctx.deterministic:
+                why = "deterministic mode: no batch-invariant FP8 grouped kernel (grouped_linear_bi runs bf16)"
+            if why:
+                kept.append({"weight": w.target, "why": why})
+            elif why is None:
+                done.append(_rewrite_grouped(gm, n, x, u, w, fmt, ctx))
+            continue
         site = _site(n)
         if site is None:
             continue

@@ -111,6 +111,7 @@ OP_CAPTURE: dict[str, str | None] = {
     # passes/select_kernels.py): Triton launches, grids fixed by the shapes, no host sync
     "dsv4c.head_rms_rope_fused": None,
     "dsv4c.grouped_linear": None,  # kernels/grouped_linear.py (passes/lower_grouped_linear.py): one launch or the einsum
+    "dsv4c.fp8_grouped_linear": None,  # the same on FP8 wo_a (passes/quantize_dense.py): one launch or widen+einsum
     # kernels/fp8_gemm.py (passes/quantize_dense.py): act_quant + GEMM launches, grids from shapes, no host sync
     "dsv4c.fp8_linear_w8a8": None,
     "dsv4c.fp8_linear_w8a16": None,

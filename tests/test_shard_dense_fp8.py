@@ -2,7 +2,8 @@
 
 A rank's FP8 dense weights are its slices of the checkpoint's stored e4m3 bytes and the 128x128 scale tiles
 covering them (passes/shard.py `slice_fp8_block`): column-split weights (wq_b, fused with the replicated
-indexer wq_b) by rows, row-split ones (wo_b, the shared expert's w2) by columns. Checked: every rank's
+indexer wq_b) and the grouped wo_a (whole groups) by rows, row-split ones (wo_b, the shared expert's w2) by
+columns. Checked: every rank's
 dequantised weight is the single-process artifact's slice, and the two ranks on gloo give the
 single-process artifact's logits and greedy tokens. A slice that would split a scale tile is refused.
 """
@@ -53,13 +54,16 @@ def test_each_rank_holds_its_slice_of_the_stored_fp8_weights(arts):
     d, single, tp2 = arts
     dense = single["quant_map"]["dense"]["modules"]
     assert "model.layers.0.attn.wq_b.weight" in dense and "model.layers.0.attn.wo_b.weight" in dense
+    c = ModelConfig.preset("v4-tiny-a").replace(**CFG)
+    assert dense["model.layers.0.attn.wo_a.weight"]["shape"] == [  # the grouped wo_a, [G·R, H·d/G] as stored
+        c.o_groups * c.o_lora_rank, c.num_attention_heads * c.head_dim // c.o_groups]
     assert tp2["target"]["dense_format"] == "fp8_block_w8a16"
     full = _weights(d / "single", single["weights"])
     ranks = [_weights(d / "tp2", r["weights"]) for r in tp2["ranks"]]
     for module in dense:
         assert all(module in r["quant_map"]["dense"]["modules"] for r in tp2["ranks"]), module
         whole, parts = _dequant(full, module), [_dequant(w, module) for w in ranks]
-        if ".wq_b" in module and "indexer" not in module:  # heads: rows
+        if (".wq_b" in module and "indexer" not in module) or ".wo_a" in module:  # heads (wo_a: whole groups): rows
             assert torch.equal(torch.cat(parts, 0), whole), module
         elif "fused_wq_b__indexer_wq_b" in module:  # the rank's q heads, then the whole replicated indexer
             q_local = whole.shape[0] - parts[0].shape[0]  # half the q rows (the indexer's rows are in both)
