@@ -1,5 +1,5 @@
 """Issue 4's benchmark: `dsv4c compile` the v4-flash-slice for h200, `dsv4c bench` the artifact, and time
-the eager reference and `torch.compile` of it in the same run (benchmark.md's rules).
+the eager reference, `torch.compile` of it and HF transformers in the same run (benchmark.md's rules).
 
     python examples/bench_artifact.py --work /tmp/dsv4c_slice --out $OUT/artifact.json    # H200
     python examples/bench_artifact.py --quick --device cpu --work /tmp/q --out q.json      # a smoke run
@@ -12,7 +12,9 @@ Stages, each timed; the JSON is rewritten after every stage, so a timeout keeps 
   3. peers: B prompts of P tokens prefilled by the eager model, then greedy decode steps of
      `model.step` (the eager reference) and of `torch.compile(model.step, dynamic=True)`, each step
      timed with CUDA events; the first eager step of each batch also counts the unique routed experts
-     (the roofline's expert bytes);
+     (the roofline's expert bytes); then HF transformers' DeepseekV4ForCausalLM holding the same weights
+     (examples/hf_peer.py `build_direct`), greedy `generate` of S tokens after B random P-token prompts at
+     the batches up to 8 (`--hf-batches`), its decode time per step, and its logits' SNR against eager's;
   4. `dsv4c compile CKPT --target h200 --max-batch 64 ...` (a subprocess; log in the work folder);
   5. `dsv4c bench ART --batch 1 8 64 --prompt-len P --output-len S --graphs full --json ...`
      (a subprocess), and with --long-context N one more call at batch 1 with an N-token prompt;
@@ -126,6 +128,46 @@ def time_steps(step, model, cache, snapshot, B: int, steps: int, count_experts: 
             "tokens": toks.T.tolist(), "unique_experts": unique}
 
 
+@torch.no_grad()
+def hf_peer_rows(model, batches: list[int], prompt: int, steps: int, check: tuple, dtype) -> tuple[list, dict]:
+    """The HF transformers peer (examples/hf_peer.py): HF's DeepseekV4ForCausalLM holding `model`'s weights
+    (`build_direct`: made on the model's device in `dtype`), greedy `generate` of `steps` tokens after B
+    random prompts of `prompt` tokens (one short warm-up call first); a row's `step_ms` is its decode time
+    per step. Its accuracy: its logits of `check`'s prompt against the eager model's (its own routing).
+    -> (rows, info); a failure is reported in info and the run goes on (the artifact still gets measured)."""
+    import hf_peer
+
+    from dsv4c.compare import error_metrics
+
+    why = hf_peer.unavailable_reason()
+    if why:
+        print(f"HF peer not available: {why}", flush=True)
+        return [], {"unavailable": why}
+    try:
+        hf, info = hf_peer.build_direct(model, dtype)
+        dev = next(hf.parameters()).device
+        ids, _, _, ref, _ = check
+        acc = error_metrics(hf(torch.tensor([ids], device=dev)).logits[0].float().cpu(), ref.float())
+        info.update(transformers=hf_peer.transformers_version(), snr_db=acc["snr_db"], cosine=acc["cosine"])
+        g, V, rows = torch.Generator().manual_seed(5), model.config.vocab_size, []
+        for B in batches:
+            prompts = torch.randint(0, V, (B, prompt), generator=g).tolist()
+            hf_peer.generate_speed(hf, prompts, 2)  # warm-up
+            sp = hf_peer.generate_speed(hf, prompts, steps)
+            rows.append({"batch": B, "step_ms": sp["decode_ms_per_step"], "prefill_ms": sp["prefill_ms"]})
+            print(f"HF B={B}: {rows[-1]['step_ms']:.2f} ms/step", flush=True)
+        del hf
+    except Exception as e:  # report and go on, as the torch.compile peer does
+        print(f"HF peer failed: {e}", flush=True)
+        return [], {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"HF peer: {info}", flush=True)
+    return rows, info
+
+
 def _run(cmd: list[str], log: Path) -> float:
     """Run a dsv4c command line; output to `log`; raises with the log's tail on failure."""
     t0 = time.perf_counter()
@@ -159,6 +201,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dense-format", help="compile --dense-format (default: the target's)")
     ap.add_argument("--no-torch-compile", action="store_true", help="leave out the torch.compile peer")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
+    ap.add_argument("--hf-batches", type=int, nargs="+", default=None,
+                    help="batches the HF peer decodes (default: those up to 8; its eager attention's prefill "
+                         "scores at 64 x 1024 tokens outgrow an 80 GB card beside the two models)")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt, cpu target (a smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -200,7 +246,7 @@ def main(argv=None) -> int:
     snapshot = [t.clone() for t in _cache_tensors(cache)]
     stage("prefill_eager", t0)
     t0 = time.perf_counter()
-    peers = res["peers"] = {"eager": [], "torch.compile": []}
+    peers = res["peers"] = {"eager": [], "torch.compile": [], "hf": []}
     for B in a.batches:
         peers["eager"].append(time_steps(model.step, model, cache, snapshot, B, a.steps, count_experts=True))
         print(f"eager B={B}: {peers['eager'][-1]['step_ms']:.2f} ms/step", flush=True)
@@ -225,6 +271,14 @@ def main(argv=None) -> int:
         full, routing = eager_routing(model, chk.tolist())  # logits [T, V] and eager's routing decisions
         check = (chk.tolist(), full[-1].cpu(), greedy(model, chk[None].to(dev), 8)[0].tolist(), full.cpu(), routing)
     saved = stored_bytes_saved(model)["saved"]  # the FP8-stored dense linears read as stored (issue 28)
+    compiled = None  # the compiled function holds the model
+    torch._dynamo.reset()
+    del cache, snapshot
+    if not a.no_hf:  # the HF transformers peer: the same weights in HF's DeepseekV4, `generate`
+        t0 = time.perf_counter()
+        hf_batches = a.hf_batches or [B for B in a.batches if B <= 8]
+        peers["hf"], res["hf_peer"] = hf_peer_rows(model, hf_batches, a.prompt, a.steps, check, dtype)
+        stage("hf", t0)
 
     def roofline(B: int, ctx: int, unique: list) -> dict:
         by = step_bytes(model, B, ctx, unique)
@@ -245,9 +299,7 @@ def main(argv=None) -> int:
         res["prefill_chunk_bound"] = {f"{P}/{c or default}": prefill_chunk_bound(model, P, c or default, peaks["fp8"],
                                                                                   bw, factor)
                                       for P in a.prefill for c in a.prefill_chunks}
-    compiled = None  # the compiled function holds the model
-    torch._dynamo.reset()
-    del model, cache, snapshot
+    del model
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -470,8 +522,8 @@ def table(res: dict) -> str:
              f"{f(res.get('copy_bandwidth_GBps'), '.0f')} GB/s), prompt {res['prompt']}",
              "| batch | artifact ms/step | tok/s | roofline ms | vs roofline | stored-format roofline ms | vs it | "
              "replay ms | replay vs roofline | eager ms | vs eager | torch.compile ms | vs torch.compile | "
-             "SNR dB pinned (free) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "HF ms | vs HF | SNR dB pinned (free) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["summary"]:
         lines.append(f"| {r['batch']} | {r['artifact_step_ms']:.2f} | {r['artifact_decode_tok_s']:.1f} | "
                      f"{f(r['roofline_ms'], '.3f')} | {f(r['roofline_fraction'], '.1%')} | "
@@ -479,6 +531,7 @@ def table(res: dict) -> str:
                      f"{f(r.get('replay_ms'), '.3f')} | {f(r.get('replay_roofline_fraction'), '.1%')} | "
                      f"{f(r.get('eager_step_ms'), '.2f')} | {f(r.get('speedup_vs_eager'), '.1f')}x | "
                      f"{f(r.get('torch.compile_step_ms'), '.2f')} | {f(r.get('speedup_vs_torch.compile'), '.1f')}x | "
+                     f"{f(r.get('hf_step_ms'), '.2f')} | {f(r.get('speedup_vs_hf'), '.1f')}x | "
                      f"{_snr(r.get('pinned_snr_db'))} ({_snr(r.get('free_snr_db'))}) |")
     for lc in res.get("long_context_summary") or []:
         lines.append(f"batch 1 after a {lc['prompt']}-token prompt: {lc['artifact_step_ms']:.3f} ms/step, "
@@ -503,6 +556,12 @@ def table(res: dict) -> str:
     lines.append(f"SNR: the artifact's prefill logits (Session.logits, {acc.get('prompt_len', '?')} tokens) against the "
                  "eager model's with routing pinned to eager's decisions (free in parentheses)"
                  + (f"; accuracy check failed: {acc['failed']}" if "failed" in acc else ""))
+    hf = res.get("hf_peer")
+    if hf:
+        lines.append("HF peer: " + (f"transformers {hf['transformers']} DeepseekV4ForCausalLM, eager attention, "
+                                    f"{hf['cast']}, `generate` (decode ms per step); its logits vs eager's: "
+                                    f"{_snr(hf['snr_db'])} dB SNR, its own routing" if "snr_db" in hf
+                                    else hf.get("unavailable") or hf.get("failed", "?")))
     return "\n".join(lines)
 
 

@@ -98,8 +98,43 @@ def _build_fp32(model) -> tuple[torch.nn.Module, dict]:
     from transformers import DeepseekV4ForCausalLM
 
     hf = DeepseekV4ForCausalLM(hf_config(model.config)).float().eval()
-    mapped, dropped = hf_state_dict({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                                     for k, v in model.state_dict().items()})
+    return hf, _load_checked(hf, model)
+
+
+def build_direct(model, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
+    """`build` for models whose fp32 copy does not fit the host (the Flash slice: `build` stages the model in
+    fp32 on the CPU, and a second fp32 copy to fall back on): HF's model is made on `model`'s device in
+    `dtype` (HF's strict-fp32 modules then cast to fp32, as `from_pretrained(dtype=...)` keeps them), loaded
+    from `model`'s tensors and checked as `build` does. When that fails the smoke test, every tensor is cast
+    to `dtype` (exact: the fp32 modules hold values of `model`'s dtype) and the reason recorded."""
+    from transformers import DeepseekV4ForCausalLM
+
+    dev = next(model.parameters()).device
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            hf = DeepseekV4ForCausalLM(hf_config(model.config)).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    kept = _upcast_kept(hf) if dtype != torch.float32 else 0
+    info = {**_load_checked(hf, model), "dtype": str(dtype).replace("torch.", ""), "kept_fp32": kept}
+    try:
+        _smoke(hf)
+        info["cast"] = f"{info['dtype']}, HF's fp32 modules kept ({kept} tensors)" if kept else info["dtype"]
+    except RuntimeError as e:
+        why = " ".join(str(e).split())[:160]
+        info["kept_fp32"] = cast_(hf, dtype, keep_hf_fp32=False)
+        _smoke(hf)
+        info["cast"] = f"all {info['dtype']} (with HF's fp32 modules kept it fails: {why})"
+    return hf, info
+
+
+def _load_checked(hf: torch.nn.Module, model) -> dict:
+    """Copy `model`'s tensors (renamed to HF's) into `hf`: every HF tensor must get one and every checkpoint
+    tensor must land (DOCUMENTED_DROPS aside), shapes equal, and each value must arrive (compared in HF's
+    dtype). Raises PeerError. -> counts for the peer row."""
+    mapped, dropped = hf_state_dict({k: v.detach() for k, v in model.state_dict().items()})
     target = hf.state_dict()
     missing, unexpected = sorted(set(target) - set(mapped)), sorted(set(mapped) - set(target))
     if missing or unexpected:
@@ -109,11 +144,29 @@ def _build_fp32(model) -> tuple[torch.nn.Module, dict]:
            if target[n].shape != t.shape]
     if bad:
         raise PeerError(f"shape mismatch: {bad[:4]}")
-    hf.load_state_dict({n: t.to(target[n].dtype) for n, t in mapped.items()}, strict=True)
+    hf.load_state_dict({n: t.to(device=target[n].device, dtype=target[n].dtype) for n, t in mapped.items()},
+                       strict=True)
     for n, t in hf.state_dict().items():  # every HF tensor now holds the checkpoint's value
-        if not torch.equal(t, mapped[n].to(t.dtype)):
+        if not torch.equal(t, mapped[n].to(device=t.device, dtype=t.dtype)):
             raise PeerError(f"{n}: the value did not arrive in HF's model")
-    return hf, {"tensors": len(mapped), "dropped": len(dropped), "dropped_why": list(DOCUMENTED_DROPS.values())}
+    return {"tensors": len(mapped), "dropped": len(dropped), "dropped_why": list(DOCUMENTED_DROPS.values())}
+
+
+def _upcast_kept(hf: torch.nn.Module) -> int:
+    """HF's strict-fp32 modules' floating tensors to fp32; -> how many."""
+    pat = _kept_pattern(hf)
+    n = 0
+    with torch.no_grad():
+        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
+            if pat is not None and t.is_floating_point() and pat.search(name):
+                t.data = t.data.float()
+                n += 1
+    return n
+
+
+def _kept_pattern(hf: torch.nn.Module):
+    keep = list(getattr(type(hf), "_keep_in_fp32_modules_strict", None) or [])
+    return re.compile("|".join(rf"((^|\.){re.escape(k)}($|\.))" for k in keep)) if keep else None
 
 
 @torch.no_grad()
@@ -129,8 +182,7 @@ def _smoke(hf) -> None:
 def cast_(hf: torch.nn.Module, dtype: torch.dtype, keep_hf_fp32: bool) -> int:
     """Floating parameters and buffers to `dtype`, except (keep_hf_fp32) HF's strict fp32 modules;
     -> how many were kept fp32."""
-    keep = list(getattr(type(hf), "_keep_in_fp32_modules_strict", None) or []) if keep_hf_fp32 else []
-    pat = re.compile("|".join(rf"((^|\.){re.escape(k)}($|\.))" for k in keep)) if keep else None
+    pat = _kept_pattern(hf) if keep_hf_fp32 else None
     kept = 0
     with torch.no_grad():
         for name, t in [*hf.named_parameters(), *hf.named_buffers()]:

@@ -1,6 +1,6 @@
 """examples/bench_artifact.py (issue 4's benchmark) end to end on the tiny model and the cpu target:
-release checkpoint, eager peer, `dsv4c compile`, `dsv4c bench`, summary. No torch.compile (minutes on
-a CPU); the H200 run in BENCHMARKS.md uses it."""
+release checkpoint, eager and HF transformers peers, `dsv4c compile`, `dsv4c bench`, summary. No
+torch.compile (minutes on a CPU); the H200 run in BENCHMARKS.md uses it."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,13 @@ def test_bench_artifact_quick_run(tmp_path):
         assert row["speedup_vs_eager"] == row["eager_step_ms"] / row["artifact_step_ms"]
         # fp32 cpu artifact, reference experts: pinned routing leaves only op-order rounding
         assert row["pinned_snr_db"] > 60 and row["pinned_snr_db"] == res["accuracy"]["pinned_snr_db"]
+    # the HF transformers peer (transformers is in the test extra): both batches, fp32 on the CPU, its logits
+    # equal eager's to fp32 rounding (the same weights in HF's DeepseekV4)
+    hf = {p["batch"]: p for p in res["peers"]["hf"]}
+    assert sorted(hf) == [1, 3] and all(p["step_ms"] > 0 for p in hf.values())
+    assert res["hf_peer"]["snr_db"] > 60 and res["hf_peer"]["cast"] == "float32"
+    assert all(row["speedup_vs_hf"] == hf[row["batch"]]["step_ms"] / row["artifact_step_ms"] for row in res["summary"])
+    assert "HF peer: transformers" in r.stdout
     eager = {p["batch"]: p for p in res["peers"]["eager"]}
     assert all(len(eager[b]["tokens"]) == b and eager[b]["unique_experts"] for b in (1, 3))
     assert "| batch | artifact ms/step |" in r.stdout
