@@ -162,8 +162,10 @@ def _grouped_linear_fake(x, w):
     return w.new_empty((*x.shape[:2], w.shape[0], w.shape[1]))
 
 
-def _check_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int]:
-    """-> (M, G, R); the scale as the kernel reads it is `_fp8_scale(w_s)`."""
+def _check_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
+               dtype: torch.dtype) -> tuple[int, int, int, torch.Tensor]:
+    """x, dtype and the FP8 weight (kernels/fp8_gemm.py's contract) -> (M, G, R, the scale as the kernel reads
+    it: uint8 e8m0 bytes or fp32)."""
     from dsv4c.kernels.fp8_gemm import _check_weight, _scale
 
     if dtype not in _DTYPES or x.dtype not in _DTYPES:
@@ -171,26 +173,23 @@ def _check_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: tor
     if x.dim() != 4:
         raise ValueError(f"fp8_grouped_linear: x must be [B, T, G, I], got {list(x.shape)}")
     G, I = x.shape[2], x.shape[3]
-    _check_weight(w_q, _scale(w_s), I)
+    ws = _check_weight(w_q, _scale(w_s), I)
     if G == 0 or w_q.shape[0] % G:
         raise ValueError(f"fp8_grouped_linear: w_q [G·R, I] = {list(w_q.shape)} does not split into x's G = {G} "
                          "groups")
     if x.device != w_q.device or w_s.device != w_q.device:
         raise ValueError(f"fp8_grouped_linear: x on {x.device}, w_q on {w_q.device}, w_s on {w_s.device}")
-    return x.shape[0] * x.shape[1], G, w_q.shape[0] // G
+    return x.shape[0] * x.shape[1], G, w_q.shape[0] // G, ws
 
 
 def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """z [B, T, G, R] (dtype) = einsum('btgi,gri->btgr', x.to(dtype), dequant(w_q, w_s) viewed [G, R, I]) in one
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
     its uint8 bytes, or fp32). CPU tensors run under the interpreter."""
-    from dsv4c.kernels.fp8_gemm import _check_weight, _scale
-
-    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
         raise ValueError(f"fp8_grouped_linear: {M} token rows exceed the kernel's FP8_MAX_M = {FP8_MAX_M} (use the "
                          f"op: it widens the weight above that)")
-    ws = _check_weight(w_q, _scale(w_s), x.shape[3])
     xc = x.contiguous()
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:
@@ -206,7 +205,7 @@ def fp8_grouped_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
     """The function computed: the model's einsum on the weight dequantised (fp32, rounded once to dtype)."""
     from dsv4c.kernels.fp8_gemm import _scale
 
-    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    _, G, R, _ = _check_fp8(x, w_q, w_s, dtype)
     w = Q.dequant_fp8_block(w_q, _scale(w_s)).to(dtype).view(G, R, -1)
     return grouped_linear_ref(x, w)
 
@@ -217,7 +216,7 @@ def fp8_grouped_linear_op(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
     (`fp8_dequant`) and the einsum; CPU tensors run the reference."""
     from dsv4c.kernels.fp8_gemm import _scale, fp8_dequant
 
-    M, G, R = _check_fp8(x, w_q, w_s, dtype)
+    M, G, R, _ = _check_fp8(x, w_q, w_s, dtype)
     if x.device.type == "cpu":
         return fp8_grouped_linear_ref(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
