@@ -230,6 +230,7 @@ def _compile_into(out: Path, final: Path, *, ckpt: Path, model, cfg: ModelConfig
 
 
 DETERMINISTIC_FP4 = ("mxfp4_w4a16", "nvfp4_w4a16")  # expert formats with a batch-invariant kernel path
+DETERMINISTIC_EXPERTS = (*DETERMINISTIC_FP4, "fp8_block")  # ... and FP8 block (moe_experts_fp8_bi)
 
 
 class DeterminismError(ValueError):
@@ -241,17 +242,19 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     """The target and kernel overrides of the deterministic mode: routed experts unquantised (default;
     make_batch_invariant swaps in `moe_experts_bi`) or, with `expert_format` mxfp4_w4a16 / nvfp4_w4a16,
     FP4 weight-only as stored (`moe_experts_fp4_bi`: the FP4 GEMV at every token count; a quarter of the
-    bf16 bytes), dense linears widened to bf16 unless `--dense-format` asks for FP8 (W8A16 then runs
-    `fp8_linear_bi`; the default-mode FP8 kernels pick a path by token count), and
-    `v4_attention=fused_det` where the target runs the fused attention (its key blocks follow absolute
-    positions, so a verify step's rows reduce like decode rows: MTP k >= 0). Raises
-    DeterminismError for what it cannot make invariant: the other expert formats' kernels (FP8 block,
-    NVFP4 W4A4) choose their path by token count."""
-    if expert_format not in (None, "reference") + DETERMINISTIC_FP4:
-        raise DeterminismError(f"--deterministic with --expert-format {expert_format}: the quantised expert kernels "
-                               f"(kernels/moe_grouped.py, moe_fp8_prefill.py) choose their path by token count; the "
-                               f"deterministic mode runs unquantised experts (moe_experts_bi) or FP4 weight-only "
-                               f"ones ({', '.join(DETERMINISTIC_FP4)}: moe_experts_fp4_bi)")
+    bf16 bytes), or fp8_block (`moe_experts_fp8_bi`: the grouped tensor-core kernel with one tile at every
+    token count, an expert read once per 16 of its assignments; not yet timed), dense linears widened to
+    bf16 unless `--dense-format` asks for FP8 (W8A16 then runs `fp8_linear_bi`; the default-mode FP8 kernels
+    pick a path by token count), and `v4_attention=fused_det` where the target runs the fused attention (its
+    key blocks follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0).
+    Raises DeterminismError for what it cannot make invariant: NVFP4 W4A4 experts (without static input
+    scales their activations are scaled by the amax over every row of the call)."""
+    if expert_format not in (None, "reference") + DETERMINISTIC_EXPERTS:
+        raise DeterminismError(f"--deterministic with --expert-format {expert_format}: its expert kernels choose their "
+                               f"path by token count or scale activations over the whole call; the deterministic "
+                               f"mode runs unquantised experts (moe_experts_bi), FP4 weight-only ones "
+                               f"({', '.join(DETERMINISTIC_FP4)}: moe_experts_fp4_bi) or fp8_block "
+                               f"(moe_experts_fp8_bi)")
     kernels = dict(kernels or {})
     if tgt.kernels.get("v4_attention") == "fused" and kernels.get("v4_attention", "fused_det") == "fused":
         raise DeterminismError("--deterministic with --kernel v4_attention=fused: its split count depends on B·T")
@@ -260,6 +263,9 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     if expert_format in DETERMINISTIC_FP4:
         why = (f"--deterministic --expert-format {expert_format}: FP4 weight-only experts, one kernel path "
                f"(kernels/batch_invariant.py moe_experts_fp4_bi)")
+    elif expert_format == "fp8_block":
+        why = ("--deterministic --expert-format fp8_block: FP8 block experts, one tile at every token count "
+               "(kernels/batch_invariant.py moe_experts_fp8_bi)")
     else:
         expert_format = "reference"
         why = "--deterministic: unquantised experts, one kernel path (kernels/batch_invariant.py moe_experts_bi)"

@@ -17,6 +17,10 @@ For each lowering (h200 pipeline, decode graph, one full CUDA graph per bucket):
                  deterministic-mxfp4 with the FP8-stored dense linears as stored (`--dense-format
                  fp8_block_w8a16`: `fp8_linear_bi`, the batch-invariant tiles on e4m3 bytes), the default
                  modes' dense format since the h100/h200 targets run FP8 dense
+  deterministic-fp8
+                 the deterministic mode with FP8 block experts (`--expert-format fp8_block`: `moe_experts_fp8_bi`,
+                 the grouped tensor-core kernel with one tile: an expert read once per 16 of its assignments),
+                 beside `default` (the same expert bytes)
 it prefills max(batch) slots with a `--prompt`-token prompt (eager model), then from the same cache state
 and the same first tokens runs `--steps` greedy decode steps at each batch size, and records
   * the median step time (CUDA events, after 3 warm-up steps) per batch: the mode's cost;
@@ -52,6 +56,7 @@ MODES = {  # name -> (kernel overrides, skip quantize_experts, deterministic, ex
     "default-mxfp4": ({}, False, False, "mxfp4_w4a16"),
     "deterministic-mxfp4": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
     "deterministic-mxfp4-fp8dense": ({"v4_attention": "fused_det"}, False, True, "mxfp4_w4a16"),
+    "deterministic-fp8": ({"v4_attention": "fused_det"}, False, True, "fp8_block"),  # moe_experts_fp8_bi
 }
 DENSE = {"deterministic-mxfp4-fp8dense": "fp8_block_w8a16"}  # mode -> dense format (else the mode's default)
 DEFAULT_MODES = ("default", "default-bf16", "deterministic")
@@ -143,6 +148,7 @@ def run(layers: int | None = None, batches=(1, 8, 64), prompt: int = 1024, steps
         del ex, split
     for det, base, key in (("deterministic", "default", "cost_vs_default"),
                            ("deterministic-mxfp4", "default-mxfp4", "cost_vs_default_mxfp4"),
+                           ("deterministic-fp8", "default", "cost_fp8_vs_default"),
                            ("deterministic-mxfp4", "default", "cost_mxfp4_vs_default"),
                            ("deterministic-mxfp4-fp8dense", "default-mxfp4", "cost_fp8dense_vs_default_mxfp4")):
         if det in res and base in res:

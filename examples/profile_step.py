@@ -16,8 +16,8 @@ keeps them bf16). The dense linears the release stores in FP8 run on FP8 blocks 
 4-layer slice is built in bf16 and its experts converted beside it, which outgrows an 80 GB card with
 FP8 experts: `--layers 2` cuts it. `--deterministic` lowers as `compile --deterministic`
 (batch-invariant kernels, the fused attention's `fused_det`, bf16 dense unless `--dense-format` says
-otherwise), with bf16 experts (`--bf16-experts`) or FP4 weight-only ones (`--expert-format mxfp4_w4a16` /
-`nvfp4_w4a16`): where its step time goes.
+otherwise), with bf16 experts (`--bf16-experts`), FP4 weight-only ones (`--expert-format mxfp4_w4a16` /
+`nvfp4_w4a16`) or FP8 block ones (`--expert-format fp8_block`: `moe_experts_fp8_bi`): where its step time goes.
 
 Prints, for the eager step (segments run op by op): device time and kernel count per operator
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
@@ -203,7 +203,8 @@ def main(argv=None) -> int:
                     help="the FP8-stored dense linears' format (as compile --dense-format; default: h200's, "
                          "fp8_block_w8a16; bf16 in --deterministic)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="the deterministic lowering; needs --bf16-experts or an FP4 weight-only --expert-format")
+                    help="the deterministic lowering; needs --bf16-experts or an --expert-format with a "
+                         "batch-invariant kernel (FP4 weight-only, fp8_block)")
     ap.add_argument("--verify", type=int, default=0, metavar="K",
                     help="profile the verify graph of `--mtp K` (1 + K tokens per row, drafts at random) instead")
     ap.add_argument("--layers", type=int, default=None,
@@ -228,9 +229,11 @@ def main(argv=None) -> int:
     kernels = dict(kv.split("=") for kv in a.kernels.split(",") if kv)
     quantize = not a.bf16_experts
     if a.deterministic:
-        if quantize and a.expert_format not in ("mxfp4_w4a16", "nvfp4_w4a16"):
-            ap.error("--deterministic: the experts must be bf16 (--bf16-experts) or FP4 weight-only "
-                     "(--expert-format mxfp4_w4a16 or nvfp4_w4a16); the other formats' kernels are not batch-invariant")
+        from dsv4c.compile import DETERMINISTIC_EXPERTS
+
+        if quantize and a.expert_format not in DETERMINISTIC_EXPERTS:
+            ap.error(f"--deterministic: the experts must be bf16 (--bf16-experts) or one of {DETERMINISTIC_EXPERTS} "
+                     "(--expert-format); the other formats' kernels are not batch-invariant")
         kernels.setdefault("v4_attention", "fused_det")
     fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
     plan, split, stats = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),

@@ -20,6 +20,8 @@ CPU tensors run the reference)::
     dsv4c::moe_experts_bi(x, idx, weight, w1, w3, w2, swiglu_limit) -> Tensor
     dsv4c::moe_experts_fp4_bi(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
                               swiglu_limit) -> Tensor      # FP4 weight-only experts (mxfp4, nvfp4)
+    dsv4c::moe_experts_fp8_bi(x, idx, weight, w13, w13_scale, w2, w2_scale, swiglu_limit) -> Tensor
+                                                           # FP8 block experts (W8A8): `fp8_bi_config`
 
 Legend: M token rows, N output features, K input features, P (token, expert choice) pairs,
 E experts.
@@ -45,9 +47,9 @@ depends on token row j only, so it is batch-invariant for the same reason. Past 
 4 groups of 16 token rows (`decode_groups`, from M) and multiplies each loaded weight tile with each group
 as its own 16-column MMA and accumulator: the MMA shape and K walk of a row are those of its group alone,
 so the group count may follow M (a verify call of 1 + k tokens per row reads each weight tile once per 64
-rows, not once per 16; the sm_90 build test checks that every MMA has the one-group shape). A row is invariant within its
-graph kind, and every token's row is always computed by the same kind (a prompt token by
-prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
+rows, not once per 16; the sm_90 build test checks that every MMA has the one-group shape). A row is
+invariant within its graph kind, and every token's row is always computed by the same kind (a prompt token
+by prefill, a generated one by decode or verify). The experts' GEMV computes one pair per program with a
 fixed-order K walk (one weight row block at a time): no tile is shared between pairs, so the path is
 the same at 1 token and at 64. FP4 weight-only experts keep their stored bytes: `moe_experts_fp4_bi`
 runs the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py at every token count with one fixed tile
@@ -59,7 +61,11 @@ past E/4 pairs) changes which program runs when, not what any program computes. 
 (`bi_matmul_fp8`, the dense linears quantize_dense left on `fp8_linear_w8a16`) take the same tiles and K
 walk: each K step's e4m3 tile is widened in registers (exact), its product formed from zero and scaled by
 that step's 128x128 scale (K steps of 64 or 128 never straddle a scale block), then added in K order, so
-a row's sums still depend on that row alone.
+a row's sums still depend on that row alone. FP8 block experts (`moe_experts_fp8_bi`, with `--expert-format
+fp8_block`) run kernels/moe_grouped.py's tensor-core tile at every token count (`fp8_bi_config`): its rows are
+assignments, each activation row quantised on its own (1x128 scales), and sorted M-blocks read an expert
+once per 16 of its assignments, where the per-pair GEMVs read it once per assignment (a verify call of
+1 + k tokens per row touches each expert many times at batch 32-64). Not yet timed on a GPU.
 """
 from __future__ import annotations
 
@@ -483,6 +489,51 @@ def moe_experts_fp4_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
 
 @moe_experts_fp4_bi.register_fake
 def _moe_experts_fp4_bi_fake(x, idx, weight, fmt, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit):
+    return torch.empty_like(x)
+
+
+def fp8_bi_config(n_assign: int, n_experts: int):
+    """The tiles of `moe_experts_fp8_bi`: kernels/moe_grouped.py's decode tile for fp8_block (16 assignment
+    rows x 64 output columns x 128 K, 4 warps, 4 stages; GEMM 1's outputs in 128-column blocks for their
+    1x128 e4m3 scales) at every token count, never the prefill kernels or a split K. Only the routing follows
+    the count: `direct` (each assignment its own M-block, the other 15 rows masked) while few assignments
+    share an expert, sorted M-blocks of one expert's assignments above (each expert's weight tile read once
+    per 16 of them). A row's products, K order and scales are the same in both: an MMA's row depends on its
+    own A row only, the activations are quantised per token row, and the choices are summed per token in
+    choice order (kernels/moe_combine.py)."""
+    from dsv4c.kernels.moe_grouped import MoeKernelConfig
+
+    return MoeKernelConfig(16, 64, 128, 4, 4, direct=n_assign <= max(n_experts // 4, 16))
+
+
+def moe_experts_fp8_bi_impl(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, experts,
+                            swiglu_limit: float) -> torch.Tensor:
+    """FP8 block experts (an Fp8BlockExperts container, W8A8 with 1x128 activation scales) through
+    `moe_grouped` with `fp8_bi_config`. x bf16 [T, D] -> bf16 [T, D]; CPU tensors run under the interpreter."""
+    from dsv4c.kernels.moe_grouped import moe_grouped
+
+    return moe_grouped(x.contiguous(), idx, weight, experts, swiglu_limit,
+                       config=fp8_bi_config(idx.numel(), experts.dims[0]))
+
+
+@torch.library.custom_op("dsv4c::moe_experts_fp8_bi", mutates_args=())
+def moe_experts_fp8_bi(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
+                       w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                       swiglu_limit: float) -> torch.Tensor:
+    """`moe_experts_q` of FP8 block experts with one tile at any token count (`moe_experts_fp8_bi_impl`):
+    each expert read once per 16 of its assignments (the FP4 GEMV of `moe_experts_fp4_bi` reads it once per
+    assignment). x bf16 [T, D], idx [T, C], weight fp32 [T, C] -> bf16 [T, D]. CPU tensors compute the
+    reference (`moe_grouped_ref` cast to x's dtype), as `moe_experts_q` does."""
+    from dsv4c.kernels.moe_grouped import experts_from_tensors, moe_grouped_ref
+
+    ex = experts_from_tensors("fp8_block", w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
+    if x.device.type == "cpu":
+        return moe_grouped_ref(x, idx, weight, ex, swiglu_limit).to(x.dtype)
+    return moe_experts_fp8_bi_impl(x, idx, weight, ex, swiglu_limit)
+
+
+@moe_experts_fp8_bi.register_fake
+def _moe_experts_fp8_bi_fake(x, idx, weight, w13, w13_scale, w2, w2_scale, swiglu_limit):
     return torch.empty_like(x)
 
 

@@ -5,6 +5,7 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
     before:  y = linear(x, w, b)             z = dsv4c.linear_f32(x, w)      y = matmul(h, t(w))
              o = dsv4c.grouped_linear(x, w)  e = dsv4c.moe_experts(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_q(x, idx, wt, "mxfp4" | "nvfp4", w13, s13, g13, w2, s2, g2, None, None, L)
+             q8 = dsv4c.moe_experts_q(x, idx, wt, "fp8_block", w13, s13, None, w2, s2, None, None, None, L)
              f = dsv4c.fp8_linear_w8a16(x, w_q, w_s)
              u, p, c = dsv4c.hc_pre(X, ...)  s = mean(x, [-1], keepdim)      s = sum(x, [-2])
              r = dsv4c.rms_norm(x, w, ...)   X' = dsv4c.hc_post(y, X, p, c)  c = dsv4c.sinkhorn(c0, ...)
@@ -12,6 +13,7 @@ Runs only when `ctx.deterministic`; otherwise it leaves the graph alone.
              y = dsv4c.linear_bi(h, w, None, False[, S, True])
              o = dsv4c.grouped_linear_bi(x, w[, S, True])     e = dsv4c.moe_experts_bi(x, idx, wt, W1, W3, W2, L)
              q = dsv4c.moe_experts_fp4_bi(x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, L)
+             q8 = dsv4c.moe_experts_fp8_bi(x, idx, wt, w13, s13, w2, s2, L)
              f = dsv4c.fp8_linear_bi(x, w_q, w_s[, S, True])
              u, p, c = dsv4c.hc_pre_rows(X, ...)   s = dsv4c.sum_bi(x, -1, True, True) ...
              r = dsv4c.rms_norm_bi(x, w, ...)      X' = dsv4c.hc_post_bi(y, X, p, c)   c = dsv4c.sinkhorn_bi(c0, ...)
@@ -24,7 +26,8 @@ S = `bi_split(N, K)` from the weight's shape alone, added in split order, so tha
 not 24 programs at one token; prefill keeps the 64 x 64 tile and S = 1; a token's row is always computed
 by graphs of one kind, so each kind needs only its own fixed tile), one expert path for any
 token count (bf16 experts: a gathered GEMV; FP4 weight-only experts, as quantize_experts left them: the
-FP4 CUDA-core GEMV with one tile), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
+FP4 CUDA-core GEMV with one tile; FP8 block experts: the grouped tensor-core kernel with one tile, its
+activations quantised per row), row-at-a-time hc mix, reductions as fixed-order sums, and the fusion
 kernels' fast variant at any row count (kernels/norm.py and mhc.py pick a variant by the launch's rows).
 
 It runs after quantize_experts and quantize_dense, so it sees the expert and dense ops the target chose.
@@ -56,8 +59,8 @@ _UNSAFE_ATEN = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmu
 _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the token count, index_add_ combine",
                  "dsv4c.moe_experts_gathered": "batched GEMMs sized by the token count",
                  "dsv4c.moe_experts_q": "kernels/moe_grouped.py / moe_fp8_prefill.py pick a path and tile by token "
-                                        "count (only FP4 weight-only experts have a fixed path: "
-                                        "moe_experts_fp4_bi)",
+                                        "count (FP4 weight-only and FP8 block experts have a fixed path: "
+                                        "moe_experts_fp4_bi, moe_experts_fp8_bi)",
                  "dsv4c.fp8_linear_w8a8": "kernels/fp8_gemm.py runs the decode kernels up to 64 rows, the GEMM "
                                           "above",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
@@ -138,6 +141,10 @@ def _replacement(n: Node, decode: bool):
         x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, in13, in2, limit = n.args
         if in13 is None and in2 is None:  # weight-only: no activation scales
             return ops.moe_experts_fp4_bi.default, (x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, limit)
+    elif op_name(t) == "dsv4c.moe_experts_q" and len(n.args) == 13 and n.args[3] == "fp8_block":
+        x, idx, wt, fmt, w13, s13, g13, w2, s2, g2, in13, in2, limit = n.args
+        if g13 is None and g2 is None and in13 is None and in2 is None:
+            return ops.moe_experts_fp8_bi.default, (x, idx, wt, w13, s13, w2, s2, limit)
     elif t is ops.hc_pre.default:
         return ops.hc_pre_rows.default, tuple(n.args)
     elif isinstance(t, torch._ops.OpOverload) and op_name(t) in _FIXED_VARIANT:

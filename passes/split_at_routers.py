@@ -88,6 +88,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.grouped_linear_bi": None,
     "dsv4c.moe_experts_bi": None,
     "dsv4c.moe_experts_fp4_bi": None,  # kernels/moe_fp4_gemv.py on CUDA, as moe_experts_q's GEMV path
+    "dsv4c.moe_experts_fp8_bi": None,  # kernels/moe_grouped.py on CUDA with one tile, as moe_experts_q
     "dsv4c.sum_bi": None,
     "dsv4c.hc_pre_rows": None,
     "dsv4c.hc_post_bi": None,

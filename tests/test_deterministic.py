@@ -150,13 +150,13 @@ def test_deterministic_target_refuses_what_it_cannot_make_invariant():
     h200 = get_target("h200")
     tgt, kernels = deterministic_target(h200, None, None, 0)
     assert kernels["v4_attention"] == "fused_det" and tgt.expert_format == "reference"
-    with pytest.raises(DeterminismError, match="moe_grouped"):
-        deterministic_target(h200, "fp8_block", None, 0)
-    with pytest.raises(DeterminismError, match="moe_grouped"):
+    with pytest.raises(DeterminismError, match="whole call"):
         deterministic_target(h200, "nvfp4_w4a4", None, 0)
     for fmt in ("mxfp4_w4a16", "nvfp4_w4a16"):  # FP4 weight-only: the GEMV path at every token count
         fp4, _ = deterministic_target(h200, fmt, None, 0)
         assert fp4.expert_format == fmt and "moe_experts_fp4_bi" in fp4.expert_format_reason
+    fp8, _ = deterministic_target(h200, "fp8_block", None, 0)  # FP8 block: the grouped kernel with one tile
+    assert fp8.expert_format == "fp8_block" and "moe_experts_fp8_bi" in fp8.expert_format_reason
     assert deterministic_target(h200, None, None, 3)[1] == kernels  # MTP: fused_det's rows do not depend on T
     with pytest.raises(DeterminismError, match="v4_attention=fused"):
         deterministic_target(h200, None, {"v4_attention": "fused"}, 0)
@@ -221,11 +221,11 @@ def test_gpu_flash_two_layer_rows_and_tokens_identical_across_batch_and_mtp_k_0_
     assert res["accepted_per_round"][64][3] > 0.5, res  # the rounds did accept drafts
 
 
-def test_w8a8_dense_and_fp8_experts_are_blockers_w8a16_dense_and_fp4_experts_are_rewritten():
-    """make_batch_invariant runs after quantize_experts / quantize_dense: a W8A8 dense linear and FP8 block
-    experts keep kernels that choose their path by token count (blockers, which compile refuses on a CUDA
-    target); a W8A16 dense linear becomes `fp8_linear_bi` on the same FP8 bytes, FP4 weight-only experts
-    `moe_experts_fp4_bi` with the activation-scale inputs dropped."""
+def test_w8a8_dense_is_a_blocker_w8a16_dense_fp8_and_fp4_experts_are_rewritten():
+    """make_batch_invariant runs after quantize_experts / quantize_dense: a W8A8 dense linear keeps kernels
+    that choose their path by token count (a blocker, which compile refuses on a CUDA target); a W8A16 dense
+    linear becomes `fp8_linear_bi` on the same FP8 bytes, FP4 weight-only experts `moe_experts_fp4_bi` with
+    the activation-scale inputs dropped, FP8 block experts `moe_experts_fp8_bi` (their scales kept)."""
     import dsv4c.kernels.fp8_gemm  # noqa: F401  (registers the FP8 linear ops)
     import dsv4c.kernels.moe_grouped  # noqa: F401  (registers moe_experts_q)
     from dsv4c import ModelConfig
@@ -246,12 +246,13 @@ def test_w8a8_dense_and_fp8_experts_are_blockers_w8a16_dense_and_fp4_experts_are
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     res = make_batch_invariant(gm, PassContext(ModelConfig.preset("v4-tiny-a"), "h200", "decode", deterministic=True))
     blockers = res.stats["blockers"]
-    assert any("fp8_linear_w8a8" in b for b in blockers) and any("moe_experts_q" in b for b in blockers), blockers
-    assert len(blockers) == 2, blockers  # the W8A16 and FP4 nodes are not among them
+    assert len(blockers) == 1 and "fp8_linear_w8a8" in blockers[0], blockers  # the W8A16, FP8 and FP4 nodes are not
     (bi,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "fp8_linear_bi" in str(n.target)]
     assert [a.name for a in bi.args] == ["x", "w0", "w1"]  # no weight values here: the ops' default tile
     (new,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "moe_experts_fp4_bi" in str(n.target)]
     assert new.args[3] == "mxfp4" and len(new.args) == 11 and new.args[-1] == 7.0
+    (q8,) = [n for n in res.graph.graph.nodes if n.op == "call_function" and "moe_experts_fp8_bi" in str(n.target)]
+    assert [getattr(a, "name", a) for a in q8.args] == ["x", "idx", "wt", "w0", "w1", "w2", "w3", 7.0]
 
 
 def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():

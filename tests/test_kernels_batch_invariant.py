@@ -310,6 +310,55 @@ def test_fp4_experts_rows_on_gpu(fmt):
         assert torch.equal(torch.ops.dsv4c.moe_experts_fp4_bi(x[:m], idx[:m], wt[:m], *args), y[:m])
 
 
+def _fp8_experts(E: int, I: int, D: int, device: str = "cpu"):
+    from dsv4c.kernels import moe_grouped as M
+    from moe_cases import float_weights
+
+    ex = M.Fp8BlockExperts.from_float(*float_weights(E, I, D, 11))
+    return M.experts_from_tensors("fp8_block", **{f: getattr(ex, f).to(device)
+                                                  for f in ("w13", "w13_scale", "w2", "w2_scale")})
+
+
+def test_fp8_experts_rows_do_not_depend_on_token_count():
+    """`moe_experts_fp8_bi`'s grouped path (interpreted): a token's row is the same bits alone (3 assignments:
+    `direct` routing, each its own M-block) as among 12 tokens (36 assignments > 16: sorted M-blocks shared
+    by an expert's assignments), and the function is the reference's within the fp8_block error table
+    entry; the op on CPU tensors is the reference."""
+    from dsv4c.kernels.batch_invariant import fp8_bi_config, moe_experts_fp8_bi_impl
+    from dsv4c.kernels.moe_grouped import moe_grouped_ref
+    from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
+
+    E, I, D, T, C = 8, 128, 256, 12, 3
+    ex = _fp8_experts(E, I, D)
+    x = (_rand(T, D, dtype=torch.float32, seed=2) * 2).bfloat16()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(E, generator=g)[:C] for _ in range(T)])
+    wt = torch.rand(T, C, generator=g)
+    assert fp8_bi_config(C, E).direct and not fp8_bi_config(T * C, E).direct
+    y = moe_experts_fp8_bi_impl(x, idx, wt, ex, 7.0)
+    for i in (0, 7, 11):
+        assert torch.equal(moe_experts_fp8_bi_impl(x[i:i + 1], idx[i:i + 1], wt[i:i + 1], ex, 7.0), y[i:i + 1])
+    ref = moe_grouped_ref(x, idx, wt, ex, 7.0)
+    assert rel_err(y, ref) < KERNEL_REL_ERR["fp8_block"]
+    op = torch.ops.dsv4c.moe_experts_fp8_bi(x, idx, wt, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, 7.0)
+    assert torch.equal(op, ref.to(x.dtype))
+
+
+@pytest.mark.gpu
+def test_fp8_experts_rows_on_gpu():
+    """The CUDA path: rows at 1 token (direct M-blocks) and at 8 (sorted, mostly one assignment per expert)
+    equal rows of 64 tokens (sorted M-blocks shared by up to 16 assignments), bit for bit."""
+    E, I, D, C = 32, 256, 512, 6
+    ex = _fp8_experts(E, I, D, "cuda")
+    x = _rand(64, D, dtype=torch.bfloat16, device="cuda", seed=2)
+    idx = torch.stack([torch.randperm(E)[:C] for _ in range(64)]).cuda()
+    wt = torch.rand(64, C, device="cuda")
+    args = (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, 7.0)
+    y = torch.ops.dsv4c.moe_experts_fp8_bi(x, idx, wt, *args)
+    for m in (1, 8):
+        assert torch.equal(torch.ops.dsv4c.moe_experts_fp8_bi(x[:m], idx[:m], wt[:m], *args), y[:m]), m
+
+
 _SM90_SCRIPT = textwrap.dedent('''
     import re
 
