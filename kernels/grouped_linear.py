@@ -182,20 +182,25 @@ def _check_fp8(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
     return x.shape[0] * x.shape[1], G, w_q.shape[0] // G, ws
 
 
-def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype,
+                       block_m: int = 16) -> torch.Tensor:
     """z [B, T, G, R] (dtype) = einsum('btgi,gri->btgr', x.to(dtype), dequant(w_q, w_s) viewed [G, R, I]) in one
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
-    its uint8 bytes, or fp32). CPU tensors run under the interpreter."""
+    its uint8 bytes, or fp32). `block_m` (16, 32 or 64): token rows per tile; each tile reads its weight
+    slice (the op uses 16: the one measured, BENCHMARKS.md; 64 reads it once at 64 rows, untimed). CPU
+    tensors run under the interpreter."""
     M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
         raise ValueError(f"fp8_grouped_linear: {M} token rows exceed the kernel's FP8_MAX_M = {FP8_MAX_M} (use the "
                          f"op: it widens the weight above that)")
+    if block_m not in (16, 32, 64):
+        raise ValueError(f"fp8_grouped_linear: block_m must be 16, 32 or 64, got {block_m}")
     xc = x.contiguous()
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:
         return z
-    grid = (triton.cdiv(M, 16), G, triton.cdiv(R, BLOCK_R))  # m-tiles of one weight slice side by side
-    _fp8_grouped_kernel[grid](xc, w_q, ws, z, M, G, R, x.shape[3], ws.stride(0), BLOCK_M=16, BLOCK_R=BLOCK_R,
+    grid = (triton.cdiv(M, block_m), G, triton.cdiv(R, BLOCK_R))  # m-tiles of one weight slice side by side
+    _fp8_grouped_kernel[grid](xc, w_q, ws, z, M, G, R, x.shape[3], ws.stride(0), BLOCK_M=block_m, BLOCK_R=BLOCK_R,
                               BLOCK_I=FP8_BLOCK_I, WS_E8M0=ws.dtype == torch.uint8, F32=dtype == torch.float32,
                               INTERPRET=xc.device.type == "cpu", num_warps=4, num_stages=4, **pdl_launch(xc))
     return z

@@ -59,6 +59,8 @@ def test_kernel_matches_fp64(M, G, R, I, fmt, dtype):
             assert torch.equal(fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), dtype), got)
         op = torch.ops.dsv4c.fp8_grouped_linear(x, w_q, w_s, dtype)  # CPU: the reference
         assert torch.equal(op, fp8_grouped_linear_ref(x, w_q, w_s, dtype))
+        for bm in (32, 64):  # larger token tiles: the same function
+            assert rel_err(fp8_grouped_linear(x, w_q, w_s, dtype, block_m=bm), want) <= KERNEL_REL[dtype], bm
 
 
 def test_bad_input_names_the_tensor():
@@ -73,6 +75,8 @@ def test_bad_input_names_the_tensor():
         fp8_grouped_linear(x, w_q.float(), w_s, torch.bfloat16)
     with pytest.raises(ValueError, match="float32/bfloat16/float16"):
         fp8_grouped_linear(x, w_q, w_s, torch.float64)
+    with pytest.raises(ValueError, match="block_m"):
+        fp8_grouped_linear(x, w_q, w_s, torch.bfloat16, block_m=8)
     big = torch.zeros(1, FP8_MAX_M + 1, 2, 256)
     with pytest.raises(ValueError, match="FP8_MAX_M"):
         fp8_grouped_linear(big, w_q, w_s, torch.bfloat16)
@@ -126,13 +130,16 @@ def test_quantize_dense_rewrites_the_grouped_wo_a():
 @pytest.mark.gpu
 def test_kernel_on_gpu_at_flash_shapes():
     """Flash's wo_a (G = 8, R = 1024, I = 4096) at 1 / 8 / 64 token rows (the kernel) and 100 (the op widens the
-    weight for the einsum): within the bf16 bound of the fp64 einsum; the op equals the kernel where it runs it."""
+    weight for the einsum): within the bf16 bound of the fp64 einsum; the op equals the kernel where it runs it;
+    the 64-row tile too."""
     for M in (1, 8, 64, 100):
         x, w_q, w_s = _case(M, 8, 1024, 4096, seed=M, device="cuda")
         got = torch.ops.dsv4c.fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
         assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16], M
         if M <= FP8_MAX_M:
             assert torch.equal(got, fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)), M
+            wide = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16, block_m=64)  # one tile of up to 64 rows
+            assert rel_err(wide.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16], M
 
 
 _SM90_SCRIPT = textwrap.dedent('''
