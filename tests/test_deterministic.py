@@ -308,3 +308,23 @@ def test_deterministic_h200_compile_keeps_bf16_dense_unless_fp8_is_asked(tmp_pat
         fp8 = [n for n in ep.graph.nodes if str(n.target).startswith("dsv4c.fp8_linear")]
         assert bool(fp8) == (dense is not None), dense
         assert all(str(n.target).startswith("dsv4c.fp8_linear_bi") and n.args[4] is True for n in fp8)
+
+
+def test_deterministic_h200_compile_with_fp8_experts(tmp_path):
+    """`--deterministic --expert-format fp8_block`: every graph's FP8 block experts run `moe_experts_fp8_bi` (no
+    `moe_experts_q` left, no blocker); the artifact loads and its emulated logits are finite (a release-layout
+    tiny V4; the batch-invariance of the CUDA path is tests/test_kernels_batch_invariant.py's GPU test)."""
+    from cut_presets import small
+
+    write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ck", seed=3, quant="release", dtype=torch.float32)
+    art = tmp_path / "art"
+    m = compile_checkpoint(tmp_path / "ck", art, target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
+                           expert_format="fp8_block", deterministic=True, verify_boundaries=False)
+    assert m["deterministic"]["blockers"] == {} and m["target"]["expert_format"] == "fp8_block"
+    for kind in ("decode", "prefill"):
+        ep = torch.export.load(str(art / m["graphs"][kind]["file"]))
+        ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+        assert any(o.startswith("dsv4c.moe_experts_fp8_bi") for o in ops), kind
+        assert not any(o.startswith("dsv4c.moe_experts_q") for o in ops), kind
+    logits = Session.load(art, emulate=True, deterministic=True).logits([5, 9, 17, 3])
+    assert torch.isfinite(logits).all()
