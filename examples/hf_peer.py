@@ -155,13 +155,15 @@ def _load_checked(hf: torch.nn.Module, model) -> dict:
 def _upcast_kept(hf: torch.nn.Module) -> int:
     """HF's strict-fp32 modules' floating tensors to fp32; -> how many."""
     pat = _kept_pattern(hf)
-    n = 0
+    kept = [t for name, t in _floating(hf) if pat is not None and pat.search(name)]
     with torch.no_grad():
-        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
-            if pat is not None and t.is_floating_point() and pat.search(name):
-                t.data = t.data.float()
-                n += 1
-    return n
+        for t in kept:
+            t.data = t.data.float()
+    return len(kept)
+
+
+def _floating(hf: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t) for name, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_floating_point()]
 
 
 def _kept_pattern(hf: torch.nn.Module):
@@ -185,13 +187,11 @@ def cast_(hf: torch.nn.Module, dtype: torch.dtype, keep_hf_fp32: bool) -> int:
     pat = _kept_pattern(hf) if keep_hf_fp32 else None
     kept = 0
     with torch.no_grad():
-        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
-            if not t.is_floating_point():
-                continue
+        for name, t in _floating(hf):
             if pat is not None and pat.search(name):
                 kept += 1
-                continue
-            t.data = t.data.to(dtype)
+            else:
+                t.data = t.data.to(dtype)
     return kept
 
 

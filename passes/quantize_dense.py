@@ -161,28 +161,35 @@ def _attr(gm: GraphModule, ref: Node, name: str, value: torch.Tensor) -> Node:
     return node
 
 
-def _rewrite(gm: GraphModule, n: Node, x: Node, w: Node, kernel: str, ctx: PassContext,
-             members: list[str]) -> dict:
+def _swap_in_fp8(gm: GraphModule, n: Node, x: Node, w: Node, op, extra: tuple, dead: list[Node], kernel: str,
+                 members: list[str], ctx: PassContext, **rec) -> dict:
+    """Replace node n by op(x, W.w_q, W.w_s, *extra) on W's FP8 form (get_attrs `<base>.w_q`, `.w_s`), erase
+    n and the `dead` nodes it leaves unused, drop W once nothing reads it; -> the pass's record of it."""
     W = get_param(gm, w.target)
-    k = W.shape[1]
-    why = None
-    if kernel == "w8a8" and k % B:
-        kernel, why = "w8a16", f"K = {k} is not a multiple of {B} (W8A8's activation blocks)"
     base = w.target[: -len(".weight")] if w.target.endswith(".weight") else w.target
     w_q, w_s = _quantized(ctx.config, W)
-    op = torch.ops.dsv4c.fp8_linear_w8a8.default if kernel == "w8a8" else torch.ops.dsv4c.fp8_linear_w8a16.default
     with gm.graph.inserting_before(n):
         q_node = _attr(gm, x, f"{base}.w_q", w_q)
         s_node = _attr(gm, x, f"{base}.w_s", w_s)
-        y = gm.graph.call_function(op, (x, q_node, s_node))
+        y = gm.graph.call_function(op, (x, q_node, s_node, *extra))
         y.meta["val"] = n.meta["val"]
     n.replace_all_uses_with(y)
-    erase_unused(gm, [n])
+    erase_unused(gm, [n, *dead])
     if not any(u.op == "get_attr" and u.target == w.target for u in gm.graph.nodes):
         delete_param(gm, w.target)
-    return {"weight": w.target, "node": n.name, "kernel": kernel, "members": members, "shape": [W.shape[0], k],
+    return {"weight": w.target, "node": n.name, "kernel": kernel, "members": members, "shape": list(W.shape),
             "tensors": {"w_q": f"{base}.w_q", "w_s": f"{base}.w_s"}, "scale": str(w_s.dtype).replace("torch.", ""),
-            **({"why": why} if why else {})}
+            **rec}
+
+
+def _rewrite(gm: GraphModule, n: Node, x: Node, w: Node, kernel: str, ctx: PassContext,
+             members: list[str]) -> dict:
+    k = get_param(gm, w.target).shape[1]
+    why = {}
+    if kernel == "w8a8" and k % B:
+        kernel, why = "w8a16", {"why": f"K = {k} is not a multiple of {B} (W8A8's activation blocks)"}
+    op = torch.ops.dsv4c.fp8_linear_w8a8.default if kernel == "w8a8" else torch.ops.dsv4c.fp8_linear_w8a16.default
+    return _swap_in_fp8(gm, n, x, w, op, (), [], kernel, members, ctx, **why)
 
 
 def _grouped_site(n: Node) -> tuple[Node, Node, Node] | None:
@@ -200,23 +207,9 @@ def _grouped_site(n: Node) -> tuple[Node, Node, Node] | None:
 
 def _rewrite_grouped(gm: GraphModule, n: Node, x: Node, u: Node, w: Node, fmt: str, ctx: PassContext) -> dict:
     """grouped_linear(x, unflatten(W)) -> fp8_grouped_linear(x, W.w_q, W.w_s, dtype): the stored [G·R, I] bytes."""
-    W = get_param(gm, w.target)
-    base = w.target[: -len(".weight")] if w.target.endswith(".weight") else w.target
-    w_q, w_s = _quantized(ctx.config, W)
-    with gm.graph.inserting_before(n):
-        q_node = _attr(gm, x, f"{base}.w_q", w_q)
-        s_node = _attr(gm, x, f"{base}.w_s", w_s)
-        z = gm.graph.call_function(torch.ops.dsv4c.fp8_grouped_linear.default,
-                                   (x, q_node, s_node, n.meta["val"].dtype))
-        z.meta["val"] = n.meta["val"]
-    n.replace_all_uses_with(z)
-    erase_unused(gm, [n, u])
-    if not any(v.op == "get_attr" and v.target == w.target for v in gm.graph.nodes):
-        delete_param(gm, w.target)
     why = {"why": "the grouped wo_a has no W8A8 kernel: W8A16"} if fmt == "fp8_block" else {}
-    return {"weight": w.target, "node": n.name, "kernel": "w8a16", "members": [w.target], "shape": list(W.shape),
-            "tensors": {"w_q": f"{base}.w_q", "w_s": f"{base}.w_s"}, "scale": str(w_s.dtype).replace("torch.", ""),
-            "grouped": True, **why}
+    return _swap_in_fp8(gm, n, x, w, torch.ops.dsv4c.fp8_grouped_linear.default, (n.meta["val"].dtype,), [u],
+                        "w8a16", [w.target], ctx, grouped=True, **why)
 
 
 def quant_map_entry(rec: dict, fmt: str, graph_kind: str) -> dict:
