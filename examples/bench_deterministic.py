@@ -171,7 +171,8 @@ def verify_rows(k_max: int = 3, layers: int | None = None, batches=(1, 8, 64), p
       * `tokens_identical[B][k]`: `steps` greedy tokens by speculative rounds of the verify graph (drafts:
         the k = 0 continuation, each corrupted with probability `corrupt`, so rounds reject and roll
         back) equal plain greedy decode's at the largest batch (k = 0: plain decode at B itself).
-    `mode`: "deterministic" (bf16 experts) or "deterministic-mxfp4" (MXFP4 weight-only experts)."""
+    `mode`: "deterministic" (bf16 experts), "deterministic-mxfp4" (MXFP4 weight-only experts) or
+    "deterministic-fp8" (FP8 block experts, `moe_experts_fp8_bi`)."""
     if not MODES[mode][2]:
         raise ValueError(f"verify_rows: mode must be a deterministic one, got {mode!r}")
     dev = torch.device(device)
