@@ -131,7 +131,8 @@ def time_steps(step, model, cache, snapshot, B: int, steps: int, count_experts: 
 @torch.no_grad()
 def hf_peer_rows(model, batches: list[int], prompt: int, steps: int, check: tuple, dtype) -> tuple[list, dict]:
     """The HF transformers peer (examples/hf_peer.py): HF's DeepseekV4ForCausalLM holding `model`'s weights
-    (`build_direct`: made on the model's device in `dtype`), greedy `generate` of `steps` tokens after B
+    (`build_direct`: made on the model's device in `dtype`; on a GPU the model moves to the CPU first and
+    stays there, so the GPU holds one copy of the weights), greedy `generate` of `steps` tokens after B
     random prompts of `prompt` tokens (one short warm-up call first); a row's `step_ms` is its decode time
     per step. Its accuracy: its logits of `check`'s prompt against the eager model's (its own routing).
     -> (rows, info); a failure is reported in info and the run goes on (the artifact still gets measured)."""
@@ -143,9 +144,13 @@ def hf_peer_rows(model, batches: list[int], prompt: int, steps: int, check: tupl
     if why:
         print(f"HF peer not available: {why}", flush=True)
         return [], {"unavailable": why}
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":  # HF's copy is made on the GPU from the model's tensors on the CPU: one copy there
+        model.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
     try:
-        hf, info = hf_peer.build_direct(model, dtype)
-        dev = next(hf.parameters()).device
+        hf, info = hf_peer.build_direct(model, dtype, dev)
         ids, _, _, ref, _ = check
         acc = error_metrics(hf(torch.tensor([ids], device=dev)).logits[0].float().cpu(), ref.float())
         info.update(transformers=hf_peer.transformers_version(), snr_db=acc["snr_db"], cosine=acc["cosine"])

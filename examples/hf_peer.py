@@ -101,15 +101,17 @@ def _build_fp32(model) -> tuple[torch.nn.Module, dict]:
     return hf, _load_checked(hf, model)
 
 
-def build_direct(model, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
+def build_direct(model, dtype: torch.dtype, device: str | torch.device | None = None) -> tuple[torch.nn.Module, dict]:
     """`build` for models whose fp32 copy does not fit the host (the Flash slice: `build` stages the model in
-    fp32 on the CPU, and a second fp32 copy to fall back on): HF's model is made on `model`'s device in
-    `dtype` (HF's strict-fp32 modules then cast to fp32, as `from_pretrained(dtype=...)` keeps them), loaded
-    from `model`'s tensors and checked as `build` does. When that fails the smoke test, every tensor is cast
-    to `dtype` (exact: the fp32 modules hold values of `model`'s dtype) and the reason recorded."""
+    fp32 on the CPU, and a second fp32 copy to fall back on): HF's model is made on `device` (default:
+    `model`'s) in `dtype` (HF's strict-fp32 modules then cast to fp32, as `from_pretrained(dtype=...)` keeps
+    them), loaded from `model`'s tensors one at a time and checked as `build` does. When that fails the smoke
+    test, every tensor is cast to `dtype` (exact: the fp32 modules hold values of `model`'s dtype) and the
+    reason recorded. A model that does not fit the GPU twice (the Flash slice on an H100) is moved to the CPU
+    first and HF's made on the GPU: the load copies tensor by tensor, so the GPU holds one copy."""
     from transformers import DeepseekV4ForCausalLM
 
-    dev = next(model.parameters()).device
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -144,8 +146,9 @@ def _load_checked(hf: torch.nn.Module, model) -> dict:
            if target[n].shape != t.shape]
     if bad:
         raise PeerError(f"shape mismatch: {bad[:4]}")
-    hf.load_state_dict({n: t.to(device=target[n].device, dtype=target[n].dtype) for n, t in mapped.items()},
-                       strict=True)
+    with torch.no_grad():  # tensor by tensor (copy_ casts and moves): no second copy of the model at once
+        for n, t in mapped.items():
+            target[n].copy_(t)
     for n, t in hf.state_dict().items():  # every HF tensor now holds the checkpoint's value
         if not torch.equal(t, mapped[n].to(device=t.device, dtype=t.dtype)):
             raise PeerError(f"{n}: the value did not arrive in HF's model")
