@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         a.prefill = [64] if a.prefill else []
         a.prefill_chunks = [0, 32] if a.prefill_chunks == [0] else a.prefill_chunks
     dev = torch.device(a.device)
-    max_tokens = max(a.prompt, *a.long_context, *a.prefill) + a.steps + 8  # the artifact's, every workload fits
+    max_tokens = max([a.prompt, *a.long_context, *a.prefill]) + a.steps + 8  # the artifact's, every workload fits
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a.work.mkdir(parents=True, exist_ok=True)
     ckpt, art = a.work / "ckpt", a.work / "art"
