@@ -351,10 +351,6 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
-# token rows per program of the row launch in the deterministic op (`dsv4c::hc_pre_rows`, every M): each fn
-# tile loaded once for HC_DET_ROWS rows (4 warps: the [ROWS, MIXP, BLOCK_K] product in registers)
-HC_DET_ROWS = 4
-HC_DET_ROWS_WARPS = 4
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32
@@ -393,59 +389,26 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 @triton.jit
 def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                        ROWS: tl.constexpr = 1):
+                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     # the same partials as _hc_mix_kernel, one token row per program and no tl.dot (few rows: the
-    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s.
-    # ROWS > 1: ROWS token rows per program share each loaded fn tile (`_hc_mix_row_block`)
-    if ROWS > 1:
-        _hc_mix_row_block(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX, CHUNK, MIXP, BLOCK_K, ROWS)
-    else:
-        m, pid_s = tl.program_id(0), tl.program_id(1)
-        j = tl.arange(0, MIXP)
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((MIXP,), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        k0 = pid_s * CHUNK
-        for k1 in range(0, CHUNK, BLOCK_K):
-            k = k0 + k1 + kk
-            x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-            wm = (j[:, None] < MIX) & (k[None, :] < K)
-            w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
-            acc += tl.sum(w * x[None, :], axis=1)
-            ss += x * x
-        row = pid_s.to(tl.int64) * M + m
-        tl.store(zp_ptr + row * MIXP + j, acc)
-        tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
-
-
-@triton.jit
-def _hc_mix_row_block(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                      CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
-    # _hc_mix_rows_kernel's partials for ROWS token rows (program i: rows i·ROWS ... i·ROWS + ROWS - 1): each fn
-    # tile is loaded once for all of them (one row per program reads fn once per token: at 256 rows
-    # of Flash dims that is 0.5 GB of L2 reads per call). Row r's sums are reductions over its own
-    # [MIXP, BLOCK_K] slice of one [ROWS, MIXP, BLOCK_K] product, in an order fixed by that shape: the
-    # same bits whatever M is and whichever rows share the block (padding rows load zeros).
-    mr = tl.program_id(0) * ROWS + tl.arange(0, ROWS)   # [ROWS]
-    pid_s = tl.program_id(1)
+    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s
+    m, pid_s = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, MIXP)
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, MIXP), dtype=tl.float32)
-    ss = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((MIXP,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k0 = pid_s * CHUNK
     for k1 in range(0, CHUNK, BLOCK_K):
         k = k0 + k1 + kk
-        xm = (mr[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + mr[:, None].to(tl.int64) * K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
         wm = (j[:, None] < MIX) & (k[None, :] < K)
         w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
-        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        acc += tl.sum(w * x[None, :], axis=1)
         ss += x * x
-    row = pid_s.to(tl.int64) * M + mr
-    tl.store(zp_ptr + row[:, None] * MIXP + j[None, :], acc, mask=(mr < M)[:, None])
-    tl.store(ssp_ptr + row, tl.sum(ss, axis=1), mask=mr < M)
+    row = pid_s.to(tl.int64) * M + m
+    tl.store(zp_ptr + row * MIXP + j, acc)
+    tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
 
 
 @triton.jit
@@ -682,7 +645,7 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
            finish_warps: int | None = None, rows: bool | None = None, exact: bool | None = None,
-           eager_z: bool | None = None, row_block: int = 1):
+           eager_z: bool | None = None):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
@@ -692,28 +655,24 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
     of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
     PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
-    eager's on CUDA. `row_block` (with `rows`): token rows per program of the row launch, each loaded fn
-    tile shared by them (a row's bits depend on `row_block`, never on M). CPU tensors run under the Triton
-    interpreter."""
+    eager's on CUDA. CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     lead = X.shape[:-2]
     u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
     post = torch.empty((*lead, n), dtype=torch.float32, device=X.device)
     comb = torch.empty((*lead, n, n), dtype=torch.float32, device=X.device)
     _pre_launches("hc_pre", X, fn, base, scale, (u, post, comb), (2 + n) * n, False, eps, hc_eps, iters, chunk,
-                  block_d, finish_warps, rows, exact, eager_z, row_block)
+                  block_d, finish_warps, rows, exact, eager_z)
     return u, post, comb
 
 
 def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps: float, hc_eps: float, iters: int,
                   chunk: int, block_d: int, finish_warps: int | None, rows: bool | None, exact: bool | None,
-                  eager_z: bool | None, row_block: int = 1) -> None:
+                  eager_z: bool | None) -> None:
     """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written)."""
     n, d = X.shape[-2], X.shape[-1]
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"{name}: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
-    if row_block < 1 or row_block & (row_block - 1):
-        raise ValueError(f"{name}: row_block must be a power of two >= 1, got {row_block}")
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"{name}: block_d must be a power of two, got {block_d}")
     x = X.contiguous()
@@ -736,10 +695,8 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
         zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
         if use_rows:
-            warps = HC_ROWS_WARPS if row_block == 1 else HC_DET_ROWS_WARPS
-            _hc_mix_rows_kernel[(triton.cdiv(m, row_block), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                                     BLOCK_K=HC_BLOCK_K, ROWS=row_block,
-                                                                     num_warps=warps, **pdl_launch(x))
+            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                             num_warps=HC_ROWS_WARPS, **pdl_launch(x))
         else:
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                               BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4,
@@ -975,14 +932,14 @@ def _hc_head_fake(X, fn, base, scale, eps, hc_eps):
 @torch.library.custom_op("dsv4c::hc_pre_rows", mutates_args=())
 def hc_pre_rows_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_pre` with the row launch (HC_DET_ROWS rows per program, a row's sums its own) and the fast finish
-    at every token count (the deterministic mode: the default switches to the tiled kernel above
-    HC_ROWS_MAX rows, which sums in another order, and to the exact variant from EXACT_ROWS_MIN). CPU: the
-    model's function, as `dsv4c::hc_pre`."""
+    """`hc_pre` with the one-row-per-program first launch and the fast finish at every token count (the
+    deterministic mode: the default switches to the tiled kernel above HC_ROWS_MAX rows, which sums in
+    another order, and to the exact variant from EXACT_ROWS_MIN). CPU: the model's function, as
+    `dsv4c::hc_pre`."""
     if X.device.type == "cpu":
         _check_pre(X, fn, base, scale, iters)
         return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
-    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False, row_block=HC_DET_ROWS)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False)
 
 
 @hc_pre_rows_op.register_fake

@@ -88,7 +88,7 @@ def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypat
     fp8 = []  # the FP8 dense linears' CPU path: the kernel, counted
     monkeypatch.setattr(bi, "bi_matmul_fp8_ref", lambda x, q, s, o=None: fp8.append(q.shape) or bi.bi_matmul_fp8(
         x.contiguous().to(torch.bfloat16), q, s, o or x.dtype))
-    monkeypatch.setattr(mhc, "hc_pre_ref", lambda *a: mhc.hc_pre(*a, rows=True, exact=False, row_block=mhc.HC_DET_ROWS))
+    monkeypatch.setattr(mhc, "hc_pre_ref", lambda *a: mhc.hc_pre(*a, rows=True, exact=False))
     calls, gemv = [], bi.moe_experts_fp4_bi_gemv  # the FP4 experts' CPU path: the GEMV kernel, counted
     monkeypatch.setattr(bi, "moe_experts_fp4_bi_ref", lambda *a: calls.append(a[3].format) or gemv(*a))
     res = bench_deterministic.run(layers=2, batches=[1, 3], prompt=12, steps=2, modes=(mode,),

@@ -1,5 +1,6 @@
 """Run an example script with the deterministic hc_pre's row launch at R token rows per program (1: the
-kernel before `HC_DET_ROWS`, 4: the committed value): `python hc_rows.py 1|4 SCRIPT ARGS...`.
+kernel before `HC_DET_ROWS`, 4: `4f9c240`'s value; reverted after run50,
+so this runs on that tree only): `python hc_rows.py 1|4 SCRIPT ARGS...`.
 `dsv4c::hc_pre_rows` reads the module's HC_DET_ROWS at call time; the same tree otherwise."""
 import runpy
 import sys
