@@ -85,6 +85,10 @@ DECODE_BLOCK_T = 16
 DECODE_BLOCK_N = 64
 DECODE_BLOCK_K = 128
 DECODE_STAGES = 4
+# From this many token groups (`decode_groups`) the decode tile's 16-bit weights feed the MMAs from registers
+# (`A_REG`); 0: never. From shared memory every group's MMAs read the weight tile again; at 256 verify rows
+# the batch-invariant linears ran at about 150 TFLOP/s (run49). Untimed: 0 until a device run compares 4 with it.
+DECODE_A_REG_MIN_GROUPS = 0
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64
@@ -154,7 +158,7 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
                       BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
                       K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
                       PDL: tl.constexpr = False, ws_ptr=None, swsn=0, W_FP8: tl.constexpr = False,
-                      WS_E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1):
+                      WS_E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1, A_REG: tl.constexpr = False):
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
     the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
@@ -163,7 +167,10 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     with each group as its own [BLOCK_N, BLOCK_M] product and accumulator: the same MMA and K walk as one
     group alone, so G changes how often a weight tile is read, not any row's sums. W_FP8: w is e4m3 with one
     scale per 128x128 tile at ws_ptr ([ceil(N/128), ceil(K/128)], row stride swsn; e8m0 bytes with WS_E8M0,
-    else fp32): each K step's product is formed from zero, scaled, then accumulated."""
+    else fp32): each K step's product is formed from zero, scaled, then accumulated. A_REG (SWAP, 16-bit
+    weights, compiled for a GPU only): each K step's weight tile passes through an inline-asm register copy,
+    so every group's MMA reads its A operand from registers instead of shared memory (as the FP8 path's
+    converted tile does); the MMA shape, operands and K walk are unchanged."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
     m = tl.program_id(0) * (BLOCK_M * GROUPS) + tl.arange(0, BLOCK_M)   # group 0's rows; group g: + g * BLOCK_M
@@ -188,6 +195,8 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
             if WS_E8M0:
                 sc = e8m0_value(sc.to(tl.int32))
             sc = sc.to(tl.float32)
+        if A_REG:  # an opaque register copy of the 16-bit weight tile: the MMAs take A from registers
+            b = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [b], dtype=b.dtype, is_pure=True, pack=2)
         if SWAP:
             acc_t = _swap_step(acc_t, b, sc, _x_tile(x_ptr, m, M, sxm, k0, k, K), F32, INTERPRET, W_FP8)
             if GROUPS > 1:
@@ -276,6 +285,8 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         bm, bn, bk = (DECODE_BLOCK_T, DECODE_BLOCK_N, DECODE_BLOCK_K) if decode else (BLOCK_M, BLOCK_N, BLOCK_K)
         stages = {"num_stages": DECODE_STAGES if x.dtype != torch.float32 else 2} if decode else {}
         groups = decode_groups(M) if decode else 1
+        a_reg = (decode and ws is None and x.dtype != torch.float32 and x.device.type == "cuda"
+                 and 0 < DECODE_A_REG_MIN_GROUPS <= groups)
         k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
         grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), split)  # M tiles of one N tile side by side
         if split > 1:
@@ -288,8 +299,8 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         _bi_matmul_kernel[grid](x2, wc, bias if bias is not None else wc, y, part, cnt, M, N, K, x2.stride(0),
                                 wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
                                 BLOCK_K=bk, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
-                                K_SPLIT=k_split, SPLIT=split, SWAP=decode, GROUPS=groups, num_warps=4, **stages,
-                                **pdl_launch(x2), **fp8)
+                                K_SPLIT=k_split, SPLIT=split, SWAP=decode, GROUPS=groups, A_REG=a_reg, num_warps=4,
+                                **stages, **pdl_launch(x2), **fp8)
     return y.view(*x.shape[:-1], N)
 
 

@@ -209,6 +209,24 @@ def test_bi_matmul_rows_on_gpu(dtype):
 
 
 @pytest.mark.gpu
+def test_bi_matmul_weights_from_registers_on_gpu(monkeypatch):
+    """DECODE_A_REG_MIN_GROUPS = 4: the 4-group programs feed the MMAs the weight tile from registers. The
+    MMA's products and K order are the same, so every row equals the shared-memory path's bits, and a row
+    in a 4-group program (A from registers) equals the same row alone (1 group, A from shared memory)."""
+    import dsv4c.kernels.batch_invariant as bi
+
+    K, N = 4096, 1536
+    x, w = _rand(100, K, dtype=torch.bfloat16, device="cuda"), _rand(N, K, dtype=torch.bfloat16, device="cuda", seed=1)
+    split = bi_split(N, K)
+    before = bi_matmul(x, w, split=split, decode=True)
+    monkeypatch.setattr(bi, "DECODE_A_REG_MIN_GROUPS", 4)
+    y100 = bi_matmul(x, w, split=split, decode=True)
+    assert torch.equal(y100, before)
+    for m in (1, 17, 40, 64):
+        assert torch.equal(bi_matmul(x[:m], w, split=split, decode=True), y100[:m]), m
+
+
+@pytest.mark.gpu
 def test_bi_matmul_fp8_rows_on_gpu():
     """`fp8_linear_bi` on the device: a Flash wo_b-like FP8 weight, rows at M = 1 / 8 / 17 equal rows of
     M = 100 (decode tile: 1, 1, 2 and 4 groups of 16 rows per program) with the decode graphs' split and
@@ -379,7 +397,7 @@ _SM90_SCRIPT = textwrap.dedent('''
         bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
         consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, F32=dt == "fp32", INTERPRET=False,
                       K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True,  # PDL: as sm_90 launches it
-                      W_FP8=fp8, WS_E8M0=fp8, GROUPS=groups)
+                      W_FP8=fp8, WS_E8M0=fp8, GROUPS=groups, A_REG=False)
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -390,6 +408,42 @@ _SM90_SCRIPT = textwrap.dedent('''
               ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned"),
               ",".join(sorted(set(re.findall(r"wgmma\.mma_async\.\S+|mma\.sync\.aligned\.\S+", ptx))) or "-"))
 ''')
+
+
+_SM90_A_REG_SCRIPT = textwrap.dedent('''
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels.batch_invariant import _bi_matmul_kernel as fn
+
+    names = list(fn.arg_names)
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+             "cnt_ptr": "*i32", "ws_ptr": "*u8"}
+    for a_reg in (False, True):
+        consts = dict(K=4096, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, F32=False, INTERPRET=False,
+                      K_SPLIT=512, SPLIT=8, SWAP=True, PDL=True, W_FP8=False, WS_E8M0=False, GROUPS=4, A_REG=a_reg)
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)
+                 if nm.endswith("_ptr") or nm in ("N", "sxm", "swn", "sym")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                        attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+        ptx = k.asm["ptx"]
+        mma = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+        a_in_regs = sum(bool(re.search(r"\}, \{%r", ln)) for ln in mma)  # A as a register list, not a descriptor
+        print("kernel", int(a_reg), len(mma), a_in_regs, ",".join(sorted({ln.split()[0] for ln in mma})))
+''')
+
+
+def test_decode_tile_weights_from_registers_compile_for_sm90(tmp_path):
+    """A_REG (DECODE_A_REG_MIN_GROUPS): the 4-group decode tile compiled for sm_90 keeps its 32 m64n16k16
+    MMAs per K step, and each takes A (the weight tile) as registers; without it every MMA reads A through a
+    shared-memory descriptor. The register copy is inline asm: the compiler cannot fold it away."""
+    rows = run_sm90_script(tmp_path, _SM90_A_REG_SCRIPT)
+    op = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
+    assert rows == [["0", "32", "0", op], ["1", "32", "32", op]], rows
 
 
 def test_bi_matmul_compiles_for_sm90(tmp_path):
