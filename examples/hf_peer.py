@@ -107,8 +107,8 @@ def build_direct(model, dtype: torch.dtype, device: str | torch.device | None = 
     `model`'s) in `dtype` (HF's strict-fp32 modules then cast to fp32, as `from_pretrained(dtype=...)` keeps
     them), loaded from `model`'s tensors one at a time and checked as `build` does. When that fails the smoke
     test, every tensor is cast to `dtype` (exact: the fp32 modules hold values of `model`'s dtype) and the
-    reason recorded. A model that does not fit the GPU twice (the Flash slice on an H100) is moved to the CPU
-    first and HF's made on the GPU: the load copies tensor by tensor, so the GPU holds one copy."""
+    reason recorded. For a model that does not fit the GPU twice (the Flash slice on an H100) the caller moves
+    it to the CPU and passes the GPU as `device`: the load copies tensor by tensor, so the GPU holds one copy."""
     from transformers import DeepseekV4ForCausalLM
 
     dev = torch.device(device) if device is not None else next(model.parameters()).device

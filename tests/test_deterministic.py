@@ -205,10 +205,10 @@ def test_gpu_bundled_greedy_identical_across_batch_1_8_64_and_mtp_0_to_3(tmp_pat
 def test_gpu_flash_two_layer_rows_and_tokens_identical_across_batch_and_mtp_k_0_to_3(mode):
     """The random 2-layer Flash-dimension model (a window layer and a CSA layer), bf16, full CUDA graphs,
     bf16 experts, MXFP4 weight-only ones (`moe_experts_fp4_bi`) or FP8 block ones (`moe_experts_fp8_bi`),
-    batch 1/8/64: decode rows at batch 1
-    and 8 are the same bits as at 64; a verify step of 1 + k tokens (k = 1..3) gives every row and token
-    the same logits bits as 1 + k decode steps fed the same tokens; greedy speculative rounds (teacher
-    drafts, 30% corrupted: rejections and rollbacks) give the same tokens as plain decode at batch 64."""
+    batch 1/8/64: decode rows at batch 1 and 8 are the same bits as at 64; a verify step of 1 + k tokens
+    (k = 1..3) gives every row and token the same logits bits as 1 + k decode steps fed the same tokens;
+    greedy speculative rounds (teacher drafts, 30% corrupted: rejections and rollbacks) give the same
+    tokens as plain decode at batch 64."""
     import sys
 
     sys.path.insert(0, str(ROOT / "examples"))
