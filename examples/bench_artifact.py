@@ -209,7 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
     ap.add_argument("--hf-batches", type=int, nargs="+", default=None,
                     help="batches the HF peer decodes (default: those up to 8; its eager attention's prefill "
-                         "scores at 64 x 1024 tokens outgrow an 80 GB card beside the two models)")
+                         "scores at 64 x 1024 tokens, about 17 GB a layer in fp32, outgrow an 80 GB card beside "
+                         "the slice's weights)")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompt, cpu target (a smoke run)")
     a = ap.parse_args(argv)
     if a.quick:

@@ -187,7 +187,7 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     """z [B, T, G, R] (dtype) = einsum('btgi,gri->btgr', x.to(dtype), dequant(w_q, w_s) viewed [G, R, I]) in one
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
     its uint8 bytes, or fp32). `block_m` (16, 32 or 64): token rows per tile; each tile reads its weight
-    slice (the op uses 16: the one measured, BENCHMARKS.md; 64 reads it once at 64 rows, untimed). CPU
+    slice (the op uses 16; 64, which reads it once at 64 rows, was no faster: 1.00x, BENCHMARKS.md). CPU
     tensors run under the interpreter."""
     M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:

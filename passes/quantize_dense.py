@@ -258,10 +258,10 @@ def _quantize(gm: GraphModule, ctx: PassContext, fmt: str) -> PassResult:
             why = _why_not(ctx.config, [w.target], [None], len(w.users), ctx.fp8_stored)
             if why is None and ctx.deterministic:
                 why = "deterministic mode: no batch-invariant FP8 grouped kernel (grouped_linear_bi runs bf16)"
-            if why:
-                kept.append({"weight": w.target, "why": why})
-            elif why is None:
+            if why is None:
                 done.append(_rewrite_grouped(gm, n, x, u, w, fmt, ctx))
+            elif why:  # "": not an FP8-stored weight, not a candidate
+                kept.append({"weight": w.target, "why": why})
             continue
         site = _site(n)
         if site is None:
