@@ -88,8 +88,9 @@ DECODE_BLOCK_K = 128
 DECODE_STAGES = 4
 # From this many token groups (`decode_groups`) the decode tile's 16-bit weights feed the MMAs from registers
 # (`A_REG`); 0: never. From shared memory every group's MMAs read the weight tile again; at 256 verify rows
-# the batch-invariant linears ran at about 150 TFLOP/s (run49). Untimed: 0 until a device run compares 4 with it.
-DECODE_A_REG_MIN_GROUPS = 0
+# the batch-invariant linears ran at about 150 TFLOP/s (run49). run51 (H100, 256 verify rows): dense GEMMs and
+# head 2.79 -> 2.06 ms with 4, the same bits (GPU test); batch 1 / 8 / 64 decode steps unchanged.
+DECODE_A_REG_MIN_GROUPS = 4
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64

@@ -210,7 +210,8 @@ def test_bi_matmul_rows_on_gpu(dtype):
 
 @pytest.mark.gpu
 def test_bi_matmul_weights_from_registers_on_gpu(monkeypatch):
-    """DECODE_A_REG_MIN_GROUPS = 4: the 4-group programs feed the MMAs the weight tile from registers. The
+    """DECODE_A_REG_MIN_GROUPS = 4 (the default): the 4-group programs feed the MMAs the weight tile from
+    registers; 0 turns it off. The
     MMA's products and K order are the same, so every row equals the shared-memory path's bits, and a row
     in a 4-group program (A from registers) equals the same row alone (1 group, A from shared memory)."""
     import dsv4c.kernels.batch_invariant as bi
@@ -218,6 +219,7 @@ def test_bi_matmul_weights_from_registers_on_gpu(monkeypatch):
     K, N = 4096, 1536
     x, w = _rand(100, K, dtype=torch.bfloat16, device="cuda"), _rand(N, K, dtype=torch.bfloat16, device="cuda", seed=1)
     split = bi_split(N, K)
+    monkeypatch.setattr(bi, "DECODE_A_REG_MIN_GROUPS", 0)
     before = bi_matmul(x, w, split=split, decode=True)
     monkeypatch.setattr(bi, "DECODE_A_REG_MIN_GROUPS", 4)
     y100 = bi_matmul(x, w, split=split, decode=True)
