@@ -211,9 +211,9 @@ def test_bi_matmul_rows_on_gpu(dtype):
 @pytest.mark.gpu
 def test_bi_matmul_weights_from_registers_on_gpu(monkeypatch):
     """DECODE_A_REG_MIN_GROUPS = 4 (the default): the 4-group programs feed the MMAs the weight tile from
-    registers; 0 turns it off. The
-    MMA's products and K order are the same, so every row equals the shared-memory path's bits, and a row
-    in a 4-group program (A from registers) equals the same row alone (1 group, A from shared memory)."""
+    registers; 0 turns it off. The MMA's products and K order are the same, so every row equals the
+    shared-memory path's bits, and a row in a 4-group program (A from registers) equals the same row alone
+    (1 group, A from shared memory)."""
     import dsv4c.kernels.batch_invariant as bi
 
     K, N = 4096, 1536
