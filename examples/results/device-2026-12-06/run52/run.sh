@@ -1,19 +1,31 @@
-# run52 (any GPU, ~9 min): A_REG on (DECODE_A_REG_MIN_GROUPS = 4, from run51). (1) the slice's teacher-forced
-# MTP grid in deterministic mode with FP8 block experts, as run48 call B; (2) pytest -m gpu
-# tests/test_deterministic.py (the bundled model across batch and k; the 2-layer Flash model); (3) the default
-# and deterministic steps at batch 1 / 8 / 64 side by side. B=SECONDS budget. At most 8 files to $OUT.
+# run52 call A (any GPU, ~9 min): the deterministic decode tile's serial split (`SERIAL`, from
+# SERIAL_SPLIT_MIN_TILES = 128 output tiles: the program walks its K splits itself instead of storing fp32
+# partials for the last program to add). (1) its GPU test and A_REG's; (2) the verify call at batch 64, k = 3
+# profiled with it (128) and without (0), twice interleaved; (3) the slice's teacher-forced MTP grid in
+# deterministic mode with FP8 block experts and A_REG on, with the faster of (2). B=SECONDS budget. <= 8 files.
 export PYTHONPATH=$PWD
-B=${B:-560}
+B=${B:-570}
+R=examples/results/device-2026-12-06/run52
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/steps.txt
-timeout 330 python examples/bench_mtp_forced.py --slice /tmp/fs --deterministic --expert-format fp8_block \
-  --compile-batches 1,8,32,64 --batches 1,8,32,64 --budget-s 300 \
+timeout 90 python -m pytest -q -m gpu tests/test_kernels_batch_invariant.py -k "registers or serial or bi_matmul" \
+  > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt; tail -2 $OUT/gpu_tests.txt
+P="examples/profile_step.py --layers 2 --deterministic --expert-format fp8_block --batch 64 --verify 3 --top 12"
+for t in 128 0 128 0; do
+  timeout 60 python $R/knobs.py batch_invariant.SERIAL_SPLIT_MIN_TILES=$t -- $P > $OUT/verify_serial$t.txt 2>&1
+  grep "^== full\|^| dense\|Error" $OUT/verify_serial$t.txt | sed "s/^/serial $t: /" | tee -a $OUT/steps.txt
+done
+best=$(python - $OUT/steps.txt <<'PY'
+import re, sys
+ms = {t: sum(float(m) for m in re.findall(rf"^serial {t}: == full: ([0-9.]+) ms", open(sys.argv[1]).read(), re.M))
+      for t in ("128", "0")}
+print(128 if 0 < ms["128"] < ms["0"] else 0)
+PY
+)
+echo "at ${SECONDS}s; the grid with SERIAL_SPLIT_MIN_TILES=$best" | tee -a $OUT/steps.txt
+timeout $((B - SECONDS)) python $R/knobs.py batch_invariant.SERIAL_SPLIT_MIN_TILES=$best -- \
+  examples/bench_mtp_forced.py --slice /tmp/fs --deterministic --expert-format fp8_block \
+  --compile-batches 1,8,32,64 --batches 1,8,32,64 --budget-s $((B - SECONDS - 40)) \
   --out $OUT/forced_slice_det_fp8.json > $OUT/forced.log 2>&1; echo rc=$? >> $OUT/forced.log
 tail -40 $OUT/forced.log | grep -v "^|" ; rm -rf /tmp/fs
-echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
-timeout $((B - SECONDS - 60)) python -m pytest -q -m gpu tests/test_deterministic.py --durations=0 > $OUT/gpu_det.txt 2>&1
-echo rc=$? >> $OUT/gpu_det.txt; tail -8 $OUT/gpu_det.txt
-echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
-timeout $((B - SECONDS)) python examples/bench_deterministic.py --layers 2 \
-  --modes default deterministic-fp8 --batches 1 8 64 --out $OUT/det_fp8.json 2>&1 | tail -4 | tee -a $OUT/steps.txt
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
