@@ -65,6 +65,7 @@ from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8, act_quant_nvfp4
 from dsv4c.kernels.moe_combine import combine_slots
 from dsv4c.kernels.moe_fp4_gemv import Fp4GemvConfig, moe_fp4_gemv
+from dsv4c.kernels.moe_fp8_gemv import Fp8GemvMoeConfig, moe_fp8_gemv
 
 from dsv4c import quant as Q
 
@@ -500,6 +501,12 @@ def _moe_gemm_kernel(
 # host side
 
 
+# fp8_block experts run the CUDA-core GEMVs (kernels/moe_fp8_gemv.py) up to this many assignments, and while
+# they are at most E/4 (few share an expert; `direct` routing's regime); 0: never (the tile). Untimed: 0 until a
+# device run compares them.
+FP8_GEMV_MAX_ASSIGN = 0
+
+
 @dataclass(frozen=True)
 class MoeKernelConfig:
     """Tile sizes and launch parameters (BLOCK_M also sets the routing alignment).
@@ -512,9 +519,10 @@ class MoeKernelConfig:
     Triton's own in-register upcast on Hopper); ignored for other formats.
     direct: skip the sort; every assignment is its own M-block of one row (no routing prep, two
     GEMM launches and a sum). For decode, where few assignments share an expert.
-    gemv: MXFP4/NVFP4 weight-only only: the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py
+    gemv: MXFP4/NVFP4 weight-only: the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py
     (no sort, no tensor cores; block_n rows of W1/W3 or W2 per program, block_k, num_warps; the
-    other fields are ignored).
+    other fields are ignored); fp8_block: those of kernels/moe_fp8_gemv.py (the same fields; W8A8 as
+    the tile, its activation quantisation included).
     fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
     default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored).
     pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl)."""
@@ -560,6 +568,8 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
         return MoeKernelConfig(block_n=32, block_k=512, num_warps=4, gemv=True)
     if fmt == "fp8_block" and per_expert >= 64 and cap >= (9, 0):
         return MoeKernelConfig(fp8_prefill=True)
+    if fmt == "fp8_block" and n_assign <= min(max(n_experts // 4, 16), FP8_GEMV_MAX_ASSIGN) and cap >= (8, 9):
+        return MoeKernelConfig(block_n=32, block_k=512, num_warps=8, gemv=True)
     if per_expert <= 16:
         direct = n_assign <= max(n_experts // 4, 16)
         if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):
@@ -768,8 +778,12 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
         _req(fmt == "fp8_block", f"config.fp8_prefill: only for fp8_block experts, got {fmt}")
         from dsv4c.kernels.moe_fp8_prefill import moe_fp8_prefill   # it imports this module
         return moe_fp8_prefill(x, idx, weight, experts, swiglu_limit)
+    if cfg.gemv and fmt == "fp8_block":
+        return moe_fp8_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, experts.w2,
+                            experts.w2_scale, swiglu_limit,
+                            Fp8GemvMoeConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps))
     if cfg.gemv:
-        _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 weight-only experts, got {fmt}")
+        _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 / fp8_block experts, got {fmt}")
         _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")
         return moe_fp4_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, getattr(experts, "w13_global", None),
                             experts.w2, experts.w2_scale, getattr(experts, "w2_global", None), experts.group,
