@@ -1,4 +1,4 @@
-# run52 call B (any GPU, ~9 min): (1) pytest -m gpu for the FP8 block experts' decode GEMV
+# run52 call B (any GPU, ~9 min; if device time is left after run.sh): (1) pytest -m gpu for the FP8 block experts' decode GEMV
 # (kernels/moe_fp8_gemv.py) and tests/test_deterministic.py with A_REG on and the tree's
 # SERIAL_SPLIT_MIN_TILES; (2) the GEMV against the tile in the default mode (FP8 block experts, FP8 dense):
 # `moe_grouped.FP8_GEMV_MAX_ASSIGN` 64 / 0 / 64 / 0 around bench_deterministic's default and
