@@ -521,8 +521,9 @@ class MoeKernelConfig:
     GEMM launches and a sum). For decode, where few assignments share an expert.
     gemv: MXFP4/NVFP4 weight-only: the CUDA-core GEMV kernels of kernels/moe_fp4_gemv.py
     (no sort, no tensor cores; block_n rows of W1/W3 or W2 per program, block_k, num_warps; the
-    other fields are ignored); fp8_block: those of kernels/moe_fp8_gemv.py (the same fields; W8A8 as
-    the tile, its activation quantisation included).
+    other fields are ignored); fp8_block: those of kernels/moe_fp8_gemv.py (W8A8 as the tile, its
+    activation quantisation included; block_n weight rows per program: block_n / 2 of W1 and of W3, or
+    block_n of W2).
     fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
     default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored).
     pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl)."""
@@ -781,7 +782,7 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     if cfg.gemv and fmt == "fp8_block":
         return moe_fp8_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, experts.w2,
                             experts.w2_scale, swiglu_limit,
-                            Fp8GemvMoeConfig(cfg.block_n, cfg.block_n, cfg.block_k, cfg.num_warps))
+                            Fp8GemvMoeConfig(cfg.block_n // 2, cfg.block_n, cfg.block_k, cfg.num_warps))
     if cfg.gemv:
         _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 / fp8_block experts, got {fmt}")
         _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")

@@ -70,7 +70,7 @@ def test_gemv_through_moe_grouped_config(monkeypatch):
     idx, weight = routing("random", t, k, e)
     cfg = M.MoeKernelConfig(block_n=32, block_k=128, num_warps=4, gemv=True)
     assert torch.equal(M.moe_grouped(x, idx, weight, ex, LIMIT, cfg),
-                       gemv(x, idx, weight, ex, cfg=Fp8GemvMoeConfig(32, 32, 128, 4)))
+                       gemv(x, idx, weight, ex, cfg=Fp8GemvMoeConfig(16, 32, 128, 4)))
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(M, "FP8_GEMV_MAX_ASSIGN", 64)
