@@ -97,7 +97,8 @@ DECODE_A_REG_MIN_GROUPS = 4
 # From this many output tiles (M tiles x N tiles) a decode-tile launch with a K split runs one program per tile
 # that walks the splits itself (`SERIAL`: the same bits); 0: never. The split's fp32 partials are
 # split x M x N x 4 bytes written and read again: at 256 verify rows and a split of 8 about twice a [N, 4096]
-# bf16 weight's bytes, while 4 M tiles x 64 N tiles already give each SM two programs. Untimed.
+# bf16 weight's bytes, while 4 M tiles x 64 N tiles already give each SM two programs. A serial launch leaves
+# A_REG off (sm_90, 4 groups: 202 registers without it, 255 and a 280-byte stack with it). Untimed.
 SERIAL_SPLIT_MIN_TILES = 128
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
@@ -318,11 +319,11 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         bm, bn, bk = (DECODE_BLOCK_T, DECODE_BLOCK_N, DECODE_BLOCK_K) if decode else (BLOCK_M, BLOCK_N, BLOCK_K)
         stages = {"num_stages": DECODE_STAGES if x.dtype != torch.float32 else 2} if decode else {}
         groups = decode_groups(M) if decode else 1
-        a_reg = (decode and ws is None and x.dtype != torch.float32 and x.device.type == "cuda"
-                 and 0 < DECODE_A_REG_MIN_GROUPS <= groups)
         k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
         tiles = triton.cdiv(M, bm * groups) * triton.cdiv(N, bn)
         serial = decode and split > 1 and 0 < SERIAL_SPLIT_MIN_TILES <= tiles
+        a_reg = (decode and ws is None and x.dtype != torch.float32 and x.device.type == "cuda"
+                 and 0 < DECODE_A_REG_MIN_GROUPS <= groups and not serial)  # both: 255 registers + 280 B of stack
         grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), 1 if serial else split)  # M tiles side by side
         if split > 1 and not serial:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
