@@ -60,6 +60,41 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# Split-K tile counters (`split_counters`, `last_split`): every split launch adds SPLIT_TICKS to each of its
+# tiles' counters (SPLIT_TICKS / SPLIT per program), so a counter is a multiple of SPLIT_TICKS between launches
+# and is never zeroed again: no memset per call, which would also break a step's PDL chain (an ATen kernel).
+SPLIT_TICKS = 64
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 1 << 16
+
+
+def split_counters(device: torch.device, n: int, split: int) -> torch.Tensor:
+    """int32 [n] tile counters of a split launch of `split` programs per tile on `device` (see `last_split`),
+    from one zeroed buffer per device that lives as long as the process. Launches that share it run one
+    after another (one stream, or streams the caller orders): a launch's counters are back to a multiple of
+    SPLIT_TICKS when it ends. The buffer is made before a CUDA graph captures a launch (the kernels' eager
+    warm-up call does it), never during capture."""
+    if split < 1 or split > SPLIT_TICKS or split & (split - 1):
+        raise ValueError(f"split_counters: split must be a power of two in [1, {SPLIT_TICKS}], got {split}")
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split_counters: {n} counters on {device} first asked for during CUDA graph "
+                               "capture; run the launch once eagerly before capturing it")
+        buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf[:n]
+
+
+@triton.jit
+def last_split(cnt_ptr, SPLIT: tl.constexpr):
+    """Count this program's arrival at its tile's counter (`split_counters`): True for the tile's last of
+    SPLIT programs. acq_rel: the partials the others stored before arriving are visible to the last."""
+    TICKS: tl.constexpr = 64  # SPLIT_TICKS
+    old = tl.atomic_add(cnt_ptr, TICKS // SPLIT, sem="acq_rel", scope="gpu")
+    return (old & (TICKS - 1)) == TICKS - TICKS // SPLIT
+
+
 @triton.jit
 def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
     """acc + a [M, K] @ b_nk[N, K]^T in fp32 (tensor cores on GPU)."""

@@ -78,7 +78,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from dsv4c.kernels._tl import e8m0_value, pdl_launch, pdl_wait
+from dsv4c.kernels._tl import SPLIT_TICKS, e8m0_value, last_split, pdl_launch, pdl_wait, split_counters
 
 BLOCK_M = 64      # fixed for every M (never chosen from M: that is the point)
 BLOCK_N = 64
@@ -258,9 +258,7 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
         _put_tile(tl.trans(acc_t3), m + 3 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, PUT)
     if PUT > 1:  # the last program of the tile adds the partials in split order, then the bias
         tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), 1, sem="acq_rel",
-                             scope="gpu")
-        if done == SPLIT - 1:
+        if last_split(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
             for g in tl.static_range(GROUPS):
                 _sum_parts(m + g * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
@@ -274,10 +272,11 @@ def decode_groups(m: int) -> int:
 
 def bi_split(n: int, k: int) -> int:
     """The K split of an [n, k] weight in a decode-kind graph (the decode tile): doubles while one M tile's
-    grid stays under SPLIT_PROGRAMS and each split keeps SPLIT_MIN_STEPS K steps. From the weight's shape
+    grid stays under SPLIT_PROGRAMS, each split keeps SPLIT_MIN_STEPS K steps and the split stays within
+    SPLIT_TICKS (the tile counters' period, kernels/_tl.py). From the weight's shape
     only (never M), so every row count gets the same split and the same bits."""
     tiles, steps, split = triton.cdiv(n, DECODE_BLOCK_N), triton.cdiv(k, DECODE_BLOCK_K), 1
-    while tiles * split < SPLIT_PROGRAMS and steps >= 2 * split * SPLIT_MIN_STEPS:
+    while tiles * split < SPLIT_PROGRAMS and steps >= 2 * split * SPLIT_MIN_STEPS and 2 * split <= SPLIT_TICKS:
         split *= 2
     return split
 
@@ -327,7 +326,7 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), 1 if serial else split)  # M tiles side by side
         if split > 1 and not serial:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-            cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+            cnt = split_counters(x.device, grid[0] * grid[1], split)
         else:
             part, cnt = y, y
         fp8 = {} if ws is None else {"ws_ptr": ws, "swsn": ws.stride(0), "W_FP8": True,

@@ -19,8 +19,9 @@ result does not depend on which program finished last.
 
 One token (BLOCK_M = 1) runs on CUDA cores (fp32 products and sums, no padded tensor-core rows);
 more tokens on tensor cores with BLOCK_M = 16, 32 or 64 rows (padding rows are masked, no bytes).
-No host syncs; grids from shapes only (CUDA-graph safe); the split counters are zeroed per call
-(one memset). CPU tensors run under the Triton interpreter.
+No host syncs; grids from shapes only (CUDA-graph safe); the split counters are a persistent
+buffer that every launch leaves as it found it (`_tl.split_counters`: no memset per call). CPU
+tensors run under the Triton interpreter.
 
 Shapes: M tokens, N output features, K reduction; Kb = ceil(K/128) scale blocks.
 """
@@ -94,7 +95,7 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     steps = triton.cdiv(k, bk)
     grid_cap = 2 * sm_count if m == 1 else sm_count  # programs (one token) or programs before a doubling
     split = 1
-    while (tiles * split < grid_cap and steps >= 2 * split
+    while (tiles * split < grid_cap and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
     return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
@@ -197,8 +198,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
         p_ptrs = part_ptr + m_idx[None, :] * N + n_idx[:, None]
         tl.store(p_ptrs + pid_s * M * N, acc, mask=ok)
         tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
+        if U.last_split(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT):
             tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 tot += tl.load(p_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
@@ -237,7 +237,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
     if cfg.split > 1:
         part = torch.empty(cfg.split, m, n, dtype=torch.float32, device=a.device)
-        cnt = torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=a.device)
+        cnt = U.split_counters(a.device, grid[0] * grid[2], cfg.split)
     else:
         part, cnt = y, y
     _gemv_kernel[grid](a, a_s, w_q, ws, y, part, cnt, m, n, k, a.stride(0), a_s.stride(0), w_q.stride(0),

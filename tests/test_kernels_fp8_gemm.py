@@ -144,6 +144,28 @@ def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
     assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
 
 
+def test_split_counters_are_left_as_found():
+    """The split launches share one persistent counter buffer (kernels/_tl.py `split_counters`), never
+    zeroed after it is made: a launch of split 4 after one of split 2 (and the batch-invariant decode tile's
+    split of 8 between them) finds its last program and gives the first call's bits; every counter is a
+    multiple of SPLIT_TICKS afterwards. Bad splits are refused."""
+    from dsv4c.kernels import _tl as U
+    from dsv4c.kernels.batch_invariant import bi_matmul
+
+    a, w_q, w_s = operands(3, 130, 384, "ue8m0", seed=5)
+    cfg2, cfg4 = Fp8GemvConfig(16, 32, 128, split=2), Fp8GemvConfig(16, 32, 128, split=4)
+    y2, y4 = fp8_gemv_w8a16(a, w_q, w_s, config=cfg2), fp8_gemv_w8a16(a, w_q, w_s, config=cfg4)
+    w = torch.randn(70, 2048).bfloat16()
+    bi_matmul(torch.randn(5, 2048).bfloat16(), w, split=8, decode=True)
+    assert torch.equal(fp8_gemv_w8a16(a, w_q, w_s, config=cfg4), y4)
+    assert torch.equal(fp8_gemv_w8a16(a, w_q, w_s, config=cfg2), y2)
+    cnt = U.split_counters(a.device, 64, 1)
+    assert cnt.any() and not (cnt % U.SPLIT_TICKS).any()
+    for bad in (3, 128):
+        with pytest.raises(ValueError, match="split must be a power of two"):
+            U.split_counters(a.device, 4, bad)
+
+
 def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
     from dsv4c.kernels.fp8_gemv import default_config
 

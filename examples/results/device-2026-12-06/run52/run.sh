@@ -1,4 +1,5 @@
-# run52 (any GPU, ~10 min): (1) GPU tests: the FP8 block experts' decode GEMV (kernels/moe_fp8_gemv.py),
+# run52 (any GPU, ~10 min): (1) GPU tests: the FP8 block experts' decode GEMV (kernels/moe_fp8_gemv.py), the
+# split counters left as found (fp8_gemm's GPU tests),
 # SERIAL's and A_REG's same bits; (2) the deterministic verify (batch 64, k = 3) profiled with the decode tile's
 # serial split (SERIAL_SPLIT_MIN_TILES 128) and without (0); (3) the default mode's step (FP8 block experts, FP8
 # dense) with the GEMV (`moe_grouped.FP8_GEMV_MAX_ASSIGN` 64) and with the tile (0), beside the deterministic
@@ -9,8 +10,9 @@ B=${B:-580}
 R=examples/results/device-2026-12-06/run52
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/steps.txt
-timeout 120 python -m pytest -q -m gpu tests/test_kernels_moe_fp8_gemv.py tests/test_kernels_batch_invariant.py \
-  -k "gemv or registers or serial" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt
+timeout 150 python -m pytest -q -m gpu tests/test_kernels_moe_fp8_gemv.py tests/test_kernels_batch_invariant.py \
+  tests/test_kernels_fp8_gemm.py \
+  -k "gemv or registers or serial or gpu" > $OUT/gpu_tests.txt 2>&1; echo rc=$? >> $OUT/gpu_tests.txt
 tail -2 $OUT/gpu_tests.txt
 P="examples/profile_step.py --layers 2 --deterministic --expert-format fp8_block --batch 64 --verify 3 --top 12"
 for t in 128 0; do
