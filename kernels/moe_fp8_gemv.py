@@ -175,7 +175,6 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     if t == 0:
         return out
     n_a, dev = t * topk, x.device
-    launch = U.pdl_launch(x)
     idx_flat = idx.reshape(-1)
     xq, xs = act_quant_fp8(x)                                                      # [T, D] e4m3, [T, D/128]
     h = torch.empty(n_a, i, dtype=torch.float32, device=dev)
@@ -183,11 +182,11 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
         xq, xs, idx_flat, weight.reshape(-1).contiguous(), w13, w13_scale, h, i, float(swiglu_limit),
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), K=d, TOPK=topk, HAS_LIMIT=swiglu_limit > 0, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **launch)
+        num_warps=cfg.num_warps, **U.pdl_launch(x))
     hq, hs = act_quant_fp8(h)                                                      # [N_A, I] e4m3, [N_A, I/128]
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
         hq, hs, idx_flat, w2, w2_scale, y, d, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), K=i, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **launch)
-    return combine_slots(y, None, topk, out, pdl=launch["PDL"])                  # fp32 sum, one rounding
+        num_warps=cfg.num_warps, **U.pdl_launch(x))
+    return combine_slots(y, None, topk, out, pdl=U.pdl_supported(dev))          # fp32 sum, one rounding
