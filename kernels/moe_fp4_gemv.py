@@ -331,23 +331,11 @@ def _gemv2_kernel(hw_ptr, hs_ptr, idx_ptr, perm_ptr, w_ptr, s_ptr, g_ptr, y_ptr,
 # host side
 
 
-def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, group) -> tuple[int, int, int]:
-    if group not in (16, 32):
-        raise ValueError(f"group: 32 (MXFP4) or 16 (NVFP4), got {group}")
-    if w13.dtype != torch.uint8 or w13.dim() != 3 or not w13.is_contiguous():
-        raise ValueError(f"w13: expected contiguous uint8 [E, 2I, D/2], got {w13.dtype} {tuple(w13.shape)}")
-    e, i2, d2 = w13.shape
-    i, d = i2 // 2, d2 * 2
-    if i2 % 2 or i == 0 or d == 0:
-        raise ValueError(f"w13: expected [E, 2I, D/2] with I, D > 0 (w1 rows, then w3), got {tuple(w13.shape)}")
-    if i % group or d % group:
-        raise ValueError(f"w13: I = {i} and D = {d} must be multiples of the group {group}")
-    sdt = torch.float8_e8m0fnu if group == 32 else torch.float8_e4m3fn
-    want = {"w13_scale": (w13_scale, sdt, (e, i2, d // group)), "w2": (w2, torch.uint8, (e, d, i // 2)),
-            "w2_scale": (w2_scale, sdt, (e, d, i // group))}
-    if group == 16:
-        want["w13_global"] = (w13_global, torch.float32, (e,))
-        want["w2_global"] = (w2_global, torch.float32, (e,))
+def check_gemv_inputs(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
+                      want: dict[str, tuple], e: int, d: int) -> None:
+    """The decode GEMVs' common contract (here and kernels/moe_fp8_gemv.py): each `want` field name ->
+    (tensor, dtype, shape) contiguous as given; x contiguous bf16 [T, d]; idx int32/int64 [T, K] in [0, e)
+    (checked on CPU tensors: a device check would sync); weight fp32 [T, K]; all on one device."""
     for name, (tns, dt, shape) in want.items():
         if not isinstance(tns, torch.Tensor) or tns.dtype != dt or tuple(tns.shape) != shape or not tns.is_contiguous():
             got = f"{tns.dtype} {tuple(tns.shape)}" if isinstance(tns, torch.Tensor) else repr(tns)
@@ -366,6 +354,26 @@ def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, 
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= e:
             raise ValueError(f"idx: expert ids must be in [0, {e}), got {lo}..{hi}")
+
+
+def _check(x, idx, weight, w13, w13_scale, w13_global, w2, w2_scale, w2_global, group) -> tuple[int, int, int]:
+    if group not in (16, 32):
+        raise ValueError(f"group: 32 (MXFP4) or 16 (NVFP4), got {group}")
+    if w13.dtype != torch.uint8 or w13.dim() != 3 or not w13.is_contiguous():
+        raise ValueError(f"w13: expected contiguous uint8 [E, 2I, D/2], got {w13.dtype} {tuple(w13.shape)}")
+    e, i2, d2 = w13.shape
+    i, d = i2 // 2, d2 * 2
+    if i2 % 2 or i == 0 or d == 0:
+        raise ValueError(f"w13: expected [E, 2I, D/2] with I, D > 0 (w1 rows, then w3), got {tuple(w13.shape)}")
+    if i % group or d % group:
+        raise ValueError(f"w13: I = {i} and D = {d} must be multiples of the group {group}")
+    sdt = torch.float8_e8m0fnu if group == 32 else torch.float8_e4m3fn
+    want = {"w13_scale": (w13_scale, sdt, (e, i2, d // group)), "w2": (w2, torch.uint8, (e, d, i // 2)),
+            "w2_scale": (w2_scale, sdt, (e, d, i // group))}
+    if group == 16:
+        want["w13_global"] = (w13_global, torch.float32, (e,))
+        want["w2_global"] = (w2_global, torch.float32, (e,))
+    check_gemv_inputs(x, idx, weight, w13, want, e, d)
     return e, i, d
 
 

@@ -39,6 +39,7 @@ from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8
 from dsv4c.kernels.fp8_gemv import _fma_loop, _fma_step
 from dsv4c.kernels.moe_combine import combine_slots
+from dsv4c.kernels.moe_fp4_gemv import check_gemv_inputs
 
 __all__ = ["Fp8GemvMoeConfig", "moe_fp8_gemv"]
 
@@ -136,24 +137,7 @@ def _check(x, idx, weight, w13, w13_scale, w2, w2_scale) -> tuple[int, int, int]
         raise ValueError(f"w13: expected [E, 2I, D] with I and D positive multiples of 128, got {tuple(w13.shape)}")
     want = {"w13_scale": (w13_scale, torch.float32, (e, i2 // 128, d // 128)),
             "w2": (w2, torch.float8_e4m3fn, (e, d, i)), "w2_scale": (w2_scale, torch.float32, (e, d // 128, i // 128))}
-    for name, (tns, dt, shape) in want.items():
-        if not isinstance(tns, torch.Tensor) or tns.dtype != dt or tuple(tns.shape) != shape or not tns.is_contiguous():
-            got = f"{tns.dtype} {tuple(tns.shape)}" if isinstance(tns, torch.Tensor) else repr(tns)
-            raise ValueError(f"{name}: expected contiguous {dt} {shape}, got {got}")
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != d or not x.is_contiguous():
-        raise ValueError(f"x: expected contiguous bf16 [T, {d}], got {x.dtype} {tuple(x.shape)}")
-    t = x.shape[0]
-    if idx.dim() != 2 or idx.shape[0] != t or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"idx: expected int32/int64 [{t}, K], got {idx.dtype} {tuple(idx.shape)}")
-    if weight.dtype != torch.float32 or tuple(weight.shape) != tuple(idx.shape):
-        raise ValueError(f"weight: expected fp32 {tuple(idx.shape)}, got {weight.dtype} {tuple(weight.shape)}")
-    devs = {v.device for v in (x, idx, weight, w13, w13_scale, w2, w2_scale)}
-    if len(devs) != 1:
-        raise ValueError(f"x/idx/weight/w13/w2 and their scales: all on one device, got {sorted(map(str, devs))}")
-    if x.device.type == "cpu" and idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= e:
-            raise ValueError(f"idx: expert ids must be in [0, {e}), got {lo}..{hi}")
+    check_gemv_inputs(x, idx, weight, w13, want, e, d)
     return e, i, d
 
 
