@@ -35,7 +35,7 @@ on row i of its A operand, so each row's result is the same bits whatever M is (
 test_kernels_batch_invariant.py, 1 vs 8 rows). A K split fixed by the weight's shape keeps that: with
 `split` S, program s walks its own K range in the same fixed steps and the last program of a tile adds
 the S fp32 partials in split order (then the bias), so a row's sums are the same for any M. Where a
-decode-tile launch has SERIAL_SPLIT_MIN_TILES output tiles or more (a verify call's rows), each tile's one
+decode-tile launch has SERIAL_SPLIT_MIN_TILES output tiles or more (a verify call's rows; 0, off, until timed), each tile's one
 program walks the S ranges itself and adds them in the same order, without storing the partials: the same
 bits, so a launch may go serial or not by M.
 make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N, K)`: at decode a
@@ -98,8 +98,9 @@ DECODE_A_REG_MIN_GROUPS = 4
 # that walks the splits itself (`SERIAL`: the same bits); 0: never. The split's fp32 partials are
 # split x M x N x 4 bytes written and read again: at 256 verify rows and a split of 8 about twice a [N, 4096]
 # bf16 weight's bytes, while 4 M tiles x 64 N tiles already give each SM two programs. A serial launch leaves
-# A_REG off (sm_90, 4 groups: 202 registers without it, 255 and a 280-byte stack with it). Untimed.
-SERIAL_SPLIT_MIN_TILES = 128
+# A_REG off (sm_90, 4 groups: 202 registers without it, 255 and a 280-byte stack with it). Untimed: 0 until a
+# device run compares 128 with it (run52).
+SERIAL_SPLIT_MIN_TILES = 0
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64
