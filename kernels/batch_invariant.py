@@ -35,9 +35,9 @@ on row i of its A operand, so each row's result is the same bits whatever M is (
 test_kernels_batch_invariant.py, 1 vs 8 rows). A K split fixed by the weight's shape keeps that: with
 `split` S, program s walks its own K range in the same fixed steps and the last program of a tile adds
 the S fp32 partials in split order (then the bias), so a row's sums are the same for any M. Where a
-decode-tile launch has SERIAL_SPLIT_MIN_TILES output tiles or more (a verify call's rows; 0, off, until timed), each tile's one
-program walks the S ranges itself and adds them in the same order, without storing the partials: the same
-bits, so a launch may go serial or not by M.
+decode-tile launch has SERIAL_SPLIT_MIN_TILES output tiles or more (a verify call's rows; 0, off, until
+timed), each tile's one program walks the S ranges itself and adds them in the same order, without storing
+the partials: the same bits, so a launch may go serial or not by M.
 make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N, K)`: at decode a
 [1536, 4096] weight in 64-row tiles is 24 programs, each walking all of K, a few percent of the copy
 bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. Decode-kind graphs also
