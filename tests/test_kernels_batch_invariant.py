@@ -427,7 +427,7 @@ def test_fp8_experts_rows_on_gpu():
         assert torch.equal(torch.ops.dsv4c.moe_experts_fp8_bi(x[:m], idx[:m], wt[:m], *args), y[:m]), m
 
 
-_SM90_SCRIPT = textwrap.dedent('''
+_SM90_SCRIPT = textwrap.dedent(r'''
     import re
 
     import triton
@@ -462,7 +462,7 @@ _SM90_SCRIPT = textwrap.dedent('''
 ''')
 
 
-_SM90_A_REG_SCRIPT = textwrap.dedent('''
+_SM90_A_REG_SCRIPT = textwrap.dedent(r'''
     import re
 
     import triton
