@@ -65,6 +65,7 @@ def pdl_wait(PDL: tl.constexpr):
 # and is never zeroed again: no memset per call, which would also break a step's PDL chain (an ATen kernel).
 SPLIT_TICKS = 64
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
 _MIN_COUNTERS = 1 << 16
 
 
@@ -81,6 +82,8 @@ def split_counters(device: torch.device, n: int, split: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"split_counters: {n} counters on {device} first asked for during CUDA graph "
                                "capture; run the launch once eagerly before capturing it")
+        if buf is not None:  # graphs captured with the old buffer still count on it: never freed
+            _RETIRED.append(buf)
         buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf[:n]
