@@ -57,7 +57,7 @@ class Fp8GemvMoeConfig:
     block_k: int = 512
     num_warps: int = 8
 
-    def check(self, d: int, i: int) -> None:
+    def check(self) -> None:
         for name in ("block_n13", "block_n2"):
             v = getattr(self, name)
             if v not in (16, 32, 64, 128):
@@ -153,7 +153,7 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     interpreter."""
     _, i, d = _check(x, idx, weight, w13, w13_scale, w2, w2_scale)
     cfg = config or default_gemv_config(x.device)
-    cfg.check(d, i)
+    cfg.check()
     t, topk = idx.shape
     out = torch.empty_like(x)
     if t == 0:
