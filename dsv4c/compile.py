@@ -245,8 +245,9 @@ def deterministic_target(tgt, expert_format: str | None, kernels: dict | None, m
     bf16 bytes), or fp8_block (`moe_experts_fp8_bi`: the grouped tensor-core kernel with one tile at every
     token count, an expert read once per 16 of its assignments; its step 1.10-1.18x the default's, run48),
     dense linears widened to bf16 unless `--dense-format` asks for FP8 (W8A16 then runs `fp8_linear_bi`; the
-    default-mode FP8 kernels pick a path by token count), and `v4_attention=fused_det` where the target runs the fused attention (its
-    key blocks follow absolute positions, so a verify step's rows reduce like decode rows: MTP k >= 0).
+    default-mode FP8 kernels pick a path by token count), and `v4_attention=fused_det` where the target runs
+    the fused attention (its key blocks follow absolute positions, so a verify step's rows reduce like decode
+    rows: MTP k >= 0).
     Raises DeterminismError for what it cannot make invariant: NVFP4 W4A4 experts (without static input
     scales their activations are scaled by the amax over every row of the call)."""
     if expert_format not in (None, "reference") + DETERMINISTIC_EXPERTS:

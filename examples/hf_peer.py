@@ -101,7 +101,8 @@ def _build_fp32(model) -> tuple[torch.nn.Module, dict]:
     return hf, _load_checked(hf, model)
 
 
-def build_direct(model, dtype: torch.dtype, device: str | torch.device | None = None) -> tuple[torch.nn.Module, dict]:
+def build_direct(model, dtype: torch.dtype,
+                 device: str | torch.device | None = None) -> tuple[torch.nn.Module, dict]:
     """`build` for models whose fp32 copy does not fit the host (the Flash slice: `build` stages the model in
     fp32 on the CPU, and a second fp32 copy to fall back on): HF's model is made on `device` (default:
     `model`'s) in `dtype` (HF's strict-fp32 modules then cast to fp32, as `from_pretrained(dtype=...)` keeps

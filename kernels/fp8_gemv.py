@@ -131,21 +131,36 @@ def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr,
 
 
 @triton.jit
+def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step's weights (columns k0.. below min(k_hi, K), zeros past them): (e4m3 [BN, BK], their fp32
+    scales [BK], one per column)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)                                   # [BK]
+    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & ((ks < K) & (ks < k_hi))[None, :], other=0.0)
+    ws = tl.load(ws_row + kb)
+    if WS_E8M0:
+        ws = U.e8m0_value(ws.to(tl.int32))
+    return w, ws
+
+
+@triton.jit
+def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
+    1x128 scales."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
+    if A_FP8:
+        a = a * tl.load(as_row + tl.minimum(ks // 128, (K + 127) // 128 - 1))
+    return a
+
+
+@triton.jit
 def _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K step of one token (columns k0.. below min(k_hi, K)): (w e4m3 [BN, BK], its scales fp32 [BK],
     a fp32 [BK], times its scales for FP8 activations)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_ok = (ks < K) & (ks < k_hi)
-    kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)                                   # [BK]
-    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    ws = tl.load(ws_row + kb)
-    a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-    if WS_E8M0:
-        ws = U.e8m0_value(ws.to(tl.int32))
-    if A_FP8:
-        a = a * tl.load(as_row + kb)
-    return w, ws, a
+    w, ws = _w_step(w_rows, ws_row, n_ok, k0, k_hi, K, WS_E8M0, BLOCK_K)
+    return w, ws, _a_step(a_row, as_row, k0, k_hi, K, A_FP8, BLOCK_K)
 
 
 @triton.jit

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
 from dsv4c.kernels.act_quant import act_quant_fp8
+from dsv4c.kernels.fp8_gemv import _a_step, _w_step
 from dsv4c.kernels.moe_combine import combine_slots
 from dsv4c.kernels.moe_fp4_gemv import check_gemv_inputs
 
@@ -75,23 +76,6 @@ def default_gemv_config(device: torch.device) -> Fp8GemvMoeConfig:
 
 
 @triton.jit
-def _w_step(w_rows, ws_row, n_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step's weights: (e4m3 [BN, BK], zeros past K; their fp32 scales [BK], one per column)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)
-    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
-    return w, tl.load(ws_row + kb)
-
-
-@triton.jit
-def _a_step(a_row, as_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step's activations: the e4m3 values times their 1x128 scales, fp32 [BK] (zeros past K)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)
-    return tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32) * tl.load(as_row + kb)
-
-
-@triton.jit
 def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limit,
                    stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                    K: tl.constexpr, TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr,
@@ -112,17 +96,17 @@ def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limi
     u_rows = w_e + (I + rows).to(tl.int64)[:, None] * stride_wn                    # W3 rows
     g_s = s_e + (pid_n * BLOCK_N // 128) * stride_sn
     u_s = s_e + ((I + pid_n * BLOCK_N) // 128) * stride_sn
-    wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, BLOCK_K)
-    wu, su = _w_step(u_rows, u_s, row_ok, 0, K, BLOCK_K)
+    wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
+    wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
     U.pdl_wait(PDL)
-    xa = _a_step(x_row, xs_row, 0, K, BLOCK_K)
+    xa = _a_step(x_row, xs_row, 0, K, K, True, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):  # the next step's tiles are loaded before this one's products
         k1 = (i + 1) * BLOCK_K
-        wg1, sg1 = _w_step(g_rows, g_s, row_ok, k1, K, BLOCK_K)
-        wu1, su1 = _w_step(u_rows, u_s, row_ok, k1, K, BLOCK_K)
-        xa1 = _a_step(x_row, xs_row, k1, K, BLOCK_K)
+        wg1, sg1 = _w_step(g_rows, g_s, row_ok, k1, K, K, False, BLOCK_K)
+        wu1, su1 = _w_step(u_rows, u_s, row_ok, k1, K, K, False, BLOCK_K)
+        xa1 = _a_step(x_row, xs_row, k1, K, K, True, BLOCK_K)
         acc_g += tl.sum(wg.to(tl.float32) * (sg * xa)[None, :], axis=1)
         acc_u += tl.sum(wu.to(tl.float32) * (su * xa)[None, :], axis=1)
         wg, sg, wu, su, xa = wg1, sg1, wu1, su1, xa1
@@ -144,14 +128,14 @@ def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     ws_row = s_ptr + e * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     h_row, hs_row = hq_ptr + a * stride_h, hs_ptr + a * stride_hs
-    w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, BLOCK_K)
+    w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
     U.pdl_wait(PDL)
-    ha = _a_step(h_row, hs_row, 0, K, BLOCK_K)
+    ha = _a_step(h_row, hs_row, 0, K, K, True, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):
         k1 = (i + 1) * BLOCK_K
-        w1, ws1 = _w_step(w_rows, ws_row, row_ok, k1, K, BLOCK_K)
-        ha1 = _a_step(h_row, hs_row, k1, K, BLOCK_K)
+        w1, ws1 = _w_step(w_rows, ws_row, row_ok, k1, K, K, False, BLOCK_K)
+        ha1 = _a_step(h_row, hs_row, k1, K, K, True, BLOCK_K)
         acc += tl.sum(w.to(tl.float32) * (ws * ha)[None, :], axis=1)
         w, ws, ha = w1, ws1, ha1
     tl.store(y_ptr + a * stride_y + rows, acc.to(tl.bfloat16), mask=row_ok)
