@@ -5,7 +5,7 @@
 # k = 3) with the decode tile's serial split (`batch_invariant.SERIAL_SPLIT_MIN_TILES` 128) and without (0);
 # (4) the slice's teacher-forced MTP grid, deterministic with FP8 block experts, with the faster of (3).
 # run52's lesson: a bench_deterministic run of two modes takes more than 75 s; a profile about 35 s.
-# B=SECONDS budget. At most 8 files to $OUT.
+# B=SECONDS budget. At most 8 files to $OUT: the profiles are appended to one file.
 export PYTHONPATH=$PWD
 B=${B:-570}
 K=examples/results/device-2026-12-06/run52/knobs.py
@@ -16,14 +16,16 @@ echo rc=$? >> $OUT/gpu_tests.txt; tail -2 $OUT/gpu_tests.txt
 for b in 1 8; do
   for g in 64 0 64 0; do
     timeout 60 python $K moe_grouped.FP8_GEMV_MAX_ASSIGN=$g -- examples/profile_step.py --layers 2 \
-      --expert-format fp8_block --batch $b --top 12 > $OUT/b${b}_gemv$g.txt 2>&1
-    grep "^== full\|^| routed\|Error" $OUT/b${b}_gemv$g.txt | sed "s/^/b$b gemv $g: /" | tee -a $OUT/steps.txt
+      --expert-format fp8_block --batch $b --top 12 > /tmp/p.txt 2>&1
+    { echo "### b$b gemv $g"; cat /tmp/p.txt; } >> $OUT/profiles.txt
+    grep "^== full\|^| routed\|Error" /tmp/p.txt | sed "s/^/b$b gemv $g: /" | tee -a $OUT/steps.txt
   done
 done
 P="examples/profile_step.py --layers 2 --deterministic --expert-format fp8_block --batch 64 --verify 3 --top 12"
 for t in 128 0; do
-  timeout 60 python $K batch_invariant.SERIAL_SPLIT_MIN_TILES=$t -- $P > $OUT/verify_serial$t.txt 2>&1
-  grep "^== full\|^| dense\|Error" $OUT/verify_serial$t.txt | sed "s/^/serial $t: /" | tee -a $OUT/steps.txt
+  timeout 60 python $K batch_invariant.SERIAL_SPLIT_MIN_TILES=$t -- $P > /tmp/p.txt 2>&1
+  { echo "### verify serial $t"; cat /tmp/p.txt; } >> $OUT/profiles.txt
+  grep "^== full\|^| dense\|Error" /tmp/p.txt | sed "s/^/serial $t: /" | tee -a $OUT/steps.txt
 done
 best=$(python - $OUT/steps.txt <<'PY'
 import re, sys
