@@ -21,8 +21,9 @@ otherwise), with bf16 experts (`--bf16-experts`), FP4 weight-only ones (`--exper
 
 Prints, for the eager step (segments run op by op): device time and kernel count per operator
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
-kernel count. The sum of kernel times against the replayed step time separates "kernels are slow"
-from "too many kernels" (each kernel inside a CUDA graph still costs a launch slot of ~1-2 us).
+kernel count (`--timeline`: the last replayed step kernel by kernel, with the gaps between them). The sum
+of kernel times against the replayed step time separates "kernels are slow" from "too many kernels"
+(each kernel inside a CUDA graph still costs a launch slot of ~1-2 us).
 
 On a GPU it also groups the replay's kernels by class (`kernel_class`: routed experts, attention and
 caches, dense GEMMs and head, other) and sets each class's time beside the bytes it must read
@@ -79,6 +80,28 @@ def kernel_rows(prof) -> list[dict]:
             agg.setdefault(e.name, []).append(float(d))
     rows = [{"name": k[:120], "count": len(v), "us": sum(v)} for k, v in agg.items()]
     rows.sort(key=lambda r: -r["us"])
+    return rows
+
+
+def kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """Kernel events only (device side) as (name, start us, end us), in start order."""
+    spans = []
+    for e in prof.events():
+        on_device = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if on_device and e.name and not e.name.startswith("Memcpy"):
+            spans.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return sorted(spans, key=lambda s: s[1])
+
+
+def timeline(spans: list[tuple[str, float, float]], n: int) -> list[dict]:
+    """The last n kernel spans (one step's) -> [{name, start, us, gap}]: start from the first of them, gap
+    from the latest end among the earlier ones (negative: the kernel started before its predecessors
+    ended, as programmatic dependent launch lets it; positive: the GPU ran none of them)."""
+    last = spans[-n:] if n > 0 else []
+    rows, t0, end = [], last[0][1] if last else 0.0, None
+    for name, a, b in last:
+        rows.append({"name": name[:60], "start": a - t0, "us": b - a, "gap": 0.0 if end is None else a - end})
+        end = b if end is None else max(end, b)
     return rows
 
 
@@ -212,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-passes", nargs="+", default=(), metavar="PASS",
                     help="lower without these passes (e.g. fuse_hc_chain: its effect, against a run with it)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--timeline", action="store_true",
+                    help="print the replay's last step kernel by kernel: start, duration, gap to the ones before")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -298,6 +323,12 @@ def main(argv=None) -> int:
         print("| kernel | count/step | us/step |\n|---|---:|---:|")
         for r in kern:
             print(f"| {r['name'][:90]} | {r['count'] / 3:.0f} | {r['us'] / 3:.0f} |")
+        if a.timeline and mode != "eager":
+            rows = timeline(kernel_spans(prof), round(n_kern / 3))
+            res[mode]["timeline"] = rows
+            print("| kernel | start us | us | gap us |\n|---|---:|---:|---:|")
+            for r in rows:
+                print(f"| {r['name']} | {r['start']:.1f} | {r['us']:.1f} | {r['gap']:.1f} |")
         del ex
         if a.out:
             a.out.write_text(json.dumps(res, indent=1))

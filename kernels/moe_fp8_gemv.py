@@ -11,7 +11,7 @@ wait, as the FP4 GEMV does.
 Public API::
 
     moe_fp8_gemv(x, idx, weight, w13, w13_scale, w2, w2_scale, swiglu_limit, config=None) -> Tensor  # bf16 [T, D]
-    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps)
+    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps, early_weights)
 
 The function is `moe_grouped` on `Fp8BlockExperts` (and `moe_grouped_ref`'s fp8_block branch):
 x and h quantised to e4m3 per 128 columns with ue8m0 scales (W8A8), for each token t and slot j
@@ -49,14 +49,16 @@ __all__ = ["Fp8GemvMoeConfig", "moe_fp8_gemv"]
 class Fp8GemvMoeConfig:
     """block_n13: W1 (and as many W3) rows per program; block_n2: W2 rows per program (both powers of
     two dividing 128: one scale row per program); block_k: K columns per loop step (a power-of-two
-    multiple of 128); num_warps: Triton's. The defaults read 32 weight rows x 512 columns per step in
-    both kernels, the dense one-token GEMV's tile (sm_90 builds, Triton 3.6: 232 and 211 registers, no
-    spills; 32 + 32 rows in _gemv13_kernel spill 592 bytes)."""
+    multiple of 128); num_warps: Triton's; early_weights: request the first K step's weights before the
+    PDL wait. The defaults read 32 weight rows x 512 columns per step in both kernels, the dense one-token
+    GEMV's tile (sm_90 builds, Triton 3.6: 254 and 212 registers, no spills; 32 + 32 rows in _gemv13_kernel
+    spill)."""
 
     block_n13: int = 16
     block_n2: int = 32
     block_k: int = 512
     num_warps: int = 8
+    early_weights: bool = True
 
     def check(self) -> None:
         for name in ("block_n13", "block_n2"):
@@ -79,11 +81,11 @@ def default_gemv_config(device: torch.device) -> Fp8GemvMoeConfig:
 def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limit,
                    stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                    K: tl.constexpr, TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[a, n] = silu(min(W1_e[n] . x_t, L)) * clamp(W3_e[n] . x_t, -L, L) * w[a] for the BLOCK_N rows n
-    of one tile, assignment a = program 0 (token t = a // TOPK, expert e = idx[a]). The first K step's
-    weights are requested before the PDL wait (idx and the weights are fixed before the predecessor's own
-    wait returned, see `_tl.pdl_wait`); x, which the predecessor writes, after it."""
+    of one tile, assignment a = program 0 (token t = a // TOPK, expert e = idx[a]). EARLY: the first K
+    step's weights are requested before the PDL wait (idx and the weights are fixed before the
+    predecessor's own wait returned, see `_tl.pdl_wait`); x, which the predecessor writes, after it."""
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
@@ -96,9 +98,13 @@ def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limi
     u_rows = w_e + (I + rows).to(tl.int64)[:, None] * stride_wn                    # W3 rows
     g_s = s_e + (pid_n * BLOCK_N // 128) * stride_sn
     u_s = s_e + ((I + pid_n * BLOCK_N) // 128) * stride_sn
-    wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
-    wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
+    if EARLY:
+        wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
+        wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
     U.pdl_wait(PDL)
+    if not EARLY:
+        wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
+        wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
     xa = _a_step(x_row, xs_row, 0, K, K, True, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -117,9 +123,10 @@ def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limi
 @triton.jit
 def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
                   stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                  K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0; the first K
-    step's weights requested before the PDL wait, h after it (as in `_gemv13_kernel`)."""
+    step's weights requested before the PDL wait if EARLY, h after it (as in `_gemv13_kernel`)."""
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
@@ -128,8 +135,11 @@ def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     ws_row = s_ptr + e * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     h_row, hs_row = hq_ptr + a * stride_h, hs_ptr + a * stride_hs
-    w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
+    if EARLY:
+        w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
     U.pdl_wait(PDL)
+    if not EARLY:
+        w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
     ha = _a_step(h_row, hs_row, 0, K, K, True, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):
@@ -178,12 +188,14 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
     _gemv13_kernel[(n_a, triton.cdiv(i, cfg.block_n13))](
         xq, xs, idx_flat, weight.reshape(-1).contiguous(), w13, w13_scale, h, i, float(swiglu_limit),
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), K=d, TOPK=topk, HAS_LIMIT=swiglu_limit > 0, BLOCK_N=cfg.block_n13, BLOCK_K=cfg.block_k,
+        h.stride(0), K=d, TOPK=topk, HAS_LIMIT=swiglu_limit > 0, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n13,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, **U.pdl_launch(x))
     hq, hs = act_quant_fp8(h)                                                      # [N_A, I] e4m3, [N_A, I/128]
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
         hq, hs, idx_flat, w2, w2_scale, y, d, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), K=i, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k,
+        w2_scale.stride(0), w2_scale.stride(1), y.stride(0), K=i, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n2,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, **U.pdl_launch(x))
     return combine_slots(y, None, topk, out, pdl=U.pdl_supported(dev))          # fp32 sum, one rounding

@@ -32,7 +32,7 @@ def tile(x, idx, weight, ex, limit=LIMIT):
 
 
 @pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
-@pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2)])
+@pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2, False)])
 def test_gemv_matches_ref_and_tile(cfg, case):
     """Random weights, routing weights and activations, a SwiGLU clamp; K steps past K (256 / 384 with
     a 256-column step) masked. The tile computes the same W8A8 function: the two agree to fp32
@@ -122,7 +122,7 @@ def test_gpu_gemv_matches_ref_and_tile(t):
     x = inputs(t, d, device="cuda")
     idx, weight = (v.cuda() for v in routing("random", t, k, e))
     ref = M.moe_grouped_ref(x, idx, weight, ex, LIMIT)
-    for cfg in (None, Fp8GemvMoeConfig(64, 32, 256, 4)):
+    for cfg in (None, Fp8GemvMoeConfig(64, 32, 256, 4), Fp8GemvMoeConfig(early_weights=False)):
         y = gemv(x, idx, weight, ex, cfg=cfg)
         assert rel_err(y, ref) < TOL, cfg
     assert rel_err(y, tile(x, idx, weight, ex)) < TOL

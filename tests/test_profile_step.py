@@ -101,3 +101,15 @@ def test_quick_run_of_a_deterministic_verify_graph(tmp_path):
     cfg = model.config
     unique = [ps.expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, 2 * 3)] * cfg.num_hidden_layers
     assert r["step_bytes"]["routed_experts"] == bs.step_bytes(model, 2, 40, unique)["routed_experts"]  # 6 tokens
+
+
+def test_timeline_takes_the_last_step_and_measures_gaps_from_the_latest_end():
+    """`--timeline`: the last n spans, starts from the first of them, and each gap from the latest end
+    before it (an overlap under programmatic dependent launch is negative, idle GPU time positive)."""
+    spans = [("old", 0.0, 5.0), ("a", 10.0, 20.0), ("b", 18.0, 19.0), ("c", 25.0, 30.0), ("d", 29.0, 31.0)]
+    rows = ps.timeline(spans, 4)
+    assert [r["name"] for r in rows] == ["a", "b", "c", "d"]
+    assert [r["start"] for r in rows] == [0.0, 8.0, 15.0, 19.0]
+    assert [r["us"] for r in rows] == [10.0, 1.0, 5.0, 2.0]
+    assert [r["gap"] for r in rows] == [0.0, -2.0, 5.0, -1.0]  # c waits on a's end (20), not b's (19)
+    assert ps.timeline(spans, 0) == []
