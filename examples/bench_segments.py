@@ -102,8 +102,10 @@ class _ExpertCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode(ex, flat, pos0, B: int, steps: int, V: int, dev, seed: int = 1):
-    """Greedy steps from the prefilled state; -> (tokens [steps, B], first logits, step times ms)."""
+def decode(ex, flat, pos0, B: int, steps: int, V: int, dev, seed: int = 1, lead_cycles: int = 0):
+    """Greedy steps from the prefilled state; -> (tokens [steps, B], first logits, step times ms).
+    lead_cycles > 0 (GPU): a sleep kernel of that many clock cycles runs before each step's start event,
+    so the host has enqueued the step before the GPU reaches it and the time is the GPU's alone."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (B, 1), generator=g).to(dev)
     slots = torch.arange(B, device=dev)
@@ -113,6 +115,8 @@ def decode(ex, flat, pos0, B: int, steps: int, V: int, dev, seed: int = 1):
     for _ in range(steps):
         if dev.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if lead_cycles:
+                torch.cuda._sleep(lead_cycles)
             a.record()
         t0 = time.perf_counter()
         logits = ex.run(ids, slots, pos, one, flat)[0]  # [B, 1, V]

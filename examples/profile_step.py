@@ -23,7 +23,10 @@ Prints, for the eager step (segments run op by op): device time and kernel count
 (ATen and dsv4c ops, self time), and for the full-graph replay: device time per kernel name and the
 kernel count (`--timeline`: the last replayed step kernel by kernel, with the gaps between them). The sum
 of kernel times against the replayed step time separates "kernels are slow" from "too many kernels"
-(each kernel inside a CUDA graph still costs a launch slot of ~1-2 us).
+(each kernel inside a CUDA graph still costs a launch slot of ~1-2 us). The replayed step is timed twice:
+as the host runs it (start event, launch work, replay, end event) and on the GPU alone (`LEAD_CYCLES`: a
+sleep kernel ahead of the start event hides the launch work). Compare variants by the second: at batch 1
+the first carries 0.1-0.2 ms of host time that differs between processes (run54).
 
 On a GPU it also groups the replay's kernels by class (`kernel_class`: routed experts, attention and
 caches, dense GEMMs and head, other) and sets each class's time beside the bytes it must read
@@ -184,11 +187,18 @@ class JitCompiles:
         return out
 
 
-def run_steps(ex, flat, pos0, B: int, T: int, steps: int, V: int, dev) -> list[float]:
+# A sleep kernel of this many cycles (about 2 ms on an H100 or H200) before a step's start event: the host
+# enqueues the step meanwhile, so the replay's time excludes its launch work (run54: at batch 1 on 2 layers the
+# replayed kernels spanned 0.86 ms of a 0.98-1.07 ms step; the rest was the host's, and varied by process).
+LEAD_CYCLES = 4_000_000
+
+
+def run_steps(ex, flat, pos0, B: int, T: int, steps: int, V: int, dev, lead_cycles: int = 0) -> list[float]:
     """`steps` calls of the graph from the prefilled state -> ms each: greedy decode steps (T = 1,
-    bench_segments.decode) or verify calls of T tokens per row (random drafts, positions advanced by T)."""
+    bench_segments.decode) or verify calls of T tokens per row (random drafts, positions advanced by T).
+    lead_cycles: as in bench_segments.decode (the GPU's time alone, without the host's)."""
     if T == 1:
-        return bs.decode(ex, flat, pos0, B, steps, V, dev)[2]
+        return bs.decode(ex, flat, pos0, B, steps, V, dev, lead_cycles=lead_cycles)[2]
     g = torch.Generator().manual_seed(1)
     slots, pos = torch.arange(B, device=dev), pos0[:B].clone()
     n = torch.full((B,), T, dtype=torch.int64, device=dev)
@@ -197,6 +207,8 @@ def run_steps(ex, flat, pos0, B: int, T: int, steps: int, V: int, dev) -> list[f
         ids = torch.randint(0, V, (B, T), generator=g).to(dev)
         if dev.type == "cuda":  # CUDA events, as bench_segments.decode times a step
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if lead_cycles:
+                torch.cuda._sleep(lead_cycles)
             a.record()
             ex.run(ids, slots, pos, n, flat)
             b.record()
@@ -300,12 +312,17 @@ def main(argv=None) -> int:
         restore()
         ms = run_steps(ex, flat, pos0, a.batch, T, 8, V, dev)  # warm-up + capture
         step_ms = statistics.median(ms[3:])
+        gpu_ms = None
+        if mode != "eager":  # the same replay with the host's launch work hidden behind a sleep kernel
+            restore()
+            gpu_ms = statistics.median(run_steps(ex, flat, pos0, a.batch, T, 8, V, dev, LEAD_CYCLES)[3:])
         restore()
         with profile(activities=acts) as prof:
             run_steps(ex, flat, pos0, a.batch, T, 3, V, dev)
         ops = op_table(prof, a.top)
         kern, n_kern, kern_us = kernel_table(prof, a.top)
-        res[mode] = {"step_ms": step_ms, "kernels_per_step": n_kern / 3, "kernel_us_per_step": kern_us / 3,
+        res[mode] = {"step_ms": step_ms, "gpu_step_ms": gpu_ms, "kernels_per_step": n_kern / 3,
+                     "kernel_us_per_step": kern_us / 3,
                      "ops": ops, "kernels": kern}
         if mode != "eager":
             res[mode]["classes"] = classes = class_table(kernel_rows(prof), 3, sb, bw)
@@ -315,7 +332,8 @@ def main(argv=None) -> int:
                 gbs, share = c["gb_s"], c["of_bandwidth"]
                 print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {c['bytes'] / 1e6:.1f} | "
                       f"{'-' if gbs is None else f'{gbs:.0f}'} | {'-' if share is None else f'{share:.0%}'} |")
-        print(f"\n== {mode}: {step_ms:.3f} ms/step; {n_kern / 3:.0f} kernels/step, sum of kernel time "
+        gpu = "" if gpu_ms is None else f" ({gpu_ms:.3f} ms on the GPU alone)"
+        print(f"\n== {mode}: {step_ms:.3f} ms/step{gpu}; {n_kern / 3:.0f} kernels/step, sum of kernel time "
               f"{kern_us / 3 / 1e3:.3f} ms/step", flush=True)
         print("| op (self) | calls/3 steps | device us/step |\n|---|---:|---:|")
         for r in ops:
