@@ -13,6 +13,8 @@ result does not depend on which program finished last.
   (ue8m0 bytes or fp32); per 128-wide K block the fp32 partial product of the exact e4m3 values
   (cast to a's dtype, exact) with a is multiplied by the block's weight scale (one scalar per
   program and block: BLOCK_N divides 128). Ref: `fp8_gemv_w8a16_ref`.
+* `fp8_gemv_grouped_w8a16(a, w_q, w_s, groups)`: the same block-diagonally (V4's grouped wo_a at one
+  token): the weight rows of group g take the activations' columns of group g.
 * `fp8_gemv_w8a8(a_q, a_s, w_q, w_s)`: the same with e4m3 activations and fp32 1x128 scales
   (kernels/act_quant.py), e4m3 x e4m3 tensor-core products, both scales on the fp32 partial.
   Ref: `fp8_gemv_w8a8_ref`.
@@ -36,8 +38,8 @@ from dsv4c.kernels import _tl as U
 
 from dsv4c import quant as Q
 
-__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_w8a8",
-           "fp8_gemv_w8a8_ref", "MAX_M"]
+__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_grouped_w8a16",
+           "fp8_gemv_grouped_w8a16_ref", "fp8_gemv_w8a8", "fp8_gemv_w8a8_ref", "MAX_M"]
 
 _B = Q.FP8_BLOCK
 MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the tile GEMM above
@@ -184,12 +186,16 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s."""
+                 K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
+                 PDL: tl.constexpr = False):
+    """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
+    GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows."""
     U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if GROUP_ROWS > 0:  # a tile's rows lie in one group (BLOCK_N divides GROUP_ROWS)
+        a_ptr += (pid_n * BLOCK_N // GROUP_ROWS).to(tl.int64) * K
     n_idx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                                  # [BN]
     m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                                  # [BM]
     n_ok = n_idx < N
@@ -236,8 +242,9 @@ def _check_weight(w_q: torch.Tensor, w_s: torch.Tensor, k: int) -> torch.Tensor:
     return w_s.view(torch.uint8) if w_s.dtype == torch.float8_e8m0fnu else w_s
 
 
-def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8GemvConfig | None) -> torch.Tensor:
-    m, k = a.shape
+def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8GemvConfig | None,
+            groups: int = 1) -> torch.Tensor:
+    m, k = a.shape[0], a.shape[1] // groups
     n = w_q.shape[0]
     if w_q.device != a.device:
         raise ValueError(f"w_q: on {w_q.device}, activations on {a.device}")
@@ -248,6 +255,9 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
     cfg.check()
     if cfg.block_m == 1 and m != 1:
         raise ValueError(f"Fp8GemvConfig.block_m = 1 takes one token, got M = {m}")
+    if groups > 1 and (n // groups) % cfg.block_n:
+        raise ValueError(f"Fp8GemvConfig.block_n = {cfg.block_n} does not divide the {n // groups} weight rows of a "
+                         f"group (a tile must read one group's activations)")
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
     if cfg.split > 1:
@@ -258,8 +268,8 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
     _gemv_kernel[grid](a, a_s, w_q, ws, y, part, cnt, m, n, k, a.stride(0), a_s.stride(0), w_q.stride(0),
                        ws.stride(0), y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       K_SPLIT=k_split, SPLIT=cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       **U.pdl_launch(a))
+                       K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
 
@@ -279,6 +289,29 @@ def fp8_gemv_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) ->
     """fp32 reference of `fp8_gemv_w8a16`: a @ dequant_fp8_block(w_q, w_s)^T."""
     s = w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s
     return a.float() @ Q.dequant_fp8_block(w_q, s).T
+
+
+def fp8_gemv_grouped_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, groups: int,
+                           out_dtype: torch.dtype = torch.bfloat16,
+                           config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """A block-diagonal `fp8_gemv_w8a16` (V4's grouped wo_a): a [M, G·I] bf16/fp16 with unit stride, w_q
+    e4m3 [G·R, I] with its 128x128 scales; y [M, G·R] where y[:, g·R + r] = a[:, g·I:(g+1)·I] .
+    dequant(w_q)[g·R + r]: the kernel of `fp8_gemv_w8a16` with each tile's activations taken from its
+    group's columns. The config's block_n must divide R."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError(f"a: expected bf16/fp16 [M, G·I] with unit stride, got {a.dtype} shape {tuple(a.shape)}")
+    if groups < 1 or a.shape[1] % groups or w_q.dim() != 2 or w_q.shape[0] % groups:
+        raise ValueError(f"groups: {groups} must divide a's {a.shape[1]} columns and w_q's rows "
+                         f"({tuple(w_q.shape)})")
+    ws = _check_weight(w_q, w_s, a.shape[1] // groups)
+    return _launch(a, a, w_q, ws, False, out_dtype, config, groups)
+
+
+def fp8_gemv_grouped_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 reference of `fp8_gemv_grouped_w8a16`: per group, a's columns of g @ its weight rows^T."""
+    s = w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s
+    w = Q.dequant_fp8_block(w_q, s).view(groups, w_q.shape[0] // groups, -1)       # [G, R, I]
+    return torch.einsum("mgi,gri->mgr", a.float().view(a.shape[0], groups, -1), w).reshape(a.shape[0], -1)
 
 
 def fp8_gemv_w8a8(a_q: torch.Tensor, a_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,

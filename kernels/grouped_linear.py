@@ -28,7 +28,8 @@ FP8 (the release stores wo_a as e4m3 [G·R, I] with one scale per 128x128 tile, 
 that 2-D layout and w_s its tiles; group g's weight is rows [g·R, (g+1)·R). Program (m-tile, g, r-block)
 walks I in 128-column steps (one scale column per step), forms each step's product of x (cast to `dtype`)
 and the widened e4m3 values (exact) from zero, scales it per weight row by that row's tile scale and adds
-it in fp32: half the bytes of the bf16 weight. Up to FP8_MAX_M token rows in 16-row tiles (the tiles of one
+it in fp32: half the bytes of the bf16 weight. One token row (FP8_GEMV_MAX_M) runs kernels/fp8_gemv.py's
+one-token GEMV block-diagonally instead. Up to FP8_MAX_M token rows in 16-row tiles (the tiles of one
 weight slice launch side by side); above, the weight is widened once per call (kernels/fp8_gemm.py
 `fp8_dequant`, = quant.dequant_fp8_block) for the einsum. Legend as above, with w_q [G·R, I].
 """
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels._tl import e8m0_value, pdl_launch, pdl_wait
+from dsv4c.kernels.fp8_gemv import fp8_gemv_grouped_w8a16
 
 from dsv4c import quant as Q
 
@@ -46,6 +48,10 @@ BLOCK_R = 32
 BLOCK_I = 256
 FP8_MAX_M = 64      # token rows up to which fp8_grouped_linear's kernel runs (16-row tiles)
 FP8_BLOCK_I = 128   # one scale column per K step
+# Up to this many token rows (bf16/fp16 x of the output dtype), fp8_grouped_linear runs the dense FP8 decode
+# GEMV block-diagonally (kernels/fp8_gemv.py `fp8_gemv_grouped_w8a16`: CUDA cores, 512-column K steps, a K
+# split to fill the SMs) instead of the 16-row tile; 0: the tile always.
+FP8_GEMV_MAX_M = 1
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -187,8 +193,9 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     """z [B, T, G, R] (dtype) = einsum('btgi,gri->btgr', x.to(dtype), dequant(w_q, w_s) viewed [G, R, I]) in one
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
     its uint8 bytes, or fp32). `block_m` (16, 32 or 64): token rows per tile; each tile reads its weight
-    slice (the op uses 16; 64, which reads it once at 64 rows, was no faster: 1.00x, BENCHMARKS.md). CPU
-    tensors run under the interpreter."""
+    slice (the op uses 16; 64, which reads it once at 64 rows, was no faster: 1.00x, BENCHMARKS.md). Up to
+    FP8_GEMV_MAX_M rows with x already in a 16-bit dtype, the block-diagonal FP8 GEMV instead (the same
+    products, summed on CUDA cores in another order). CPU tensors run under the interpreter."""
     M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
         raise ValueError(f"fp8_grouped_linear: {M} token rows exceed the kernel's FP8_MAX_M = {FP8_MAX_M} (use the "
@@ -196,6 +203,8 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     if block_m not in (16, 32, 64):
         raise ValueError(f"fp8_grouped_linear: block_m must be 16, 32 or 64, got {block_m}")
     xc = x.contiguous()
+    if 0 < M <= FP8_GEMV_MAX_M and x.dtype == dtype and dtype != torch.float32 and R % 32 == 0:
+        return fp8_gemv_grouped_w8a16(xc.view(M, -1), w_q, ws, G, dtype).view(*x.shape[:2], G, R)
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:
         return z

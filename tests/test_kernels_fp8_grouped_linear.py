@@ -63,6 +63,50 @@ def test_kernel_matches_fp64(M, G, R, I, fmt, dtype):
             assert rel_err(fp8_grouped_linear(x, w_q, w_s, dtype, block_m=bm), want) <= KERNEL_REL[dtype], bm
 
 
+@pytest.mark.parametrize("fmt", ["ue8m0", "fp32"])
+def test_one_bf16_token_runs_the_block_diagonal_gemv(monkeypatch, fmt):
+    """One token row already in the output dtype: the dense FP8 decode GEMV with each tile's activations taken
+    from its group's columns (R = 64: a 128-row scale tile spans two groups; I = 640: a partial 512-column step).
+    Within the bf16 bound of the fp64 einsum, close to the 16-row tile's result, and not the tile's launch."""
+    import dsv4c.kernels.grouped_linear as GL
+
+    x, w_q, w_s = _case(1, 3, 64, 640, fmt, seed=5)
+    x = x.to(torch.bfloat16)
+    calls = []
+    real = GL.fp8_gemv_grouped_w8a16
+    monkeypatch.setattr(GL, "fp8_gemv_grouped_w8a16", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    got = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+    want = _exact(x, w_q, w_s, torch.bfloat16)
+    assert calls == [3] and got.shape == (1, 1, 3, 64) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) <= KERNEL_REL[torch.bfloat16]
+    assert rel_err(got, want.roll(1, 2)) > 0.3  # each group reads its own columns
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 0)
+    tile = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+    assert calls == [3] and rel_err(got, tile) <= KERNEL_REL[torch.bfloat16]
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
+    fp32_out = fp8_grouped_linear(x, w_q, w_s, torch.float32)  # fp32 output: the tile (its ieee dot)
+    assert calls == [3] and rel_err(fp32_out, want) <= 1e-2
+
+
+def test_grouped_gemv_rows_and_errors():
+    """`fp8_gemv_grouped_w8a16` directly: several token rows on the tensor-core path, and its contracts."""
+    from dsv4c.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv_grouped_w8a16, fp8_gemv_grouped_w8a16_ref
+
+    x, w_q, w_s = _case(3, 2, 128, 256, seed=9)
+    a = x.to(torch.bfloat16).view(3, -1)
+    got = fp8_gemv_grouped_w8a16(a, w_q, w_s, 2, config=Fp8GemvConfig(16, 64, 128, 2))
+    want = fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2)
+    assert rel_err(got, want) <= KERNEL_REL[torch.bfloat16]
+    assert rel_err(want.view(1, 3, 2, 128), _exact(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16)) <= 1e-6
+    with pytest.raises(ValueError, match="block_n = 64 does not divide the 32 weight rows"):
+        x4, w4, s4 = _case(1, 4, 32, 256)
+        fp8_gemv_grouped_w8a16(x4.to(torch.bfloat16).view(1, -1), w4, s4, 4, config=Fp8GemvConfig(1, 64))
+    with pytest.raises(ValueError, match="groups: 3 must divide"):
+        fp8_gemv_grouped_w8a16(a, w_q, w_s, 3)
+    with pytest.raises(ValueError, match="a: expected bf16/fp16"):
+        fp8_gemv_grouped_w8a16(a.float(), w_q, w_s, 2)
+
+
 def test_bad_input_names_the_tensor():
     x, w_q, w_s = _case(2, 2, 128, 256)
     with pytest.raises(ValueError, match=r"\[B, T, G, I\]"):
@@ -128,10 +172,10 @@ def test_quantize_dense_rewrites_the_grouped_wo_a():
 
 
 @pytest.mark.gpu
-def test_kernel_on_gpu_at_flash_shapes():
+def test_kernel_on_gpu_at_flash_shapes(monkeypatch):
     """Flash's wo_a (G = 8, R = 1024, I = 4096) at 1 / 8 / 64 token rows (the kernel) and 100 (the op widens the
     weight for the einsum): within the bf16 bound of the fp64 einsum; the op equals the kernel where it runs it;
-    the 64-row tile too."""
+    the 64-row tile too; one bf16 token on the block-diagonal GEMV, close to the tile."""
     for M in (1, 8, 64, 100):
         x, w_q, w_s = _case(M, 8, 1024, 4096, seed=M, device="cuda")
         got = torch.ops.dsv4c.fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
@@ -140,6 +184,15 @@ def test_kernel_on_gpu_at_flash_shapes():
             assert torch.equal(got, fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)), M
             wide = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16, block_m=64)  # one tile of up to 64 rows
             assert rel_err(wide.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16], M
+    x, w_q, w_s = _case(1, 8, 1024, 4096, seed=7, device="cuda")
+    x = x.to(torch.bfloat16)  # one bf16 token: the block-diagonal GEMV (FP8_GEMV_MAX_M)
+    got = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
+    assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
+    import dsv4c.kernels.grouped_linear as GL
+
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 0)
+    tile = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
+    assert rel_err(got.cpu(), tile.cpu()) <= KERNEL_REL[torch.bfloat16]
 
 
 _SM90_SCRIPT = textwrap.dedent('''
