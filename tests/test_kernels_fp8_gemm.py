@@ -247,11 +247,13 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_ym")  # launch-time multiples of 16
-    for a_fp8, bm, bn, bk, split, warps in ((False, 1, 32, 512, 4, 8), (True, 16, 64, 128, 8, 4), (False, 64, 64, 128, 4, 4)):
+    tiles = ((False, 1, 32, 512, 4, 8, 0), (True, 16, 64, 128, 8, 4, 0), (False, 64, 64, 128, 4, 4, 0),
+             (False, 1, 32, 512, 2, 8, 1024))  # the last: Flash's wo_a, block-diagonal (fp8_gemv_grouped_w8a16)
+    for a_fp8, bm, bn, bk, split, warps, group in tiles:
         types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "as_ptr": "*fp32" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
         consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      K_SPLIT=8192 // split, SPLIT=split, PDL=True)  # PDL: as sm_90 launches it
+                      K_SPLIT=8192 // split, SPLIT=split, GROUP_ROWS=group, PDL=True)  # PDL: as sm_90 launches it
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -261,11 +263,11 @@ _SM90_SCRIPT = textwrap.dedent('''
 
 
 def test_gemv_compiles_for_sm90(tmp_path):
-    """Compile (not run) three tiles for sm_90 with the real Triton compiler in a subprocess (tests
+    """Compile (not run) four tiles for sm_90 with the real Triton compiler in a subprocess (tests
     import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
     the split tiles count with a global atomic, the one-token tile has no MMA."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"]], rows
+    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):
