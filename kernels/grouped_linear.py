@@ -28,10 +28,11 @@ FP8 (the release stores wo_a as e4m3 [G·R, I] with one scale per 128x128 tile, 
 that 2-D layout and w_s its tiles; group g's weight is rows [g·R, (g+1)·R). Program (m-tile, g, r-block)
 walks I in 128-column steps (one scale column per step), forms each step's product of x (cast to `dtype`)
 and the widened e4m3 values (exact) from zero, scales it per weight row by that row's tile scale and adds
-it in fp32: half the bytes of the bf16 weight. One token row (FP8_GEMV_MAX_M) runs kernels/fp8_gemv.py's
-one-token GEMV block-diagonally instead. Up to FP8_MAX_M token rows in 16-row tiles (the tiles of one
-weight slice launch side by side); above, the weight is widened once per call (kernels/fp8_gemm.py
-`fp8_dequant`, = quant.dequant_fp8_block) for the einsum. Legend as above, with w_q [G·R, I].
+it in fp32: half the bytes of the bf16 weight. With FP8_GEMV_MAX_M = 1 (off: untimed), one token row runs
+kernels/fp8_gemv.py's one-token GEMV block-diagonally instead. Up to FP8_MAX_M token rows in 16-row tiles
+(the tiles of one weight slice launch side by side); above, the weight is widened once per call
+(kernels/fp8_gemm.py `fp8_dequant`, = quant.dequant_fp8_block) for the einsum. Legend as above, with
+w_q [G·R, I].
 """
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ FP8_MAX_M = 64      # token rows up to which fp8_grouped_linear's kernel runs (1
 FP8_BLOCK_I = 128   # one scale column per K step
 # Up to this many token rows (bf16/fp16 x of the output dtype), fp8_grouped_linear runs the dense FP8 decode
 # GEMV block-diagonally (kernels/fp8_gemv.py `fp8_gemv_grouped_w8a16`: CUDA cores, 512-column K steps, a K
-# split to fill the SMs) instead of the 16-row tile; 0: the tile always.
-FP8_GEMV_MAX_M = 1
+# split to fill the SMs) instead of the 16-row tile; 0: the tile always. Off until timed: the tile ran Flash's
+# wo_a at about a third of copy bandwidth at batch 1 (run54's timeline: 33 µs for its 33.5 MB), the dense GEMV
+# wo_b's equal bytes in about 17 µs; examples/results/device-2026-12-06/run56 times the two.
+FP8_GEMV_MAX_M = 0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -65,9 +65,10 @@ def test_kernel_matches_fp64(M, G, R, I, fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["ue8m0", "fp32"])
 def test_one_bf16_token_runs_the_block_diagonal_gemv(monkeypatch, fmt):
-    """One token row already in the output dtype: the dense FP8 decode GEMV with each tile's activations taken
-    from its group's columns (R = 64: a 128-row scale tile spans two groups; I = 640: a partial 512-column step).
-    Within the bf16 bound of the fp64 einsum, close to the 16-row tile's result, and not the tile's launch."""
+    """One token row already in the output dtype, FP8_GEMV_MAX_M = 1 (off by default): the dense FP8 decode GEMV
+    with each tile's activations taken from its group's columns (R = 64: a 128-row scale tile spans two groups;
+    I = 640: a partial 512-column step). Within the bf16 bound of the fp64 einsum, close to the 16-row tile's
+    result, and not the tile's launch."""
     import dsv4c.kernels.grouped_linear as GL
 
     x, w_q, w_s = _case(1, 3, 64, 640, fmt, seed=5)
@@ -75,6 +76,7 @@ def test_one_bf16_token_runs_the_block_diagonal_gemv(monkeypatch, fmt):
     calls = []
     real = GL.fp8_gemv_grouped_w8a16
     monkeypatch.setattr(GL, "fp8_gemv_grouped_w8a16", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
     got = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
     want = _exact(x, w_q, w_s, torch.bfloat16)
     assert calls == [3] and got.shape == (1, 1, 3, 64) and got.dtype == torch.bfloat16
@@ -186,10 +188,11 @@ def test_kernel_on_gpu_at_flash_shapes(monkeypatch):
             assert rel_err(wide.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16], M
     x, w_q, w_s = _case(1, 8, 1024, 4096, seed=7, device="cuda")
     x = x.to(torch.bfloat16)  # one bf16 token: the block-diagonal GEMV (FP8_GEMV_MAX_M)
-    got = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
-    assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
     import dsv4c.kernels.grouped_linear as GL
 
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
+    got = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
+    assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
     monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 0)
     tile = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
     assert rel_err(got.cpu(), tile.cpu()) <= KERNEL_REL[torch.bfloat16]

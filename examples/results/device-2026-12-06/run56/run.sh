@@ -1,6 +1,6 @@
 # run56 (any GPU, ~2.5 min): (1) GPU tests of the grouped wo_a (its new one-token path on the dense FP8 GEMV)
 # and fp8_gemm's decode GEMV; (2) Flash's wo_a at one token, GEMV vs the 16-row tile (bench_wo_a.py); (3) the
-# default 2-layer step at batch 1 timed on the GPU alone with each (run54/knobs-style constant).
+# default 2-layer step at batch 1 timed on the GPU alone with each (run52/knobs.py sets FP8_GEMV_MAX_M).
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-150}
