@@ -29,11 +29,13 @@ sleep kernel ahead of the start event hides the launch work). Compare variants b
 the first carries 0.1-0.2 ms of host time that differs between processes (run54).
 
 On a GPU it also groups the replay's kernels by class (`kernel_class`: routed experts, attention and
-caches, dense GEMMs and head, other) and sets each class's time beside the bytes it must read
-(examples/bench_segments.py `step_bytes`: the experts in the lowering's format, the unique experts of B
-tokens as expected under uniform routing, the dense weights as run and the bf16 head, the caches read at the prompt's
-length) and the measured copy bandwidth: achieved GB/s and the share of the bandwidth per class
-(`class_table`; issue 28's per-kernel-class profile).
+caches, dense GEMMs and head, other) twice: by summed kernel durations, and by each kernel's share of the
+last step's critical path (`critical_rows`: how far it moved the latest end; under programmatic dependent
+launch a kernel's duration includes its wait for the one before, so the sums overstate). Each grouping sets
+each class's time beside the bytes it must read (examples/bench_segments.py `step_bytes`: the experts in
+the lowering's format, the unique experts of B tokens as expected under uniform routing, the dense weights
+as run and the bf16 head, the caches read at the prompt's length) and the measured copy bandwidth: achieved
+GB/s and the share of the bandwidth per class (`class_table`; issue 28's per-kernel-class profile).
 """
 from __future__ import annotations
 
@@ -106,6 +108,21 @@ def timeline(spans: list[tuple[str, float, float]], n: int) -> list[dict]:
         rows.append({"name": name[:60], "start": a - t0, "us": b - a, "gap": 0.0 if end is None else a - end})
         end = b if end is None else max(end, b)
     return rows
+
+
+def critical_rows(rows: list[dict]) -> list[dict]:
+    """`timeline` rows -> [{name, count, us}] by kernel name, us = how far each kernel moved the latest end
+    (its time on the step's critical path): under programmatic dependent launch a kernel starts before its
+    predecessor ends and its duration counts that wait, so summed durations overstate a class; idle gaps
+    count for no kernel."""
+    agg: dict[str, list[float]] = {}
+    end = None
+    for r in rows:
+        a, b = r["start"], r["start"] + r["us"]
+        gain = b - a if end is None else max(0.0, b - max(end, a))
+        end = b if end is None else max(end, b)
+        agg.setdefault(r["name"], []).append(gain)
+    return [{"name": k, "count": len(v), "us": sum(v)} for k, v in agg.items()]
 
 
 def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
@@ -341,12 +358,20 @@ def main(argv=None) -> int:
         print("| kernel | count/step | us/step |\n|---|---:|---:|")
         for r in kern:
             print(f"| {r['name'][:90]} | {r['count'] / 3:.0f} | {r['us'] / 3:.0f} |")
-        if a.timeline and mode != "eager":
+        if mode != "eager":
             rows = timeline(kernel_spans(prof), round(n_kern / 3))
-            res[mode]["timeline"] = rows
-            print("| kernel | start us | us | gap us |\n|---|---:|---:|---:|")
-            for r in rows:
-                print(f"| {r['name']} | {r['start']:.1f} | {r['us']:.1f} | {r['gap']:.1f} |")
+            res[mode]["critical_classes"] = crit = class_table(critical_rows(rows), 1, sb, bw)
+            print("| class (critical path of the last step) | kernels | us | GB/s | of copy bandwidth |\n"
+                  "|---|---:|---:|---:|---:|")
+            for c in crit:
+                gbs, share = c["gb_s"], c["of_bandwidth"]
+                print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {'-' if gbs is None else f'{gbs:.0f}'} "
+                      f"| {'-' if share is None else f'{share:.0%}'} |")
+            if a.timeline:
+                res[mode]["timeline"] = rows
+                print("| kernel | start us | us | gap us |\n|---|---:|---:|---:|")
+                for r in rows:
+                    print(f"| {r['name']} | {r['start']:.1f} | {r['us']:.1f} | {r['gap']:.1f} |")
         del ex
         if a.out:
             a.out.write_text(json.dumps(res, indent=1))

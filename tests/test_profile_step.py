@@ -113,3 +113,16 @@ def test_timeline_takes_the_last_step_and_measures_gaps_from_the_latest_end():
     assert [r["us"] for r in rows] == [10.0, 1.0, 5.0, 2.0]
     assert [r["gap"] for r in rows] == [0.0, -2.0, 5.0, -1.0]  # c waits on a's end (20), not b's (19)
     assert ps.timeline(spans, 0) == []
+
+
+def test_critical_rows_count_only_how_far_each_kernel_moves_the_end():
+    """A kernel launched early under PDL (b starts inside a and ends 4 us later) is charged 4 us, not its 10;
+    one inside another's span nothing; an idle gap nobody. The shares add up to the busy time."""
+    rows = ps.timeline([("a", 0.0, 10.0), ("b", 4.0, 14.0), ("c", 5.0, 6.0), ("b", 20.0, 23.0)], 4)
+    crit = {r["name"]: (r["count"], r["us"]) for r in ps.critical_rows(rows)}
+    assert crit == {"a": (1, 10.0), "b": (2, 7.0), "c": (1, 0.0)}
+    assert sum(u for _, u in crit.values()) == 17.0  # 23 us spanned, 6 of them idle
+    table = {r["class"]: r for r in ps.class_table(ps.critical_rows(
+        ps.timeline([("_moe_gemm_kernel", 0.0, 50.0), ("_act_fp8_kernel", 10.0, 60.0)], 2)), 1,
+        {"routed_experts": 60e3 * 3e3, "non_expert_weights": 0, "head": 0, "kv": 0}, 3e12)}
+    assert table["routed experts"]["us"] == 60.0 and table["routed experts"]["of_bandwidth"] == pytest.approx(1.0)
