@@ -38,8 +38,9 @@ Design (flash decoding):
      accumulation: products exact) and PV; p is split into bf16 hi + lo (two dots, ~2^-17 relative)
      instead of one bf16 rounding (2^-9). Online softmax in base 2. It writes the unnormalised
      partial (acc, max, sum); with SPLIT = 1 it applies the sink and writes o itself.
-  2. `_combine_kernel`, grid (B·T, cdiv(H, BH)): merges the SPLIT partials with the sink, writes o,
-     and (head block 0) writes the chunk's real rows into the ring.
+  2. `_combine_kernel`, grid (B·T, cdiv(H, CH)): merges the SPLIT partials with the sink, writes o,
+     and (head block 0) writes the chunk's real rows into the ring. CH = BH, or fewer heads per program
+     at small B·T (`V4AttnConfig.combine_programs`).
   Deterministic mode (`POS_BLOCKS`, `BATCH_INVARIANT`): the window and the chunk form one list of
   positions p_lo … qpos, cut into blocks aligned to the absolute position (block g = p // BN; p < pos0
   read from the ring, p >= pos0 from kv), entries numbered from 0, and SPLIT a constant: a key's
@@ -100,6 +101,11 @@ class V4AttnConfig:
     # takes it to 141-145 and one program per SM, so the paged launch asks for 128 (ptxas: 8 B of stack).
     # None: the compiler's choice.
     paged_max_registers: int | None = 128
+    # The combine's head block: 0 keeps block_h; > 0 halves it (down to 1 head) until the combine has about
+    # this many programs. At batch 1 block_h 16 gives 4 programs for 64 heads, each reading all SPLIT partials
+    # of 16 heads in turn. The per-head merge is the same arithmetic in any block; batch-invariant configs keep
+    # block_h all the same, so their launch never depends on B·T. 0 (off) until a device run times it.
+    combine_programs: int = 0
 
     def __post_init__(self):
         for name in ("block_h", "block_n"):
@@ -110,6 +116,8 @@ class V4AttnConfig:
             raise ValueError(f"V4AttnConfig.num_warps: 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.split is not None and self.split < 1:
             raise ValueError(f"V4AttnConfig.split: at least 1, got {self.split}")
+        if self.combine_programs < 0:
+            raise ValueError(f"V4AttnConfig.combine_programs: 0 (off) or a program count, got {self.combine_programs}")
         if self.paged_max_registers is not None and not 24 <= self.paged_max_registers <= 255:
             raise ValueError(f"V4AttnConfig.paged_max_registers: 24..255 or None, got {self.paged_max_registers}")
 
@@ -438,6 +446,15 @@ def _grid_split(B: int, T: int, H: int, n_blocks: int, cfg: V4AttnConfig) -> int
     return max(1, min(n_blocks, triton.cdiv(cfg.target_programs, base)))
 
 
+def _combine_heads(BT: int, H: int, cfg: V4AttnConfig) -> int:
+    """Heads per combine program (`V4AttnConfig.combine_programs`)."""
+    ch = cfg.block_h
+    if cfg.combine_programs and not cfg.batch_invariant:
+        while ch > 1 and BT * triton.cdiv(H, ch) < cfg.combine_programs:
+            ch //= 2
+    return ch
+
+
 def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos0: torch.Tensor,
                        n_real: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, entries: torch.Tensor | None,
                        selected: torch.Tensor | None, window: int, m: int,
@@ -488,9 +505,10 @@ def v4_attention_fused(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, p
         D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, BLOCK_N=bn, SPLIT=split, ENT_MODE=ent_mode, LOWP=lowp,
         INTERPRET=interp, POS_BLOCKS=cfg.batch_invariant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **paged, **pdl_launch(q))
-    _combine_kernel[(B * T, hb if split > 1 else 1)](
+    ch = _combine_heads(B * T, H, cfg) if split > 1 else cfg.block_h
+    _combine_kernel[(B * T, triton.cdiv(H, ch) if split > 1 else 1)](
         kv, ring, slots, pos0, n_real, sinks, o, pacc, pm, pl, kv.stride(0), kv.stride(1), T, H, S,
-        D=d, BLOCK_D=block_d, BLOCK_H=cfg.block_h, SPLIT=split, num_warps=8, **pdl_launch(kv))
+        D=d, BLOCK_D=block_d, BLOCK_H=ch, SPLIT=split, num_warps=8 if ch >= 8 else 4, **pdl_launch(kv))
     return o
 
 

@@ -10,6 +10,8 @@ E entry capacity, k selected entries per token.
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 from dsv4c.kernels.tolerances import rel_err
@@ -107,6 +109,56 @@ def test_split_counts_and_many_entries(split):
     assert_same(a, V4AttnConfig(block_n=16, split=split))
 
 
+def test_combine_head_block_changes_no_bit():
+    """`combine_programs`: fewer heads per combine program at small B·T (down to 1), the same outputs and ring
+    bit for bit (each head's merge is the same arithmetic in any block); batch-invariant configs keep block_h."""
+    from dsv4c.kernels.v4_attention import _combine_heads
+
+    assert _combine_heads(1, 64, V4AttnConfig(combine_programs=264)) == 1
+    assert _combine_heads(8, 64, V4AttnConfig(combine_programs=264)) == 1
+    assert _combine_heads(4, 64, V4AttnConfig(combine_programs=64)) == 4
+    assert _combine_heads(256, 64, V4AttnConfig(combine_programs=264)) == 16
+    assert _combine_heads(1, 64, V4AttnConfig()) == 16
+    assert _combine_heads(1, 64, V4AttnConfig(combine_programs=264, batch_invariant=True)) == 16
+    with pytest.raises(ValueError, match="combine_programs"):
+        V4AttnConfig(combine_programs=-1)
+    for dtype, m, E, k in ((torch.bfloat16, 4, 40, 21), (torch.float32, 8, 9, 0)):
+        a = make_case(2, 3, 6, 32, W, m, E, k, [37, 2], [2, 3], dtype, seed=11)
+        base = V4AttnConfig(block_n=16, split=4)
+        o0, r0, want, _ = run_both(a, base)
+        o1, r1, _, _ = run_both(a, V4AttnConfig(block_n=16, split=4, combine_programs=64))  # 6 heads: CH 1
+        assert torch.equal(o0, o1) and torch.equal(r0, r1)
+        assert rel_err(o1, want) <= REL_ERR[dtype]
+
+
+_SM90_COMBINE = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels.v4_attention import _combine_kernel as fn
+
+    names = list(fn.arg_names)
+    types = {"kv_ptr": "*bf16", "ring_ptr": "*bf16", "slots_ptr": "*i64", "pos0_ptr": "*i64", "nreal_ptr": "*i64",
+             "sinks_ptr": "*fp32", "o_ptr": "*fp32", "pacc_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32"}
+    for ch, warps in ((16, 8), (1, 4)):
+        consts = dict(D=512, BLOCK_D=512, BLOCK_H=ch, SPLIT=21, PDL=True)
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                        attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+        print("kernel", ch, int("griddepcontrol.wait" in ptx), int("ex2.approx" in ptx))
+''')
+
+
+def test_combine_compiles_for_sm90_with_one_head_per_program(tmp_path):
+    """The combine at the split kernel's 16 heads and at one head per program (`combine_programs` at batch 1)
+    compiles for sm_90 (not run): the PDL wait, the exp2 of the merge."""
+    from sm90_compile import run_sm90_script
+
+    assert run_sm90_script(tmp_path, _SM90_COMBINE) == [["16", "1", "1"], ["1", "1", "1"]]
+
+
 def test_default_config_and_sequence_of_calls():
     """Default tiles; three decode steps in a row, each reading what the previous one wrote, on the
     same two caches; non-power-of-two d."""
@@ -202,6 +254,19 @@ def test_flash_shapes_on_cuda(B, T, m, E, k):
                   seed=B + T + m, n_minus=5, window=128)
     err = assert_same(a)
     print(f"B={B} T={T} m={m}: rel err {err:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,m,E,k", [(1, 4, 1024, 512), (8, 128, 32, 0), (1, 0, 0, 0)])
+def test_combine_head_block_same_bits_on_cuda(B, m, E, k):
+    """Flash shapes: the combine with one head per program (`combine_programs` 264 at batch 1 and 8) gives the
+    default launch's outputs and ring bit for bit."""
+    a = make_case(B, 1, FLASH["H"], FLASH["d"], FLASH["S"], m, E, k, [700 + 13 * i for i in range(B)], [1] * B,
+                  torch.bfloat16, "cuda", seed=B + m, n_minus=5, window=128)
+    o0, r0, want, _ = run_both(a)
+    o1, r1, _, _ = run_both(a, V4AttnConfig(combine_programs=264))
+    assert torch.equal(o0, o1) and torch.equal(r0, r1)
+    assert rel_err(o1, want) <= REL_ERR[torch.bfloat16]
 
 
 @pytest.mark.gpu
