@@ -173,6 +173,16 @@ def class_table(rows: list[dict], steps: int, step_bytes: dict, bandwidth: float
     return out
 
 
+def print_classes(classes: list[dict], label: str = "") -> None:
+    """`class_table` rows as a markdown table; `label` follows each class name (the critical-path grouping)."""
+    print(f"| class{label} | kernels/step | us/step | MB/step | GB/s | of copy bandwidth |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for c in classes:
+        gbs, share = c["gb_s"], c["of_bandwidth"]
+        print(f"| {c['class']}{label} | {c['kernels']:.0f} | {c['us']:.0f} | {c['bytes'] / 1e6:.1f} | "
+              f"{'-' if gbs is None else f'{gbs:.0f}'} | {'-' if share is None else f'{share:.0%}'} |")
+
+
 expected_unique = bs.expected_unique
 
 
@@ -343,12 +353,7 @@ def main(argv=None) -> int:
                      "ops": ops, "kernels": kern}
         if mode != "eager":
             res[mode]["classes"] = classes = class_table(kernel_rows(prof), 3, sb, bw)
-            print("| class | kernels/step | us/step | MB/step | GB/s | of copy bandwidth |\n"
-                  "|---|---:|---:|---:|---:|---:|")
-            for c in classes:
-                gbs, share = c["gb_s"], c["of_bandwidth"]
-                print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {c['bytes'] / 1e6:.1f} | "
-                      f"{'-' if gbs is None else f'{gbs:.0f}'} | {'-' if share is None else f'{share:.0%}'} |")
+            print_classes(classes)
         gpu = "" if gpu_ms is None else f" ({gpu_ms:.3f} ms on the GPU alone)"
         print(f"\n== {mode}: {step_ms:.3f} ms/step{gpu}; {n_kern / 3:.0f} kernels/step, sum of kernel time "
               f"{kern_us / 3 / 1e3:.3f} ms/step", flush=True)
@@ -361,12 +366,7 @@ def main(argv=None) -> int:
         if mode != "eager":
             rows = timeline(kernel_spans(prof), round(n_kern / 3))
             res[mode]["critical_classes"] = crit = class_table(critical_rows(rows), 1, sb, bw)
-            print("| class (critical path of the last step) | kernels | us | GB/s | of copy bandwidth |\n"
-                  "|---|---:|---:|---:|---:|")
-            for c in crit:
-                gbs, share = c["gb_s"], c["of_bandwidth"]
-                print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {'-' if gbs is None else f'{gbs:.0f}'} "
-                      f"| {'-' if share is None else f'{share:.0%}'} |")
+            print_classes(crit, " (critical path)")
             if a.timeline:
                 res[mode]["timeline"] = rows
                 print("| kernel | start us | us | gap us |\n|---|---:|---:|---:|")

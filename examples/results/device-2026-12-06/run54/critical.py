@@ -33,11 +33,7 @@ def main() -> int:
         crit = ps.class_table(ps.critical_rows(rows), 1, sb, bw)
         print(f"\n{title}: {sum(c['us'] for c in crit):.0f} us of kernels on the critical path "
               f"(copy bandwidth {bw / 1e9:.0f} GB/s)")
-        print("| class | kernels | us | MB | GB/s | of copy bandwidth |\n|---|---:|---:|---:|---:|---:|")
-        for c in crit:
-            gbs, share = c["gb_s"], c["of_bandwidth"]
-            print(f"| {c['class']} | {c['kernels']:.0f} | {c['us']:.0f} | {c['bytes'] / 1e6:.1f} | "
-                  f"{'-' if gbs is None else f'{gbs:.0f}'} | {'-' if share is None else f'{share:.0%}'} |")
+        ps.print_classes(crit)
     return 0
 
 
