@@ -29,7 +29,7 @@ Shapes: M tokens, N output features, K reduction; Kb = ceil(K/128) scale blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -252,6 +252,8 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
     if m == 0 or n == 0:
         return y
     cfg = config or default_config(m, n, k, _sm_count(a.device))
+    while config is None and groups > 1 and (n // groups) % cfg.block_n and cfg.block_n > 16:
+        cfg = replace(cfg, block_n=cfg.block_n // 2)  # the default's tile within one group
     cfg.check()
     if cfg.block_m == 1 and m != 1:
         raise ValueError(f"Fp8GemvConfig.block_m = 1 takes one token, got M = {m}")
@@ -297,7 +299,8 @@ def fp8_gemv_grouped_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
     """A block-diagonal `fp8_gemv_w8a16` (V4's grouped wo_a): a [M, G·I] bf16/fp16 with unit stride, w_q
     e4m3 [G·R, I] with its 128x128 scales; y [M, G·R] where y[:, g·R + r] = a[:, g·I:(g+1)·I] .
     dequant(w_q)[g·R + r]: the kernel of `fp8_gemv_w8a16` with each tile's activations taken from its
-    group's columns. The config's block_n must divide R."""
+    group's columns. The config's block_n must divide R (the default's is halved down to 16 rows until it
+    does)."""
     if a.dtype not in (torch.bfloat16, torch.float16) or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a: expected bf16/fp16 [M, G·I] with unit stride, got {a.dtype} shape {tuple(a.shape)}")
     if groups < 1 or a.shape[1] % groups or w_q.dim() != 2 or w_q.shape[0] % groups:

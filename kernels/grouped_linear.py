@@ -206,7 +206,7 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     if block_m not in (16, 32, 64):
         raise ValueError(f"fp8_grouped_linear: block_m must be 16, 32 or 64, got {block_m}")
     xc = x.contiguous()
-    if 0 < M <= FP8_GEMV_MAX_M and x.dtype == dtype and dtype != torch.float32 and R % 32 == 0:
+    if 0 < M <= FP8_GEMV_MAX_M and x.dtype == dtype and dtype != torch.float32 and R % 16 == 0:
         return fp8_gemv_grouped_w8a16(xc.view(M, -1), w_q, ws, G, dtype).view(*x.shape[:2], G, R)
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:

@@ -502,8 +502,8 @@ def _moe_gemm_kernel(
 
 
 # fp8_block experts run the CUDA-core GEMVs (kernels/moe_fp8_gemv.py) up to this many assignments, and while
-# they are at most E/4 (few share an expert; `direct` routing's regime); 0: never (the tile). Untimed: 0 until a
-# device run compares them.
+# they are at most E/4 (few share an expert; `direct` routing's regime); 0: never (the tile). run54 (H100, the
+# 2-layer step's replayed kernels): 2-4 µs a layer saved at batch 1, a loss at batch 8: off.
 FP8_GEMV_MAX_ASSIGN = 0
 
 

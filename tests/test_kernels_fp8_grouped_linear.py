@@ -100,6 +100,9 @@ def test_grouped_gemv_rows_and_errors():
     want = fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2)
     assert rel_err(got, want) <= KERNEL_REL[torch.bfloat16]
     assert rel_err(want.view(1, 3, 2, 128), _exact(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16)) <= 1e-6
+    x3, w3, s3 = _case(1, 2, 48, 256, seed=3)  # R = 48: the default tile's 32 rows halve to 16
+    a3 = x3.to(torch.bfloat16).view(1, -1)
+    assert rel_err(fp8_gemv_grouped_w8a16(a3, w3, s3, 2), fp8_gemv_grouped_w8a16_ref(a3, w3, s3, 2)) <= 1e-2
     with pytest.raises(ValueError, match="block_n = 64 does not divide the 32 weight rows"):
         x4, w4, s4 = _case(1, 4, 32, 256)
         fp8_gemv_grouped_w8a16(x4.to(torch.bfloat16).view(1, -1), w4, s4, 4, config=Fp8GemvConfig(1, 64))
