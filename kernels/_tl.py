@@ -108,6 +108,17 @@ def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def round_f32(x, TY: tl.constexpr):
+    """fp32 x rounded to the 16-bit float TY (to nearest, ties to even), returned as fp32. bf16 by integer
+    arithmetic: the interpreter's fp32 -> bf16 cast truncates, the GPU's rounds (finite x; NaN stays NaN)."""
+    if TY == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    return x.to(TY).to(tl.float32)
+
+
+@triton.jit
 def exp2i(k):
     """fp32 2^k for int32 k in [-126, 127], from the bits."""
     return ((k + 127) << 23).to(tl.float32, bitcast=True)

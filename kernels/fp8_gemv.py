@@ -43,6 +43,9 @@ __all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_
 
 _B = Q.FP8_BLOCK
 MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the tile GEMM above
+# One token: request the first K step's weights before the PDL wait (1) or after it (0). Untimed, off until
+# examples/results/device-2026-12-06/run57 times it (the FP8 experts' GEMV gained about 2 µs a layer, run54).
+EARLY_WEIGHTS = 0
 
 
 @dataclass(frozen=True)
@@ -146,36 +149,33 @@ def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constex
 
 
 @triton.jit
-def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
+            A_ROUND: tl.constexpr = None):
     """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
-    1x128 scales."""
+    1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
+    if A_ROUND is not None:
+        a = U.round_f32(a, A_ROUND)
     if A_FP8:
         a = a * tl.load(as_row + tl.minimum(ks // 128, (K + 127) // 128 - 1))
     return a
 
 
 @triton.jit
-def _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr,
-              WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of one token (columns k0.. below min(k_hi, K)): (w e4m3 [BN, BK], its scales fp32 [BK],
-    a fp32 [BK], times its scales for FP8 activations)."""
-    w, ws = _w_step(w_rows, ws_row, n_ok, k0, k_hi, K, WS_E8M0, BLOCK_K)
-    return w, ws, _a_step(a_row, as_row, k0, k_hi, K, A_FP8, BLOCK_K)
-
-
-@triton.jit
-def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
-              WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr):
-    """CUDA cores, one token: acc [BN, 1]. The next K step is loaded before the current one is
-    multiplied (the pipeliner only serves loads that feed a dot); products and sums in fp32."""
+def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
+              WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+              A_ROUND: tl.constexpr = None):
+    """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
+    next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
+    dot); products and sums in fp32."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_hi = k_lo + K_SPLIT
-    w, ws, a = _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k_lo, k_hi, K, A_FP8, WS_E8M0, BLOCK_K)
+    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND)
     for i in range(K_SPLIT // BLOCK_K):
-        w1, ws1, a1 = _fma_step(a_row, as_row, w_rows, ws_row, n_ok, k_lo + (i + 1) * BLOCK_K, k_hi, K, A_FP8,
-                                WS_E8M0, BLOCK_K)
+        k1 = k_lo + (i + 1) * BLOCK_K
+        w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
+        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
     return acc[:, None]
@@ -187,10 +187,13 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 PDL: tl.constexpr = False):
+                 EARLY: tl.constexpr = False, ROUND_A: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
-    GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows."""
-    U.pdl_wait(PDL)
+    GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
+    EARLY (one token): the first K step's weights are requested before the PDL wait (weights are fixed before
+    the step). ROUND_A (one token): a's values are rounded to y's dtype before the products."""
+    if not (EARLY and BLOCK_M == 1):
+        U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -205,8 +208,12 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     k_lo = pid_s * K_SPLIT
     if BLOCK_M == 1:
         row = pid_m.to(tl.int64)
-        acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, K, A_FP8,
-                        WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT)
+        w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
+        if EARLY:
+            U.pdl_wait(PDL)
+        acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
+                        K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
+                        y_ptr.dtype.element_ty if ROUND_A else None)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT)
@@ -271,7 +278,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        ws.stride(0), y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
+                       EARLY=bool(EARLY_WEIGHTS), ROUND_A=a.dtype == torch.float32 and not a_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
 
@@ -299,10 +306,13 @@ def fp8_gemv_grouped_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
     """A block-diagonal `fp8_gemv_w8a16` (V4's grouped wo_a): a [M, G·I] bf16/fp16 with unit stride, w_q
     e4m3 [G·R, I] with its 128x128 scales; y [M, G·R] where y[:, g·R + r] = a[:, g·I:(g+1)·I] .
     dequant(w_q)[g·R + r]: the kernel of `fp8_gemv_w8a16` with each tile's activations taken from its
-    group's columns. The config's block_n must divide R (the default's is halved down to 16 rows until it
-    does)."""
-    if a.dtype not in (torch.bfloat16, torch.float16) or a.dim() != 2 or a.stride(1) != 1:
-        raise ValueError(f"a: expected bf16/fp16 [M, G·I] with unit stride, got {a.dtype} shape {tuple(a.shape)}")
+    group's columns. One token's a may also be fp32: it is rounded to out_dtype (bf16/fp16) first, as the
+    model casts the attention output before the einsum. The config's block_n must divide R (the default's is
+    halved down to 16 rows until it does)."""
+    f32 = a.dtype == torch.float32 and a.shape[0] <= 1 and out_dtype in (torch.bfloat16, torch.float16)
+    if (a.dtype not in (torch.bfloat16, torch.float16) and not f32) or a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError(f"a: expected bf16/fp16 [M, G·I] (or fp32 at one token with a bf16/fp16 out_dtype) with "
+                         f"unit stride, got {a.dtype} shape {tuple(a.shape)} and out_dtype {out_dtype}")
     if groups < 1 or a.shape[1] % groups or w_q.dim() != 2 or w_q.shape[0] % groups:
         raise ValueError(f"groups: {groups} must divide a's {a.shape[1]} columns and w_q's rows "
                          f"({tuple(w_q.shape)})")
@@ -310,8 +320,12 @@ def fp8_gemv_grouped_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
     return _launch(a, a, w_q, ws, False, out_dtype, config, groups)
 
 
-def fp8_gemv_grouped_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, groups: int) -> torch.Tensor:
-    """fp32 reference of `fp8_gemv_grouped_w8a16`: per group, a's columns of g @ its weight rows^T."""
+def fp8_gemv_grouped_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, groups: int,
+                               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp32 reference of `fp8_gemv_grouped_w8a16`: per group, a's columns of g @ its weight rows^T (fp32 a
+    rounded to out_dtype first)."""
+    if a.dtype == torch.float32:
+        a = a.to(out_dtype)
     s = w_s.view(torch.float8_e8m0fnu) if w_s.dtype == torch.uint8 else w_s
     w = Q.dequant_fp8_block(w_q, s).view(groups, w_q.shape[0] // groups, -1)       # [G, R, I]
     return torch.einsum("mgi,gri->mgr", a.float().view(a.shape[0], groups, -1), w).reshape(a.shape[0], -1)

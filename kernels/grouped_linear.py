@@ -53,7 +53,9 @@ FP8_BLOCK_I = 128   # one scale column per K step
 # GEMV block-diagonally (kernels/fp8_gemv.py `fp8_gemv_grouped_w8a16`: CUDA cores, 512-column K steps, a K
 # split to fill the SMs) instead of the 16-row tile; 0: the tile always. Off until timed: the tile ran Flash's
 # wo_a at about a third of copy bandwidth at batch 1 (run54's timeline: 33 µs for its 33.5 MB), the dense GEMV
-# wo_b's equal bytes in about 17 µs; examples/results/device-2026-12-06/run56 times the two.
+# wo_b's equal bytes in about 17 µs. run56 (H100): alone, at one bf16 token, GEMV 16.3 µs vs the tile 16.5 µs; in
+# the step it never ran, since the graph's x is fp32 (the attention's output, cast by the op), which the GEMV
+# then did not take. It now rounds one fp32 row itself; run57 times the step with it.
 FP8_GEMV_MAX_M = 0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -197,7 +199,8 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
     its uint8 bytes, or fp32). `block_m` (16, 32 or 64): token rows per tile; each tile reads its weight
     slice (the op uses 16; 64, which reads it once at 64 rows, was no faster: 1.00x, BENCHMARKS.md). Up to
-    FP8_GEMV_MAX_M rows with x already in a 16-bit dtype, the block-diagonal FP8 GEMV instead (the same
+    FP8_GEMV_MAX_M rows with x in dtype (16-bit), or one fp32 row (rounded to dtype in the kernel, as the tile
+    casts), the block-diagonal FP8 GEMV instead (the same
     products, summed on CUDA cores in another order). CPU tensors run under the interpreter."""
     M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
@@ -206,7 +209,8 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     if block_m not in (16, 32, 64):
         raise ValueError(f"fp8_grouped_linear: block_m must be 16, 32 or 64, got {block_m}")
     xc = x.contiguous()
-    if 0 < M <= FP8_GEMV_MAX_M and x.dtype == dtype and dtype != torch.float32 and R % 16 == 0:
+    if (0 < M <= FP8_GEMV_MAX_M and dtype in (torch.bfloat16, torch.float16) and R % 16 == 0
+            and (x.dtype == dtype or (x.dtype == torch.float32 and M == 1))):
         return fp8_gemv_grouped_w8a16(xc.view(M, -1), w_q, ws, G, dtype).view(*x.shape[:2], G, R)
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:

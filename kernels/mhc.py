@@ -354,6 +354,12 @@ HC_ROWS_WARPS = 2
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32
+# Untimed, off (0) until examples/results/device-2026-12-06/run57 times them at batch 1:
+# HC_SCALAR_SINKHORN = 1: the fast finish's 4 x 4 Sinkhorn as scalars every thread holds (`_sinkhorn4_io`, eager's
+# CUDA orders) instead of the [4, 4] tile's cross-lane sums (run54: the finish is 5-6 µs of each site's critical
+# path at batch 1); HC_EARLY_FN = 1: _hc_post_mix_kernel requests its fn tiles before its PDL wait.
+HC_SCALAR_SINKHORN = 0
+HC_EARLY_FN = 0
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -428,10 +434,12 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 
 @triton.jit
 def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps,
-                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
+                      SCALAR4: tl.constexpr = False):
     """hc_pre's finish, token pid_m: post = 2·sigmoid(s₁·z_post·r + b) and comb = Sinkhorn(s₂·z_comb·r + b)
     from the token's mix partials (rows zrow, valid where sm). EXACT: PyTorch's sigmoid and CUDA summation
-    orders (the exact finish kernel), else the fast ones."""
+    orders (the exact finish kernel), else the fast ones. SCALAR4 (N = 4, fast finish): the Sinkhorn as 16
+    scalars that every thread holds (`_sinkhorn4_io`, eager's CUDA orders), no cross-lane reductions."""
     n = tl.arange(0, N)
     z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
     if EXACT:
@@ -447,7 +455,7 @@ def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_p
     # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
     tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
     tl.debug_barrier()
-    if EXACT and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+    if (EXACT or SCALAR4) and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
         one = tl.arange(0, 1)[:, None]
         _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
     else:
@@ -463,7 +471,8 @@ def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_p
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, SCALAR4: tl.constexpr = False,
+                          INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
@@ -484,7 +493,7 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
 
     if not HEAD and pid_d == 0:  # HEAD (hc_head): z holds the N pre coefficients only
         _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
-                          False, False)
+                          False, INTERPRET, SCALAR4)
 
 
 @triton.jit
@@ -563,27 +572,35 @@ def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
 
 @triton.jit
 def _hc_post_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_ptr, ssp_ptr, M, D, MIX,
-                        N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                        N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, EARLY_FN: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """hc_post and the first launch of the next site's hc_pre in one: the program's [N, BLOCK_D] slice of
     X' (as `_hc_post_kernel`), stored in X's dtype, then that slice's share of z and of Σ X'² over X' as
     stored: zp[pid_d, m, j] = Σ_{k, d in the slice} fn[j, k·D + d]·X'[k, d], ssp[pid_d, m] = Σ X'[k, d]².
     These are hc_pre's partials split by d-block (S = ⌈D/BLOCK_D⌉) instead of by K chunk."""
-    pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     j = tl.arange(0, MIXP)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     tok = pid_m.to(tl.int64)
+    if EARLY_FN:  # fn is a weight, fixed before the step: its N tiles are requested before the PDL wait
+        # [N, MIXP, BD] fn[j, k·D + d]
+        w_all = tl.load(fn_ptr + j[None, :, None].to(tl.int64) * (N * D) + k[:, None, None] * D + d[None, None, :],
+                        mask=(j[None, :, None] < MIX) & dm[None, None, :], other=0.0)
+    pdl_wait(PDL)
     xq = _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], xq, mask=dm[None, :])
     xr = xq.to(tl.float32)                                                            # [N, BD], 0 where not dm
-    acc = tl.zeros((MIXP,), dtype=tl.float32)
-    for kk in tl.static_range(N):
-        row = tl.sum(tl.where(k[:, None] == kk, xr, 0.0), axis=0)                     # X'[kk, slice]  [BD]
-        wm = (j[:, None] < MIX) & dm[None, :]
-        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * (N * D) + kk * D + d[None, :], mask=wm, other=0.0)
-        acc += tl.sum(w * row[None, :], axis=1)                                       # [MIXP]
+    if EARLY_FN:
+        acc = tl.sum(tl.sum(w_all * xr[:, None, :], axis=2), axis=0)                  # [MIXP]
+    else:
+        acc = tl.zeros((MIXP,), dtype=tl.float32)
+        for kk in tl.static_range(N):
+            row = tl.sum(tl.where(k[:, None] == kk, xr, 0.0), axis=0)                 # X'[kk, slice]  [BD]
+            wm = (j[:, None] < MIX) & dm[None, :]
+            w = tl.load(fn_ptr + j[:, None].to(tl.int64) * (N * D) + kk * D + d[None, :], mask=wm, other=0.0)
+            acc += tl.sum(w * row[None, :], axis=1)                                   # [MIXP]
     srow = pid_d.to(tl.int64) * M + pid_m
     tl.store(zp_ptr + srow * MIXP + j, acc)
     tl.store(ssp_ptr + srow, tl.sum(tl.sum(xr * xr, axis=1), axis=0))
@@ -753,6 +770,7 @@ def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, h
         _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd, HEAD=head,
+            SCALAR4=bool(HC_SCALAR_SINKHORN), INTERPRET=interpret_flag(x),
             num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
 
 
@@ -786,7 +804,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(m, splits)](y, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
-                                     num_warps=HC_ROWS_WARPS, **pdl_launch(x))
+                                     EARLY_FN=bool(HC_EARLY_FN), num_warps=HC_ROWS_WARPS, **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
 

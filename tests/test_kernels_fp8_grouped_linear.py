@@ -90,6 +90,33 @@ def test_one_bf16_token_runs_the_block_diagonal_gemv(monkeypatch, fmt):
     assert calls == [3] and rel_err(fp32_out, want) <= 1e-2
 
 
+def test_one_fp32_token_is_rounded_by_the_gemv(monkeypatch):
+    """The decode graph's wo_a input is fp32 (the attention's output; the op casts it): with FP8_GEMV_MAX_M = 1 one
+    fp32 row runs the GEMV, which rounds it to bf16 first, as the tile does. Its result is then the one of the
+    bf16-rounded row (fp32 products of the same values), and not the one of the unrounded row."""
+    import dsv4c.kernels.grouped_linear as GL
+    from dsv4c.kernels.fp8_gemv import fp8_gemv_grouped_w8a16, fp8_gemv_grouped_w8a16_ref
+
+    x, w_q, w_s = _case(1, 2, 64, 256, seed=8)
+    x = x + 1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))  # bits below bf16's
+    calls = []
+    real = GL.fp8_gemv_grouped_w8a16
+    monkeypatch.setattr(GL, "fp8_gemv_grouped_w8a16", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
+    got = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+    rounded = fp8_grouped_linear(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16)
+    assert calls == [torch.float32, torch.bfloat16] and torch.equal(got, rounded)
+    a = x.reshape(1, -1)
+    assert torch.equal(fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2), fp8_gemv_grouped_w8a16_ref(
+        a.to(torch.bfloat16), w_q, w_s, 2))
+    exact32 = fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2, out_dtype=torch.float16)  # rounded to fp16 instead
+    assert not torch.equal(exact32, fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2))
+    with pytest.raises(ValueError, match="or fp32 at one token"):
+        fp8_gemv_grouped_w8a16(torch.cat([a, a]), w_q, w_s, 2)
+    with pytest.raises(ValueError, match="or fp32 at one token"):
+        fp8_gemv_grouped_w8a16(a, w_q, w_s, 2, out_dtype=torch.float32)
+
+
 def test_grouped_gemv_rows_and_errors():
     """`fp8_gemv_grouped_w8a16` directly: several token rows on the tensor-core path, and its contracts."""
     from dsv4c.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv_grouped_w8a16, fp8_gemv_grouped_w8a16_ref
@@ -109,7 +136,9 @@ def test_grouped_gemv_rows_and_errors():
     with pytest.raises(ValueError, match="groups: 3 must divide"):
         fp8_gemv_grouped_w8a16(a, w_q, w_s, 3)
     with pytest.raises(ValueError, match="a: expected bf16/fp16"):
-        fp8_gemv_grouped_w8a16(a.float(), w_q, w_s, 2)
+        fp8_gemv_grouped_w8a16(a.float(), w_q, w_s, 2)  # fp32 at three tokens
+    with pytest.raises(ValueError, match="a: expected bf16/fp16"):
+        fp8_gemv_grouped_w8a16(a.double()[:1], w_q, w_s, 2)
 
 
 def test_bad_input_names_the_tensor():
@@ -199,6 +228,24 @@ def test_kernel_on_gpu_at_flash_shapes(monkeypatch):
     monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 0)
     tile = fp8_grouped_linear(x, w_q, w_s.view(torch.uint8), torch.bfloat16)
     assert rel_err(got.cpu(), tile.cpu()) <= KERNEL_REL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_one_fp32_token_on_gpu_rounds_like_bf16(monkeypatch):
+    """Flash's wo_a at one fp32 token (the decode graph's input) on the GEMV: the bits of the bf16-rounded token's
+    GEMV, with the first weights requested before the PDL wait or after it."""
+    import dsv4c.kernels.fp8_gemv as FG
+    import dsv4c.kernels.grouped_linear as GL
+
+    x, w_q, w_s = _case(1, 8, 1024, 4096, seed=8, device="cuda")
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
+    outs = []
+    for early in (0, 1):
+        monkeypatch.setattr(FG, "EARLY_WEIGHTS", early)
+        outs += [fp8_grouped_linear(x, w_q, w_s, torch.bfloat16), fp8_grouped_linear(x.to(torch.bfloat16), w_q, w_s,
+                                                                                  torch.bfloat16)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert rel_err(outs[0].cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
 
 
 _SM90_SCRIPT = textwrap.dedent('''

@@ -118,13 +118,14 @@ def test_combine_head_block_changes_no_bit():
     assert _combine_heads(8, 64, V4AttnConfig(combine_programs=264)) == 1
     assert _combine_heads(4, 64, V4AttnConfig(combine_programs=64)) == 4
     assert _combine_heads(256, 64, V4AttnConfig(combine_programs=264)) == 16
-    assert _combine_heads(1, 64, V4AttnConfig()) == 16
+    assert _combine_heads(1, 64, V4AttnConfig()) == 1  # the default: 264
+    assert _combine_heads(1, 64, V4AttnConfig(combine_programs=0)) == 16
     assert _combine_heads(1, 64, V4AttnConfig(combine_programs=264, batch_invariant=True)) == 16
     with pytest.raises(ValueError, match="combine_programs"):
         V4AttnConfig(combine_programs=-1)
     for dtype, m, E, k in ((torch.bfloat16, 4, 40, 21), (torch.float32, 8, 9, 0)):
         a = make_case(2, 3, 6, 32, W, m, E, k, [37, 2], [2, 3], dtype, seed=11)
-        base = V4AttnConfig(block_n=16, split=4)
+        base = V4AttnConfig(block_n=16, split=4, combine_programs=0)
         o0, r0, want, _ = run_both(a, base)
         o1, r1, _, _ = run_both(a, V4AttnConfig(block_n=16, split=4, combine_programs=64))  # 6 heads: CH 1
         assert torch.equal(o0, o1) and torch.equal(r0, r1)
@@ -259,12 +260,12 @@ def test_flash_shapes_on_cuda(B, T, m, E, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,m,E,k", [(1, 4, 1024, 512), (8, 128, 32, 0), (1, 0, 0, 0)])
 def test_combine_head_block_same_bits_on_cuda(B, m, E, k):
-    """Flash shapes: the combine with one head per program (`combine_programs` 264 at batch 1 and 8) gives the
-    default launch's outputs and ring bit for bit."""
+    """Flash shapes: the combine with one head per program (`combine_programs` 264, the default, at batch 1 and 8)
+    gives the outputs and ring of the split kernel's 16-head block (0) bit for bit."""
     a = make_case(B, 1, FLASH["H"], FLASH["d"], FLASH["S"], m, E, k, [700 + 13 * i for i in range(B)], [1] * B,
                   torch.bfloat16, "cuda", seed=B + m, n_minus=5, window=128)
-    o0, r0, want, _ = run_both(a)
-    o1, r1, _, _ = run_both(a, V4AttnConfig(combine_programs=264))
+    o0, r0, want, _ = run_both(a, V4AttnConfig(combine_programs=0))
+    o1, r1, _, _ = run_both(a)
     assert torch.equal(o0, o1) and torch.equal(r0, r1)
     assert rel_err(o1, want) <= REL_ERR[torch.bfloat16]
 
