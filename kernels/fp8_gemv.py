@@ -43,9 +43,6 @@ __all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_
 
 _B = Q.FP8_BLOCK
 MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the tile GEMM above
-# One token: request the first K step's weights before the PDL wait (1) or after it (0). Untimed, off until
-# examples/results/device-2026-12-06/run57 times it (the FP8 experts' GEMV gained about 2 µs a layer, run54).
-EARLY_WEIGHTS = 0
 
 
 @dataclass(frozen=True)
@@ -187,13 +184,11 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 EARLY: tl.constexpr = False, ROUND_A: tl.constexpr = False, PDL: tl.constexpr = False):
+                 ROUND_A: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
-    EARLY (one token): the first K step's weights are requested before the PDL wait (weights are fixed before
-    the step). ROUND_A (one token): a's values are rounded to y's dtype before the products."""
-    if not (EARLY and BLOCK_M == 1):
-        U.pdl_wait(PDL)
+    ROUND_A (one token): a's values are rounded to y's dtype before the products."""
+    U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -209,8 +204,6 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     if BLOCK_M == 1:
         row = pid_m.to(tl.int64)
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
-        if EARLY:
-            U.pdl_wait(PDL)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
                         y_ptr.dtype.element_ty if ROUND_A else None)
@@ -278,7 +271,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        ws.stride(0), y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
-                       EARLY=bool(EARLY_WEIGHTS), ROUND_A=a.dtype == torch.float32 and not a_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
+                       ROUND_A=a.dtype == torch.float32 and not a_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
 

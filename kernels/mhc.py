@@ -354,12 +354,11 @@ HC_ROWS_WARPS = 2
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32
-# Untimed, off (0) until examples/results/device-2026-12-06/run57 times them at batch 1:
-# HC_SCALAR_SINKHORN = 1: the fast finish's 4 x 4 Sinkhorn as scalars every thread holds (`_sinkhorn4_io`, eager's
-# CUDA orders) instead of the [4, 4] tile's cross-lane sums (run54: the finish is 5-6 µs of each site's critical
-# path at batch 1); HC_EARLY_FN = 1: _hc_post_mix_kernel requests its fn tiles before its PDL wait.
-HC_SCALAR_SINKHORN = 0
-HC_EARLY_FN = 0
+# _hc_post_mix_kernel requests its fn tiles (a weight) before its PDL wait (1) or after it (0). run57 (H100, the
+# 2-layer slice at batch 1): the critical path's small kernels 161 µs with it, 170 / 174 µs without (the step on
+# the GPU alone 0.837 ms, 0.837 / 0.848 without: within the runs' spread). The fast finish's Sinkhorn as 16
+# scalars per thread (`_sinkhorn4_io`) was tried there too: 50 µs slower a step, dropped.
+HC_EARLY_FN = 1
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -434,12 +433,10 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 
 @triton.jit
 def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps,
-                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
-                      SCALAR4: tl.constexpr = False):
+                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
     """hc_pre's finish, token pid_m: post = 2·sigmoid(s₁·z_post·r + b) and comb = Sinkhorn(s₂·z_comb·r + b)
     from the token's mix partials (rows zrow, valid where sm). EXACT: PyTorch's sigmoid and CUDA summation
-    orders (the exact finish kernel), else the fast ones. SCALAR4 (N = 4, fast finish): the Sinkhorn as 16
-    scalars that every thread holds (`_sinkhorn4_io`, eager's CUDA orders), no cross-lane reductions."""
+    orders (the exact finish kernel), else the fast ones."""
     n = tl.arange(0, N)
     z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
     if EXACT:
@@ -455,7 +452,7 @@ def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_p
     # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
     tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
     tl.debug_barrier()
-    if (EXACT or SCALAR4) and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+    if EXACT and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
         one = tl.arange(0, 1)[:, None]
         _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
     else:
@@ -471,8 +468,7 @@ def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_p
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, SCALAR4: tl.constexpr = False,
-                          INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
@@ -493,7 +489,7 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
 
     if not HEAD and pid_d == 0:  # HEAD (hc_head): z holds the N pre coefficients only
         _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
-                          False, INTERPRET, SCALAR4)
+                          False, False)
 
 
 @triton.jit
@@ -770,7 +766,6 @@ def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, h
         _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd, HEAD=head,
-            SCALAR4=bool(HC_SCALAR_SINKHORN), INTERPRET=interpret_flag(x),
             num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
 
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-# kernels that request inputs fixed before the chain started (expert weights, routing, dense weights, mHC's fn)
-# ahead of the wait
+# kernels that request inputs fixed before the chain started (expert weights, routing, mHC's fn) ahead of the wait
 EARLY_READS = {("moe_fp4_gemv.py", "_gemv13_kernel"), ("moe_fp4_gemv.py", "_gemv2_kernel"),
                ("moe_fp8_gemv.py", "_gemv13_kernel"), ("moe_fp8_gemv.py", "_gemv2_kernel"),
-               ("fp8_gemv.py", "_gemv_kernel"), ("mhc.py", "_hc_post_mix_kernel")}
+               ("mhc.py", "_hc_post_mix_kernel")}
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg"}
 
 

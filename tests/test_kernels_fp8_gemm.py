@@ -135,23 +135,6 @@ def test_gemv_w8a16_matches_ref(m, n, k, fmt, cfg):
     torch.testing.assert_close(ref, fp8_gemm_w8a16_ref(a, w_q, w_s), rtol=0, atol=0)
 
 
-def test_gemv_early_weights_change_no_bit(monkeypatch):
-    """EARLY_WEIGHTS = 1 (one token: the first K step's weights requested before the PDL wait) moves a load, not
-    an operation: the same bits as 0, split or not, W8A16 and W8A8."""
-    import dsv4c.kernels.fp8_gemv as FG
-
-    for m, n, k, fmt, cfg in GEMV_CASES[:2]:
-        a, w_q, w_s = operands(m, n, k, fmt, seed=6)
-        a_q, a_s = Q.quant_act_fp8(a) if k % 128 == 0 else (None, None)
-        outs = []
-        for early in (0, 1):
-            monkeypatch.setattr(FG, "EARLY_WEIGHTS", early)
-            outs.append((fp8_gemv_w8a16(a, w_q, w_s, torch.float32, config=cfg),
-                         fp8_gemv_w8a8(a_q, a_s, w_q, w_s, config=cfg) if a_q is not None else None))
-        assert torch.equal(outs[0][0], outs[1][0]) and rel_err(outs[1][0], fp8_gemv_w8a16_ref(a, w_q, w_s)) < 1e-5
-        assert outs[0][1] is None or torch.equal(outs[0][1], outs[1][1])
-
-
 @pytest.mark.parametrize("m, n, k, fmt, cfg", [c for c in GEMV_CASES if c[2] % 128 == 0])
 def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
     a, w_q, w_s = operands(m, n, k, fmt, seed=3)
@@ -267,12 +250,12 @@ _SM90_SCRIPT = textwrap.dedent('''
     tiles = ((False, 1, 32, 512, 4, 8, 0, False), (True, 16, 64, 128, 8, 4, 0, False),
              (False, 64, 64, 128, 4, 4, 0, False), (False, 1, 32, 512, 2, 8, 1024, False),
              (False, 1, 32, 512, 2, 8, 1024, True))  # the last two: Flash's wo_a, block-diagonal; then on the
-    for a_fp8, bm, bn, bk, split, warps, group, f32 in tiles:  # graph's fp32 input, weights before the wait
+    for a_fp8, bm, bn, bk, split, warps, group, f32 in tiles:  # graph's fp32 input, rounded in the kernel
         a_ty = "*fp8e4nv" if a_fp8 else "*fp32" if f32 else "*bf16"
         types = {"a_ptr": a_ty, "as_ptr": "*fp32" if a_fp8 else a_ty, "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
         consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      K_SPLIT=8192 // split, SPLIT=split, GROUP_ROWS=group, EARLY=f32, ROUND_A=f32,
+                      K_SPLIT=8192 // split, SPLIT=split, GROUP_ROWS=group, ROUND_A=f32,
                       PDL=True)  # PDL: as sm_90 launches it
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
