@@ -9,7 +9,7 @@ B=${B:-590}
 K=examples/results/device-2026-12-06/run52/knobs.py
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
-timeout $((B - SECONDS - 90)) python examples/bench_artifact.py --work /tmp/slice --out $OUT/artifact.json \
+timeout $((B - SECONDS - 10)) python examples/bench_artifact.py --work /tmp/slice --out $OUT/artifact.json \
   --prefill > $OUT/artifact.log 2>&1; echo rc=$? >> $OUT/artifact.log
 tail -9 $OUT/artifact.log
 cp /tmp/slice/compile.log $OUT/artifact_compile.log 2>/dev/null
