@@ -139,7 +139,8 @@ CLASS_EXACT = {
                        "_moe_combine_kernel", "_fp8_prefill_kernel", "_act_fp8_kernel", "_bi_gemv_kernel"),
     "attention and caches": ("_attn_split_kernel", "_combine_kernel", "_v4_compress_kernel", "_scores_kernel",
                              "_select_kernel"),
-    "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_bi_matmul_kernel"),
+    "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_fp8_grouped_kernel",
+                             "_bi_matmul_kernel"),
 }
 CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
 EXPERT_BYTE_FACTOR = bs.EXPERT_BYTE_FACTOR  # bytes of a routed-expert weight in a format against bf16's 2

@@ -26,6 +26,7 @@ def test_recorded_kernel_names_fall_into_their_classes():
     assert by["_rms_norm_kernel"] == by["_hc_mix_rows_kernel"] == by["_rope_kernel"] == "other"
     assert ps.kernel_class("_gemv13_kernel") == ps.kernel_class("_moe_combine_kernel") == "routed experts"
     assert ps.kernel_class("_gemv_kernel") == "dense GEMMs and head"  # the FP8 dense GEMV, not the experts'
+    assert ps.kernel_class("_fp8_grouped_kernel") == "dense GEMMs and head"  # V4's FP8 wo_a (was "other" to run57)
 
 
 def test_class_table_sets_each_class_time_beside_its_bytes():

@@ -2,7 +2,8 @@
 # graph's fp32 token (grouped_linear.FP8_GEMV_MAX_M = 1), mHC's fn before the PDL wait (mhc.HC_EARLY_FN = 1) and
 # the attention combine at 264 programs. The full slice through `dsv4c compile` + `dsv4c bench` at batch 1 / 8 / 64
 # with the eager, torch.compile and HF transformers peers and the pinned-routing SNR; then, while the budget
-# lasts, the 2-layer batch-1 step with HC_EARLY_FN 0 / 1 (run57 left it within the runs' spread).
+# lasts, the 2-layer batch-1 step with HC_EARLY_FN 0 / 1 (run57 left it within the runs' spread). NO_TC=1: without
+# the torch.compile peer (about 170 s).
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-590}
@@ -10,7 +11,7 @@ K=examples/results/device-2026-12-06/run52/knobs.py
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 timeout $((B - SECONDS - 10)) python examples/bench_artifact.py --work /tmp/slice --out $OUT/artifact.json \
-  --prefill > $OUT/artifact.log 2>&1; echo rc=$? >> $OUT/artifact.log
+  --prefill ${NO_TC:+--no-torch-compile} > $OUT/artifact.log 2>&1; echo rc=$? >> $OUT/artifact.log
 tail -9 $OUT/artifact.log
 cp /tmp/slice/compile.log $OUT/artifact_compile.log 2>/dev/null
 rm -rf /tmp/slice
