@@ -102,7 +102,8 @@ def test_default_config_thresholds(monkeypatch):
     for fmt in ("mxfp4", "nvfp4"):
         assert M.default_config(fmt, 512, 256, cuda).gemv and M.default_config(fmt, 16, 4, cuda).gemv
     assert not M.default_config("nvfp4", 513, 256, cuda).gemv
-    assert not any(M.default_config(f, 6, 256, cuda).gemv for f in ("fp8_block", "bf16"))
+    assert not M.default_config("bf16", 6, 256, cuda).gemv
+    assert not M.default_config("fp8_block", 48, 256, cuda).gemv  # fp8_block's GEMV: one token only (moe_fp8_gemv)
     assert M.default_config("fp8_block", 64 * 256, 256, cuda).fp8_prefill
     assert not M.default_config("fp8_block", 64 * 256 - 1, 256, cuda).fp8_prefill
     assert not M.default_config("mxfp4", 6, 256, torch.device("cpu")).gemv

@@ -73,6 +73,8 @@ def test_gemv_through_moe_grouped_config(monkeypatch):
                        gemv(x, idx, weight, ex, cfg=Fp8GemvMoeConfig(16, 32, 128, 4)))
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert M.default_config("fp8_block", 6, 256, cuda).gemv          # the default (8): one token of Flash's top-6
+    assert not M.default_config("fp8_block", 48, 256, cuda).gemv     # batch 8: the tile
     monkeypatch.setattr(M, "FP8_GEMV_MAX_ASSIGN", 64)
     assert M.default_config("fp8_block", 6, 256, cuda).gemv and M.default_config("fp8_block", 48, 256, cuda).gemv
     assert not M.default_config("fp8_block", 65, 256, cuda).gemv        # past FP8_GEMV_MAX_ASSIGN
