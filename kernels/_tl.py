@@ -108,14 +108,15 @@ def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def round_f32(x, TY: tl.constexpr):
-    """fp32 x rounded to the 16-bit float TY (to nearest, ties to even), returned as fp32. bf16 by integer
-    arithmetic: the interpreter's fp32 -> bf16 cast truncates, the GPU's rounds (finite x; NaN stays NaN)."""
-    if TY == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-    return x.to(TY).to(tl.float32)
+def round_to(x, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 x rounded to `ty`, returned as fp32 (exact in ty). Under the interpreter (RNE_BF16) bf16 is
+    rounded to nearest-even on the bits (its own cast truncates); NaN stays NaN. On CUDA the cast rounds."""
+    if RNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        r = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, x, r)  # NaN
+    else:
+        return x.to(ty).to(tl.float32)
 
 
 @triton.jit

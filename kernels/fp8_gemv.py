@@ -147,13 +147,13 @@ def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constex
 
 @triton.jit
 def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-            A_ROUND: tl.constexpr = None):
+            A_ROUND: tl.constexpr = None, INTERPRET: tl.constexpr = False):
     """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
     1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
     if A_ROUND is not None:
-        a = U.round_f32(a, A_ROUND)
+        a = U.round_to(a, A_ROUND, INTERPRET and A_ROUND == tl.bfloat16)
     if A_FP8:
         a = a * tl.load(as_row + tl.minimum(ks // 128, (K + 127) // 128 - 1))
     return a
@@ -162,17 +162,17 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None):
+              A_ROUND: tl.constexpr = None, INTERPRET: tl.constexpr = False):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_hi = k_lo + K_SPLIT
-    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND)
+    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, INTERPRET)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
         w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
-        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND)
+        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, INTERPRET)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
     return acc[:, None]
@@ -206,7 +206,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None)
+                        y_ptr.dtype.element_ty if ROUND_A else None, INTERPRET)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT)

@@ -51,18 +51,6 @@ MAX_BLOCK = 1024
 
 
 @triton.jit
-def _round(x, ty: tl.constexpr, RNE_BF16: tl.constexpr):
-    """fp32 x rounded to `ty`, returned as fp32 (exact in ty). Under the interpreter (RNE_BF16) bf16 is
-    rounded to nearest-even on the bits (its own cast truncates); NaN stays NaN."""
-    if RNE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        r = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-        return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, x, r)  # NaN
-    else:
-        return x.to(ty).to(tl.float32)
-
-
-@triton.jit
 def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
                        CLAMP: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     U.pdl_wait(PDL)
@@ -77,12 +65,12 @@ def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
         if ty != tl.float32:  # the clamped value is min(g, L) rounded: min(g, round(L)), as torch's
-            g = _round(g, ty, RNE_BF16)
-            u = _round(u, ty, RNE_BF16)
+            g = U.round_to(g, ty, RNE_BF16)
+            u = U.round_to(u, ty, RNE_BF16)
     s = tl.div_rn(g, 1.0 + U.exp_f32(-g))
     if ty != tl.float32:
-        s = _round(s, ty, RNE_BF16)
-        h = _round(s * u, ty, RNE_BF16)
+        s = U.round_to(s, ty, RNE_BF16)
+        h = U.round_to(s * u, ty, RNE_BF16)
     else:
         h = s * u
     tl.store(out_ptr + row * I + c, h.to(ty), mask=m)
