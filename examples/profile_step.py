@@ -136,12 +136,21 @@ def kernel_table(prof, top: int) -> tuple[list[dict], int, float]:
 # --dense-format fp8_block, counted with the experts here).
 CLASS_EXACT = {
     "routed experts": ("_moe_gemm_kernel", "_gemv13_kernel", "_gemv2_kernel", "_act_f16_kernel",
-                       "_moe_combine_kernel", "_fp8_prefill_kernel", "_act_fp8_kernel", "_bi_gemv_kernel"),
+                       "_moe_combine_kernel", "_fp8_prefill_kernel", "_act_fp8_kernel", "_act_nvfp4_kernel",
+                       "_bi_gemv_kernel"),
     "attention and caches": ("_attn_split_kernel", "_combine_kernel", "_v4_compress_kernel", "_scores_kernel",
-                             "_select_kernel"),
+                             "_select_kernel", "_select_slice_kernel"),
     "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_fp8_grouped_kernel",
-                             "_bi_matmul_kernel"),
+                             "_bi_matmul_kernel", "_dequant_kernel"),
 }
+# dsv4c's kernels counted as "other" on purpose (small per-token work that reads no weight of a class's bytes);
+# tests/test_profile_step.py checks that every Triton kernel of kernels/ is named here or in CLASS_EXACT
+CLASS_OTHER = ("_argmax_part_kernel", "_argmax_final_kernel", "_row_sum_kernel", "_sinkhorn_kernel",
+               "_sinkhorn_exact_kernel", "_hc_mix_kernel", "_hc_mix_rows_kernel", "_hc_sumsq_kernel",
+               "_hc_pre_finish_kernel", "_hc_pre_finish_exact_kernel", "_hc_post_kernel", "_hc_post_mix_kernel",
+               "_hc_post_exact_kernel", "_rms_norm_kernel", "_rms_norm_exact_kernel", "_rope_kernel",
+               "_head_rms_rope_kernel", "_rope_angles_kernel", "_route_topk_kernel", "_route_hashed_kernel",
+               "_swiglu_act_kernel")
 CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
 EXPERT_BYTE_FACTOR = bs.EXPERT_BYTE_FACTOR  # bytes of a routed-expert weight in a format against bf16's 2
 CLASS_BYTES = {"routed experts": ("routed_experts",), "attention and caches": ("kv",),

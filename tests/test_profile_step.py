@@ -29,6 +29,24 @@ def test_recorded_kernel_names_fall_into_their_classes():
     assert ps.kernel_class("_fp8_grouped_kernel") == "dense GEMMs and head"  # V4's FP8 wo_a (was "other" to run57)
 
 
+def test_every_dsv4c_kernel_has_a_class_on_purpose():
+    """Each Triton kernel of kernels/ is named in exactly one of CLASS_EXACT's classes or CLASS_OTHER: a new kernel
+    (or a renamed one) fails here instead of landing in "other" unnoticed, as V4's FP8 wo_a kernel did until run57."""
+    import ast
+
+    found = set()
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for f in ast.parse(path.read_text()).body:
+            if (isinstance(f, ast.FunctionDef) and f.name.endswith("_kernel")
+                    and any(ast.unparse(d).startswith(("triton.jit", "jit")) for d in f.decorator_list)):
+                found.add(f.name)
+    assert len(found) >= 40 and {"_fp8_grouped_kernel", "_gemv13_kernel", "_hc_post_mix_kernel"} <= found
+    named = [n for names in ps.CLASS_EXACT.values() for n in names] + list(ps.CLASS_OTHER)
+    assert len(named) == len(set(named)), "a kernel named in two classes"
+    assert found - set(named) == set(), f"kernels without a class: {sorted(found - set(named))}"
+    assert set(named) - found == set(), f"classes name kernels that no longer exist: {sorted(set(named) - found)}"
+
+
 def test_class_table_sets_each_class_time_beside_its_bytes():
     rows = [{"name": "_moe_gemm_kernel", "count": 6, "us": 300.0},
             {"name": "nvjet_sm90_x", "count": 9, "us": 150.0},
