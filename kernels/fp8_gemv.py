@@ -106,9 +106,10 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
 @triton.jit
 def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
              WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr):
+             BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, A_ROUND: tl.constexpr = None):
     """Tensor cores: acc [BN, BM] = sum over 128-wide K blocks of (w_blk @ a_blk^T) * scales.
-    Loads feed the dot, so Triton's pipeliner keeps num_stages steps in flight."""
+    Loads feed the dot, so Triton's pipeliner keeps num_stages steps in flight. A_ROUND (a 16-bit dtype, or
+    None): fp32 activations rounded to it before the products."""
     KB: tl.constexpr = (K + 127) // 128
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(K_SPLIT // BLOCK_K):
@@ -127,6 +128,8 @@ def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr,
                 a_s = tl.load(as_rows + kb, mask=m_ok, other=0.0)                                # [BM]
                 acc += part * (a_s * ws)[None, :]
             else:
+                if A_ROUND is not None:
+                    a = U.round_to(a.to(tl.float32), A_ROUND, INTERPRET and A_ROUND == tl.bfloat16).to(A_ROUND)
                 part = U.mma(w.to(a.dtype), a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
                 acc += part * ws
     return acc
@@ -187,7 +190,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  ROUND_A: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
-    ROUND_A (one token): a's values are rounded to y's dtype before the products."""
+    ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
     U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -209,7 +212,8 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                         y_ptr.dtype.element_ty if ROUND_A else None, INTERPRET)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
-                       n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT)
+                       n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
+                       y_ptr.dtype.element_ty if ROUND_A else None)
     y_ptrs = y_ptr + m_idx[None, :] * stride_ym + n_idx[:, None]                     # [BN, BM]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -299,13 +303,13 @@ def fp8_gemv_grouped_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor
     """A block-diagonal `fp8_gemv_w8a16` (V4's grouped wo_a): a [M, G·I] bf16/fp16 with unit stride, w_q
     e4m3 [G·R, I] with its 128x128 scales; y [M, G·R] where y[:, g·R + r] = a[:, g·I:(g+1)·I] .
     dequant(w_q)[g·R + r]: the kernel of `fp8_gemv_w8a16` with each tile's activations taken from its
-    group's columns. One token's a may also be fp32: it is rounded to out_dtype (bf16/fp16) first, as the
-    model casts the attention output before the einsum. The config's block_n must divide R (the default's is
+    group's columns. a may also be fp32: it is rounded to out_dtype (bf16/fp16) first, as the model casts the
+    attention output before the einsum. The config's block_n must divide R (the default's is
     halved down to 16 rows until it does)."""
-    f32 = a.dtype == torch.float32 and a.shape[0] <= 1 and out_dtype in (torch.bfloat16, torch.float16)
+    f32 = a.dtype == torch.float32 and out_dtype in (torch.bfloat16, torch.float16)
     if (a.dtype not in (torch.bfloat16, torch.float16) and not f32) or a.dim() != 2 or a.stride(1) != 1:
-        raise ValueError(f"a: expected bf16/fp16 [M, G·I] (or fp32 at one token with a bf16/fp16 out_dtype) with "
-                         f"unit stride, got {a.dtype} shape {tuple(a.shape)} and out_dtype {out_dtype}")
+        raise ValueError(f"a: expected bf16/fp16 [M, G·I] (or fp32 with a bf16/fp16 out_dtype) with unit stride, "
+                         f"got {a.dtype} shape {tuple(a.shape)} and out_dtype {out_dtype}")
     if groups < 1 or a.shape[1] % groups or w_q.dim() != 2 or w_q.shape[0] % groups:
         raise ValueError(f"groups: {groups} must divide a's {a.shape[1]} columns and w_q's rows "
                          f"({tuple(w_q.shape)})")

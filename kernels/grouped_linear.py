@@ -56,7 +56,8 @@ FP8_BLOCK_I = 128   # one scale column per K step
 # wo_b's equal bytes in about 17 µs. run56 (H100): alone, at one bf16 token, GEMV 16.3 µs vs the tile 16.5 µs; in
 # the step it never ran, since the graph's x is fp32 (the attention's output, cast by the op). The GEMV now
 # rounds one fp32 row itself: run57 (H100, 2-layer slice, batch 1) put the step on the GPU alone at 0.812 ms
-# against 0.848 / 0.837 with the tile.
+# against 0.848 / 0.837 with the tile. Up to 16 rows the GEMV's tensor-core tile takes fp32 rows too (rounded
+# before the MMA); untimed: batch 8's step with 16 here is run59's A/B.
 FP8_GEMV_MAX_M = 1
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -200,9 +201,9 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
     Triton launch, up to FP8_MAX_M token rows. w_q e4m3 [G·R, I], w_s [ceil(G·R/128), ceil(I/128)] (e8m0,
     its uint8 bytes, or fp32). `block_m` (16, 32 or 64): token rows per tile; each tile reads its weight
     slice (the op uses 16; 64, which reads it once at 64 rows, was no faster: 1.00x, BENCHMARKS.md). Up to
-    FP8_GEMV_MAX_M rows with x in dtype (16-bit), or one fp32 row (rounded to dtype in the kernel, as the tile
-    casts), the block-diagonal FP8 GEMV instead (the same
-    products, summed on CUDA cores in another order). CPU tensors run under the interpreter."""
+    FP8_GEMV_MAX_M rows with x in dtype (16-bit) or fp32 (rounded to dtype in the kernel, as the tile casts),
+    the block-diagonal FP8 GEMV instead (the same products summed in another order: one row on CUDA cores, more
+    on its tensor-core tile). CPU tensors run under the interpreter."""
     M, G, R, ws = _check_fp8(x, w_q, w_s, dtype)
     if M > FP8_MAX_M:
         raise ValueError(f"fp8_grouped_linear: {M} token rows exceed the kernel's FP8_MAX_M = {FP8_MAX_M} (use the "
@@ -211,7 +212,7 @@ def fp8_grouped_linear(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, dt
         raise ValueError(f"fp8_grouped_linear: block_m must be 16, 32 or 64, got {block_m}")
     xc = x.contiguous()
     if (0 < M <= FP8_GEMV_MAX_M and dtype in (torch.bfloat16, torch.float16) and R % 16 == 0
-            and (x.dtype == dtype or (x.dtype == torch.float32 and M == 1))):
+            and x.dtype in (dtype, torch.float32)):
         return fp8_gemv_grouped_w8a16(xc.view(M, -1), w_q, ws, G, dtype).view(*x.shape[:2], G, R)
     z = torch.empty((*x.shape[:2], G, R), dtype=dtype, device=x.device)
     if M == 0:

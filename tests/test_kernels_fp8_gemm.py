@@ -249,8 +249,8 @@ _SM90_SCRIPT = textwrap.dedent('''
     ints = ("N", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_ym")  # launch-time multiples of 16
     tiles = ((False, 1, 32, 512, 4, 8, 0, False), (True, 16, 64, 128, 8, 4, 0, False),
              (False, 64, 64, 128, 4, 4, 0, False), (False, 1, 32, 512, 2, 8, 1024, False),
-             (False, 1, 32, 512, 2, 8, 1024, True))  # the last two: Flash's wo_a, block-diagonal; then on the
-    for a_fp8, bm, bn, bk, split, warps, group, f32 in tiles:  # graph's fp32 input, rounded in the kernel
+             (False, 1, 32, 512, 2, 8, 1024, True), (False, 16, 64, 128, 4, 4, 1024, True))  # the last three: Flash's
+    for a_fp8, bm, bn, bk, split, warps, group, f32 in tiles:  # wo_a block-diagonally, then on the graph's fp32 rows
         a_ty = "*fp8e4nv" if a_fp8 else "*fp32" if f32 else "*bf16"
         types = {"a_ptr": a_ty, "as_ptr": "*fp32" if a_fp8 else a_ty, "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -271,7 +271,7 @@ def test_gemv_compiles_for_sm90(tmp_path):
     the split tiles count with a global atomic, the one-token tile has no MMA."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
     assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
-                    ["1", "0", "1", "0"]], rows
+                    ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):

@@ -111,10 +111,32 @@ def test_one_fp32_token_is_rounded_by_the_gemv(monkeypatch):
         a.to(torch.bfloat16), w_q, w_s, 2))
     exact32 = fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2, out_dtype=torch.float16)  # rounded to fp16 instead
     assert not torch.equal(exact32, fp8_gemv_grouped_w8a16_ref(a, w_q, w_s, 2))
-    with pytest.raises(ValueError, match="or fp32 at one token"):
-        fp8_gemv_grouped_w8a16(torch.cat([a, a]), w_q, w_s, 2)
-    with pytest.raises(ValueError, match="or fp32 at one token"):
+    with pytest.raises(ValueError, match="or fp32 with a bf16/fp16 out_dtype"):
         fp8_gemv_grouped_w8a16(a, w_q, w_s, 2, out_dtype=torch.float32)
+
+
+def test_fp32_token_rows_on_the_tensor_core_gemv(monkeypatch):
+    """Up to FP8_GEMV_MAX_M (1 by default; 16 here) fp32 token rows run the GEMV's tensor-core tile, which rounds
+    them to bf16 before the MMA: the bits of the bf16-rounded rows, with the 16-row tile's result within bf16."""
+    import dsv4c.kernels.grouped_linear as GL
+    from dsv4c.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv_grouped_w8a16
+
+    x, w_q, w_s = _case(3, 2, 64, 256, seed=12)
+    x = x + 1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2))  # bits below bf16's
+    a = x.reshape(3, -1)
+    cfg = Fp8GemvConfig(16, 32, 128, 2)
+    got = fp8_gemv_grouped_w8a16(a, w_q, w_s, 2, config=cfg)
+    assert torch.equal(got, fp8_gemv_grouped_w8a16(a.to(torch.bfloat16), w_q, w_s, 2, config=cfg))
+    calls = []
+    real = GL.fp8_gemv_grouped_w8a16
+    monkeypatch.setattr(GL, "fp8_gemv_grouped_w8a16", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 16)
+    gemv = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+    assert calls == [(3, 512)] and torch.equal(gemv, fp8_grouped_linear(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16))
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
+    tile = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+    assert len(calls) == 2 and rel_err(gemv, tile) <= KERNEL_REL[torch.bfloat16]
+    assert rel_err(gemv, _exact(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
 
 
 def test_grouped_gemv_rows_and_errors():
@@ -135,8 +157,6 @@ def test_grouped_gemv_rows_and_errors():
         fp8_gemv_grouped_w8a16(x4.to(torch.bfloat16).view(1, -1), w4, s4, 4, config=Fp8GemvConfig(1, 64))
     with pytest.raises(ValueError, match="groups: 3 must divide"):
         fp8_gemv_grouped_w8a16(a, w_q, w_s, 3)
-    with pytest.raises(ValueError, match="a: expected bf16/fp16"):
-        fp8_gemv_grouped_w8a16(a.float(), w_q, w_s, 2)  # fp32 at three tokens
     with pytest.raises(ValueError, match="a: expected bf16/fp16"):
         fp8_gemv_grouped_w8a16(a.double()[:1], w_q, w_s, 2)
 
@@ -231,16 +251,17 @@ def test_kernel_on_gpu_at_flash_shapes(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_one_fp32_token_on_gpu_rounds_like_bf16(monkeypatch):
-    """Flash's wo_a at one fp32 token (the decode graph's input) on the GEMV: the bits of the bf16-rounded token's
-    GEMV, within the bf16 bound of the fp64 einsum."""
+def test_fp32_rows_on_gpu_round_like_bf16(monkeypatch):
+    """Flash's wo_a at 1 and 8 fp32 token rows (the decode graph's input) on the GEMV: the bits of the bf16-rounded
+    rows' GEMV, within the bf16 bound of the fp64 einsum."""
     import dsv4c.kernels.grouped_linear as GL
 
-    x, w_q, w_s = _case(1, 8, 1024, 4096, seed=8, device="cuda")
-    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 1)
-    got = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
-    assert torch.equal(got, fp8_grouped_linear(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16))
-    assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16]
+    monkeypatch.setattr(GL, "FP8_GEMV_MAX_M", 16)
+    for M in (1, 8):  # one token on CUDA cores, 8 on the tensor-core tile (FP8_GEMV_MAX_M 16: off by default)
+        x, w_q, w_s = _case(M, 8, 1024, 4096, seed=8, device="cuda")
+        got = fp8_grouped_linear(x, w_q, w_s, torch.bfloat16)
+        assert torch.equal(got, fp8_grouped_linear(x.to(torch.bfloat16), w_q, w_s, torch.bfloat16)), M
+        assert rel_err(got.cpu(), _exact(x, w_q, w_s, torch.bfloat16)) <= KERNEL_REL[torch.bfloat16], M
 
 
 _SM90_SCRIPT = textwrap.dedent('''
