@@ -17,8 +17,8 @@ Implementations per op (the names a target may use):
     static      `<op>_static`: the capture-safe cache ops
     gathered    `moe_experts_gathered`: capture-safe experts for decode-sized batches
     fused       `<op>_fused`: one or two Triton launches computing the capture-safe op's function
-                (kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py); CPU tensors
-                run the reference
+                (kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py, linear_f32.py); CPU
+                tensors run the reference
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("v4_attention", "fused"): "v4_attention_fused",
     ("v4_attention", "fused_det"): "v4_attention_fused_det",  # batch-invariant split (deterministic mode)
     ("v4_compress", "fused"): "v4_compress_fused",
+    ("linear_f32", "fused"): "linear_f32_fused",  # kernels/linear_f32.py: the one-token GEMV (GEMV_MAX_ELEMENTS)
     # paged caches (dsv4c.model.common.PagedLayout): the op's implementation follows its slot form's
     ("v4_attention_paged", "static"): "v4_attention_paged_static",
     ("v4_attention_paged", "fused"): "v4_attention_paged_fused",

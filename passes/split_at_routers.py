@@ -77,6 +77,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.dsa_cache_update_static": None,
     "dsv4c.moe_experts_gathered": None,
     "dsv4c.linear_f32": None,  # passes/lower_f32_linears.py: one cuBLAS call
+    "dsv4c.linear_f32_fused": None,  # kernels/linear_f32.py (`fused`): one Triton launch at one token, else cuBLAS
     # kernels/moe_grouped.py (passes/quantize_experts.py): on CUDA, device routing prep + Triton grids
     # fixed by shapes (worst-case M-blocks), no host sync. Its CPU fallback (reference math, with an
     # int() range check) is not what this entry claims; tests/test_quantize_experts.py checks the CUDA path.
