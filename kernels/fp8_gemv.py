@@ -106,10 +106,11 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
 @triton.jit
 def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
              WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, A_ROUND: tl.constexpr = None):
+             BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, A_ROUND: tl.constexpr = None,
+             RNE_BF16: tl.constexpr = False):
     """Tensor cores: acc [BN, BM] = sum over 128-wide K blocks of (w_blk @ a_blk^T) * scales.
     Loads feed the dot, so Triton's pipeliner keeps num_stages steps in flight. A_ROUND (a 16-bit dtype, or
-    None): fp32 activations rounded to it before the products."""
+    None): fp32 activations rounded to it before the products (RNE_BF16: by the bits, under the interpreter)."""
     KB: tl.constexpr = (K + 127) // 128
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(K_SPLIT // BLOCK_K):
@@ -129,7 +130,7 @@ def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr,
                 acc += part * (a_s * ws)[None, :]
             else:
                 if A_ROUND is not None:
-                    a = U.round_to(a.to(tl.float32), A_ROUND, INTERPRET and A_ROUND == tl.bfloat16).to(A_ROUND)
+                    a = U.round_to(a.to(tl.float32), A_ROUND, RNE_BF16).to(A_ROUND)
                 part = U.mma(w.to(a.dtype), a, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRET)
                 acc += part * ws
     return acc
@@ -150,13 +151,13 @@ def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constex
 
 @triton.jit
 def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-            A_ROUND: tl.constexpr = None, INTERPRET: tl.constexpr = False):
+            A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
     """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
     1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
     if A_ROUND is not None:
-        a = U.round_to(a, A_ROUND, INTERPRET and A_ROUND == tl.bfloat16)
+        a = U.round_to(a, A_ROUND, RNE_BF16)
     if A_FP8:
         a = a * tl.load(as_row + tl.minimum(ks // 128, (K + 127) // 128 - 1))
     return a
@@ -165,17 +166,17 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None, INTERPRET: tl.constexpr = False):
+              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_hi = k_lo + K_SPLIT
-    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, INTERPRET)
+    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
         w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
-        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, INTERPRET)
+        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
     return acc[:, None]
@@ -187,7 +188,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 ROUND_A: tl.constexpr = False, PDL: tl.constexpr = False):
+                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
     ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
@@ -209,11 +210,11 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None, INTERPRET)
+                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
-                       y_ptr.dtype.element_ty if ROUND_A else None)
+                       y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
     y_ptrs = y_ptr + m_idx[None, :] * stride_ym + n_idx[:, None]                     # [BN, BM]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -275,7 +276,9 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        ws.stride(0), y.stride(0), A_FP8=a_fp8, WS_E8M0=ws.dtype == torch.uint8,
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
-                       ROUND_A=a.dtype == torch.float32 and not a_fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **U.pdl_launch(a))
+                       ROUND_A=a.dtype == torch.float32 and not a_fp8,
+                       RNE_BF16=U.interpret_flag(a) and out_dtype == torch.bfloat16, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
 
