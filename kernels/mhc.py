@@ -351,6 +351,10 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
+# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel, > 1
+# `_hc_mix_rowblock_kernel` (4 warps). Untimed, 1 (off): run49's batch-64 verify of 1 + 3 tokens spent 310 µs in
+# the row kernel, whose 256 x 128 programs each read a 16 KB chunk of fn; examples/results/device-2026-12-06/run60.
+HC_BI_ROW_BLOCK = 1
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32
@@ -414,6 +418,32 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
     row = pid_s.to(tl.int64) * M + m
     tl.store(zp_ptr + row * MIXP + j, acc)
     tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
+
+
+@triton.jit
+def _hc_mix_rowblock_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX, CHUNK: tl.constexpr, MIXP: tl.constexpr,
+                            BLOCK_K: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    # _hc_mix_rows_kernel's partials for RB token rows per program (fn's chunk read once per RB rows). Every row
+    # is summed by the same code whatever M is (rows past M are masked, never mixed in): the deterministic
+    # mode's hc_pre_rows stays batch-invariant with a fixed RB.
+    pid_m, pid_s = tl.program_id(0), tl.program_id(1)
+    m = pid_m * RB + tl.arange(0, RB)
+    j = tl.arange(0, MIXP)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((RB, MIXP), dtype=tl.float32)
+    ss = tl.zeros((RB, BLOCK_K), dtype=tl.float32)
+    for k1 in range(0, CHUNK, BLOCK_K):
+        k = pid_s * CHUNK + k1 + kk
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0).to(tl.float32)                                                  # [RB, BLOCK_K]
+        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=(j[:, None] < MIX) & (k[None, :] < K),
+                    other=0.0)                                                                 # [MIXP, BLOCK_K]
+        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        ss += x * x
+    row = pid_s.to(tl.int64) * M + m
+    tl.store(zp_ptr + row[:, None] * MIXP + j[None, :], acc, mask=(m < M)[:, None])
+    tl.store(ssp_ptr + row, tl.sum(ss, axis=1), mask=m < M)
 
 
 @triton.jit
@@ -658,7 +688,7 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
            finish_warps: int | None = None, rows: bool | None = None, exact: bool | None = None,
-           eager_z: bool | None = None):
+           eager_z: bool | None = None, row_block: int = 1):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
     (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
@@ -668,26 +698,30 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
     of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
     PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
-    eager's on CUDA. CPU tensors run under the Triton interpreter."""
+    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1: one). CPU tensors
+    run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     lead = X.shape[:-2]
     u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
     post = torch.empty((*lead, n), dtype=torch.float32, device=X.device)
     comb = torch.empty((*lead, n, n), dtype=torch.float32, device=X.device)
     _pre_launches("hc_pre", X, fn, base, scale, (u, post, comb), (2 + n) * n, False, eps, hc_eps, iters, chunk,
-                  block_d, finish_warps, rows, exact, eager_z)
+                  block_d, finish_warps, rows, exact, eager_z, row_block)
     return u, post, comb
 
 
 def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps: float, hc_eps: float, iters: int,
                   chunk: int, block_d: int, finish_warps: int | None, rows: bool | None, exact: bool | None,
-                  eager_z: bool | None) -> None:
-    """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written)."""
+                  eager_z: bool | None, row_block: int = 1) -> None:
+    """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written).
+    `row_block` > 1 (a power of two, with rows): that many token rows per program of the first launch."""
     n, d = X.shape[-2], X.shape[-1]
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"{name}: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"{name}: block_d must be a power of two, got {block_d}")
+    if row_block < 1 or row_block & (row_block - 1):
+        raise ValueError(f"{name}: row_block must be a power of two, got {row_block}")
     x = X.contiguous()
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     m, k = x.numel() // (n * d) if n * d else 0, n * d
@@ -707,7 +741,11 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
         block_m = min(64, max(16, triton.next_power_of_2(m)))
         zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-        if use_rows:
+        if use_rows and row_block > 1:
+            _hc_mix_rowblock_kernel[(triton.cdiv(m, row_block), splits)](
+                x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K, RB=row_block, num_warps=4,
+                **pdl_launch(x))
+        elif use_rows:
             _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
                                              num_warps=HC_ROWS_WARPS, **pdl_launch(x))
         else:
@@ -952,7 +990,7 @@ def hc_pre_rows_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     if X.device.type == "cpu":
         _check_pre(X, fn, base, scale, iters)
         return hc_pre_ref(X, fn, base, scale, eps, hc_eps, iters)
-    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False)
+    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, rows=True, exact=False, row_block=HC_BI_ROW_BLOCK)
 
 
 @hc_pre_rows_op.register_fake
