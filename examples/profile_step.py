@@ -146,8 +146,8 @@ CLASS_EXACT = {
 # dsv4c's kernels counted as "other" on purpose (small per-token work that reads no weight of a class's bytes);
 # tests/test_profile_step.py checks that every Triton kernel of kernels/ is named here or in CLASS_EXACT
 CLASS_OTHER = ("_argmax_part_kernel", "_argmax_final_kernel", "_row_sum_kernel", "_sinkhorn_kernel",
-               "_sinkhorn_exact_kernel", "_hc_mix_kernel", "_hc_mix_rows_kernel", "_hc_mix_rowblock_kernel",
-               "_hc_sumsq_kernel", "_hc_pre_finish_kernel", "_hc_pre_finish_exact_kernel", "_hc_post_kernel",
+               "_sinkhorn_exact_kernel", "_hc_mix_kernel", "_hc_mix_rows_kernel", "_hc_sumsq_kernel",
+               "_hc_pre_finish_kernel", "_hc_pre_finish_exact_kernel", "_hc_post_kernel",
                "_hc_post_mix_kernel", "_hc_post_exact_kernel", "_rms_norm_kernel", "_rms_norm_exact_kernel",
                "_rope_kernel", "_head_rms_rope_kernel", "_rope_angles_kernel", "_route_topk_kernel",
                "_route_hashed_kernel", "_swiglu_act_kernel")

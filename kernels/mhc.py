@@ -351,9 +351,10 @@ HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
 HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
-# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel, > 1
-# `_hc_mix_rowblock_kernel` (4 warps). Untimed, 1 (off): run49's batch-64 verify of 1 + 3 tokens spent 310 µs in
-# the row kernel, whose 256 x 128 programs each read a 16 KB chunk of fn; examples/results/device-2026-12-06/run60.
+# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel; 16,
+# 32 or 64 the tiled `_hc_mix_kernel` with that BLOCK_M at every token count (its fp32 IEEE dot sums each row
+# alone, in one order for a fixed tile: batch-invariant). Untimed, 1 (off): run49's batch-64 verify of 1 + 3
+# tokens spent 310 µs in the row kernel, whose 256 x 128 programs each read a 16 KB chunk of fn (run60).
 HC_BI_ROW_BLOCK = 1
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
@@ -418,32 +419,6 @@ def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
     row = pid_s.to(tl.int64) * M + m
     tl.store(zp_ptr + row * MIXP + j, acc)
     tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
-
-
-@triton.jit
-def _hc_mix_rowblock_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX, CHUNK: tl.constexpr, MIXP: tl.constexpr,
-                            BLOCK_K: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    # _hc_mix_rows_kernel's partials for RB token rows per program (fn's chunk read once per RB rows). Every row
-    # is summed by the same code whatever M is (rows past M are masked, never mixed in): the deterministic
-    # mode's hc_pre_rows stays batch-invariant with a fixed RB.
-    pid_m, pid_s = tl.program_id(0), tl.program_id(1)
-    m = pid_m * RB + tl.arange(0, RB)
-    j = tl.arange(0, MIXP)
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((RB, MIXP), dtype=tl.float32)
-    ss = tl.zeros((RB, BLOCK_K), dtype=tl.float32)
-    for k1 in range(0, CHUNK, BLOCK_K):
-        k = pid_s * CHUNK + k1 + kk
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
-                    other=0.0).to(tl.float32)                                                  # [RB, BLOCK_K]
-        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=(j[:, None] < MIX) & (k[None, :] < K),
-                    other=0.0)                                                                 # [MIXP, BLOCK_K]
-        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
-        ss += x * x
-    row = pid_s.to(tl.int64) * M + m
-    tl.store(zp_ptr + row[:, None] * MIXP + j[None, :], acc, mask=(m < M)[:, None])
-    tl.store(ssp_ptr + row, tl.sum(ss, axis=1), mask=m < M)
 
 
 @triton.jit
@@ -698,8 +673,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
     of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
     PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
-    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1: one). CPU tensors
-    run under the Triton interpreter."""
+    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1: the row kernel;
+    16, 32, 64: the tiled one with that tile). CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     lead = X.shape[:-2]
     u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
@@ -714,14 +689,14 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
                   chunk: int, block_d: int, finish_warps: int | None, rows: bool | None, exact: bool | None,
                   eager_z: bool | None, row_block: int = 1) -> None:
     """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written).
-    `row_block` > 1 (a power of two, with rows): that many token rows per program of the first launch."""
+    `row_block` 16, 32 or 64 (with rows): the tiled first launch with that tile at any token count."""
     n, d = X.shape[-2], X.shape[-1]
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"{name}: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"{name}: block_d must be a power of two, got {block_d}")
-    if row_block < 1 or row_block & (row_block - 1):
-        raise ValueError(f"{name}: row_block must be a power of two, got {row_block}")
+    if row_block not in (1, 16, 32, 64):
+        raise ValueError(f"{name}: row_block must be 1, 16, 32 or 64 (a tl.dot tile), got {row_block}")
     x = X.contiguous()
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     m, k = x.numel() // (n * d) if n * d else 0, n * d
@@ -741,10 +716,10 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
         block_m = min(64, max(16, triton.next_power_of_2(m)))
         zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-        if use_rows and row_block > 1:
-            _hc_mix_rowblock_kernel[(triton.cdiv(m, row_block), splits)](
-                x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K, RB=row_block, num_warps=4,
-                **pdl_launch(x))
+        if use_rows and row_block > 1:  # the tiled launch with a fixed tile of row_block rows
+            _hc_mix_kernel[(triton.cdiv(m, row_block), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                                BLOCK_M=row_block, BLOCK_K=HC_BLOCK_K, num_warps=4,
+                                                                **pdl_launch(x))
         elif use_rows:
             _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
                                              num_warps=HC_ROWS_WARPS, **pdl_launch(x))

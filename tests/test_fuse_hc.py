@@ -606,31 +606,31 @@ def test_hc_pre_is_bit_exact_with_eager_at_prefill_size():
 
 
 def test_row_block_first_launch_rows_do_not_depend_on_the_token_count():
-    """`row_block` (HC_BI_ROW_BLOCK, off): the first launch with 4 token rows per program. A token's u, post and comb
-    are the same bits alone and among 7 (rows past M masked: never mixed in), within fp32 noise of the one-row
-    kernel's, and a bad row_block names itself."""
-    X, fn, base, scale = _site((7, 1), 4, 96, torch.bfloat16, seed=13)
-    blk = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=64, rows=True, exact=False, row_block=4)
+    """`row_block` (HC_BI_ROW_BLOCK, off): the tiled first launch with a fixed 16-row tile at any token count. A
+    token's u, post and comb are the same bits alone and among 20 (two tiles; rows past M masked, never mixed
+    in), within fp32 noise of the one-row kernel's, and a bad row_block names itself."""
+    X, fn, base, scale = _site((20, 1), 4, 96, torch.bfloat16, seed=13)
+    blk = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=64, rows=True, exact=False, row_block=16)
     one = hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, chunk=64, rows=True, exact=False)
-    for m in (1, 3, 5):
-        alone = hc_pre(X[:m], fn, base, scale, EPS, HC_EPS, ITERS, chunk=64, rows=True, exact=False, row_block=4)
+    for m in (1, 5, 17):
+        alone = hc_pre(X[:m], fn, base, scale, EPS, HC_EPS, ITERS, chunk=64, rows=True, exact=False, row_block=16)
         assert all(torch.equal(a, b[:m]) for a, b in zip(alone, blk)), m
     assert _rel(blk[0], one[0]) <= 1e-2 and all(_rel(a, b) <= 1e-5 for a, b in zip(blk[1:], one[1:]))
     assert _rel(blk[1], blk[1].roll(1, 0)) > 1e-3  # the rows differ: no row took another's partials
-    with pytest.raises(ValueError, match="row_block must be a power of two"):
-        hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, rows=True, row_block=3)
+    with pytest.raises(ValueError, match="row_block must be 1, 16, 32 or 64"):
+        hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS, rows=True, row_block=4)
 
 
 @pytest.mark.gpu
 def test_row_block_rows_do_not_depend_on_the_token_count_on_cuda(monkeypatch):
-    """hc_pre_rows with HC_BI_ROW_BLOCK 4 (off by default) at Flash dims: a token's bits alone equal its bits among
+    """hc_pre_rows with HC_BI_ROW_BLOCK 16 (off by default) at Flash dims: a token's bits alone equal its bits among
     256 (run49's batch-64 verify of 1 + 3 tokens), and are within fp32 noise of the one-row kernel's."""
     X, fn, base, scale = (t.cuda() for t in _site((256, 1), 4, 4096, torch.bfloat16, seed=10))
     ops = torch.ops.dsv4c
     one = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
-    monkeypatch.setattr(mhc_mod, "HC_BI_ROW_BLOCK", 4)
+    monkeypatch.setattr(mhc_mod, "HC_BI_ROW_BLOCK", 16)
     pre = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
-    for m in (1, 3, 8, 64):
+    for m in (1, 3, 17, 64):
         assert all(torch.equal(a, b[:m]) for a, b in zip(ops.hc_pre_rows(X[:m], fn, base, scale, EPS, HC_EPS, ITERS),
                                                           pre)), m
     assert _rel(pre[0], one[0]) <= 1e-2 and all(_rel(a, b) <= 1e-5 for a, b in zip(pre[1:], one[1:]))

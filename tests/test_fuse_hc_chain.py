@@ -106,17 +106,14 @@ _SM90_SCRIPT = textwrap.dedent('''
     for early in (False, True):
         c = dict(N=4, MIXP=32, BLOCK_D=32, EARLY_FN=early, PDL=True)
         print("kernel post_mix", int(early), build(mhc._hc_post_mix_kernel, {**f32, **bf}, c, 2))
-    c = dict(CHUNK=128, MIXP=32, BLOCK_K=64, RB=4, PDL=True)  # the deterministic first launch, HC_BI_ROW_BLOCK 4
-    print("kernel rowblock 4", build(mhc._hc_mix_rowblock_kernel, {**f32, **bf}, c, 4))
 ''')
 
 
 def test_kernels_compile_for_sm90(tmp_path):
     """_hc_post_mix_kernel compiled (not run) for sm_90 with and without HC_EARLY_FN: with it the PTX requests fn
-    before the PDL wait, without it nothing is loaded before the wait. And the deterministic mode's row-block
-    first launch (`_hc_mix_rowblock_kernel`, 4 rows a program), which loads nothing before its wait."""
+    before the PDL wait, without it nothing is loaded before the wait."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["post_mix", "0", "0"], ["post_mix", "1", "1"], ["rowblock", "4", "0"]], rows
+    assert rows == [["post_mix", "0", "0"], ["post_mix", "1", "1"]], rows
 
 
 def test_chained_kernel_partials_are_the_streams_it_wrote():

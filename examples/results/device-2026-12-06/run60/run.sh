@@ -1,8 +1,8 @@
-# run60 (any GPU, ~6 min): the deterministic mode's first hc_pre launch with 4 token rows per program
-# (mhc.HC_BI_ROW_BLOCK = 4, `_hc_mix_rowblock_kernel`) vs one (1, the default): its GPU tests (a token's bits alone
-# equal its bits among 256), then the verify of 1 + 3 tokens at batch 64 and 8 in deterministic mode with FP8
-# block experts (run49: 9.25 ms at batch 64, 310 µs of it in the one-row kernel), interleaved. If it wins, 4
-# becomes the default and tests/test_deterministic.py -m gpu runs with it.
+# run60 (any GPU, ~6 min): the deterministic mode's first hc_pre launch with 16 token rows per program
+# (mhc.HC_BI_ROW_BLOCK = 16: the tiled `_hc_mix_kernel` with a fixed 16-row tile) vs one (1, the default): its GPU
+# tests (a token's bits alone equal its bits among 256), then the verify of 1 + 3 tokens at batch 64 and 8 in
+# deterministic mode with FP8 block experts (run49: 9.25 ms at batch 64, 310 µs of it in the one-row kernel),
+# interleaved. If it wins, 16 becomes the default and tests/test_deterministic.py -m gpu runs with it.
 # B=SECONDS budget. At most 8 files to $OUT: the profiles are appended to one file.
 export PYTHONPATH=$PWD
 B=${B:-360}
@@ -20,6 +20,6 @@ run() {  # rows-per-program batch
   grep "^== full\|(critical path) |\|_hc_mix_row\|Error" /tmp/p.txt | sed "s|^|row block $1 b$2: |" \
     | tee -a $OUT/steps.txt
 }
-for v in 4 1 4 1; do run $v 64; done
-for v in 4 1; do run $v 8; done
+for v in 16 1 16 1; do run $v 64; done
+for v in 16 1; do run $v 8; done
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
