@@ -99,6 +99,28 @@ def last_split(cnt_ptr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def store_split(acc, y_ptrs, part_ptrs, part_stride, ok, cnt_ptr, pid_s, SPLIT: tl.constexpr):
+    """A split-K tile's end: with SPLIT 1 store acc at y_ptrs; otherwise store it as partial pid_s (part_ptrs +
+    pid_s·part_stride), and the tile's last program (`last_split` on cnt_ptr) sums the SPLIT partials in split
+    order and stores that: the result does not depend on which program finished last. ok masks every access."""
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptrs + pid_s * part_stride, acc, mask=ok)
+        tl.debug_barrier()
+        if last_split(cnt_ptr, SPLIT):
+            tot = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT):
+                tot += tl.load(part_ptrs + s * part_stride, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptrs.dtype.element_ty), mask=ok)
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (8 for CPU tensors: the interpreter's stand-in for grid sizing)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+@triton.jit
 def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
     """acc + a [M, K] @ b_nk[N, K]^T in fp32 (tensor cores on GPU)."""
     if INTERPRET:

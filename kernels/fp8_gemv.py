@@ -73,10 +73,6 @@ class Fp8GemvConfig:
             raise ValueError(f"Fp8GemvConfig.num_warps: 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     """Tiles for an [m, k] x [n, k]^T product on `sm_count` SMs, as the sweeps of
     examples/bench_dense_kernels.py chose them at the slice's six dense shapes (H200 for one token,
@@ -217,18 +213,9 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
     y_ptrs = y_ptr + m_idx[None, :] * stride_ym + n_idx[:, None]                     # [BN, BM]
     ok = n_ok[:, None] & m_ok[None, :]
-    if SPLIT == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        # partials [SPLIT, M, N] fp32; the last program of the tile sums them in split order
-        p_ptrs = part_ptr + m_idx[None, :] * N + n_idx[:, None]
-        tl.store(p_ptrs + pid_s * M * N, acc, mask=ok)
-        tl.debug_barrier()
-        if U.last_split(cnt_ptr + pid_m * tl.num_programs(0) + pid_n, SPLIT):
-            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                tot += tl.load(p_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=ok)
+    # partials [SPLIT, M, N] fp32
+    U.store_split(acc, y_ptrs, part_ptr + m_idx[None, :] * N + n_idx[:, None], M * N, ok,
+                  cnt_ptr + pid_m * tl.num_programs(0) + pid_n, pid_s, SPLIT)
 
 
 def _check_weight(w_q: torch.Tensor, w_s: torch.Tensor, k: int) -> torch.Tensor:
@@ -256,7 +243,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or default_config(m, n, k, _sm_count(a.device))
+    cfg = config or default_config(m, n, k, U.sm_count(a.device))
     while config is None and groups > 1 and (n // groups) % cfg.block_n and cfg.block_n > 16:
         cfg = replace(cfg, block_n=cfg.block_n // 2)  # the default's tile within one group
     cfg.check()

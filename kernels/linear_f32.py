@@ -64,20 +64,7 @@ def _gemv_f32_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K: tl.constexpr,
         w1, x1 = _step(x_ptr, w_rows, n_ok, k_lo + (i + 1) * BLOCK_K, K, BLOCK_K)
         acc += tl.sum(w * x[None, :], axis=1)
         w, x = w1, x1
-    if SPLIT == 1:
-        tl.store(y_ptr + n, acc, mask=n_ok)
-    else:
-        tl.store(part_ptr + pid_s * N + n, acc, mask=n_ok)
-        tl.debug_barrier()
-        if U.last_split(cnt_ptr + pid_n, SPLIT):
-            tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                tot += tl.load(part_ptr + s * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + n, tot, mask=n_ok)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    U.store_split(acc, y_ptr + n, part_ptr + n, N, n_ok, cnt_ptr + pid_n, pid_s, SPLIT)  # partials [SPLIT, N]
 
 
 def split_for(n: int, k: int, sm_count: int) -> int:
@@ -109,7 +96,7 @@ def linear_f32_gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) 
     y = torch.empty(1, n, dtype=torch.float32, device=x.device)
     if n == 0:
         return y
-    split = split or split_for(n, k, _sm_count(x.device))
+    split = split or split_for(n, k, U.sm_count(x.device))
     if split < 1 or split > U.SPLIT_TICKS or split & (split - 1):
         raise ValueError(f"linear_f32_gemv: split must be a power of two up to {U.SPLIT_TICKS}, got {split}")
     k_split = triton.cdiv(triton.cdiv(k, split), BLOCK_K) * BLOCK_K

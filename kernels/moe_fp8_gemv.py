@@ -98,13 +98,12 @@ def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limi
     u_rows = w_e + (I + rows).to(tl.int64)[:, None] * stride_wn                    # W3 rows
     g_s = s_e + (pid_n * BLOCK_N // 128) * stride_sn
     u_s = s_e + ((I + pid_n * BLOCK_N) // 128) * stride_sn
-    if EARLY:
-        wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
-        wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
-    U.pdl_wait(PDL)
     if not EARLY:
-        wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
-        wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
+        U.pdl_wait(PDL)
+    wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
+    wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
+    if EARLY:
+        U.pdl_wait(PDL)
     xa = _a_step(x_row, xs_row, 0, K, K, True, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -135,11 +134,11 @@ def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     ws_row = s_ptr + e * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     h_row, hs_row = hq_ptr + a * stride_h, hs_ptr + a * stride_hs
-    if EARLY:
-        w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
-    U.pdl_wait(PDL)
     if not EARLY:
-        w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
+        U.pdl_wait(PDL)
+    w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
+    if EARLY:
+        U.pdl_wait(PDL)
     ha = _a_step(h_row, hs_row, 0, K, K, True, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):
