@@ -8,9 +8,9 @@ Public API::
     sinkhorn_cuda_order(c0, iters, eps) -> Tensor      # the same with PyTorch's CUDA summation orders (N = 4)
     hc_pre(X, fn, base, scale, eps, hc_eps, iters, exact=None) -> (u, post, comb)   # two launches
     hc_pre_ref(...)                                    # HyperConnection.pre, unchanged
-    hc_post(y, X, post, comb, exact=None) -> Tensor    # one launch
+    hc_post(y, X, post, comb, exact=None, y2=None) -> Tensor    # one launch; y2: y is y + y2 (rounded)
     hc_post_ref(...)                                   # HyperConnection.post, unchanged
-    hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb')
+    hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2=None) -> (X', u, post', comb')
                                                        # a post and the next site's pre: two launches at decode
     hc_post_pre_ref(...)                               # HyperConnection.post, then .pre on its output
 
@@ -19,9 +19,10 @@ Custom ops (targets of passes/fuse_sinkhorn.py and passes/fuse_hc.py; CPU = the 
     dsv4c::sinkhorn(Tensor c0, int iters, float eps) -> Tensor
     dsv4c::hc_pre(Tensor X, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters)
         -> (Tensor u, Tensor post, Tensor comb)
-    dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb) -> Tensor
+    dsv4c::hc_post(Tensor y, Tensor X, Tensor post, Tensor comb, Tensor? y2=None) -> Tensor
     dsv4c::hc_post_pre(Tensor y, Tensor X, Tensor post, Tensor comb, Tensor fn, Tensor base, Tensor scale,
-        float eps, float hc_eps, int iters) -> (Tensor, Tensor, Tensor, Tensor)    # passes/fuse_hc_chain.py
+        float eps, float hc_eps, int iters, Tensor? y2=None) -> (Tensor, Tensor, Tensor, Tensor)
+                                                       # passes/fuse_hc_chain.py
     dsv4c::hc_pre_rows, dsv4c::hc_post_bi, dsv4c::sinkhorn_bi   # the same, one variant at any M (deterministic)
 
 Two variants of each kernel, chosen by the launch's M (tokens, matrices): from EXACT_ROWS_MIN
@@ -78,7 +79,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait
+from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait, round_to
 from dsv4c.kernels.norm import EXACT_ROWS_MIN, row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
@@ -544,10 +545,22 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
 
 
 @triton.jit
-def _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_y(y_ptr, y2_ptr, off, dm, HAS_Y2: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 [BLOCK_D]: y, or with HAS_Y2 the sum y + y2 rounded to y's dtype (what the eager `y + y2` stores;
+    RNE_BF16: under the interpreter, whose bf16 cast truncates)."""
+    y = tl.load(y_ptr + off, mask=dm, other=0.0).to(tl.float32)
+    if HAS_Y2:
+        y2 = tl.load(y2_ptr + off, mask=dm, other=0.0).to(tl.float32)
+        y = round_to(y + y2, y_ptr.dtype.element_ty, RNE_BF16)
+    return y
+
+
+@triton.jit
+def _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+               HAS_Y2: tl.constexpr, RNE_BF16: tl.constexpr):
     """fp32 [N, BLOCK_D]: X'[k, d] = post_k·y[d] + Σ_j comb[j, k]·X[j, d] of token `tok` (0 where not dm)."""
     k = tl.arange(0, N)
-    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    y = _load_y(y_ptr, y2_ptr, tok * D + d, dm, HAS_Y2, RNE_BF16)
     acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
     for jj in tl.static_range(N):
         cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
@@ -558,23 +571,23 @@ def _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.constexpr,
 
 
 @triton.jit
-def _hc_post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     tok = pid_m.to(tl.int64)
-    out = _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D)
+    out = _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D, HAS_Y2, RNE_BF16)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
 
 
 @triton.jit
-def _hc_post_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_ptr, ssp_ptr, M, D, MIX,
+def _hc_post_mix_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_ptr, ssp_ptr, M, D, MIX,
                         N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, EARLY_FN: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """hc_post and the first launch of the next site's hc_pre in one: the program's [N, BLOCK_D] slice of
     X' (as `_hc_post_kernel`), stored in X's dtype, then that slice's share of z and of Σ X'² over X' as
     stored: zp[pid_d, m, j] = Σ_{k, d in the slice} fn[j, k·D + d]·X'[k, d], ssp[pid_d, m] = Σ X'[k, d]².
@@ -590,7 +603,8 @@ def _hc_post_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_pt
         w_all = tl.load(fn_ptr + j[None, :, None].to(tl.int64) * (N * D) + k[:, None, None] * D + d[None, None, :],
                         mask=(j[None, :, None] < MIX) & dm[None, None, :], other=0.0)
     pdl_wait(PDL)
-    xq = _post_tile(y_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D).to(out_ptr.dtype.element_ty)
+    xq = _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D, HAS_Y2,
+                    RNE_BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], xq, mask=dm[None, :])
     xr = xq.to(tl.float32)                                                            # [N, BD], 0 where not dm
     if EARLY_FN:
@@ -608,7 +622,8 @@ def _hc_post_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_pt
 
 
 @triton.jit
-def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _hc_post_exact_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False,
                           PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
@@ -616,7 +631,7 @@ def _hc_post_exact_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.co
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     tok = pid_m.to(tl.int64)
-    y = tl.load(y_ptr + tok * D + d, mask=dm, other=0.0).to(tl.float32)
+    y = _load_y(y_ptr, y2_ptr, tok * D + d, dm, HAS_Y2, RNE_BF16)
     acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
     for jj in tl.static_range(N):
         cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
@@ -784,22 +799,23 @@ def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, h
 
 def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float, iters: int,
-                chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D):
-    """One site's post-mix and the next site's pre-mix: X' = hc_post(y, X, post, comb), then
+                chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D, y2: torch.Tensor | None = None):
+    """One site's post-mix and the next site's pre-mix: X' = hc_post(y, X, post, comb, y2=y2), then
     (u, post', comb') = hc_pre(X', fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb').
     `chained` (default: M <= HC_ROWS_MAX tokens, decode) takes two launches, `_hc_post_mix_kernel` (X' and
     the partials of z split by d-block) and hc_pre's fast finish; otherwise hc_post then hc_pre, as unfused
     (three launches). CPU tensors run under the Triton interpreter."""
-    n, d = _check_post(y, X, post, comb)
+    n, d = _check_post(y, X, post, comb, y2)
     _check_pre(X, fn, base, scale, iters)  # X' has X's shape and dtype
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post_pre: block_d must be a power of two, got {block_d}")
     m = X.numel() // (n * d) if n * d else 0
     if not (m <= HC_ROWS_MAX if chained is None else chained):
-        x2 = hc_post(y, X, post, comb)
+        x2 = hc_post(y, X, post, comb, y2=y2)
         return (x2, *hc_pre(x2, fn, base, scale, eps, hc_eps, iters))
     lead = X.shape[:-2]
     x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
+    has_y2, y2 = y2 is not None, y if y2 is None else y2.contiguous()  # without y2: y in its place, unread
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     x2 = torch.empty_like(x)
     outs = (torch.empty((*lead, d), dtype=X.dtype, device=X.device),
@@ -811,15 +827,17 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     mixp, splits = max(16, triton.next_power_of_2(mix)), triton.cdiv(d, bd)
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    _hc_post_mix_kernel[(m, splits)](y, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
-                                     EARLY_FN=bool(HC_EARLY_FN), num_warps=HC_ROWS_WARPS, **pdl_launch(x))
+    _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
+                                     EARLY_FN=bool(HC_EARLY_FN), HAS_Y2=has_y2, RNE_BF16=_rne_bf16(y),
+                                     num_warps=HC_ROWS_WARPS,
+                                     **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
 
 
-def hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps: float, hc_eps: float, iters: int):
+def hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps: float, hc_eps: float, iters: int, y2=None):
     """The eager model's `HyperConnection.post` then `.pre` on its output (the specification)."""
-    x2 = hc_post_ref(y, X, post, comb)
+    x2 = hc_post_ref(y, X, post, comb, y2)
     return (x2, *hc_pre_ref(x2, fn, base, scale, eps, hc_eps, iters))
 
 
@@ -846,46 +864,61 @@ def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     return HyperConnection.pre(hc, X, fn, base, scale)
 
 
-def _check_post(y, X, post, comb) -> tuple[int, int]:
+def _rne_bf16(y: torch.Tensor) -> bool:
+    """`_load_y`'s RNE_BF16: the interpreter's bf16 cast truncates, so round y + y2 on the bits there."""
+    return bool(interpret_flag(y)) and y.dtype == torch.bfloat16
+
+
+def _check_post(y, X, post, comb, y2=None) -> tuple[int, int]:
     n, d = _check_streams("hc_post", X)
     lead = tuple(X.shape[:-2])
     if y.dtype not in _HC_DTYPES or tuple(y.shape) != (*lead, d):
         raise ValueError(f"hc_post: y must be a float tensor of shape {[*lead, d]}, got {y.dtype} {list(y.shape)}")
+    if y2 is not None and (y2.dtype != y.dtype or y2.shape != y.shape or y2.device != y.device):
+        raise ValueError(f"hc_post: y2 must match y ({y.dtype} {list(y.shape)} on {y.device}), "
+                         f"got {y2.dtype} {list(y2.shape)} on {y2.device}")
     _check_f32("hc_post", "post", post, (*lead, n))
     _check_f32("hc_post", "comb", comb, (*lead, n, n))
     return n, d
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            block_d: int = HC_BLOCK_D, exact: bool | None = None) -> torch.Tensor:
+            block_d: int = HC_BLOCK_D, exact: bool | None = None, y2: torch.Tensor | None = None) -> torch.Tensor:
     """The mHC post-mix: X'[..., k, :] = post[..., k]·y + Σ_j comb[..., j, k]·X[..., j, :], fp32 math,
     in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch.
+    `y2` (y's shape and dtype): y is y + y2 rounded to y's dtype, the eager sum the kernel then reads
+    (passes/fuse_moe_sum.py: the routed and shared experts' outputs).
     `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True `_hc_post_exact_kernel` (no
     FMA contraction but eager's own), False `_hc_post_kernel`."""
-    n, d = _check_post(y, X, post, comb)
+    n, d = _check_post(y, X, post, comb, y2)
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post: block_d must be a power of two, got {block_d}")
     x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
+    has_y2, y2 = y2 is not None, y if y2 is None else y2.contiguous()  # without y2: y in its place, unread
     out = torch.empty_like(x)
     m = x.numel() // (n * d) if n * d else 0
     if m == 0:
         return out
     bd = min(block_d, triton.next_power_of_2(d))
     if m >= EXACT_ROWS_MIN if exact is None else exact:
-        _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+        _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd,
+                                                       HAS_Y2=has_y2, RNE_BF16=_rne_bf16(y),
                                                        num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False,
                                                        **pdl_launch(y))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
-        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, x, post, comb, out, d, N=n, BLOCK_D=bd,
+        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd, HAS_Y2=has_y2,
+                                                 RNE_BF16=_rne_bf16(y),
                                                  num_warps=4 if n * bd >= 1024 else 1, **pdl_launch(y))
     return out
 
 
-def hc_post_ref(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The eager model's `HyperConnection.post` (the specification), unchanged."""
+def hc_post_ref(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                y2: torch.Tensor | None = None) -> torch.Tensor:
+    """The eager model's `HyperConnection.post` (the specification), unchanged, on y or on the eager
+    sum y + y2."""
     from dsv4c.model.v4 import HyperConnection
 
-    return HyperConnection.post(y, X, post, comb)
+    return HyperConnection.post(y if y2 is None else y + y2, X, post, comb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -910,33 +943,34 @@ def _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters):
 
 
 @torch.library.custom_op("dsv4c::hc_post", mutates_args=())
-def hc_post_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               y2: torch.Tensor | None = None) -> torch.Tensor:
     """`hc_post` on CUDA tensors; on CPU the model's own function (bit-exact with the unfused graph)."""
     if X.device.type == "cpu":
-        _check_post(y, X, post, comb)
-        return hc_post_ref(y, X, post, comb)
-    return hc_post(y, X, post, comb)
+        _check_post(y, X, post, comb, y2)
+        return hc_post_ref(y, X, post, comb, y2)
+    return hc_post(y, X, post, comb, y2=y2)
 
 
 @hc_post_op.register_fake
-def _hc_post_fake(y, X, post, comb):
+def _hc_post_fake(y, X, post, comb, y2=None):
     return torch.empty_like(X)
 
 
 @torch.library.custom_op("dsv4c::hc_post_pre", mutates_args=())
 def hc_post_pre_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                   base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float,
-                   iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float, iters: int,
+                   y2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_post_pre` on CUDA tensors; on CPU the model's own functions (bit-exact with the unfused pair)."""
     if X.device.type == "cpu":
-        _check_post(y, X, post, comb)
+        _check_post(y, X, post, comb, y2)
         _check_pre(X, fn, base, scale, iters)
-        return hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps, hc_eps, iters)
-    return hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters)
+        return hc_post_pre_ref(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2)
+    return hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2=y2)
 
 
 @hc_post_pre_op.register_fake
-def _hc_post_pre_fake(y, X, post, comb, fn, base, scale, eps, hc_eps, iters):
+def _hc_post_pre_fake(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2=None):
     return (torch.empty_like(X), *_hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters))
 
 
@@ -974,17 +1008,18 @@ def _hc_pre_rows_fake(X, fn, base, scale, eps, hc_eps, iters):
 
 
 @torch.library.custom_op("dsv4c::hc_post_bi", mutates_args=())
-def hc_post_bi_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post_bi_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  y2: torch.Tensor | None = None) -> torch.Tensor:
     """`hc_post` with the fast kernel at every token count (the deterministic mode: `dsv4c::hc_post` picks
     its variant by the token count). CPU: the model's function, as `dsv4c::hc_post`."""
     if X.device.type == "cpu":
-        _check_post(y, X, post, comb)
-        return hc_post_ref(y, X, post, comb)
-    return hc_post(y, X, post, comb, exact=False)
+        _check_post(y, X, post, comb, y2)
+        return hc_post_ref(y, X, post, comb, y2)
+    return hc_post(y, X, post, comb, exact=False, y2=y2)
 
 
 @hc_post_bi_op.register_fake
-def _hc_post_bi_fake(y, X, post, comb):
+def _hc_post_bi_fake(y, X, post, comb, y2=None):
     return torch.empty_like(X)
 
 

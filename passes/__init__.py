@@ -62,6 +62,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.absorb_mla import absorb_mla
     from dsv4c.passes.fuse_hc import fuse_hc
     from dsv4c.passes.fuse_hc_chain import fuse_hc_chain
+    from dsv4c.passes.fuse_moe_sum import fuse_moe_sum
     from dsv4c.passes.fuse_projections import fuse_projections
     from dsv4c.passes.fuse_rmsnorm import fuse_rmsnorm
     from dsv4c.passes.fuse_rope import fuse_rope
@@ -82,6 +83,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_sinkhorn", fuse_sinkhorn),
         ("fuse_hc", fuse_hc),
         ("fuse_hc_chain", fuse_hc_chain),  # a site's hc_post and the next site's hc_pre: one op
+        ("fuse_moe_sum", fuse_moe_sum),  # routed + shared experts added in the post-mix that reads them
         ("fuse_rmsnorm", fuse_rmsnorm),
         ("fuse_rope", fuse_rope),
         ("fuse_rope_angles", fuse_rope_angles),
