@@ -1,4 +1,4 @@
-# run59 (any GPU, ~9 min): (1) GPU tests of the grouped wo_a (fp32 rows on the GEMV's CUDA-core and tensor-core
+# run59 (any GPU, ~9 min; (4), (3), (2) in that order, (2) while the budget lasts): (1) GPU tests of the grouped wo_a (fp32 rows on the GEMV's CUDA-core and tensor-core
 # paths), fp8_gemm's GEMV, linear_f32's GEMV and the mHC post-mix's second y (fuse_moe_sum); (2) the 2-layer
 # slice's batch-8 step on the GPU alone with wo_a's 8 fp32 rows on the GEMV's tensor-core tile
 # (grouped_linear.FP8_GEMV_MAX_M = 16) vs the 16-row tile (1, the default), interleaved; (3) the batch-1 step with
@@ -24,7 +24,6 @@ run() {  # label batch knob [profile_step args]
   { echo "### $1"; cat /tmp/p.txt; } >> $OUT/profiles.txt
   grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|$1: |" | tee -a $OUT/steps.txt
 }
-for v in 16 1 16 1; do run "b8 wo_a gemv max $v" 8 grouped_linear.FP8_GEMV_MAX_M=$v; done
 for v in 1 0 1 0; do
   if [ $v = 1 ]; then run "b1 linear_f32 gemv" 1 linear_f32.GEMV_MAX_ELEMENTS=16777216 --kernels linear_f32=fused
   else run "b1 linear_f32 cublas" 1 linear_f32.GEMV_MAX_ELEMENTS=0; fi
@@ -33,4 +32,5 @@ for v in 1 0 1 0; do
   if [ $v = 1 ]; then run "b1 moe_sum folded" 1 grouped_linear.FP8_GEMV_MAX_M=1
   else run "b1 moe_sum unfolded" 1 grouped_linear.FP8_GEMV_MAX_M=1 --skip-passes fuse_moe_sum; fi
 done
+for v in 16 1 16 1; do run "b8 wo_a gemv max $v" 8 grouped_linear.FP8_GEMV_MAX_M=$v; done  # while B lasts
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
