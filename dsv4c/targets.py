@@ -59,9 +59,11 @@ _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_comp
 # CUDA targets: capture-safe cache ops so decode steps become CUDA graphs. V4's attention, compressor,
 # indexer and per-head q norm + RoPE run as Triton kernels (`fused`, kernels/v4_*.py, rope.py); V3's
 # cache writes as the static ATen forms (dsv4c/model/static_ops.py). The routed experts are rewritten
-# by quantize_experts (expert_format) into capture-safe Triton kernels.
+# by quantize_experts (expert_format) into capture-safe Triton kernels. The fp32 linears (routers' gates,
+# compressor and indexer projections) take kernels/linear_f32.py's one-token GEMV (run59: 13 µs a 2-layer step).
 _CUDA = {**_REFERENCE, "v4_attention": "fused", "v4_compress": "fused", "mla_cache_update": "static",
-         "dsa_cache_update": "static", "head_rms_rope": "fused", "v4_indexer_topk": "fused"}
+         "dsa_cache_update": "static", "head_rms_rope": "fused", "v4_indexer_topk": "fused",
+         "linear_f32": "fused"}
 
 # BENCHMARKS.md, grouped-MoE sweeps on the H200 (2026-11-30, ninth session): Flash expert shapes,
 # microseconds per call replayed in a CUDA graph (how decode runs), default kernels, at 1 / 8 / 64 tokens,

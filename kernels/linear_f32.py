@@ -18,8 +18,10 @@ K range on CUDA cores (products of two 16-bit values, exact in fp32; fp32 sums);
 its fp32 partial and the tile's last program (`_tl.last_split`) adds them in split order: one launch, the
 same result whichever program finishes last, chained by PDL. Only the summation order differs from cuBLAS's
 (lower_f32_linears.py: within fp32 rounding of the sum). The op runs it up to GEMV_MAX_ELEMENTS weight
-values (the head, 129280 x 4096, stays with cuBLAS at about 94% of copy bandwidth); 0 keeps cuBLAS always
-(the default until a device run times it: examples/results/device-2026-12-06/run59).
+values (the head, 129280 x 4096, stays with cuBLAS at about 94% of copy bandwidth); 0 keeps cuBLAS always.
+run59 (H100, the 2-layer slice's batch-1 step on the GPU alone, interleaved): 0.807 / 0.807 ms with the GEMV
+against 0.820 / 0.820 ms with cuBLAS (76 vs 79 kernels), so 16M weight values (the routers' gates, the
+compressor and indexer projections) and the CUDA targets' `linear_f32: fused` are the defaults.
 
 Shapes: K reduction (x's last dim), N output features; legend as kernels/fp8_gemv.py.
 """
@@ -33,7 +35,7 @@ from dsv4c.kernels import _tl as U
 BLOCK_N = 32
 BLOCK_K = 256
 NUM_WARPS = 4
-GEMV_MAX_ELEMENTS = 0  # weight values up to which the op runs the GEMV at one token; 0: cuBLAS always (untimed)
+GEMV_MAX_ELEMENTS = 16 << 20  # weight values up to which the op runs the GEMV at one token; 0: cuBLAS always
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

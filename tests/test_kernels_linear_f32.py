@@ -59,13 +59,18 @@ def test_bad_input_names_the_limit():
 
 def test_fused_op_is_the_op_off_cuda_and_selected_by_the_target_map():
     """On the CPU the `fused` op is `linear_f32` itself (the reference); select_kernels maps linear_f32 to it when
-    a target or --kernels names `fused`; the GEMV is off by default (GEMV_MAX_ELEMENTS 0)."""
+    a target or --kernels names `fused` (the CUDA targets do), up to GEMV_MAX_ELEMENTS weight values (the routers'
+    gates and the stacked compressor / indexer projections of Flash; not the head)."""
     from dsv4c.passes.select_kernels import implementation_op
 
     x, w = _case(40, 256, seed=4)
     assert torch.equal(torch.ops.dsv4c.linear_f32_fused(x, w), torch.ops.dsv4c.linear_f32(x, w))
     assert implementation_op("linear_f32", "fused") is torch.ops.dsv4c.linear_f32_fused.default
-    assert LF.GEMV_MAX_ELEMENTS == 0
+    from dsv4c.targets import get_target
+
+    assert all(get_target(t).kernels["linear_f32"] == "fused" for t in ("h100", "h200", "b200"))
+    assert "linear_f32" not in get_target("cpu").kernels
+    assert 4096 * 384 <= LF.GEMV_MAX_ELEMENTS < 129280 * 4096
 
 
 _SM90_SCRIPT = textwrap.dedent('''

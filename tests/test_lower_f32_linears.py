@@ -46,7 +46,7 @@ def test_bf16_head_and_gates_are_lowered_and_outputs_are_unchanged():
     assert rec.changed and rec.stats["sites"] == n_sites, rec.stats
     assert "model.head.weight" in rec.stats["weights"]
     assert sum(".fused_" in w for w in rec.stats["weights"]) == compressed
-    assert graph_ops(gm)["linear_f32.default"] == n_sites
+    assert graph_ops(gm)["linear_f32_fused.default"] == n_sites  # select_kernels: the h200 target's `fused`
     verify(gm, PassContext(cfg, "h200", "decode"), after="lower_f32_linears")
     # no fp32 copy of the head weight is left in the graph
     for n in gm.graph.nodes:
