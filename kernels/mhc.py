@@ -354,9 +354,11 @@ HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
 HC_ROWS_WARPS = 2
 # Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel; 16,
 # 32 or 64 the tiled `_hc_mix_kernel` with that BLOCK_M at every token count (its fp32 IEEE dot sums each row
-# alone, in one order for a fixed tile: batch-invariant). Untimed, 1 (off): run49's batch-64 verify of 1 + 3
-# tokens spent 310 µs in the row kernel, whose 256 x 128 programs each read a 16 KB chunk of fn (run60).
-HC_BI_ROW_BLOCK = 1
+# alone, in one order for a fixed tile: batch-invariant). run60 (H100, the 2-layer slice's deterministic verify of
+# 1 + 3 tokens, FP8 block experts, GPU alone, interleaved): batch 64 8.201 / 8.184 ms with 16 against 8.279 /
+# 8.275 with the row kernel (313 µs of it), batch 8 3.428 vs 3.434 ms; run62: tests/test_deterministic.py -m gpu
+# passes with 16.
+HC_BI_ROW_BLOCK = 16
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32

@@ -606,7 +606,7 @@ def test_hc_pre_is_bit_exact_with_eager_at_prefill_size():
 
 
 def test_row_block_first_launch_rows_do_not_depend_on_the_token_count():
-    """`row_block` (HC_BI_ROW_BLOCK, off): the tiled first launch with a fixed 16-row tile at any token count. A
+    """`row_block` (HC_BI_ROW_BLOCK, 16 by default): the tiled first launch with a fixed 16-row tile at any token count. A
     token's u, post and comb are the same bits alone and among 20 (two tiles; rows past M masked, never mixed
     in), within fp32 noise of the one-row kernel's, and a bad row_block names itself."""
     X, fn, base, scale = _site((20, 1), 4, 96, torch.bfloat16, seed=13)
@@ -623,13 +623,15 @@ def test_row_block_first_launch_rows_do_not_depend_on_the_token_count():
 
 @pytest.mark.gpu
 def test_row_block_rows_do_not_depend_on_the_token_count_on_cuda(monkeypatch):
-    """hc_pre_rows with HC_BI_ROW_BLOCK 16 (off by default) at Flash dims: a token's bits alone equal its bits among
-    256 (run49's batch-64 verify of 1 + 3 tokens), and are within fp32 noise of the one-row kernel's."""
+    """hc_pre_rows with HC_BI_ROW_BLOCK 16 (the default) at Flash dims: a token's bits alone equal its bits among
+    256 (run49's batch-64 verify of 1 + 3 tokens), and are within fp32 noise of the one-row kernel's (1)."""
     X, fn, base, scale = (t.cuda() for t in _site((256, 1), 4, 4096, torch.bfloat16, seed=10))
     ops = torch.ops.dsv4c
+    assert mhc_mod.HC_BI_ROW_BLOCK == 16
+    pre = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
+    monkeypatch.setattr(mhc_mod, "HC_BI_ROW_BLOCK", 1)
     one = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
     monkeypatch.setattr(mhc_mod, "HC_BI_ROW_BLOCK", 16)
-    pre = ops.hc_pre_rows(X, fn, base, scale, EPS, HC_EPS, ITERS)
     for m in (1, 3, 17, 64):
         assert all(torch.equal(a, b[:m]) for a, b in zip(ops.hc_pre_rows(X[:m], fn, base, scale, EPS, HC_EPS, ITERS),
                                                           pre)), m

@@ -1,0 +1,5 @@
+# run62 (any GPU, ~3 min; the budget left after run61 and run60, as one command on the warm machine): the tree
+# with run61's lf32.patch and the deterministic mode's hc_pre tile (mhc.HC_BI_ROW_BLOCK = 16, run60's winner, set
+# here by sed): tests/test_deterministic.py -m gpu (greedy tokens identical across batch 1 / 8 / 64 and k = 0..3),
+# then the 2-layer batch-1 step's timeline with the new defaults (linear_f32's GEMV, fuse_moe_sum).
+export PYTHONPATH=$PWD; patch -p1 < examples/results/device-2026-12-06/run61/lf32.patch >/dev/null && sed -i 's/^HC_BI_ROW_BLOCK = 1$/HC_BI_ROW_BLOCK = 16/' kernels/mhc.py && git diff --stat | tee $OUT/diff.txt; python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1; timeout 200 python -m pytest -q -m gpu tests/test_deterministic.py -x > $OUT/det_tests.txt 2>&1; echo rc=$? >> $OUT/det_tests.txt; tail -3 $OUT/det_tests.txt; timeout 60 python examples/profile_step.py --layers 2 --expert-format fp8_block --top 8 --batch 1 --timeline > $OUT/b1_timeline.txt 2>&1; grep "== full" $OUT/b1_timeline.txt
