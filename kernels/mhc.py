@@ -831,8 +831,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
                                      EARLY_FN=bool(HC_EARLY_FN), HAS_Y2=has_y2, RNE_BF16=_rne_bf16(y),
-                                     num_warps=HC_ROWS_WARPS,
-                                     **pdl_launch(x))
+                                     num_warps=HC_ROWS_WARPS, **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
 

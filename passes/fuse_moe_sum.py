@@ -61,9 +61,7 @@ def _fold(gm: GraphModule, post: Node, add: Node, view: Node | None, at: int) ->
             addends = [g.call_function(aten.reshape.default, (x, list(view.args[1]))) for x in add.args]
         for r in addends:
             r.meta["val"] = y.meta["val"]
-    args = list(post.args) + [None] * (at + 1 - len(post.args))
-    args[0], args[at] = addends[0], addends[1]
-    post.args = tuple(args)
+    post.args = (addends[0], *post.args[1:at], addends[1])
     for n, like in ((view, addends[0]), (add, add.args[0])):  # their metadata checks move to a value alike
         if n is not None:
             n.replace_all_uses_with(like)
@@ -80,8 +78,8 @@ def fuse_moe_sum(gm: GraphModule, ctx: PassContext) -> PassResult:
     at = dict(zip(ops, _Y2_AT.values()))
     folded = 0
     for post in list(gm.graph.nodes):
-        if post.op != "call_function" or post.target not in at or len(post.args) > at[post.target]:
-            continue  # not a post-mix, or one that has its y2 already
+        if post.op != "call_function" or post.target not in at or len(post.args) != at[post.target] or post.kwargs:
+            continue  # not a post-mix, or one with its y2 already (or arguments by name)
         found = _sum_of(post.args[0]) if isinstance(post.args[0], Node) else None
         if found is not None:
             _fold(gm, post, *found, at[post.target])
