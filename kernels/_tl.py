@@ -129,6 +129,11 @@ def mma(a, b_nk, acc, INTERPRET: tl.constexpr):
         return tl.dot(a, tl.trans(b_nk), acc)
 
 
+def rne_bf16(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """`round_to`'s RNE_BF16 for kernels on `t` rounding to `dtype`: bf16 under the interpreter."""
+    return interpret_flag(t) and dtype == torch.bfloat16
+
+
 @triton.jit
 def round_to(x, ty: tl.constexpr, RNE_BF16: tl.constexpr):
     """fp32 x rounded to `ty`, returned as fp32 (exact in ty). Under the interpreter (RNE_BF16) bf16 is

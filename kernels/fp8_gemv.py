@@ -264,7 +264,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        INTERPRET=U.interpret_flag(a), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
-                       RNE_BF16=U.interpret_flag(a) and out_dtype == torch.bfloat16, num_warps=cfg.num_warps,
+                       RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait, round_to
+from dsv4c.kernels._tl import interpret_flag, pdl_launch, pdl_wait, rne_bf16, round_to
 from dsv4c.kernels.norm import EXACT_ROWS_MIN, row_sumsq, reduce_layout
 
 MAX_N = 16  # N·N fp32 per matrix in registers; hc_mult is 4
@@ -830,7 +830,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
-                                     EARLY_FN=bool(HC_EARLY_FN), HAS_Y2=has_y2, RNE_BF16=_rne_bf16(y),
+                                     EARLY_FN=bool(HC_EARLY_FN), HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
                                      num_warps=HC_ROWS_WARPS, **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
@@ -863,11 +863,6 @@ def hc_pre_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
     hc = SimpleNamespace(n=X.shape[-2], eps=eps, hc_eps=hc_eps, iters=iters)
     return HyperConnection.pre(hc, X, fn, base, scale)
-
-
-def _rne_bf16(y: torch.Tensor) -> bool:
-    """`_load_y`'s RNE_BF16: the interpreter's bf16 cast truncates, so round y + y2 on the bits there."""
-    return bool(interpret_flag(y)) and y.dtype == torch.bfloat16
 
 
 def _check_post(y, X, post, comb, y2=None) -> tuple[int, int]:
@@ -903,12 +898,12 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     bd = min(block_d, triton.next_power_of_2(d))
     if m >= EXACT_ROWS_MIN if exact is None else exact:
         _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd,
-                                                       HAS_Y2=has_y2, RNE_BF16=_rne_bf16(y),
+                                                       HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
                                                        num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False,
                                                        **pdl_launch(y))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _hc_post_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd, HAS_Y2=has_y2,
-                                                 RNE_BF16=_rne_bf16(y),
+                                                 RNE_BF16=rne_bf16(y, y.dtype),
                                                  num_warps=4 if n * bd >= 1024 else 1, **pdl_launch(y))
     return out
 

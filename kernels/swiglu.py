@@ -120,7 +120,7 @@ def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     block = min(MAX_BLOCK, triton.next_power_of_2(I))
     grid = (out.numel() // I, triton.cdiv(I, block))
     _swiglu_act_kernel[grid](g, u, out, I, g_rs, u_rs, float(limit), CLAMP=limit > 0,
-                             RNE_BF16=g.device.type == "cpu" and g.dtype == torch.bfloat16, BLOCK=block,
+                             RNE_BF16=U.rne_bf16(g, g.dtype), BLOCK=block,
                              num_warps=max(1, min(4, block // 256)), **U.pdl_launch(g))
     return out
 
