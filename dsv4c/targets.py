@@ -45,13 +45,17 @@ class Target:
     status: str = "routed experts in expert_format; FP8-stored dense linears in dense_format"
     expert_format_reason: str = ""  # why this expert format (measured figures), as data
     expert_format_tokens: tuple[int, int] | None = None  # tokens per MoE call the choice is best for
+    # bytes of the next linears' weights a decode graph asks into L2 at the start of each run of small kernels
+    # (passes/prefetch_weights.py); 0: none
+    l2_prefetch_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "capability": self.capability,
                 "expert_format": self.expert_format, "dense_format": self.dense_format,
                 "kernels": dict(self.kernels), "buckets": list(self.buckets), "dtype": self.dtype,
                 "status": self.status, "expert_format_reason": self.expert_format_reason,
-                "expert_format_tokens": list(self.expert_format_tokens) if self.expert_format_tokens else None}
+                "expert_format_tokens": list(self.expert_format_tokens) if self.expert_format_tokens else None,
+                "l2_prefetch_bytes": self.l2_prefetch_bytes}
 
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",
@@ -78,7 +82,8 @@ _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us a
                   "checkpoint's exact values. One format per artifact (graphs share weights), so fp8_block; "
                   "--expert-format mxfp4_w4a16 for latency-bound decode at batch <= 8 (and half the expert memory).")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block_w8a16", "kernels": _CUDA,
-           "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
+           "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384),
+           "l2_prefetch_bytes": 32 << 20}  # of the 50 MB L2 of an H100 / H200
 
 TARGETS: dict[str, Target] = {
     "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="bf16", kernels=_CUDA,

@@ -73,6 +73,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
     from dsv4c.passes.make_batch_invariant import make_batch_invariant
+    from dsv4c.passes.prefetch_weights import prefetch_weights
     from dsv4c.passes.quantize_dense import quantize_dense
     from dsv4c.passes.quantize_experts import quantize_experts
     from dsv4c.passes.select_kernels import select_kernels
@@ -95,6 +96,7 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("quantize_dense", quantize_dense),
         ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic; sees the formats chosen
         ("select_kernels", select_kernels),
+        ("prefetch_weights", prefetch_weights),  # last: places L2 prefetches by the final ops' weights
     ]
 
 

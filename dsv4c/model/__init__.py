@@ -22,8 +22,8 @@ def keeps_fp32(name: str) -> bool:
 
 # The Triton kernel modules (dsv4c.kernels.<name>) that register dsv4c custom ops the fusion passes
 # and the quantised experts lower to; they need triton.
-KERNEL_MODULES = ("batch_invariant", "fp8_gemm", "grouped_linear", "linear_f32", "mhc", "moe_grouped", "norm", "rope",
-                  "rope_angles", "router", "swiglu", "v4_attention", "v4_compress", "v4_indexer")
+KERNEL_MODULES = ("batch_invariant", "fp8_gemm", "grouped_linear", "l2_prefetch", "linear_f32", "mhc", "moe_grouped",
+                  "norm", "rope", "rope_angles", "router", "swiglu", "v4_attention", "v4_compress", "v4_indexer")
 
 
 def register_ops() -> dict[str, str]:
