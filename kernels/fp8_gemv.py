@@ -43,6 +43,9 @@ __all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_
 
 _B = Q.FP8_BLOCK
 MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the tile GEMM above
+# 1: the one-token GEMV loads its weights with L2 eviction priority evict_first, so streamed bytes leave L2 before
+# those kernels/l2_prefetch.py brought in for the linears after it (untimed: run64)
+W_EVICT_FIRST = 0
 
 
 @dataclass(frozen=True)
@@ -133,12 +136,17 @@ def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr,
 
 
 @triton.jit
-def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr,
+            EVICT_FIRST: tl.constexpr = False):
     """One K step's weights (columns k0.. below min(k_hi, K), zeros past them): (e4m3 [BN, BK], their fp32
-    scales [BK], one per column)."""
+    scales [BK], one per column). EVICT_FIRST: the weight loads with L2 eviction priority evict_first."""
     ks = k0 + tl.arange(0, BLOCK_K)
     kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)                                   # [BK]
-    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & ((ks < K) & (ks < k_hi))[None, :], other=0.0)
+    ok = n_ok[:, None] & ((ks < K) & (ks < k_hi))[None, :]
+    if EVICT_FIRST:
+        w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0)
     ws = tl.load(ws_row + kb)
     if WS_E8M0:
         ws = U.e8m0_value(ws.to(tl.int32))
@@ -162,7 +170,7 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
+              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, W_EVICT: tl.constexpr = False):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
@@ -171,7 +179,7 @@ def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr,
     a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
-        w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
+        w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K, W_EVICT)
         a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
@@ -184,7 +192,8 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
+                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
+                 W_EVICT: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
     ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
@@ -203,10 +212,10 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     k_lo = pid_s * K_SPLIT
     if BLOCK_M == 1:
         row = pid_m.to(tl.int64)
-        w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
+        w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K, W_EVICT)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
+                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16, W_EVICT)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
@@ -265,6 +274,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
                        RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
+                       W_EVICT=bool(W_EVICT_FIRST) and a.is_cuda,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
