@@ -262,6 +262,14 @@ _SM90_SCRIPT = textwrap.dedent('''
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4}).asm["ptx"]
         print("kernel", bm, int("cp.async" in ptx), int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx))
+    for ev in (False, True):  # the one-token tile's weight loads with L2 priority evict_first (W_EVICT_FIRST)
+        consts.update(A_FP8=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, K_SPLIT=4096, SPLIT=2, GROUP_ROWS=0,
+                      ROUND_A=False, W_EVICT=ev)
+        types.update(a_ptr="*bf16", as_ptr="*bf16")
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        print("kernel evict", int(ev), int("L2::evict_first" in ptx), int("L2::cache_hint" in ptx))
 ''')
 
 
@@ -270,8 +278,10 @@ def test_gemv_compiles_for_sm90(tmp_path):
     import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
     the split tiles count with a global atomic, the one-token tile has no MMA."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
-                    ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
+    assert rows[:6] == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
+                        ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
+    # W_EVICT (fp8_gemv.W_EVICT_FIRST): the one-token tile's weight loads carry the L2 evict_first policy, else none
+    assert rows[6:] == [["evict", "0", "0", "0"], ["evict", "1", "1", "1"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):
