@@ -46,7 +46,7 @@ class Target:
     expert_format_reason: str = ""  # why this expert format (measured figures), as data
     expert_format_tokens: tuple[int, int] | None = None  # tokens per MoE call the choice is best for
     # bytes of the next linears' weights a decode graph asks into L2 at the start of each run of small kernels
-    # (passes/prefetch_weights.py); 0: none
+    # (passes/prefetch_weights.py); 0 (every target today, run64 measured a loss): none
     l2_prefetch_bytes: int = 0
 
     def to_dict(self) -> dict:
@@ -82,8 +82,9 @@ _HOPPER_REASON = ("H200 grouped-MoE sweep (Flash shapes, CUDA-graph replay, us a
                   "checkpoint's exact values. One format per artifact (graphs share weights), so fp8_block; "
                   "--expert-format mxfp4_w4a16 for latency-bound decode at batch <= 8 (and half the expert memory).")
 _HOPPER = {"expert_format": "fp8_block", "dense_format": "fp8_block_w8a16", "kernels": _CUDA,
-           "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384),
-           "l2_prefetch_bytes": 32 << 20}  # of the 50 MB L2 of an H100 / H200
+           "expert_format_reason": _HOPPER_REASON, "expert_format_tokens": (1, 16384)}
+# l2_prefetch_bytes stays 0 (passes/prefetch_weights.py off): with 32 MiB the 2-layer slice's batch-1 step was
+# 0.648 / 0.643 ms against 0.632 / 0.628 without, batch 8 1.183 vs 1.165 ms (run64, H200, GPU alone)
 
 TARGETS: dict[str, Target] = {
     "b200": Target("b200", "cuda", (10, 0), expert_format="nvfp4_w4a4", dense_format="bf16", kernels=_CUDA,

@@ -43,9 +43,10 @@ __all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_
 
 _B = Q.FP8_BLOCK
 MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the tile GEMM above
-# 1: the one-token GEMV loads its weights with L2 eviction priority evict_first, so streamed bytes leave L2 before
-# those kernels/l2_prefetch.py brought in for the linears after it (untimed: run64)
-W_EVICT_FIRST = 0
+# one token: the K split doubles while the grid stays under this many programs per SM (and each keeps a K step).
+# run64 (H200, the 2-layer slice's batch-1 step on the GPU alone, interleaved): 16: 0.606 / 0.605 ms, 8: 0.610 /
+# 0.612, 2 (the earlier rule): 0.629 / 0.629; 32 0.607. The dense linears' critical path 358-360 vs 379-382 µs.
+GEMV_PROGRAMS_PER_SM = 16
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,10 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     H100 run36 for 8 and 64: examples/results/device-2026-12-05e/).
 
     One token: 32 rows x 512 columns per step on 8 warps (120 registers, 16 KB of the next step in
-    flight per program); the K split doubles while the programs stay under two per SM. More tokens:
+    flight per program); the K split doubles while the programs stay under GEMV_PROGRAMS_PER_SM (16)
+    per SM: more programs, more bytes in flight (run64, Flash's wo_b alone: 20.4 µs from a cold L2 at
+    split 4, 18.0 at split 16, and 17.2 from a warm L2 at split 4: the GEMV is not bandwidth-bound at
+    this size). More tokens:
     tensor cores, 16 (up to 16 tokens) or 32 / 64 token rows x 64 weight rows x 128 columns per step,
     3 stages, 4 warps; the K split doubles only while the doubled grid stays within two programs per SM
     (at 8 tokens the wider split of the one-token rule was 1.1-1.6x slower on every split shape). Both
@@ -94,7 +98,7 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
         bm, bn, bk, warps, stages = min(MAX_M, max(16, triton.next_power_of_2(m))), 64, _B, 4, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     steps = triton.cdiv(k, bk)
-    grid_cap = 2 * sm_count if m == 1 else sm_count  # programs (one token) or programs before a doubling
+    grid_cap = GEMV_PROGRAMS_PER_SM * sm_count if m == 1 else sm_count  # programs (one token) / before a doubling
     split = 1
     while (tiles * split < grid_cap and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
@@ -136,17 +140,12 @@ def _tc_loop(a_rows, as_rows, w_rows, ws_row, n_ok, m_ok, k_lo, K: tl.constexpr,
 
 
 @triton.jit
-def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr,
-            EVICT_FIRST: tl.constexpr = False):
+def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constexpr, BLOCK_K: tl.constexpr):
     """One K step's weights (columns k0.. below min(k_hi, K), zeros past them): (e4m3 [BN, BK], their fp32
-    scales [BK], one per column). EVICT_FIRST: the weight loads with L2 eviction priority evict_first."""
+    scales [BK], one per column)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     kb = tl.minimum(ks // 128, (K + 127) // 128 - 1)                                   # [BK]
-    ok = n_ok[:, None] & ((ks < K) & (ks < k_hi))[None, :]
-    if EVICT_FIRST:
-        w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & ((ks < K) & (ks < k_hi))[None, :], other=0.0)
     ws = tl.load(ws_row + kb)
     if WS_E8M0:
         ws = U.e8m0_value(ws.to(tl.int32))
@@ -170,7 +169,7 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, W_EVICT: tl.constexpr = False):
+              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
@@ -179,7 +178,7 @@ def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr,
     a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
-        w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K, W_EVICT)
+        w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
         a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
@@ -192,8 +191,7 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
-                 W_EVICT: tl.constexpr = False):
+                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
     ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
@@ -212,10 +210,10 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     k_lo = pid_s * K_SPLIT
     if BLOCK_M == 1:
         row = pid_m.to(tl.int64)
-        w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K, W_EVICT)
+        w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16, W_EVICT)
+                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
@@ -274,7 +272,6 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
                        RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
-                       W_EVICT=bool(W_EVICT_FIRST) and a.is_cuda,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 

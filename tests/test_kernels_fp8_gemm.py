@@ -167,7 +167,7 @@ def test_split_counters_are_left_as_found():
 
 
 def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
-    from dsv4c.kernels.fp8_gemv import default_config
+    from dsv4c.kernels.fp8_gemv import GEMV_PROGRAMS_PER_SM, default_config
 
     # v4-flash-slice: wq_a ‖ wkv, wq_b, wq_b ‖ indexer wq_b, wo_b, shared w1 ‖ w3, shared w2
     shapes = [(1536, 4096), (32768, 1024), (40960, 1024), (4096, 8192), (4096, 4096), (4096, 2048)]
@@ -179,12 +179,14 @@ def test_gemv_default_config_fills_the_gpu_for_the_slice_shapes():
             steps = triton.cdiv(k, c.block_k)
             assert (c.block_m == 1) == (m == 1) and c.block_m >= min(m, 16)
             assert c.split * m * n * 4 <= n * k / 4, (m, n, k, c)  # partials stay small against the weight
-            # two programs per SM (one token), more than one per SM (tensor cores: a doubling would pass two),
-            # unless another bound stopped the split
-            full = programs >= 264 if m == 1 else programs > 132
+            # GEMV_PROGRAMS_PER_SM programs per SM (one token), more than one per SM (tensor cores: a doubling
+            # would pass two), unless another bound stopped the split
+            full = programs >= GEMV_PROGRAMS_PER_SM * 132 if m == 1 else programs > 132
             assert (full or steps < 2 * c.split or 2 * c.split * m * n * 4 > n * k / 4), (m, n, k, c)
             assert m == 1 or c.split == 1 or programs <= 264, (m, n, k, c)
     assert default_config(1, 1536, 4096, 132).split > 1  # the 12-program case of the tile GEMM
+    # one token: up to 16 programs per SM (run64's step A/B), each with one K step of 512 columns or more
+    assert [default_config(1, n, k, 132).split for n, k in shapes] == [8, 2, 2, 16, 8, 4]
     # the splits run36's H100 sweep found fastest at 8 and 64 tokens (bn64 bk128)
     assert [default_config(8, n, k, 132).split for n, k in shapes] == [8, 1, 1, 4, 4, 4]
     assert [default_config(64, n, k, 132).split for n, k in shapes] == [4, 1, 1, 4, 4, 2]
@@ -262,14 +264,6 @@ _SM90_SCRIPT = textwrap.dedent('''
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4}).asm["ptx"]
         print("kernel", bm, int("cp.async" in ptx), int("atom.global" in ptx), int("wgmma" in ptx or "mma.sync" in ptx))
-    for ev in (False, True):  # the one-token tile's weight loads with L2 priority evict_first (W_EVICT_FIRST)
-        consts.update(A_FP8=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, K_SPLIT=4096, SPLIT=2, GROUP_ROWS=0,
-                      ROUND_A=False, W_EVICT=ev)
-        types.update(a_ptr="*bf16", as_ptr="*bf16")
-        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        print("kernel evict", int(ev), int("L2::evict_first" in ptx), int("L2::cache_hint" in ptx))
 ''')
 
 
@@ -278,10 +272,8 @@ def test_gemv_compiles_for_sm90(tmp_path):
     import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
     the split tiles count with a global atomic, the one-token tile has no MMA."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows[:6] == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
-                        ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
-    # W_EVICT (fp8_gemv.W_EVICT_FIRST): the one-token tile's weight loads carry the L2 evict_first policy, else none
-    assert rows[6:] == [["evict", "0", "0", "0"], ["evict", "1", "1", "1"]], rows
+    assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
+                    ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):

@@ -95,13 +95,18 @@ def test_the_kernel_builds_for_sm90_with_every_request_before_the_pdl_wait(tmp_p
 # ---- CUDA (the device) ------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_prefetched_bytes_are_read_faster_on_the_gpu():
-    """32 MB read from a cold L2 against the same read after a prefetch and a 30 µs wait (what a run of small
-    kernels gives it): the second is faster. Also captured in a CUDA graph."""
+    """Flash's wo_b (33.5 MB of e4m3) through the one-token FP8 GEMV from a cold L2, against the same GEMV after a
+    prefetch and a 30 µs wait (what a run of small kernels gives it): the second is faster (run64, H200: 18.8 vs
+    20.4 µs; from a warm L2 17.2: the GEMV gains little from L2 at this size). Also captured in a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    w = torch.randn(8 << 20, device="cuda")  # 32 MB
+    from dsv4c.kernels.fp8_gemv import fp8_gemv_w8a16
+
+    w = torch.randn(4096, 8192, device="cuda").to(torch.float8_e4m3fn)
+    ws = torch.rand(32, 64, device="cuda") + 0.5
+    a = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    nbytes = w.numel() * 4
+    nbytes = w.numel()
 
     def timed(prefetch: bool) -> float:
         flush.zero_()
@@ -110,7 +115,7 @@ def test_prefetched_bytes_are_read_faster_on_the_gpu():
         torch.cuda._sleep(60_000)
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
-        w.sum()
+        fp8_gemv_w8a16(a, w, ws)
         t1.record()
         t1.synchronize()
         return t0.elapsed_time(t1)
@@ -119,9 +124,10 @@ def test_prefetched_bytes_are_read_faster_on_the_gpu():
         timed(p)
     cold = sorted(timed(False) for _ in range(15))[7]
     warm = sorted(timed(True) for _ in range(15))[7]
-    assert warm * 1.2 < cold, (cold, warm)
+    print(f"cold {cold * 1e3:.1f} us, after the prefetch {warm * 1e3:.1f} us")
+    assert warm < 0.97 * cold, (cold, warm)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        L.l2_prefetch([w, w[: 1 << 20]], [nbytes, 1 << 22])
+        L.l2_prefetch([w, w[:16]], [nbytes, 4096])
     g.replay()
     torch.cuda.synchronize()

@@ -2,11 +2,13 @@
 values with them; they survive export, save and load in a compiled artifact."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from cut_presets import small
 from fusion_cases import assert_same, exported, inputs, model, run
 
-from dsv4c import write_random_checkpoint
+from dsv4c import targets, write_random_checkpoint
 from dsv4c.compile import compile_checkpoint
 from dsv4c.model import register_ops
 from dsv4c.passes import PassContext, run_pipeline
@@ -17,15 +19,17 @@ register_ops()
 P = torch.ops.dsv4c.l2_prefetch.default
 
 
-def _small_thresholds(monkeypatch, budget: int | None = None):
-    """The tiny models' weights are kilobytes: scale the pass's byte thresholds down to them."""
+def _budget(monkeypatch, budget: int) -> None:
+    """The h200 target with `l2_prefetch_bytes` = budget (every target has 0: run64 measured a loss)."""
+    t = targets.TARGETS["h200"]
+    monkeypatch.setitem(targets.TARGETS, "h200", dataclasses.replace(t, l2_prefetch_bytes=budget))
+
+
+def _small_thresholds(monkeypatch, budget: int = 32 << 20):
+    """The tiny models' weights are kilobytes: scale the pass's byte thresholds down to them; a budget on h200."""
     monkeypatch.setattr(PW, "MIN_TENSOR_BYTES", 1 << 10)
     monkeypatch.setattr(PW, "MIN_CALL_BYTES", 4 << 10)
-    if budget is not None:
-        from dsv4c import targets
-
-        t = targets.TARGETS["h200"]
-        monkeypatch.setitem(targets.TARGETS, "h200", type(t)(**{**t.__dict__, "l2_prefetch_bytes": budget}))
+    _budget(monkeypatch, budget)
 
 
 def _lowered(kind: str = "decode", target: str = "h200", skip=()):
@@ -93,15 +97,23 @@ def test_cpu_target_prefill_and_zero_budget_are_left_alone(monkeypatch):
     assert rec.stats == {"calls": 0, "skipped": "target cpu: l2_prefetch_bytes is 0"}
     _, rec = _lowered("prefill")
     assert rec.stats["calls"] == 0 and "prefill" in rec.stats["skipped"]
-    _small_thresholds(monkeypatch, budget=0)
+    _budget(monkeypatch, 0)
     _, rec = _lowered()
-    assert rec.stats["calls"] == 0
+    assert rec.stats["calls"] == 0 and "l2_prefetch_bytes is 0" in rec.stats["skipped"]
 
 
-def test_default_thresholds_place_nothing_on_a_tiny_model():
+def test_default_thresholds_place_nothing_on_a_tiny_model(monkeypatch):
     """At the real thresholds (MB weights) a tiny model's kilobyte weights are not worth a launch."""
+    _budget(monkeypatch, 32 << 20)
     _, rec = _lowered()
     assert rec.stats["calls"] == 0 and not rec.changed
+
+
+def test_every_target_has_it_off():
+    """run64 measured a loss: no target asks for prefetches, so the default pipeline leaves graphs as they were."""
+    assert all(t.l2_prefetch_bytes == 0 for t in targets.TARGETS.values())
+    _, rec = _lowered()
+    assert rec.stats == {"calls": 0, "skipped": "target h200: l2_prefetch_bytes is 0"}
 
 
 def test_prefetches_survive_compile_save_and_load(tmp_path, monkeypatch):
