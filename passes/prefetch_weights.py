@@ -26,8 +26,8 @@ changes. The op is side-effecting for dead-code elimination, so export and loadi
 
 Measured (run64, H200, the 2-layer slice on the GPU alone, interleaved): with 32 MiB per P the batch-1 step took
 0.648 / 0.643 ms against 0.632 / 0.628 ms without (batch 8: 1.183 vs 1.165 ms). The dense linears' critical path
-fell by 7-8 µs, the six launches and the small kernels beside the prefetch traffic cost 17-18 µs; 48 MiB, the
-per-line prefetch and evict_first weight loads in the GEMV did no better. Alone, Flash's wo_b on the one-token
+fell by 7-8 µs, the six launches and the small kernels beside the prefetch traffic cost 17-18 µs; evict_first
+weight loads in the GEMV did no better (0.644 ms). Alone, Flash's wo_b on the one-token
 GEMV took 20.4 µs from a cold L2, 18.8 after a prefetch and 17.2 from a warm L2: at this size the GEMV is held
 by its own bytes in flight more than by HBM (kernels/fp8_gemv.py: more programs per SM, adopted instead). So
 `Target.l2_prefetch_bytes` is 0 for every target; the pass is kept, tested, for a placement that pays.
