@@ -16,6 +16,8 @@ small kernels that read almost nothing (norms, RoPE, the attention on short cach
 2-layer slice): a CSA layer's attention run is about 43 µs of such kernels, then wo_a and wo_b stream 67 MB at
 about 64% of copy bandwidth. A call placed at the start of such a run asks for the next linears' weights; the
 memory system fills L2 while the small kernels run, and the linears then find those bytes in L2.
+Measured a loss (run64, H200: the launches cost more than the one-token GEMV gains from L2), so no target asks
+for it today (passes/prefetch_weights.py has the figures).
 
 The kernel: program p, lane l issues one request per range for bytes [(p·LANES + l)·CHUNK, +CHUNK) clipped to
 the range; nothing waits for the data (MODE 0: sm_90's bulk `cp.async.bulk.prefetch.L2.global`, one instruction
@@ -39,8 +41,9 @@ MAX_RANGES = 4
 CHUNK = 4096  # bytes per request
 LANES = 32  # requests per program and range (one warp)
 MODE = 0  # 0: bulk prefetch per CHUNK (sm_90); 1: prefetch.global.L2 per 128-byte line
-_LINE = 128
-_BULK = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
+# one request of $2 bytes at address $1 when $2 > 0 ($0: a dummy result; is_pure=False keeps the asm)
+_BULK = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+                     "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
 _PER_LINE = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
 
@@ -54,7 +57,7 @@ def _issue(addr, n, r, rec_ptr, CHUNK: tl.constexpr, LANES: tl.constexpr, MODE: 
     off = (pid * LANES + lane).to(tl.int64) * CHUNK                                    # [L] bytes into the range
     size = tl.minimum(n - off, CHUNK).to(tl.int32)                                     # [L] <= 0: past the range
     if DRY_RUN:
-        rec = rec_ptr + ((pid * 4 + r) * LANES + lane) * 3
+        rec = rec_ptr + ((pid * 4 + r) * LANES + lane) * 3  # 4: MAX_RANGES
         ok = size > 0
         tl.store(rec, tl.where(ok, r, -1).to(tl.int64))
         tl.store(rec + 1, tl.where(ok, off, 0))
@@ -114,7 +117,7 @@ def _launch(ranges: list[tuple[int, int]], anchor: torch.Tensor, rec: torch.Tens
     flat = [v for a, n in ranges for v in (a, n)] + [0, 0] * (MAX_RANGES - len(ranges))
     dry = rec is not None
     _prefetch_kernel[grid](*flat, rec if dry else anchor, R=len(ranges), CHUNK=CHUNK, LANES=LANES, MODE=MODE,
-                           DRY_RUN=dry, num_warps=1, **({"PDL": False} if dry else U.pdl_launch(anchor)))
+                           DRY_RUN=dry, num_warps=1, **U.pdl_launch(anchor))  # a dry run's anchor: CPU, PDL off
 
 
 def l2_prefetch(weights: list[torch.Tensor], nbytes: list[int]) -> None:

@@ -268,7 +268,7 @@ def test_run_pipeline_skips_dumps_and_rejects_unknown_names(exports, tmp_path):
     ctx = PassContext(cfg)
     _, recs = run_pipeline(gm, ctx, skip=["fuse_projections"], dump_dir=tmp_path)
     names = [n for n, _ in default_pipeline()]
-    assert names[0] == "fuse_projections" and names[-1] == "select_kernels"
+    assert names[0] == "fuse_projections" and names[-2:] == ["select_kernels", "prefetch_weights"]
     assert [(r.name, r.skipped) for r in recs] == [(n, n == "fuse_projections") for n in names]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{i:02d}_{n}.{w}.py" for i, n in enumerate(names[1:], 1)
                                                                 for w in ("after", "before"))

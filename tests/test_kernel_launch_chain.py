@@ -13,7 +13,8 @@ KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 # kernels that request inputs fixed before the chain started (expert weights, routing, mHC's fn) ahead of the wait
 EARLY_READS = {("moe_fp4_gemv.py", "_gemv13_kernel"), ("moe_fp4_gemv.py", "_gemv2_kernel"),
                ("moe_fp8_gemv.py", "_gemv13_kernel"), ("moe_fp8_gemv.py", "_gemv2_kernel"),
-               ("mhc.py", "_hc_post_mix_kernel")}
+               ("mhc.py", "_hc_post_mix_kernel"),
+               ("l2_prefetch.py", "_prefetch_kernel")}  # its L2 prefetches of weights (its dry run's records: PDL off)
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg"}
 
 
