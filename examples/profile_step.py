@@ -344,6 +344,11 @@ def main(argv=None) -> int:
     modes = ["eager"]
     if dev.type == "cuda":
         modes.append("full" if plan.n_capturable == len(plan.segments) else "graphs")
+    blockers = sorted({s.reason for s in plan.segments if not s.capturable and s.reason})
+    if blockers:  # run64's first call timed piecewise steps as if whole: say so where the figures are read
+        res["not_one_graph"] = blockers
+        print(f"== note: {len(plan.segments) - plan.n_capturable} of {len(plan.segments)} segments are not "
+              f"capturable, so the step replays piecewise ('graphs'), not as one graph: {'; '.join(blockers)}")
     for mode in modes:
         ex = SegmentExecutor(split, plan, dev, mode=mode, pad_slot=n_slots - 1)
         restore()

@@ -145,3 +145,15 @@ def test_critical_rows_count_only_how_far_each_kernel_moves_the_end():
         ps.timeline([("_moe_gemm_kernel", 0.0, 50.0), ("_act_fp8_kernel", 10.0, 60.0)], 2)), 1,
         {"routed_experts": 60e3 * 3e3, "non_expert_weights": 0, "head": 0, "kv": 0}, 3e12)}
     assert table["routed experts"]["us"] == 60.0 and table["routed experts"]["of_bandwidth"] == pytest.approx(1.0)
+
+
+def test_a_step_that_cannot_be_one_graph_says_so(tmp_path, capsys):
+    """With the reference routed experts (a host sync per call) some segments are not capturable: the run says the
+    step would replay piecewise and why, in its output and its JSON; the default quick run has no such note."""
+    out = tmp_path / "p.json"
+    assert ps.main(["--device", "cpu", "--quick", "--kernels", "moe_experts=reference", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["capturable"] < r["segments"] and any("moe_experts" in b for b in r["not_one_graph"]), r
+    assert "not as one graph" in capsys.readouterr().out
+    assert ps.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    assert "not_one_graph" not in json.loads(out.read_text()) and "not as one graph" not in capsys.readouterr().out
