@@ -507,3 +507,16 @@ def test_cuda_piecewise_and_full_graphs_equal_eager(preset):
     m, plan, split = _static_graph(preset, 6, dev)
     runs = _modes_agree(m, plan, split, ("graphs", "full"), dev, 6, seed=8)
     assert runs["full"][2].stats["graph_reserved_bytes"] >= 0
+
+
+def test_every_registered_dsv4c_op_has_a_capture_entry():
+    """A dsv4c op missing from OP_CAPTURE makes its segment uncapturable, and a "full" step then replays piecewise
+    (run64's first call timed such steps): every op the model and kernel modules register has an entry."""
+    from dsv4c.model import register_ops
+    from dsv4c.passes.split_at_routers import OP_CAPTURE
+
+    assert register_ops() == {}
+    ops = {f"dsv4c.{n.split('::')[1].split('.')[0]}" for n in torch._C._dispatch_get_all_op_names()
+           if n.startswith("dsv4c::")}
+    assert len(ops) >= 40 and "dsv4c.l2_prefetch" in ops
+    assert sorted(ops - set(OP_CAPTURE)) == []
