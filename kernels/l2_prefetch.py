@@ -20,8 +20,8 @@ Measured a loss (run64, H200: the launches cost more than the one-token GEMV gai
 for it today (passes/prefetch_weights.py has the figures).
 
 The kernel: program p, lane l issues one request per range for bytes [(p·LANES + l)·CHUNK, +CHUNK) clipped to
-the range; nothing waits for the data (MODE 0: sm_90's bulk `cp.async.bulk.prefetch.L2.global`, one instruction
-per request; MODE 1: `prefetch.global.L2` per 128-byte line). The requests go out before the kernel's PDL wait:
+the range; nothing waits for the data (sm_90's bulk `cp.async.bulk.prefetch.L2.global`, one instruction per
+request). The requests go out before the kernel's PDL wait:
 weights are fixed before the step's chain starts (kernels/_tl.py's rule), so they race nothing; the wait keeps
 the chain's order for the successor. A range starts 16-byte aligned and its length is a multiple of 16 (the
 bulk form's rule): the wrapper clips each range inward to that.
@@ -40,16 +40,13 @@ __all__ = ["l2_prefetch", "l2_prefetch_ref", "prefetch_plan", "MAX_RANGES"]
 MAX_RANGES = 4
 CHUNK = 4096  # bytes per request
 LANES = 32  # requests per program and range (one warp)
-MODE = 0  # 0: bulk prefetch per CHUNK (sm_90); 1: prefetch.global.L2 per 128-byte line
 # one request of $2 bytes at address $1 when $2 > 0 ($0: a dummy result; is_pure=False keeps the asm)
 _BULK = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
-_PER_LINE = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
 
 @triton.jit
-def _issue(addr, n, r, rec_ptr, CHUNK: tl.constexpr, LANES: tl.constexpr, MODE: tl.constexpr,
-           DRY_RUN: tl.constexpr):
+def _issue(addr, n, r, rec_ptr, CHUNK: tl.constexpr, LANES: tl.constexpr, DRY_RUN: tl.constexpr):
     """One range's requests of this program: addr (int64, 16-byte aligned) and n bytes (a multiple of 16).
     DRY_RUN: record (r, offset, bytes) per lane in rec_ptr [grid, R, LANES, 3] instead of issuing."""
     pid = tl.program_id(0)
@@ -62,25 +59,21 @@ def _issue(addr, n, r, rec_ptr, CHUNK: tl.constexpr, LANES: tl.constexpr, MODE: 
         tl.store(rec, tl.where(ok, r, -1).to(tl.int64))
         tl.store(rec + 1, tl.where(ok, off, 0))
         tl.store(rec + 2, tl.where(ok, size, 0).to(tl.int64))
-    elif MODE == 0:
-        tl.inline_asm_elementwise(_BULK, "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        for j in range(CHUNK // 128):
-            tl.inline_asm_elementwise(_PER_LINE, "=r,l,r", [addr + off + j * 128, size - j * 128],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_BULK, "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _prefetch_kernel(a0, n0, a1, n1, a2, n2, a3, n3, rec_ptr, R: tl.constexpr, CHUNK: tl.constexpr,
-                     LANES: tl.constexpr, MODE: tl.constexpr, DRY_RUN: tl.constexpr, PDL: tl.constexpr = False):
+                     LANES: tl.constexpr, DRY_RUN: tl.constexpr, PDL: tl.constexpr = False):
     """Program p: the requests of every range at p (ranges R.. are absent), then the PDL wait."""
-    _issue(a0, n0, 0, rec_ptr, CHUNK, LANES, MODE, DRY_RUN)
+    _issue(a0, n0, 0, rec_ptr, CHUNK, LANES, DRY_RUN)
     if R > 1:
-        _issue(a1, n1, 1, rec_ptr, CHUNK, LANES, MODE, DRY_RUN)
+        _issue(a1, n1, 1, rec_ptr, CHUNK, LANES, DRY_RUN)
     if R > 2:
-        _issue(a2, n2, 2, rec_ptr, CHUNK, LANES, MODE, DRY_RUN)
+        _issue(a2, n2, 2, rec_ptr, CHUNK, LANES, DRY_RUN)
     if R > 3:
-        _issue(a3, n3, 3, rec_ptr, CHUNK, LANES, MODE, DRY_RUN)
+        _issue(a3, n3, 3, rec_ptr, CHUNK, LANES, DRY_RUN)
     U.pdl_wait(PDL)
 
 
@@ -116,8 +109,8 @@ def _launch(ranges: list[tuple[int, int]], anchor: torch.Tensor, rec: torch.Tens
     grid = (max(triton.cdiv(n, CHUNK * LANES) for _, n in ranges),)
     flat = [v for a, n in ranges for v in (a, n)] + [0, 0] * (MAX_RANGES - len(ranges))
     dry = rec is not None
-    _prefetch_kernel[grid](*flat, rec if dry else anchor, R=len(ranges), CHUNK=CHUNK, LANES=LANES, MODE=MODE,
-                           DRY_RUN=dry, num_warps=1, **U.pdl_launch(anchor))  # a dry run's anchor: CPU, PDL off
+    _prefetch_kernel[grid](*flat, rec if dry else anchor, R=len(ranges), CHUNK=CHUNK, LANES=LANES, DRY_RUN=dry,
+                           num_warps=1, **U.pdl_launch(anchor))  # a dry run's anchor: CPU, PDL off
 
 
 def l2_prefetch(weights: list[torch.Tensor], nbytes: list[int]) -> None:

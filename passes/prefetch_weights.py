@@ -41,8 +41,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
-from dsv4c.passes.split_at_routers import MOE_OPS
+from dsv4c.passes import PassContext, PassResult, get_param, kernel_ops, unavailable
+from dsv4c.passes.split_at_routers import MOE_OPS, op_name
 
 MIN_RUN = 2  # small kernels a run needs before a P is placed at its start
 MIN_TENSOR_BYTES = 1 << 20  # weights smaller than this are not asked for (scales, norms)
@@ -63,8 +63,8 @@ NO_KERNEL = frozenset({"aten.view", "aten.reshape", "aten._unsafe_view", "aten.u
 
 
 def _op(n: Node) -> str:
-    """'ns.name' of a call_function node's op ('' for Python operators)."""
-    return str(n.target).rsplit(".", 1)[0] if hasattr(n.target, "_schema") else ""
+    """'ns.name' of a call_function node's op ('' for Python operators: shape arithmetic, no kernel)."""
+    return op_name(n.target) if isinstance(n.target, torch._ops.OpOverload) else ""
 
 
 def _weights(gm: GraphModule, n: Node) -> list[tuple[Node, int]]:
@@ -72,19 +72,11 @@ def _weights(gm: GraphModule, n: Node) -> list[tuple[Node, int]]:
     out = []
     for a in n.all_input_nodes:
         if a.op == "get_attr":
-            t = _attr(gm, a.target)
-            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= MIN_TENSOR_BYTES:
-                out.append((a, t.numel() * t.element_size()))
+            t = get_param(gm, a.target)
+            size = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            if size >= MIN_TENSOR_BYTES:
+                out.append((a, size))
     return out
-
-
-def _attr(gm: GraphModule, path: str):
-    obj = gm
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 class _Window:

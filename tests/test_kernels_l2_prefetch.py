@@ -70,26 +70,24 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     fn = L._prefetch_kernel
     names = list(fn.arg_names)
-    for mode in (0, 1):
-        for r in (1, 4):
-            consts = dict(R=r, CHUNK=4096, LANES=32, MODE=mode, DRY_RUN=False, PDL=True)
-            sig = {nm: "constexpr" if nm in consts else ("*i64" if nm == "rec_ptr" else "i64") for nm in names}
-            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
-            body = ptx[ptx.index(".entry"):]
-            key = "cp.async.bulk.prefetch.L2.global" if mode == 0 else "prefetch.global.L2"
-            wait = body.index("griddepcontrol.wait")
-            print("kernel", mode, r, body.count(key), body[:wait].count(key), body.count("ld.global"))
+    for r in (1, 4):
+        consts = dict(R=r, CHUNK=4096, LANES=32, DRY_RUN=False, PDL=True)
+        sig = {nm: "constexpr" if nm in consts else ("*i64" if nm == "rec_ptr" else "i64") for nm in names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"]
+        body = ptx[ptx.index(".entry"):]
+        key = "cp.async.bulk.prefetch.L2.global"
+        wait = body.index("griddepcontrol.wait")
+        print("kernel", r, body.count(key), body[:wait].count(key), body.count("ld.global"))
 ''')
 
 
 def test_the_kernel_builds_for_sm90_with_every_request_before_the_pdl_wait(tmp_path):
-    """Compiled (not run) for sm_90: MODE 0 one bulk prefetch per range, MODE 1 one line prefetch per 128 bytes of a
-    request, all of them before the PDL wait; the kernel loads nothing."""
-    rows = {(int(r[0]), int(r[1])): tuple(int(x) for x in r[2:]) for r in run_sm90_script(tmp_path, _SM90_SCRIPT)}
+    """Compiled (not run) for sm_90: one bulk prefetch per range, all of them before the PDL wait; the kernel loads
+    nothing."""
+    rows = {int(r[0]): tuple(int(x) for x in r[1:]) for r in run_sm90_script(tmp_path, _SM90_SCRIPT)}
     for r in (1, 4):
-        assert rows[(0, r)] == (r, r, 0)
-        assert rows[(1, r)] == (r * 4096 // 128, r * 4096 // 128, 0)
+        assert rows[r] == (r, r, 0)
 
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------

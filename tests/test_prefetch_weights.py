@@ -11,7 +11,7 @@ from fusion_cases import assert_same, exported, inputs, model, run
 from dsv4c import targets, write_random_checkpoint
 from dsv4c.compile import compile_checkpoint
 from dsv4c.model import register_ops
-from dsv4c.passes import PassContext, run_pipeline
+from dsv4c.passes import PassContext, get_param, run_pipeline
 from dsv4c.passes import prefetch_weights as PW
 from dsv4c.runtime import Session
 
@@ -60,7 +60,7 @@ def test_prefetches_open_each_run_of_small_kernels_and_ask_for_the_linears_after
         ws, nbytes = p.args
         assert len(ws) == len(nbytes) <= PW.MAX_WEIGHTS
         for w, n in zip(ws, nbytes):
-            t = PW._attr(gm, w.target)
+            t = get_param(gm, w.target)
             assert 0 < n <= t.numel() * t.element_size()
             readers = [order.index(u) for u in w.users if u is not p and PW._op(u) not in PW.NO_KERNEL]
             first = min(r for r in readers if r > at)

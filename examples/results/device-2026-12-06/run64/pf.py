@@ -1,7 +1,8 @@
 """Run an example script with the L2 prefetch's settings changed: `python pf.py BYTES MODE EVICT -- SCRIPT ARGS...`:
 the h100 / h200 targets' `l2_prefetch_bytes` = BYTES (passes/prefetch_weights.py), kernels/l2_prefetch.MODE = MODE
 (0: bulk prefetch, 1: per line) and kernels/fp8_gemv.W_EVICT_FIRST = EVICT (a knob of the tree that ran, `b4887d9`;
-removed after run64: evict_first did no better). The same tree otherwise."""
+removed after run64: evict_first did no better; MODE too, after run64: only call A ran MODE 1, piecewise). The same
+tree otherwise."""
 import dataclasses
 import runpy
 import sys
