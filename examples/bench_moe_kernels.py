@@ -209,7 +209,13 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
     if fmt == "fp8_block":   # GEMM 1 always runs BLOCK_N 128 (h quantised per 128 in its epilogue)
         def f8(bn, w, st, direct=False):
             return tag(f"bn{bn} w{w} s{st}", direct), C(16, bn, 128, w, st, direct=direct)
-        return [("default", None), f8(64, 4, 4, True), f8(32, 4, 4, True), f8(128, 4, 4, True), f8(64, 4, 3, True)]
+
+        def g8(bn, bk, w):   # CUDA-core GEMV kernels (kernels/moe_fp8_gemv.py): bn W2 rows, bn / 2 of W1 and W3
+            return f"gemv bn{bn} bk{bk} w{w}", C(block_n=bn, block_k=bk, num_warps=w, gemv=True)
+        gemv = [g8(32, 512, 8), g8(32, 256, 4), g8(32, 512, 4), g8(32, 256, 8), g8(32, 1024, 8), g8(64, 256, 4),
+                g8(64, 512, 8), g8(64, 256, 8)]
+        return [("default", None)] + gemv + [f8(64, 4, 4, True), f8(32, 4, 4, True), f8(128, 4, 4, True),
+                                             f8(64, 4, 3, True)]
     return [("default", None), ("bn32 bk128 w4 s4 direct", C(16, 32, 128, 4, 4, direct=True)),
             ("bn64 bk64 w4 s4 direct", C(16, 64, 64, 4, 4, direct=True))]
 

@@ -69,11 +69,16 @@ def _gemv_f32_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, N, K: tl.constexpr,
     U.store_split(acc, y_ptr + n, part_ptr + n, N, n_ok, cnt_ptr + pid_n, pid_s, SPLIT)  # partials [SPLIT, N]
 
 
+# the K split doubles while the grid stays within this many programs per SM
+GEMV_PROGRAMS_PER_SM = 2
+
+
 def split_for(n: int, k: int, sm_count: int) -> int:
-    """Programs per output tile along K: doubled while the grid stays under two programs per SM, each keeps at
-    least one K step, and the partials (split · N · 4 bytes) stay under a quarter of the weight's bytes."""
+    """Programs per output tile along K: doubled while the grid stays within GEMV_PROGRAMS_PER_SM programs per
+    SM, each keeps at least one K step, and the partials (split · N · 4 bytes) stay under a quarter of the
+    weight's bytes."""
     tiles, steps, split = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K), 1
-    while (tiles * split * 2 <= 2 * sm_count and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
+    while (tiles * split * 2 <= GEMV_PROGRAMS_PER_SM * sm_count and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * n * 4 <= n * k * 2 // 4):
         split *= 2
     return split

@@ -506,6 +506,8 @@ def _moe_gemm_kernel(
 # 2-layer step's replayed kernels): 856 vs 868 µs at batch 1 (2-4 µs a layer saved), a loss at batch 8 (1643 vs
 # 1593 µs, 48 assignments): 8 takes it at one token (6 assignments at Flash's top-6) and never at batch 8.
 FP8_GEMV_MAX_ASSIGN = 8
+# and with these tiles: W2 rows per program (half as many of W1 and of W3), K columns per step, warps
+FP8_GEMV_BLOCK_N, FP8_GEMV_BLOCK_K, FP8_GEMV_WARPS = 32, 512, 8
 
 
 @dataclass(frozen=True)
@@ -571,7 +573,7 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     if fmt == "fp8_block" and per_expert >= 64 and cap >= (9, 0):
         return MoeKernelConfig(fp8_prefill=True)
     if fmt == "fp8_block" and n_assign <= min(max(n_experts // 4, 16), FP8_GEMV_MAX_ASSIGN) and cap >= (8, 9):
-        return MoeKernelConfig(block_n=32, block_k=512, num_warps=8, gemv=True)
+        return MoeKernelConfig(block_n=FP8_GEMV_BLOCK_N, block_k=FP8_GEMV_BLOCK_K, num_warps=FP8_GEMV_WARPS, gemv=True)
     if per_expert <= 16:
         direct = n_assign <= max(n_experts // 4, 16)
         if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):

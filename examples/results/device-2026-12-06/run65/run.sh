@@ -1,0 +1,39 @@
+# run65 call A (any GPU, ~6 min): the GPU tests of the one-token GEMVs at the new splits and of the L2 prefetch;
+# the routed experts' decode sweep (bench_moe_kernels.py --sweep, fp8_block with the FP8 GEMV's tiles, and the FP4
+# formats, at 1 and 8 tokens); then the 2-layer step at batch 1 on the GPU alone, interleaved: linear_f32's
+# one-token GEMV with up to 2 (the default) / 16 programs per SM, and the FP8 experts' GEMV tile the sweep names
+# (T13=BN,BK,W; by default the sweep's fastest FP8 GEMV tile at one token). B=SECONDS budget. At most 8 files to $OUT.
+export PYTHONPATH=$PWD
+B=${B:-400}
+K=examples/results/device-2026-12-06/run52/knobs.py
+P="examples/profile_step.py --layers 2 --expert-format fp8_block --top 8"
+python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/steps.txt
+timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fp8_gemm.py tests/test_kernels_linear_f32.py \
+  tests/test_kernels_l2_prefetch.py tests/test_kernels_moe_fp8_gemv.py > $OUT/tests.txt 2>&1
+tail -3 $OUT/tests.txt | tee -a $OUT/steps.txt
+timeout 200 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4,nvfp4 --tokens 1,8 \
+  --budget-s 170 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
+grep "fp8_block | 1 \|best\|ratio" $OUT/sweep.txt | head -30 | tee -a $OUT/steps.txt
+run() {  # label batch knobs... [-- profile_step args]
+  [ $((SECONDS + 40)) -lt $B ] || { echo "$1 skipped at ${SECONDS}s" | tee -a $OUT/steps.txt; return; }
+  local label=$1 batch=$2; shift 2
+  timeout 55 python $K "$@" -- $P --batch $batch > /tmp/p.txt 2>&1
+  { echo "### $label"; cat /tmp/p.txt; } >> $OUT/profiles.txt
+  grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|$label: |" | tee -a $OUT/steps.txt
+}
+T=${T13:-$(python - $OUT/sweep.json <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["format"] == "fp8_block" and r["tokens"] == 1
+        and r.get("status") == "ok" and r["config"]["gemv"] and r.get("graph_us")]
+c = min(rows, key=lambda r: r["graph_us"])["config"] if rows else {"block_n": 32, "block_k": 512, "num_warps": 8}
+print(f"{c['block_n']},{c['block_k']},{c['num_warps']}")
+PY
+)}; IFS=, read bn bk w <<< "$T"
+M="moe_grouped.FP8_GEMV_BLOCK_N=$bn moe_grouped.FP8_GEMV_BLOCK_K=$bk moe_grouped.FP8_GEMV_WARPS=$w"
+for i in 1 2; do
+  run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
+  run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
+  run "b1 moe gemv $T" 1 $M
+done
+echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
