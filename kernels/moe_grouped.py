@@ -506,8 +506,9 @@ def _moe_gemm_kernel(
 # 2-layer step's replayed kernels): 856 vs 868 µs at batch 1 (2-4 µs a layer saved), a loss at batch 8 (1643 vs
 # 1593 µs, 48 assignments): 8 takes it at one token (6 assignments at Flash's top-6) and never at batch 8.
 FP8_GEMV_MAX_ASSIGN = 8
-# and with these tiles: W2 rows per program (half as many of W1 and of W3), K columns per step, warps
-FP8_GEMV_BLOCK_N, FP8_GEMV_BLOCK_K, FP8_GEMV_WARPS = 32, 512, 8
+# and with these tiles: W2 rows per program (half as many of W1 and of W3), K columns per step, warps; 1: the
+# GEMVs quantise their activations as they load them (Fp8GemvMoeConfig.fuse_quant)
+FP8_GEMV_BLOCK_N, FP8_GEMV_BLOCK_K, FP8_GEMV_WARPS, FP8_GEMV_FUSE_QUANT = 32, 512, 8, 0
 
 
 @dataclass(frozen=True)
@@ -785,7 +786,8 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     if cfg.gemv and fmt == "fp8_block":
         return moe_fp8_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, experts.w2,
                             experts.w2_scale, swiglu_limit,
-                            Fp8GemvMoeConfig(cfg.block_n // 2, cfg.block_n, cfg.block_k, cfg.num_warps))
+                            Fp8GemvMoeConfig(cfg.block_n // 2, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                             fuse_quant=bool(FP8_GEMV_FUSE_QUANT)))
     if cfg.gemv:
         _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 / fp8_block experts, got {fmt}")
         _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")

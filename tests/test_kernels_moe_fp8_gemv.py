@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from dsv4c.kernels import _tl as U
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.moe_fp8_gemv import Fp8GemvMoeConfig, moe_fp8_gemv
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
@@ -25,6 +28,12 @@ def experts(e, i, d, seed=0, device="cpu"):
 
 def gemv(x, idx, weight, ex, limit=LIMIT, cfg=None):
     return moe_fp8_gemv(x, idx, weight, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, limit, cfg)
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y_ptr + o, U.e4m3_round(tl.load(x_ptr + o)))
 
 
 def tile(x, idx, weight, ex, limit=LIMIT):
@@ -59,6 +68,38 @@ def test_gemv_without_clamp_and_wide_activations():
     y = gemv(x, idx, weight, ex, 0.0)
     assert torch.isfinite(y.float()).all()
     assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, 0.0)) < TOL
+
+
+@pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2, False)])
+def test_fused_quantisation_gives_the_same_bits(cfg):
+    """fuse_quant: the GEMVs quantise x and h per 128 columns themselves (no act_quant_fp8 launches): the same
+    e4m3 values and ue8m0 scales, so the same bits, with activations over many exponents (subnormal e4m3 codes,
+    zero groups, K steps past K: 384 with a 256-column step)."""
+    t, k, e, d, i = 3, 2, 6, 384, 256
+    ex = experts(e, i, d, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(t, d, generator=g) * 10.0 ** torch.randint(-4, 4, (t, d), generator=g)).bfloat16()
+    x[1, 128:256] = 0.0
+    idx, weight = routing("random", t, k, e)
+    fused = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.early_weights, True)
+    y = gemv(x, idx, weight, ex, cfg=cfg)
+    assert torch.equal(gemv(x, idx, weight, ex, cfg=fused), y)
+    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < TOL
+
+
+def test_e4m3_round_is_the_value_of_e4m3_bits():
+    """_tl.e4m3_round (the fused quantisation's rounding) equals torch's e4m3fn cast of the clamped value at
+    every e4m3 value, the midpoints between neighbours (ties to even), subnormals and past +-448."""
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    v = v[torch.isfinite(v)].sort().values                                     # 254 values, -448..448
+    mid = (v[1:] + v[:-1]) / 2
+    x = torch.cat([v, mid, torch.tensor([500.0, -1e4, 1e-9, -3e-3, 2.0 ** -10, 2.0 ** -9 * 1.5])])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())])
+    y = torch.empty_like(x)
+    _round_kernel[(1,)](x, y, N=2048)
+    ref = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert torch.equal(y, ref)
+    assert not torch.equal(y[254:507], mid)                                    # the midpoints were rounded
 
 
 def test_gemv_through_moe_grouped_config(monkeypatch):
@@ -128,6 +169,9 @@ def test_gpu_gemv_matches_ref_and_tile(t):
         y = gemv(x, idx, weight, ex, cfg=cfg)
         assert rel_err(y, ref) < TOL, cfg
     assert rel_err(y, tile(x, idx, weight, ex)) < TOL
+    for cfg in (Fp8GemvMoeConfig(), Fp8GemvMoeConfig(16, 32, 256, 4)):   # fused quantisation: the same bits
+        fused = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=True)
+        assert torch.equal(gemv(x, idx, weight, ex, cfg=fused), gemv(x, idx, weight, ex, cfg=cfg)), cfg
 
 
 @pytest.mark.gpu

@@ -2,7 +2,9 @@
 # the routed experts' decode sweep (bench_moe_kernels.py --sweep, fp8_block with the FP8 GEMV's tiles, and the FP4
 # formats, at 1 and 8 tokens); then the 2-layer step at batch 1 on the GPU alone, interleaved: linear_f32's
 # one-token GEMV with up to 2 (the default) / 16 programs per SM, and the FP8 experts' GEMV tile the sweep names
-# (T13=BN,BK,W; by default the sweep's fastest FP8 GEMV tile at one token). B=SECONDS budget. At most 8 files to $OUT.
+# (T13=BN,BK,W; by default the sweep's fastest FP8 GEMV tile at one token), and the FP8 experts' GEMVs quantising
+# their activations as they load them (moe_grouped.FP8_GEMV_FUSE_QUANT=1: two launches fewer a layer).
+# B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-400}
 K=examples/results/device-2026-12-06/run52/knobs.py
@@ -13,7 +15,7 @@ timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fp
   tests/test_kernels_l2_prefetch.py tests/test_kernels_moe_fp8_gemv.py > $OUT/tests.txt 2>&1
 tail -3 $OUT/tests.txt | tee -a $OUT/steps.txt
 timeout 200 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4,nvfp4 --tokens 1,8 \
-  --budget-s 170 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
+  --budget-s 150 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
 grep "fp8_block | 1 \|best\|ratio" $OUT/sweep.txt | head -30 | tee -a $OUT/steps.txt
 run() {  # label batch knobs... [-- profile_step args]
   [ $((SECONDS + 40)) -lt $B ] || { echo "$1 skipped at ${SECONDS}s" | tee -a $OUT/steps.txt; return; }
@@ -35,5 +37,6 @@ for i in 1 2; do
   run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
   run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
   run "b1 moe gemv $T" 1 $M
+  run "b1 moe fuse_quant" 1 moe_grouped.FP8_GEMV_FUSE_QUANT=1
 done
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
