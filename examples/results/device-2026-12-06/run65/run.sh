@@ -14,8 +14,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/steps.
 timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fp8_gemm.py tests/test_kernels_linear_f32.py \
   tests/test_kernels_l2_prefetch.py tests/test_kernels_moe_fp8_gemv.py > $OUT/tests.txt 2>&1
 tail -3 $OUT/tests.txt | tee -a $OUT/steps.txt
-timeout 200 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4,nvfp4 --tokens 1,8 \
-  --budget-s 150 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
+timeout 160 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4,nvfp4 --tokens 1,8 \
+  --budget-s 120 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
 grep "fp8_block | 1 \|best\|ratio" $OUT/sweep.txt | head -30 | tee -a $OUT/steps.txt
 run() {  # label batch knobs... [-- profile_step args]
   [ $((SECONDS + 40)) -lt $B ] || { echo "$1 skipped at ${SECONDS}s" | tee -a $OUT/steps.txt; return; }
