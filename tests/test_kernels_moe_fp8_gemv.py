@@ -71,10 +71,10 @@ def test_gemv_without_clamp_and_wide_activations():
 
 
 @pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2, False)])
-def test_fused_quantisation_gives_the_same_bits(cfg):
+def test_fused_quantisation_and_pipelined_loop_give_the_same_bits(cfg):
     """fuse_quant: the GEMVs quantise x and h per 128 columns themselves (no act_quant_fp8 launches): the same
     e4m3 values and ue8m0 scales, so the same bits, with activations over many exponents (subnormal e4m3 codes,
-    zero groups, K steps past K: 384 with a 256-column step)."""
+    zero groups, K steps past K: 384 with a 256-column step). stages: the pipelined K loop, the same bits."""
     t, k, e, d, i = 3, 2, 6, 384, 256
     ex = experts(e, i, d, seed=7)
     g = torch.Generator().manual_seed(8)
@@ -85,6 +85,13 @@ def test_fused_quantisation_gives_the_same_bits(cfg):
     y = gemv(x, idx, weight, ex, cfg=cfg)
     assert torch.equal(gemv(x, idx, weight, ex, cfg=fused), y)
     assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < TOL
+    for stages in (2, 4):   # the pipelined K loop: the same steps in the same order
+        for q in (False, True):
+            piped = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=q,
+                                     stages=stages)
+            assert torch.equal(gemv(x, idx, weight, ex, cfg=piped), y), (stages, q)
+    with pytest.raises(ValueError, match="Fp8GemvMoeConfig.stages"):
+        gemv(x, idx, weight, ex, cfg=Fp8GemvMoeConfig(stages=1))
 
 
 def test_e4m3_round_is_the_value_of_e4m3_bits():
@@ -169,9 +176,10 @@ def test_gpu_gemv_matches_ref_and_tile(t):
         y = gemv(x, idx, weight, ex, cfg=cfg)
         assert rel_err(y, ref) < TOL, cfg
     assert rel_err(y, tile(x, idx, weight, ex)) < TOL
-    for cfg in (Fp8GemvMoeConfig(), Fp8GemvMoeConfig(16, 32, 256, 4)):   # fused quantisation: the same bits
-        fused = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=True)
-        assert torch.equal(gemv(x, idx, weight, ex, cfg=fused), gemv(x, idx, weight, ex, cfg=cfg)), cfg
+    for cfg in (Fp8GemvMoeConfig(), Fp8GemvMoeConfig(16, 32, 256, 4)):   # fused quantisation, pipelined: same bits
+        for q, st in ((True, 0), (False, 3), (True, 4)):
+            other = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=q, stages=st)
+            assert torch.equal(gemv(x, idx, weight, ex, cfg=other), gemv(x, idx, weight, ex, cfg=cfg)), (cfg, q, st)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
 # run65 call A (any GPU, ~6 min): the GPU tests of the one-token GEMVs at the new splits and of the L2 prefetch;
-# the routed experts' decode sweep (bench_moe_kernels.py --sweep, fp8_block with the FP8 GEMV's tiles, and the FP4
-# formats, at 1 and 8 tokens); then the 2-layer step at batch 1 on the GPU alone, interleaved: linear_f32's
+# the routed experts' decode sweep (bench_moe_kernels.py --sweep, fp8_block with the FP8 GEMV's tiles, and MXFP4,
+# at 1 and 8 tokens); then the 2-layer step at batch 1 on the GPU alone, interleaved: linear_f32's
 # one-token GEMV with up to 2 (the default) / 16 programs per SM, and the FP8 experts' GEMV tile the sweep names
-# (T13=BN,BK,W; by default the sweep's fastest FP8 GEMV tile at one token), and the FP8 experts' GEMVs quantising
-# their activations as they load them (moe_grouped.FP8_GEMV_FUSE_QUANT=1: two launches fewer a layer).
+# (T13=BN,BK,W,STAGES,FUSE_QUANT; by default the sweep's fastest FP8 GEMV tile at one token), and the FP8 experts' GEMVs quantising
+# their activations as they load them (moe_grouped.FP8_GEMV_FUSE_QUANT=1: two launches fewer a layer), and with
+# Triton's pipeliner (moe_grouped.FP8_GEMV_STAGES=3 with it).
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-400}
@@ -14,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/steps.
 timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fp8_gemm.py tests/test_kernels_linear_f32.py \
   tests/test_kernels_l2_prefetch.py tests/test_kernels_moe_fp8_gemv.py > $OUT/tests.txt 2>&1
 tail -3 $OUT/tests.txt | tee -a $OUT/steps.txt
-timeout 160 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4,nvfp4 --tokens 1,8 \
+timeout 160 python examples/bench_moe_kernels.py --sweep --formats fp8_block,mxfp4 --tokens 1,8 \
   --budget-s 120 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
 grep "fp8_block | 1 \|best\|ratio" $OUT/sweep.txt | head -30 | tee -a $OUT/steps.txt
 run() {  # label batch knobs... [-- profile_step args]
@@ -28,15 +29,18 @@ T=${T13:-$(python - $OUT/sweep.json <<'PY'
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["format"] == "fp8_block" and r["tokens"] == 1
         and r.get("status") == "ok" and r["config"]["gemv"] and r.get("graph_us")]
-c = min(rows, key=lambda r: r["graph_us"])["config"] if rows else {"block_n": 32, "block_k": 512, "num_warps": 8}
-print(f"{c['block_n']},{c['block_k']},{c['num_warps']}")
+c = min(rows, key=lambda r: r["graph_us"])["config"] if rows else {"block_n": 32, "block_k": 512, "num_warps": 8,
+                                                                    "gemv_stages": 0, "fuse_quant": False}
+print(f"{c['block_n']},{c['block_k']},{c['num_warps']},{c['gemv_stages']},{int(c['fuse_quant'])}")
 PY
-)}; IFS=, read bn bk w <<< "$T"
-M="moe_grouped.FP8_GEMV_BLOCK_N=$bn moe_grouped.FP8_GEMV_BLOCK_K=$bk moe_grouped.FP8_GEMV_WARPS=$w"
+)}; IFS=, read bn bk w st fq <<< "$T"
+G=moe_grouped.FP8_GEMV
+M="${G}_BLOCK_N=$bn ${G}_BLOCK_K=$bk ${G}_WARPS=$w ${G}_STAGES=$st ${G}_FUSE_QUANT=$fq"
+run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
 for i in 1 2; do
   run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
-  run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
   run "b1 moe gemv $T" 1 $M
-  run "b1 moe fuse_quant" 1 moe_grouped.FP8_GEMV_FUSE_QUANT=1
+  run "b1 moe fuse_quant" 1 ${G}_FUSE_QUANT=1
+  run "b1 moe fuse_quant stages 3" 1 ${G}_FUSE_QUANT=1 ${G}_STAGES=3
 done
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
