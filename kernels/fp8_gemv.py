@@ -47,6 +47,8 @@ MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the ti
 # run64 (H200, the 2-layer slice's batch-1 step on the GPU alone, interleaved): 16: 0.606 / 0.605 ms, 8: 0.610 /
 # 0.612, 2 (the earlier rule): 0.629 / 0.629; 32 0.607. The dense linears' critical path 358-360 vs 379-382 µs.
 GEMV_PROGRAMS_PER_SM = 16
+# one token: 1 runs the K loop through Triton's pipeliner (Fp8GemvConfig.pipelined)
+GEMV_PIPELINED = 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Fp8GemvConfig:
     """block_m: token rows per program (1: CUDA cores; 16/32/64: tensor cores); block_n: weight rows
     per program (a power of two dividing 128, so one scale row per program); block_k: K columns per
     loop step (a multiple of 128); split: programs per output tile along K (a power of two);
-    num_warps / num_stages: Triton's."""
+    num_warps / num_stages: Triton's; pipelined (one token): the K loop through Triton's pipeliner, num_stages - 1
+    steps in flight through shared memory (cp.async), instead of the next step held in registers."""
 
     block_m: int
     block_n: int
@@ -62,6 +65,7 @@ class Fp8GemvConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    pipelined: bool = False
 
     def check(self) -> None:
         if self.block_m not in (1, 16, 32, 64):
@@ -103,7 +107,7 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     while (tiles * split < grid_cap and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
-    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
+    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages, pipelined=m == 1 and bool(GEMV_PIPELINED))
 
 
 @triton.jit
@@ -186,15 +190,32 @@ def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr,
 
 
 @triton.jit
+def _piped_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
+                WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+                STAGES: tl.constexpr, A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
+    """`_fma_loop`'s steps and sums in its order, the loads left to Triton's pipeliner (STAGES). Its steps stay
+    inside the split (K_SPLIT is a multiple of BLOCK_K), so the masks test K alone: a constant per 16-byte
+    vector, as cp.async needs."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in tl.range(0, K_SPLIT // BLOCK_K, num_stages=STAGES):
+        w, ws = _w_step(w_rows, ws_row, n_ok, k_lo + i * BLOCK_K, K, K, WS_E8M0, BLOCK_K)
+        a = _a_step(a_row, as_row, k_lo + i * BLOCK_K, K, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
+        acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
+    return acc[:, None]
+
+
+@triton.jit
 def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl.constexpr,
                  stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
+                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
+                 STAGES: tl.constexpr = 0):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
-    ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
+    ROUND_A: a's (fp32) values are rounded to y's dtype before the products. STAGES > 0 (one token): the
+    pipelined K loop."""
     U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -208,7 +229,12 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     w_rows = w_ptr + n_idx.to(tl.int64)[:, None] * stride_wn                         # [BN, 1]
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
     k_lo = pid_s * K_SPLIT
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and STAGES > 0:
+        row = pid_m.to(tl.int64)
+        acc = _piped_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, K, A_FP8,
+                          WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT, STAGES, y_ptr.dtype.element_ty if ROUND_A else None,
+                          RNE_BF16)
+    elif BLOCK_M == 1:
         row = pid_m.to(tl.int64)
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
@@ -272,6 +298,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
                        RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
+                       STAGES=cfg.num_stages if cfg.pipelined and cfg.block_m == 1 else 0,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 

@@ -53,7 +53,8 @@ class Fp8GemvMoeConfig:
     PDL wait; fuse_quant: each GEMV quantises its activations per 128 columns as it loads them (x bf16, h fp32;
     the same values as act_quant_fp8's, two launches fewer) instead of reading act_quant_fp8's output;
     stages: 0, the next K step's weights held in registers (as many bytes in flight as registers allow), or
-    2-8, Triton's pipeliner keeps stages - 1 K steps in flight through shared memory (cp.async). The defaults read 32 weight rows x 512 columns per step in both kernels, the dense one-token
+    2-8, Triton's pipeliner keeps stages - 1 K steps in flight through shared memory (cp.async). The defaults
+    read 32 weight rows x 512 columns per step in both kernels, the dense one-token
     GEMV's tile (sm_90 builds, Triton 3.6: 254 and 212 registers, no spills; 32 + 32 rows in _gemv13_kernel
     spill)."""
 

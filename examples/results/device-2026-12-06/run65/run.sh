@@ -4,7 +4,7 @@
 # one-token GEMV with up to 2 (the default) / 16 programs per SM, and the FP8 experts' GEMV tile the sweep names
 # (T13=BN,BK,W,STAGES,FUSE_QUANT; by default the sweep's fastest FP8 GEMV tile at one token), and the FP8 experts' GEMVs quantising
 # their activations as they load them (moe_grouped.FP8_GEMV_FUSE_QUANT=1: two launches fewer a layer), and with
-# Triton's pipeliner (moe_grouped.FP8_GEMV_STAGES=3 with it).
+# Triton's pipeliner (moe_grouped.FP8_GEMV_STAGES=3 with it); the dense one-token GEMV's pipelined loop, once.
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-400}
@@ -37,6 +37,7 @@ PY
 G=moe_grouped.FP8_GEMV
 M="${G}_BLOCK_N=$bn ${G}_BLOCK_K=$bk ${G}_WARPS=$w ${G}_STAGES=$st ${G}_FUSE_QUANT=$fq"
 run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
+run "b1 dense gemv pipelined" 1 fp8_gemv.GEMV_PIPELINED=1
 for i in 1 2; do
   run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
   run "b1 moe gemv $T" 1 $M
