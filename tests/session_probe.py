@@ -78,7 +78,7 @@ def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4, 
     them; `forced`: greedy, with teacher-forced drafts kept with that probability); the next turn sends each
     prompt, its answer and 5 new tokens. It must resume past every block the answer's steps (or rounds) wrote
     (the last token's only when a step was still in flight) and give `ref_sess`'s from-scratch logits within
-    1e-5 (the answer's rows came from decode steps, other GEMM shapes than prefill chunks)."""
+    1e-4 (the answer's rows came from decode steps, other GEMM shapes than prefill chunks)."""
     V = sess.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     first = [torch.randint(2, V, (n,), generator=g).tolist() for n in (11, 21)]
@@ -94,7 +94,10 @@ def follow_up_turn(sess: Session, ref_sess: Session, block: int, seed: int = 4, 
         assert sum(r.stats["accepted_draft_tokens"] for r in out) > 10
     turn2 = [p + r.tokens + torch.randint(2, V, (5,), generator=g).tolist() for p, r in zip(first, out)]
     hits0 = sess.prefix.stats()["hit_tokens"]
-    assert_same(serve(ref_sess, turn2, max_new=3), serve(sess, turn2, max_new=3), tol=1e-5)
+    # 1e-4: fp32 order only. V3's answer rows come from absorbed-MLA decode steps and the reference's from prefill
+    # chunks (other GEMM shapes): 1e-6 to 1.7e-5 over seeds 4-7 on one CPU (seed 4 passed 1e-5 on another CPU's
+    # BLAS and not on this one); V4's 6e-7 to 1.2e-6.
+    assert_same(serve(ref_sess, turn2, max_new=3), serve(sess, turn2, max_new=3), tol=1e-4)
     hits = sess.prefix.stats()["hit_tokens"] - hits0
     lo = sum((len(p) + len(r.tokens) - 1) // block * block for p, r in zip(first, out))
     hi = sum((len(p) + len(r.tokens)) // block * block for p, r in zip(first, out))
