@@ -35,10 +35,12 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
+from dsv4c.kernels.swiglu import swiglu_values
 
 from dsv4c import quant as Q
 
-__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_grouped_w8a16",
+__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_swiglu_w8a16",
+           "fp8_gemv_grouped_w8a16",
            "fp8_gemv_grouped_w8a16_ref", "fp8_gemv_w8a8", "fp8_gemv_w8a8_ref", "MAX_M"]
 
 _B = Q.FP8_BLOCK
@@ -158,10 +160,17 @@ def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constex
 
 @triton.jit
 def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-            A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
+            A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, SWIGLU: tl.constexpr = None):
     """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
-    1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts)."""
+    1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts).
+    SWIGLU (the limit L, 0.0: no clamp; None: off): the activations are swiglu_act(g, u, L) of g at a_row and
+    u at as_row, computed here as kernels/swiglu.py computes them (in their dtype)."""
     ks = k0 + tl.arange(0, BLOCK_K)
+    if SWIGLU is not None:
+        g = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0)
+        u = tl.load(as_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0)
+        return swiglu_values(g.to(tl.float32), u.to(tl.float32), SWIGLU, SWIGLU > 0, a_row.dtype.element_ty,
+                             RNE_BF16)
     a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
     if A_ROUND is not None:
         a = U.round_to(a, A_ROUND, RNE_BF16)
@@ -173,17 +182,17 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
+              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, SWIGLU: tl.constexpr = None):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_hi = k_lo + K_SPLIT
-    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
+    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
         w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
-        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
+        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
     return acc[:, None]
@@ -192,14 +201,15 @@ def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr,
 @triton.jit
 def _piped_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
                 WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                STAGES: tl.constexpr, A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
+                STAGES: tl.constexpr, A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False,
+                SWIGLU: tl.constexpr = None):
     """`_fma_loop`'s steps and sums in its order, the loads left to Triton's pipeliner (STAGES). Its steps stay
     inside the split (K_SPLIT is a multiple of BLOCK_K), so the masks test K alone: a constant per 16-byte
     vector, as cp.async needs."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in tl.range(0, K_SPLIT // BLOCK_K, num_stages=STAGES):
         w, ws = _w_step(w_rows, ws_row, n_ok, k_lo + i * BLOCK_K, K, K, WS_E8M0, BLOCK_K)
-        a = _a_step(a_row, as_row, k_lo + i * BLOCK_K, K, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
+        a = _a_step(a_row, as_row, k_lo + i * BLOCK_K, K, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
     return acc[:, None]
 
@@ -211,11 +221,11 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
                  ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 0):
+                 STAGES: tl.constexpr = 0, SWIGLU: tl.constexpr = None):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
     ROUND_A: a's (fp32) values are rounded to y's dtype before the products. STAGES > 0 (one token): the
-    pipelined K loop."""
+    pipelined K loop. SWIGLU (one token; a float, or None): the activations are swiglu_act(a, as, SWIGLU)."""
     U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -233,13 +243,13 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
         row = pid_m.to(tl.int64)
         acc = _piped_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, K, A_FP8,
                           WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT, STAGES, y_ptr.dtype.element_ty if ROUND_A else None,
-                          RNE_BF16)
+                          RNE_BF16, SWIGLU)
     elif BLOCK_M == 1:
         row = pid_m.to(tl.int64)
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
+                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16, SWIGLU)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
@@ -268,7 +278,7 @@ def _check_weight(w_q: torch.Tensor, w_s: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8GemvConfig | None,
-            groups: int = 1) -> torch.Tensor:
+            groups: int = 1, swiglu: float | None = None) -> torch.Tensor:
     m, k = a.shape[0], a.shape[1] // groups
     n = w_q.shape[0]
     if w_q.device != a.device:
@@ -298,7 +308,7 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
                        RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
-                       STAGES=cfg.num_stages if cfg.pipelined and cfg.block_m == 1 else 0,
+                       STAGES=cfg.num_stages if cfg.pipelined and cfg.block_m == 1 else 0, SWIGLU=swiglu,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
@@ -313,6 +323,22 @@ def fp8_gemv_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out_dt
                          f"strides {a.stride() if a.dim() else ()}")
     ws = _check_weight(w_q, w_s, a.shape[1])
     return _launch(a, a, w_q, ws, False, out_dtype, config)
+
+
+def fp8_gemv_swiglu_w8a16(g: torch.Tensor, u: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float,
+                          config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """One token: y [1, N] = fp8_gemv_w8a16(swiglu_act(g, u, limit), w_q, w_s) in one launch, the activation
+    computed as the GEMV loads it (kernels/swiglu.py's steps, so the same bits as the two launches). g, u
+    bf16/fp16 [1, K] of one dtype with unit stride along K (the split halves of a fused w1 ‖ w3 output);
+    limit <= 0: no clamp. y in g's dtype."""
+    if (g.dtype not in (torch.bfloat16, torch.float16) or u.dtype != g.dtype or g.dim() != 2 or g.shape[0] != 1
+            or u.shape != g.shape or g.stride(1) != 1 or u.stride(1) != 1):
+        raise ValueError(f"g, u: expected one bf16/fp16 dtype, [1, K] with unit stride along K, got {g.dtype} "
+                         f"{tuple(g.shape)} {g.stride()} and {u.dtype} {tuple(u.shape)} {u.stride()}")
+    if config is not None and config.block_m != 1:
+        raise ValueError(f"Fp8GemvConfig.block_m: the SwiGLU GEMV takes the one-token tile (1), got {config.block_m}")
+    ws = _check_weight(w_q, w_s, g.shape[1])
+    return _launch(g, u, w_q, ws, False, g.dtype, config, swiglu=max(float(limit), 0.0))
 
 
 def fp8_gemv_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,14 @@ def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
     ty = out_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * g_rs + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_rs + c, mask=m, other=0.0).to(tl.float32)
+    h = swiglu_values(g, u, limit, CLAMP, ty, RNE_BF16)
+    tl.store(out_ptr + row * I + c, h.to(ty), mask=m)
+
+
+@triton.jit
+def swiglu_values(g, u, limit, CLAMP: tl.constexpr, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """h = silu(g) · u of fp32 g, u (values of `ty`) with PyTorch's rounding steps in `ty`, as fp32 (exact in
+    ty): the kernel above, and the FP8 GEMV that reads its activations through it (kernels/fp8_gemv.py)."""
     if CLAMP:  # compares, not min/max: a NaN passes through as in torch.clamp
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
@@ -73,7 +81,7 @@ def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
         h = U.round_to(s * u, ty, RNE_BF16)
     else:
         h = s * u
-    tl.store(out_ptr + row * I + c, h.to(ty), mask=m)
+    return h
 
 
 def _row_stride(t: torch.Tensor, name: str) -> int:

@@ -21,6 +21,7 @@ from dsv4c.kernels.fp8_gemm import (
 )
 from dsv4c.kernels.fp8_gemv import (
     Fp8GemvConfig,
+    fp8_gemv_swiglu_w8a16,
     fp8_gemv_w8a8,
     fp8_gemv_w8a8_ref,
     fp8_gemv_w8a16,
@@ -162,6 +163,32 @@ def test_gemv_pipelined_loop_gives_the_same_bits(m, n, k, fmt, cfg, monkeypatch)
     assert not FG.default_config(1, 4096, 4096, 132).pipelined
     monkeypatch.setattr(FG, "GEMV_PIPELINED", 1)
     assert FG.default_config(1, 4096, 4096, 132).pipelined and not FG.default_config(8, 4096, 4096, 132).pipelined
+
+
+@pytest.mark.parametrize("k, limit, cfg", [(200, 0.0, Fp8GemvConfig(1, 16, 128, split=2)),
+                                           (384, 2.5, Fp8GemvConfig(1, 32, 256)),
+                                           (384, 2.5, Fp8GemvConfig(1, 32, 128, split=2, pipelined=True, num_stages=3))])
+def test_gemv_swiglu_gives_the_bits_of_the_activation_then_the_gemv(k, limit, cfg):
+    """fp8_gemv_swiglu_w8a16: swiglu_act(g, u, L) computed as the GEMV loads it (g, u the strided halves of a
+    fused w1 ‖ w3 output, values past the clamp) gives the bits of kernels/swiglu.py's launch then the GEMV;
+    and the dsv4c op does the same (on the CPU: the two ops)."""
+    from dsv4c.kernels.swiglu import swiglu_act
+
+    g0 = torch.Generator().manual_seed(k)
+    gu = (torch.randn(1, 2 * k, generator=g0) * 3).bfloat16()
+    g, u = gu[:, :k], gu[:, k:]
+    _, w_q, w_s = operands(1, 72, k, "ue8m0", seed=6)
+    h = swiglu_act(g, u, limit)
+    y = fp8_gemv_swiglu_w8a16(g, u, w_q, w_s, limit, cfg)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 72)
+    assert torch.equal(y, fp8_gemv_w8a16(h, w_q, w_s, config=cfg))
+    assert rel_err(y, fp8_gemv_w8a16(g, w_q, w_s, config=cfg)) > 0.1               # it is not the GEMV of g
+    if limit:
+        assert (g.float().abs() > limit).any() and not torch.equal(h, swiglu_act(g, u, 0.0))
+    op = torch.ops.dsv4c.fp8_linear_swiglu_w8a16(g, u, w_q, w_s, limit)
+    assert torch.equal(op, torch.ops.dsv4c.fp8_linear_w8a16(torch.ops.dsv4c.swiglu_act(g, u, limit), w_q, w_s))
+    with pytest.raises(ValueError, match="g, u: expected one bf16/fp16 dtype"):
+        fp8_gemv_swiglu_w8a16(g.float(), u, w_q, w_s, limit)
 
 
 def test_split_counters_are_left_as_found():
