@@ -2,7 +2,7 @@
 # GEMV's tiles, Triton's pipeliner (stages) and the fused activation quantisation (fq), at 1 and 8 tokens); then
 # the 2-layer step at batch 1 on the GPU alone, interleaved: the default, the FP8 experts' GEMV config the sweep
 # names (T13=BN,BK,W,STAGES,FUSE_QUANT; by default the sweep's fastest GEMV at one token), and fused quantisation
-# with 3 stages; then once each: linear_f32's one-token GEMV with up to 16 programs per SM (2: the default) and
+# with 3 stages, and the pipeline without fuse_swiglu_linear (the shared experts' SwiGLU in w2's GEMV); then once each: linear_f32's one-token GEMV with up to 16 programs per SM (2: the default) and
 # the dense one-token GEMV's pipelined loop; last, while the budget lasts, the GPU tests of the kernels changed.
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
@@ -14,10 +14,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/steps.
 timeout 130 python examples/bench_moe_kernels.py --sweep --formats fp8_block --tokens 1,8 \
   --budget-s 100 --out $OUT/sweep.json > $OUT/sweep.txt 2>&1
 grep "fp8_block | 1 \|best\|ratio" $OUT/sweep.txt | head -30 | tee -a $OUT/steps.txt
-run() {  # label batch knobs... (module constants under dsv4c.kernels)
+run() {  # label batch knobs... (module constants under dsv4c.kernels) [:: profile_step args]
   [ $((SECONDS + 40)) -lt $B ] || { echo "$1 skipped at ${SECONDS}s" | tee -a $OUT/steps.txt; return; }
-  local label=$1 batch=$2; shift 2
-  timeout 55 python $K "$@" -- $P --batch $batch > /tmp/p.txt 2>&1
+  local label=$1 batch=$2 kn=() ex=(); shift 2
+  while [ $# -gt 0 ] && [ "$1" != "::" ]; do kn+=("$1"); shift; done; [ "$1" = "::" ] && shift; ex=("$@")
+  timeout 55 python $K "${kn[@]}" -- $P --batch $batch "${ex[@]}" > /tmp/p.txt 2>&1
   { echo "### $label"; cat /tmp/p.txt; } >> $OUT/profiles.txt
   grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|$label: |" | tee -a $OUT/steps.txt
 }
@@ -36,6 +37,7 @@ for i in 1 2; do
   run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
   run "b1 moe gemv $T" 1 $M
   run "b1 moe fuse_quant stages 3" 1 ${G}_FUSE_QUANT=1 ${G}_STAGES=3
+  run "b1 without fuse_swiglu_linear" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2 :: --skip-passes fuse_swiglu_linear
 done
 run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
 run "b1 dense gemv pipelined" 1 fp8_gemv.GEMV_PIPELINED=1
