@@ -6,6 +6,8 @@ CUDA-graph capture, and the default config's choice.
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 import triton
@@ -16,6 +18,7 @@ from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.moe_fp8_gemv import Fp8GemvMoeConfig, moe_fp8_gemv
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 from moe_cases import float_weights, inputs, routing
+from sm90_compile import run_sm90_script
 
 LIMIT = 0.6
 TOL = KERNEL_REL_ERR["fp8_block"]
@@ -200,3 +203,42 @@ def test_gpu_gemv_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, idx, weight, ex))
+
+
+_SM90_SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4c.kernels import moe_fp8_gemv as MG
+
+    def compile(fn, types, consts):
+        names = list(fn.arg_names)
+        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
+        ints = {nm for nm in names if nm.endswith("_ptr") or nm.startswith("stride") or nm in ("I", "D")}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm in ints}  # as launched
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
+    for q in (False, True):
+        for st in (0, 3):
+            a = "*bf16" if q else "*fp8e4nv"
+            t13 = {"xq_ptr": a, "xs_ptr": "*bf16" if q else "*fp32", "idx_ptr": "*i32", "rw_ptr": "*fp32",
+                   "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "h_ptr": "*fp32", "limit": "fp32"}
+            t2 = {"hq_ptr": "*fp32" if q else "*fp8e4nv", "hs_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp8e4nv",
+                  "s_ptr": "*fp32", "y_ptr": "*bf16"}
+            p13 = compile(MG._gemv13_kernel, t13, dict(K=4096, TOPK=6, HAS_LIMIT=True, PDL=True, EARLY=True,
+                                                        BLOCK_N=16, BLOCK_K=512, QUANT=q, STAGES=st))
+            p2 = compile(MG._gemv2_kernel, t2, dict(K=2048, PDL=True, EARLY=True, BLOCK_N=32, BLOCK_K=512, QUANT=q,
+                                                     STAGES=st))
+            print("kernel", int(q), st, int("cp.async" in p13), int("cp.async" in p2),
+                  int("griddepcontrol.wait" in p13 and "griddepcontrol.wait" in p2))
+''')
+
+
+def test_kernels_compile_for_sm90_and_stages_load_through_cp_async(tmp_path):
+    """Compiled (not run) for sm_90 at Flash's shapes, fused quantisation or not: with stages the K loop's
+    loads go through cp.async (Triton's pipeliner), without them they do not (the registers hold the next
+    step); both keep the PDL wait."""
+    rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
+    assert rows == [["0", "0", "0", "0", "1"], ["0", "3", "1", "1", "1"], ["1", "0", "0", "0", "1"],
+                    ["1", "3", "1", "1", "1"]], rows
