@@ -109,7 +109,8 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     while (tiles * split < grid_cap and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
-    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages, pipelined=m == 1 and bool(GEMV_PIPELINED))
+    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages,
+                         pipelined=m == 1 and bool(GEMV_PIPELINED))
 
 
 @triton.jit

@@ -165,9 +165,9 @@ def test_gemv_pipelined_loop_gives_the_same_bits(m, n, k, fmt, cfg, monkeypatch)
     assert FG.default_config(1, 4096, 4096, 132).pipelined and not FG.default_config(8, 4096, 4096, 132).pipelined
 
 
-@pytest.mark.parametrize("k, limit, cfg", [(200, 0.0, Fp8GemvConfig(1, 16, 128, split=2)),
-                                           (384, 2.5, Fp8GemvConfig(1, 32, 256)),
-                                           (384, 2.5, Fp8GemvConfig(1, 32, 128, split=2, pipelined=True, num_stages=3))])
+@pytest.mark.parametrize("k, limit, cfg", [
+    (200, 0.0, Fp8GemvConfig(1, 16, 128, split=2)), (384, 2.5, Fp8GemvConfig(1, 32, 256)),
+    (384, 2.5, Fp8GemvConfig(1, 32, 128, split=2, pipelined=True, num_stages=3))])
 def test_gemv_swiglu_gives_the_bits_of_the_activation_then_the_gemv(k, limit, cfg):
     """fp8_gemv_swiglu_w8a16: swiglu_act(g, u, L) computed as the GEMV loads it (g, u the strided halves of a
     fused w1 ‖ w3 output, values past the clamp) gives the bits of kernels/swiglu.py's launch then the GEMV;

@@ -2,7 +2,8 @@
 # GEMV's tiles, Triton's pipeliner (stages) and the fused activation quantisation (fq), at 1 and 8 tokens); then
 # the 2-layer step at batch 1 on the GPU alone, interleaved: the default, the FP8 experts' GEMV config the sweep
 # names (T13=BN,BK,W,STAGES,FUSE_QUANT; by default the sweep's fastest GEMV at one token), and fused quantisation
-# with 3 stages, and the pipeline without fuse_swiglu_linear (the shared experts' SwiGLU in w2's GEMV); then once each: linear_f32's one-token GEMV with up to 16 programs per SM (2: the default) and
+# with 3 stages, and the pipeline without fuse_swiglu_linear (the shared experts' SwiGLU in w2's GEMV); then
+# once each: linear_f32's one-token GEMV with up to 16 programs per SM (2: the default) and
 # the dense one-token GEMV's pipelined loop; last, while the budget lasts, the GPU tests of the kernels changed.
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
@@ -43,7 +44,8 @@ run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
 run "b1 dense gemv pipelined" 1 fp8_gemv.GEMV_PIPELINED=1
 if [ $((SECONDS + 60)) -lt $B ]; then
   timeout $((B - SECONDS - 5)) python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe_fp8_gemv.py \
-    tests/test_kernels_fp8_gemm.py tests/test_kernels_linear_f32.py tests/test_kernels_l2_prefetch.py > $OUT/tests.txt 2>&1
+    tests/test_kernels_fp8_gemm.py tests/test_kernels_linear_f32.py tests/test_kernels_l2_prefetch.py \
+    > $OUT/tests.txt 2>&1
   tail -3 $OUT/tests.txt | tee -a $OUT/steps.txt
 fi
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt

@@ -15,8 +15,9 @@ G=moe_grouped.FP8_GEMV
 for v in "0 0 --skip-passes fuse_swiglu_linear" "1 3" "0 0 --skip-passes fuse_swiglu_linear" "1 3"; do
   [ $((SECONDS + 30)) -lt $B ] || break
   set -- $v
-  timeout 40 python $K ${G}_FUSE_QUANT=$1 ${G}_STAGES=$2 -- examples/profile_step.py --layers 2 --expert-format fp8_block \
-    --top 8 --batch 1 "${@:3}" > /tmp/p.txt 2>&1
-  grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|fq $1 stages $2 ${3:+no swiglu fusion}: |" | tee -a $OUT/steps.txt
+  timeout 40 python $K ${G}_FUSE_QUANT=$1 ${G}_STAGES=$2 -- examples/profile_step.py --layers 2 \
+    --expert-format fp8_block --top 8 --batch 1 "${@:3}" > /tmp/p.txt 2>&1
+  grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|fq $1 stages $2 ${3:+no swiglu fusion}: |" \
+    | tee -a $OUT/steps.txt
 done
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
