@@ -11,7 +11,7 @@ wait, as the FP4 GEMV does.
 Public API::
 
     moe_fp8_gemv(x, idx, weight, w13, w13_scale, w2, w2_scale, swiglu_limit, config=None) -> Tensor  # bf16 [T, D]
-    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps, early_weights)
+    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps, early_weights, fuse_quant, stages)
 
 The function is `moe_grouped` on `Fp8BlockExperts` (and `moe_grouped_ref`'s fp8_block branch):
 x and h quantised to e4m3 per 128 columns with ue8m0 scales (W8A8), for each token t and slot j
@@ -26,6 +26,8 @@ Kernels (no atomics, no host syncs, grids from shapes only: CUDA-graph safe; one
   3. act_quant_fp8(h): e4m3 and scales per 128 columns of a row (the per-128 amax spans programs);
   4. `_gemv2_kernel`, grid (N_A, D / BLOCK_N2): y[a] = W2_e h[a] (bf16);
   5. out[t] = sum_j y[t, j] (kernels/moe_combine.py: fp32 accumulation, one rounding).
+With `fuse_quant`, 1 and 3 are not launched: the GEMVs quantise x and h per 128 columns as they load them (the
+same values). With `stages`, the K loops leave their loads to Triton's pipeliner instead of the registers.
 
 Shapes: T tokens, K experts per token, N_A = T*K assignments, D hidden, I expert width, E experts.
 """
