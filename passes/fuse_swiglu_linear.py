@@ -17,7 +17,8 @@ every other case runs the two ops (tests/test_kernels_fp8_gemm.py, tests/test_fu
 is rewritten only when h has no other user; the deterministic mode's batch-invariant linears (made before
 this pass) are not `fp8_linear_w8a16` and are left alone.
 
-`stats["sites"]` is the number of activations folded.
+Off unless the target's `swiglu_in_gemv` is set (none is: not yet timed on a GPU). `stats["sites"]` is the
+number of activations folded.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from dsv4c.passes import PassContext, PassResult, kernel_ops, unavailable
 
 
 def fuse_swiglu_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
+    from dsv4c.targets import get_target
+
+    if not get_target(ctx.target).swiglu_in_gemv:
+        return PassResult(gm, False, {"sites": 0, "skipped": f"target {ctx.target}: swiglu_in_gemv is off"})
     ops = kernel_ops(ctx, "swiglu_act", "fp8_linear_w8a16", "fp8_linear_swiglu_w8a16")
     if ops is None:
         return PassResult(gm, False, {"sites": 0, "skipped": unavailable("fp8_linear_swiglu_w8a16")})

@@ -2,13 +2,13 @@
 # GEMV's tiles, Triton's pipeliner (stages) and the fused activation quantisation (fq), at 1 and 8 tokens); then
 # the 2-layer step at batch 1 on the GPU alone, interleaved: the default, the FP8 experts' GEMV config the sweep
 # names (T13=BN,BK,W,STAGES,FUSE_QUANT; by default the sweep's fastest GEMV at one token), and fused quantisation
-# with 3 stages, and the pipeline without fuse_swiglu_linear (the shared experts' SwiGLU in w2's GEMV); then
+# with 3 stages, and fuse_swiglu_linear on (target.swiglu_in_gemv: the shared experts' SwiGLU in w2's GEMV); then
 # once each: linear_f32's one-token GEMV with up to 16 programs per SM (2: the default) and
 # the dense one-token GEMV's pipelined loop; last, while the budget lasts, the GPU tests of the kernels changed.
 # B=SECONDS budget. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
 B=${B:-400}
-K=examples/results/device-2026-12-06/run52/knobs.py
+K=examples/results/device-2026-12-06/run65/knobs.py
 P="examples/profile_step.py --layers 2 --expert-format fp8_block --top 8"
 python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/steps.txt
@@ -38,7 +38,7 @@ for i in 1 2; do
   run "b1 default" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2
   run "b1 moe gemv $T" 1 $M
   run "b1 moe fuse_quant stages 3" 1 ${G}_FUSE_QUANT=1 ${G}_STAGES=3
-  run "b1 without fuse_swiglu_linear" 1 linear_f32.GEMV_PROGRAMS_PER_SM=2 :: --skip-passes fuse_swiglu_linear
+  run "b1 swiglu in w2's GEMV" 1 target.swiglu_in_gemv=1
 done
 run "b1 lf32 16/SM" 1 linear_f32.GEMV_PROGRAMS_PER_SM=16
 run "b1 dense gemv pipelined" 1 fp8_gemv.GEMV_PIPELINED=1
