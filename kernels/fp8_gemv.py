@@ -167,12 +167,12 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
     SWIGLU (the limit L, 0.0: no clamp; None: off): the activations are swiglu_act(g, u, L) of g at a_row and
     u at as_row, computed here as kernels/swiglu.py computes them (in their dtype)."""
     ks = k0 + tl.arange(0, BLOCK_K)
+    ok = (ks < K) & (ks < k_hi)
     if SWIGLU is not None:
-        g = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0)
-        u = tl.load(as_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0)
-        return swiglu_values(g.to(tl.float32), u.to(tl.float32), SWIGLU, SWIGLU > 0, a_row.dtype.element_ty,
-                             RNE_BF16)
-    a = tl.load(a_row + ks, mask=(ks < K) & (ks < k_hi), other=0.0).to(tl.float32)
+        g = tl.load(a_row + ks, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(as_row + ks, mask=ok, other=0.0).to(tl.float32)
+        return swiglu_values(g, u, SWIGLU, SWIGLU > 0, a_row.dtype.element_ty, RNE_BF16)
+    a = tl.load(a_row + ks, mask=ok, other=0.0).to(tl.float32)
     if A_ROUND is not None:
         a = U.round_to(a, A_ROUND, RNE_BF16)
     if A_FP8:
