@@ -10,7 +10,8 @@ python -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.txt 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 timeout 60 python $H/l2_wait.py 2>&1 | tail -4 | tee -a $OUT/gpu.txt
 timeout $((B - SECONDS - 10)) python examples/bench_artifact.py --work /tmp/slice --out $OUT/artifact.json \
-  --prefill --no-torch-compile --no-hf --batches ${BATCHES:-1 8 64} --steps ${STEPS:-27} > $OUT/artifact.log 2>&1; echo rc=$? >> $OUT/artifact.log
+  --prefill --no-torch-compile --no-hf --batches ${BATCHES:-1 8 64} --steps ${STEPS:-27} \
+  > $OUT/artifact.log 2>&1; echo rc=$? >> $OUT/artifact.log
 tail -9 $OUT/artifact.log
 rm -rf /tmp/slice
 echo "at ${SECONDS}s" | tee -a $OUT/gpu.txt
