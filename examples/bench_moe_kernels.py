@@ -210,12 +210,10 @@ def sweep_candidates(fmt: str, prefill: bool, small: bool) -> list[tuple[str, M.
         def f8(bn, w, st, direct=False):
             return tag(f"bn{bn} w{w} s{st}", direct), C(16, bn, 128, w, st, direct=direct)
 
-        def g8(bn, bk, w, st=0, q=False):   # CUDA-core GEMVs (kernels/moe_fp8_gemv.py): bn W2 rows, bn / 2 of W1, W3
-            name = f"gemv bn{bn} bk{bk} w{w}" + (f" s{st}" if st else "") + (" fq" if q else "")
-            return name, C(block_n=bn, block_k=bk, num_warps=w, gemv=True, gemv_stages=st, fuse_quant=q)
-        gemv = [g8(32, 512, 8), g8(32, 512, 8, 3), g8(32, 512, 8, 4), g8(32, 256, 4, 4), g8(64, 256, 4, 4),
-                g8(32, 512, 8, 3, True), g8(32, 256, 4, 4, True), g8(32, 512, 8, 0, True), g8(32, 256, 4),
-                g8(64, 512, 8, 3), g8(32, 1024, 8, 3), g8(32, 256, 8)]
+        def g8(bn, bk, w):   # CUDA-core GEMV kernels (kernels/moe_fp8_gemv.py): bn W2 rows, bn / 2 of W1 and W3
+            return f"gemv bn{bn} bk{bk} w{w}", C(block_n=bn, block_k=bk, num_warps=w, gemv=True)
+        gemv = [g8(32, 512, 8), g8(32, 256, 4), g8(32, 512, 4), g8(32, 256, 8), g8(32, 1024, 8), g8(64, 256, 4),
+                g8(64, 512, 8), g8(64, 256, 8)]
         return [("default", None)] + gemv + [f8(64, 4, 4, True), f8(32, 4, 4, True), f8(128, 4, 4, True),
                                              f8(64, 4, 3, True)]
     return [("default", None), ("bn32 bk128 w4 s4 direct", C(16, 32, 128, 4, 4, direct=True)),

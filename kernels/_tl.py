@@ -184,14 +184,6 @@ def e4m3_value(b):
 
 
 @triton.jit
-def e4m3_round(x):
-    """fp32 value of e4m3_bits(x): x clamped to +-448 and rounded to the nearest e4m3 value (ties to even)."""
-    b = e4m3_bits(x)
-    v = e4m3_value(b & 0x7F)
-    return tl.where(b >= 128, -v, v)
-
-
-@triton.jit
 def e8m0_value(b):
     """fp32 2^(b-127) of a ue8m0 byte b (int32; 0 gives 2^-127)."""
     return tl.where(b == 0, 0x400000, b << 23).to(tl.float32, bitcast=True)

@@ -11,7 +11,7 @@ wait, as the FP4 GEMV does.
 Public API::
 
     moe_fp8_gemv(x, idx, weight, w13, w13_scale, w2, w2_scale, swiglu_limit, config=None) -> Tensor  # bf16 [T, D]
-    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps, early_weights, fuse_quant, stages)
+    Fp8GemvMoeConfig(block_n13, block_n2, block_k, num_warps, early_weights)
 
 The function is `moe_grouped` on `Fp8BlockExperts` (and `moe_grouped_ref`'s fp8_block branch):
 x and h quantised to e4m3 per 128 columns with ue8m0 scales (W8A8), for each token t and slot j
@@ -26,8 +26,6 @@ Kernels (no atomics, no host syncs, grids from shapes only: CUDA-graph safe; one
   3. act_quant_fp8(h): e4m3 and scales per 128 columns of a row (the per-128 amax spans programs);
   4. `_gemv2_kernel`, grid (N_A, D / BLOCK_N2): y[a] = W2_e h[a] (bf16);
   5. out[t] = sum_j y[t, j] (kernels/moe_combine.py: fp32 accumulation, one rounding).
-With `fuse_quant`, 1 and 3 are not launched: the GEMVs quantise x and h per 128 columns as they load them (the
-same values). With `stages`, the K loops leave their loads to Triton's pipeliner instead of the registers.
 
 Shapes: T tokens, K experts per token, N_A = T*K assignments, D hidden, I expert width, E experts.
 """
@@ -52,23 +50,18 @@ class Fp8GemvMoeConfig:
     """block_n13: W1 (and as many W3) rows per program; block_n2: W2 rows per program (both powers of
     two dividing 128: one scale row per program); block_k: K columns per loop step (a power-of-two
     multiple of 128); num_warps: Triton's; early_weights: request the first K step's weights before the
-    PDL wait; fuse_quant: each GEMV quantises its activations per 128 columns as it loads them (x bf16, h fp32;
-    the same values as act_quant_fp8's, two launches fewer) instead of reading act_quant_fp8's output;
-    stages: 0, the next K step's weights held in registers (as many bytes in flight as registers allow), or
-    2-8, Triton's pipeliner keeps stages - 1 K steps in flight through shared memory (cp.async). The defaults
-    read 32 weight rows x 512 columns per step in both kernels, the dense one-token GEMV's tile. sm_90 builds
-    (Triton 3.9, compiled offline with the strides' divisibility by 16 that launches specialise): 123 and 120
-    registers per thread (without those hints: 255 and 212, the figures Triton 3.6 gave earlier); with
-    fuse_quant 195 and 190 (one 8-warp program per SM); with stages 3: 75 and 64, 46 and 42 KB of shared
-    memory (fuse_quant too: 80 and 64)."""
+    PDL wait. The defaults read 32 weight rows x 512 columns per step in both kernels, the dense one-token
+    GEMV's tile. sm_90 builds (Triton 3.9, compiled offline with the strides' divisibility by 16 that launches
+    specialise): 123 and 120 registers per thread (without those hints: 255 and 212, the figures Triton 3.6 gave
+    earlier). Through Triton's pipeliner (cp.async, 3-4 stages) or quantising x and h as they load them, these
+    GEMVs were 1.6-2.1x slower on an H100 (run65), and quantising with 3 stages faulted in the 2-layer step:
+    both were removed."""
 
     block_n13: int = 16
     block_n2: int = 32
     block_k: int = 512
     num_warps: int = 8
     early_weights: bool = True
-    fuse_quant: bool = False
-    stages: int = 0
 
     def check(self) -> None:
         for name in ("block_n13", "block_n2"):
@@ -80,8 +73,6 @@ class Fp8GemvMoeConfig:
             raise ValueError(f"Fp8GemvMoeConfig.block_k: a power-of-two multiple of 128, got {self.block_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"Fp8GemvMoeConfig.num_warps: 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.stages != 0 and not 2 <= self.stages <= 8:
-            raise ValueError(f"Fp8GemvMoeConfig.stages: 0 (registers) or 2..8 (pipelined), got {self.stages}")
 
 
 def default_gemv_config(device: torch.device) -> Fp8GemvMoeConfig:
@@ -90,35 +81,14 @@ def default_gemv_config(device: torch.device) -> Fp8GemvMoeConfig:
 
 
 @triton.jit
-def _a_step_quant(a_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of one token's unquantised activations as act_quant_fp8 (ue8m0) would give them, dequantised:
-    fp32 [BK] = e4m3(a / s) * s with s = ceil_pow2(max(amax, 1e-4) / 448) per 128 columns (zeros past K)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    a = tl.reshape(tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32), (BLOCK_K // 128, 128))
-    s = U.ceil_pow2(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4) / 448.0)[:, None]        # [BK/128, 1]
-    return tl.reshape(U.e4m3_round(tl.math.div_rn(a, s)) * s, (BLOCK_K,))
-
-
-@triton.jit
-def _a_load(a_row, as_row, k0, K: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A step of activations: quantised here (QUANT) or read quantised with their scales."""
-    if QUANT:
-        return _a_step_quant(a_row, k0, K, BLOCK_K)
-    return _a_step(a_row, as_row, k0, K, K, True, BLOCK_K)
-
-
-@triton.jit
 def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limit,
                    stride_x, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_h,
                    K: tl.constexpr, TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, PDL: tl.constexpr,
-                   EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr = False,
-                   STAGES: tl.constexpr = 0):
+                   EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[a, n] = silu(min(W1_e[n] . x_t, L)) * clamp(W3_e[n] . x_t, -L, L) * w[a] for the BLOCK_N rows n
     of one tile, assignment a = program 0 (token t = a // TOPK, expert e = idx[a]). EARLY: the first K
     step's weights are requested before the PDL wait (idx and the weights are fixed before the
-    predecessor's own wait returned, see `_tl.pdl_wait`); x, which the predecessor writes, after it.
-    STAGES 0: the next K step's tiles are loaded into registers before this one's products; STAGES >= 2:
-    Triton's pipeliner keeps STAGES - 1 steps in flight through shared memory (cp.async; EARLY is not used)."""
+    predecessor's own wait returned, see `_tl.pdl_wait`); x, which the predecessor writes, after it."""
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
@@ -131,54 +101,34 @@ def _gemv13_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w_ptr, s_ptr, h_ptr, I, limi
     u_rows = w_e + (I + rows).to(tl.int64)[:, None] * stride_wn                    # W3 rows
     g_s = s_e + (pid_n * BLOCK_N // 128) * stride_sn
     u_s = s_e + ((I + pid_n * BLOCK_N) // 128) * stride_sn
-    if STAGES > 0:
-        U.pdl_wait(PDL)
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for i in tl.range(0, (K + BLOCK_K - 1) // BLOCK_K, num_stages=STAGES):
-            wg, sg = _w_step(g_rows, g_s, row_ok, i * BLOCK_K, K, K, False, BLOCK_K)
-            wu, su = _w_step(u_rows, u_s, row_ok, i * BLOCK_K, K, K, False, BLOCK_K)
-            xa = _a_load(x_row, xs_row, i * BLOCK_K, K, QUANT, BLOCK_K)
-            acc_g += tl.sum(wg.to(tl.float32) * (sg * xa)[None, :], axis=1)
-            acc_u += tl.sum(wu.to(tl.float32) * (su * xa)[None, :], axis=1)
-    else:
-        acc_g, acc_u = _gemv13_prefetch_loop(x_row, xs_row, g_rows, u_rows, g_s, u_s, row_ok, K, PDL, EARLY,
-                                             BLOCK_N, BLOCK_K, QUANT)
-    h = U.swiglu(acc_g, acc_u, limit, HAS_LIMIT) * tl.load(rw_ptr + a)
-    tl.store(h_ptr + a * stride_h + rows, h, mask=row_ok)
-
-
-@triton.jit
-def _gemv13_prefetch_loop(x_row, xs_row, g_rows, u_rows, g_s, u_s, row_ok, K: tl.constexpr, PDL: tl.constexpr,
-                          EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
-    """`_gemv13_kernel`'s K loop with the next step's tiles in registers: (acc_g, acc_u) fp32 [BN]."""
     if not EARLY:
         U.pdl_wait(PDL)
     wg, sg = _w_step(g_rows, g_s, row_ok, 0, K, K, False, BLOCK_K)
     wu, su = _w_step(u_rows, u_s, row_ok, 0, K, K, False, BLOCK_K)
     if EARLY:
         U.pdl_wait(PDL)
-    xa = _a_load(x_row, xs_row, 0, K, QUANT, BLOCK_K)
+    xa = _a_step(x_row, xs_row, 0, K, K, True, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):  # the next step's tiles are loaded before this one's products
         k1 = (i + 1) * BLOCK_K
         wg1, sg1 = _w_step(g_rows, g_s, row_ok, k1, K, K, False, BLOCK_K)
         wu1, su1 = _w_step(u_rows, u_s, row_ok, k1, K, K, False, BLOCK_K)
-        xa1 = _a_load(x_row, xs_row, k1, K, QUANT, BLOCK_K)
+        xa1 = _a_step(x_row, xs_row, k1, K, K, True, BLOCK_K)
         acc_g += tl.sum(wg.to(tl.float32) * (sg * xa)[None, :], axis=1)
         acc_u += tl.sum(wu.to(tl.float32) * (su * xa)[None, :], axis=1)
         wg, sg, wu, su, xa = wg1, sg1, wu1, su1, xa1
-    return acc_g, acc_u
+    h = U.swiglu(acc_g, acc_u, limit, HAS_LIMIT) * tl.load(rw_ptr + a)
+    tl.store(h_ptr + a * stride_h + rows, h, mask=row_ok)
 
 
 @triton.jit
 def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
                   stride_h, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                   K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, QUANT: tl.constexpr = False, STAGES: tl.constexpr = 0):
+                  BLOCK_K: tl.constexpr):
     """y[a, n] = W2_e[n] . h[a] for the BLOCK_N rows n of one tile, assignment a = program 0; the first K
-    step's weights requested before the PDL wait if EARLY, h after it; STAGES as in `_gemv13_kernel`."""
+    step's weights requested before the PDL wait if EARLY, h after it (as in `_gemv13_kernel`)."""
     a = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(idx_ptr + a).to(tl.int64)
@@ -187,26 +137,19 @@ def _gemv2_kernel(hq_ptr, hs_ptr, idx_ptr, w_ptr, s_ptr, y_ptr, D,
     w_rows = w_ptr + e * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     ws_row = s_ptr + e * stride_se + (pid_n * BLOCK_N // 128) * stride_sn
     h_row, hs_row = hq_ptr + a * stride_h, hs_ptr + a * stride_hs
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if STAGES > 0:
+    if not EARLY:
         U.pdl_wait(PDL)
-        for i in tl.range(0, (K + BLOCK_K - 1) // BLOCK_K, num_stages=STAGES):
-            w, ws = _w_step(w_rows, ws_row, row_ok, i * BLOCK_K, K, K, False, BLOCK_K)
-            ha = _a_load(h_row, hs_row, i * BLOCK_K, K, QUANT, BLOCK_K)
-            acc += tl.sum(w.to(tl.float32) * (ws * ha)[None, :], axis=1)
-    else:
-        if not EARLY:
-            U.pdl_wait(PDL)
-        w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
-        if EARLY:
-            U.pdl_wait(PDL)
-        ha = _a_load(h_row, hs_row, 0, K, QUANT, BLOCK_K)
-        for i in range((K + BLOCK_K - 1) // BLOCK_K):
-            k1 = (i + 1) * BLOCK_K
-            w1, ws1 = _w_step(w_rows, ws_row, row_ok, k1, K, K, False, BLOCK_K)
-            ha1 = _a_load(h_row, hs_row, k1, K, QUANT, BLOCK_K)
-            acc += tl.sum(w.to(tl.float32) * (ws * ha)[None, :], axis=1)
-            w, ws, ha = w1, ws1, ha1
+    w, ws = _w_step(w_rows, ws_row, row_ok, 0, K, K, False, BLOCK_K)
+    if EARLY:
+        U.pdl_wait(PDL)
+    ha = _a_step(h_row, hs_row, 0, K, K, True, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range((K + BLOCK_K - 1) // BLOCK_K):
+        k1 = (i + 1) * BLOCK_K
+        w1, ws1 = _w_step(w_rows, ws_row, row_ok, k1, K, K, False, BLOCK_K)
+        ha1 = _a_step(h_row, hs_row, k1, K, K, True, BLOCK_K)
+        acc += tl.sum(w.to(tl.float32) * (ws * ha)[None, :], axis=1)
+        w, ws, ha = w1, ws1, ha1
     tl.store(y_ptr + a * stride_y + rows, acc.to(tl.bfloat16), mask=row_ok)
 
 
@@ -242,20 +185,19 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
         return out
     n_a, dev = t * topk, x.device
     idx_flat = idx.reshape(-1)
-    q = cfg.fuse_quant                                                             # the GEMVs quantise
-    xq, xs = (x, x) if q else act_quant_fp8(x)                                     # [T, D] e4m3, [T, D/128]
+    xq, xs = act_quant_fp8(x)                                                      # [T, D] e4m3, [T, D/128]
     h = torch.empty(n_a, i, dtype=torch.float32, device=dev)
     _gemv13_kernel[(n_a, triton.cdiv(i, cfg.block_n13))](
         xq, xs, idx_flat, weight.reshape(-1).contiguous(), w13, w13_scale, h, i, float(swiglu_limit),
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), K=d, TOPK=topk, HAS_LIMIT=swiglu_limit > 0, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n13,
-        BLOCK_K=cfg.block_k, QUANT=q, STAGES=cfg.stages,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, **U.pdl_launch(x))
-    hq, hs = (h, h) if q else act_quant_fp8(h)                                     # [N_A, I] e4m3, [N_A, I/128]
+    hq, hs = act_quant_fp8(h)                                                      # [N_A, I] e4m3, [N_A, I/128]
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
         hq, hs, idx_flat, w2, w2_scale, y, d, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), K=i, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k, QUANT=q, STAGES=cfg.stages,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, **U.pdl_launch(x))
     return combine_slots(y, None, topk, out, pdl=U.pdl_supported(dev))          # fp32 sum, one rounding

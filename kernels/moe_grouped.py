@@ -506,9 +506,8 @@ def _moe_gemm_kernel(
 # 2-layer step's replayed kernels): 856 vs 868 µs at batch 1 (2-4 µs a layer saved), a loss at batch 8 (1643 vs
 # 1593 µs, 48 assignments): 8 takes it at one token (6 assignments at Flash's top-6) and never at batch 8.
 FP8_GEMV_MAX_ASSIGN = 8
-# and with these tiles: W2 rows per program (half as many of W1 and of W3), K columns per step, warps; 1: the
-# GEMVs quantise their activations as they load them (Fp8GemvMoeConfig.fuse_quant); pipeliner stages (0: none)
-FP8_GEMV_BLOCK_N, FP8_GEMV_BLOCK_K, FP8_GEMV_WARPS, FP8_GEMV_FUSE_QUANT, FP8_GEMV_STAGES = 32, 512, 8, 0, 0
+# and with these tiles: W2 rows per program (half as many of W1 and of W3), K columns per step, warps
+FP8_GEMV_BLOCK_N, FP8_GEMV_BLOCK_K, FP8_GEMV_WARPS = 32, 512, 8
 
 
 @dataclass(frozen=True)
@@ -530,8 +529,7 @@ class MoeKernelConfig:
     block_n of W2).
     fp8_prefill: fp8_block only: the prefill kernels of kernels/moe_fp8_prefill.py with their own
     default tiles (BLOCK_M 128, TMA weights, persistent grid; the other fields are ignored).
-    pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl).
-    fuse_quant, gemv_stages: fp8_block gemv only: Fp8GemvMoeConfig's fuse_quant and stages."""
+    pdl: gemv only: programmatic dependent launch between its kernels on sm_90+ (Fp4GemvConfig.pdl)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -545,8 +543,6 @@ class MoeKernelConfig:
     gemv: bool = False
     fp8_prefill: bool = False
     pdl: bool = True
-    fuse_quant: bool = False
-    gemv_stages: int = 0
 
 
 def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device) -> MoeKernelConfig:
@@ -577,8 +573,7 @@ def default_config(fmt: str, n_assign: int, n_experts: int, device: torch.device
     if fmt == "fp8_block" and per_expert >= 64 and cap >= (9, 0):
         return MoeKernelConfig(fp8_prefill=True)
     if fmt == "fp8_block" and n_assign <= min(max(n_experts // 4, 16), FP8_GEMV_MAX_ASSIGN) and cap >= (8, 9):
-        return MoeKernelConfig(block_n=FP8_GEMV_BLOCK_N, block_k=FP8_GEMV_BLOCK_K, num_warps=FP8_GEMV_WARPS, gemv=True,
-                               fuse_quant=bool(FP8_GEMV_FUSE_QUANT), gemv_stages=FP8_GEMV_STAGES)
+        return MoeKernelConfig(block_n=FP8_GEMV_BLOCK_N, block_k=FP8_GEMV_BLOCK_K, num_warps=FP8_GEMV_WARPS, gemv=True)
     if per_expert <= 16:
         direct = n_assign <= max(n_experts // 4, 16)
         if fmt == "mxfp4" and torch.cuda.get_device_capability(device) >= (9, 0):
@@ -790,8 +785,7 @@ def moe_grouped(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, expert
     if cfg.gemv and fmt == "fp8_block":
         return moe_fp8_gemv(x.contiguous(), idx, weight, experts.w13, experts.w13_scale, experts.w2,
                             experts.w2_scale, swiglu_limit,
-                            Fp8GemvMoeConfig(cfg.block_n // 2, cfg.block_n, cfg.block_k, cfg.num_warps,
-                                             fuse_quant=cfg.fuse_quant, stages=cfg.gemv_stages))
+                            Fp8GemvMoeConfig(cfg.block_n // 2, cfg.block_n, cfg.block_k, cfg.num_warps))
     if cfg.gemv:
         _req(fmt in ("mxfp4", "nvfp4"), f"config.gemv: only for mxfp4 / nvfp4 / fp8_block experts, got {fmt}")
         _req(cfg.block_n >= 32, f"config.block_n: gemv needs >= 32 (h is scaled per 32 columns), got {cfg.block_n}")

@@ -6,19 +6,13 @@ CUDA-graph capture, and the default config's choice.
 """
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from dsv4c.kernels import _tl as U
 from dsv4c.kernels import moe_grouped as M
 from dsv4c.kernels.moe_fp8_gemv import Fp8GemvMoeConfig, moe_fp8_gemv
 from dsv4c.kernels.tolerances import KERNEL_REL_ERR, rel_err
 from moe_cases import float_weights, inputs, routing
-from sm90_compile import run_sm90_script
 
 LIMIT = 0.6
 TOL = KERNEL_REL_ERR["fp8_block"]
@@ -31,12 +25,6 @@ def experts(e, i, d, seed=0, device="cpu"):
 
 def gemv(x, idx, weight, ex, limit=LIMIT, cfg=None):
     return moe_fp8_gemv(x, idx, weight, ex.w13, ex.w13_scale, ex.w2, ex.w2_scale, limit, cfg)
-
-
-@triton.jit
-def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
-    o = tl.arange(0, N)
-    tl.store(y_ptr + o, U.e4m3_round(tl.load(x_ptr + o)))
 
 
 def tile(x, idx, weight, ex, limit=LIMIT):
@@ -71,43 +59,6 @@ def test_gemv_without_clamp_and_wide_activations():
     y = gemv(x, idx, weight, ex, 0.0)
     assert torch.isfinite(y.float()).all()
     assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, 0.0)) < TOL
-
-
-@pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2, False)])
-def test_fused_quantisation_and_pipelined_loop_give_the_same_bits(cfg):
-    """fuse_quant: the GEMVs quantise x and h per 128 columns themselves (no act_quant_fp8 launches): the same
-    e4m3 values and ue8m0 scales, so the same bits, with activations over many exponents (subnormal e4m3 codes,
-    zero groups, K steps past K: 384 with a 256-column step). stages: the pipelined K loop, the same bits."""
-    t, k, e, d, i = 3, 2, 6, 384, 256
-    ex = experts(e, i, d, seed=7)
-    g = torch.Generator().manual_seed(8)
-    x = (torch.randn(t, d, generator=g) * 10.0 ** torch.randint(-4, 4, (t, d), generator=g)).bfloat16()
-    x[1, 128:256] = 0.0
-    idx, weight = routing("random", t, k, e)
-    fused = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.early_weights, True)
-    y = gemv(x, idx, weight, ex, cfg=cfg)
-    assert torch.equal(gemv(x, idx, weight, ex, cfg=fused), y)
-    assert rel_err(y, M.moe_grouped_ref(x, idx, weight, ex, LIMIT)) < TOL
-    for q, stages in ((False, 2), (True, 4)):   # the pipelined K loop: the same steps in the same order
-        piped = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=q, stages=stages)
-        assert torch.equal(gemv(x, idx, weight, ex, cfg=piped), y), (stages, q)
-    with pytest.raises(ValueError, match="Fp8GemvMoeConfig.stages"):
-        gemv(x, idx, weight, ex, cfg=Fp8GemvMoeConfig(stages=1))
-
-
-def test_e4m3_round_is_the_value_of_e4m3_bits():
-    """_tl.e4m3_round (the fused quantisation's rounding) equals torch's e4m3fn cast of the clamped value at
-    every e4m3 value, the midpoints between neighbours (ties to even), subnormals and past +-448."""
-    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    v = v[torch.isfinite(v)].sort().values                                     # 254 values, -448..448
-    mid = (v[1:] + v[:-1]) / 2
-    x = torch.cat([v, mid, torch.tensor([500.0, -1e4, 1e-9, -3e-3, 2.0 ** -10, 2.0 ** -9 * 1.5])])
-    x = torch.cat([x, torch.zeros(2048 - x.numel())])
-    y = torch.empty_like(x)
-    _round_kernel[(1,)](x, y, N=2048)
-    ref = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    assert torch.equal(y, ref)
-    assert not torch.equal(y[254:507], mid)                                    # the midpoints were rounded
 
 
 def test_gemv_through_moe_grouped_config(monkeypatch):
@@ -177,10 +128,6 @@ def test_gpu_gemv_matches_ref_and_tile(t):
         y = gemv(x, idx, weight, ex, cfg=cfg)
         assert rel_err(y, ref) < TOL, cfg
     assert rel_err(y, tile(x, idx, weight, ex)) < TOL
-    for cfg in (Fp8GemvMoeConfig(), Fp8GemvMoeConfig(16, 32, 256, 4)):   # fused quantisation, pipelined: same bits
-        for q, st in ((True, 0), (False, 3), (True, 4)):
-            other = Fp8GemvMoeConfig(cfg.block_n13, cfg.block_n2, cfg.block_k, cfg.num_warps, fuse_quant=q, stages=st)
-            assert torch.equal(gemv(x, idx, weight, ex, cfg=other), gemv(x, idx, weight, ex, cfg=cfg)), (cfg, q, st)
 
 
 @pytest.mark.gpu
@@ -201,42 +148,3 @@ def test_gpu_gemv_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, idx, weight, ex))
-
-
-_SM90_SCRIPT = textwrap.dedent('''
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from dsv4c.kernels import moe_fp8_gemv as MG
-
-    def compile(fn, types, consts):
-        names = list(fn.arg_names)
-        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
-        ints = {nm for nm in names if nm.endswith("_ptr") or nm.startswith("stride") or nm in ("I", "D")}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm in ints}  # as launched
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-
-    for q in (False, True):
-        for st in (0, 3):
-            a = "*bf16" if q else "*fp8e4nv"
-            t13 = {"xq_ptr": a, "xs_ptr": "*bf16" if q else "*fp32", "idx_ptr": "*i32", "rw_ptr": "*fp32",
-                   "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "h_ptr": "*fp32", "limit": "fp32"}
-            t2 = {"hq_ptr": "*fp32" if q else "*fp8e4nv", "hs_ptr": "*fp32", "idx_ptr": "*i32", "w_ptr": "*fp8e4nv",
-                  "s_ptr": "*fp32", "y_ptr": "*bf16"}
-            p13 = compile(MG._gemv13_kernel, t13, dict(K=4096, TOPK=6, HAS_LIMIT=True, PDL=True, EARLY=True,
-                                                        BLOCK_N=16, BLOCK_K=512, QUANT=q, STAGES=st))
-            p2 = compile(MG._gemv2_kernel, t2, dict(K=2048, PDL=True, EARLY=True, BLOCK_N=32, BLOCK_K=512, QUANT=q,
-                                                     STAGES=st))
-            print("kernel", int(q), st, int("cp.async" in p13), int("cp.async" in p2),
-                  int("griddepcontrol.wait" in p13 and "griddepcontrol.wait" in p2))
-''')
-
-
-def test_kernels_compile_for_sm90_and_stages_load_through_cp_async(tmp_path):
-    """Compiled (not run) for sm_90 at Flash's shapes, fused quantisation or not: with stages the K loop's
-    loads go through cp.async (Triton's pipeliner), without them they do not (the registers hold the next
-    step); both keep the PDL wait."""
-    rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
-    assert rows == [["0", "0", "0", "0", "1"], ["0", "3", "1", "1", "1"], ["1", "0", "0", "0", "1"],
-                    ["1", "3", "1", "1", "1"]], rows
