@@ -1,5 +1,5 @@
 """kernels/l2_prefetch.py: the requests one launch makes (the kernel's index arithmetic under the Triton
-interpreter), the wrapper's contracts, the sm_90 build, and on the GPU that prefetched bytes are read faster."""
+interpreter), the wrapper's contracts, the sm_90 build, and on the GPU that a prefetch changes no value, in a CUDA graph too."""
 from __future__ import annotations
 
 import textwrap
@@ -92,10 +92,11 @@ def test_the_kernel_builds_for_sm90_with_every_request_before_the_pdl_wait(tmp_p
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_prefetched_bytes_are_read_faster_on_the_gpu():
-    """Flash's wo_b (33.5 MB of e4m3) through the one-token FP8 GEMV from a cold L2, against the same GEMV after a
-    prefetch and a 30 µs wait (what a run of small kernels gives it): the second is faster (run64, H200: 18.8 vs
-    20.4 µs; from a warm L2 17.2: the GEMV gains little from L2 at this size). Also captured in a CUDA graph."""
+def test_a_prefetch_changes_no_value_and_captures_in_a_cuda_graph():
+    """Flash's wo_b (33.5 MB of e4m3) through the one-token FP8 GEMV from a flushed L2, with and without a prefetch
+    of its weight before it: the same bits; the prefetch is also captured in a CUDA graph and replayed. Whether it
+    is faster depends on the card (the median GEMV after a 60k-cycle wait, run64 H200: 18.8 vs 20.4 µs cold; run65
+    H100: 68.1 vs 21.3 µs, three times slower), so no target asks for it and this test times nothing."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from dsv4c.kernels.fp8_gemv import fp8_gemv_w8a16
@@ -104,28 +105,19 @@ def test_prefetched_bytes_are_read_faster_on_the_gpu():
     ws = torch.rand(32, 64, device="cuda") + 0.5
     a = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    nbytes = w.numel()
 
-    def timed(prefetch: bool) -> float:
+    def gemv(prefetch: bool) -> torch.Tensor:
         flush.zero_()
         if prefetch:
-            L.l2_prefetch([w], [nbytes])
-        torch.cuda._sleep(60_000)
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        fp8_gemv_w8a16(a, w, ws)
-        t1.record()
-        t1.synchronize()
-        return t0.elapsed_time(t1)
+            L.l2_prefetch([w], [w.numel()])
+        return fp8_gemv_w8a16(a, w, ws)
 
-    for p in (False, True):
-        timed(p)
-    cold = sorted(timed(False) for _ in range(15))[7]
-    warm = sorted(timed(True) for _ in range(15))[7]
-    print(f"cold {cold * 1e3:.1f} us, after the prefetch {warm * 1e3:.1f} us")
-    assert warm < 0.97 * cold, (cold, warm)
+    cold = gemv(False)
+    assert torch.equal(gemv(True), cold)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        L.l2_prefetch([w, w[:16]], [nbytes, 4096])
+        L.l2_prefetch([w, w[:16]], [w.numel(), 4096])
+        y = fp8_gemv_w8a16(a, w, ws)
     g.replay()
     torch.cuda.synchronize()
+    assert torch.equal(y, cold)
