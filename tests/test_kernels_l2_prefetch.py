@@ -1,5 +1,6 @@
 """kernels/l2_prefetch.py: the requests one launch makes (the kernel's index arithmetic under the Triton
-interpreter), the wrapper's contracts, the sm_90 build, and on the GPU that a prefetch changes no value, in a CUDA graph too."""
+interpreter), the wrapper's contracts, the sm_90 build, and on the GPU that a prefetch changes no value (in a
+CUDA graph too)."""
 from __future__ import annotations
 
 import textwrap
