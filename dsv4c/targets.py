@@ -49,7 +49,7 @@ class Target:
     # (passes/prefetch_weights.py); 0 (every target today, run64 measured a loss): none
     l2_prefetch_bytes: int = 0
     # one token's shared-expert SwiGLU computed inside w2's FP8 GEMV (passes/fuse_swiglu_linear.py): one launch a
-    # layer fewer, the same bits; off on every target until a GPU run times it (run65)
+    # layer fewer, the same bits; off on every target: run65 (H100, the 2-layer batch-1 step) timed it equal
     swiglu_in_gemv: bool = False
 
     def to_dict(self) -> dict:

@@ -54,7 +54,7 @@ class Fp8GemvMoeConfig:
     GEMV's tile. sm_90 builds (Triton 3.9, compiled offline with the strides' divisibility by 16 that launches
     specialise): 123 and 120 registers per thread (without those hints: 255 and 212, the figures Triton 3.6 gave
     earlier). Through Triton's pipeliner (cp.async, 3-4 stages) or quantising x and h as they load them, these
-    GEMVs were 1.6-2.1x slower on an H100 (run65), and quantising with 3 stages faulted in the 2-layer step:
+    GEMVs were 1.3-2.1x slower on an H100 (run65), and quantising with 3 stages faulted in the 2-layer step:
     both were removed."""
 
     block_n13: int = 16
