@@ -435,12 +435,14 @@ def session_speed(sess, prompts: list[list[int]], n_new: int, mtp: int, warmup: 
 
 
 def mtp_acceptance(sess, prompts: list[list[int]], n_new: int, k: int) -> dict:
-    """Acceptance per draft position and mean accepted length over `prompts` (generate stats)."""
-    from bench_mtp import spec_stats
+    """Acceptance per draft position, mean accepted length and histogram over `prompts` (greedy; the
+    requests' speculation stats merged)."""
+    from dsv4c.runtime.speculative import merge_spec_stats
 
-    st = spec_stats(sess, prompts, n_new, 0.0, k)
-    return {"alpha": st.get("alpha"), "mean_accepted_length": st.get("mean_accepted_length"),
-            "histogram": st.get("histogram")}
+    res = sess.generate(prompts, max_new_tokens=n_new, temperature=0.0, seed=1, mtp=k, stop=[])
+    st = merge_spec_stats([r.stats for r in res]) or {}
+    return {"alpha": st.get("acceptance_per_position"), "mean_accepted_length": st.get("mean_accepted_length"),
+            "histogram": st.get("accept_histogram")}
 
 
 # ---- memory -------------------------------------------------------------------------------------------

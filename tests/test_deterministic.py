@@ -68,13 +68,13 @@ def test_greedy_identical_across_batch_and_mtp(art):
     assert all(len(t) == 8 for t in together)
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4", "deterministic-mxfp4-fp8dense"])
+@pytest.mark.parametrize("mode", ["deterministic", "deterministic-mxfp4-fp8dense"])
 def test_decode_rows_bit_identical_with_the_triton_kernels_interpreted(monkeypatch, mode):
-    """The whole deterministic decode graph (2-layer tiny V4, h200 lowering; bf16 experts, or MXFP4
-    weight-only ones through `moe_experts_fp4_bi`) with the batch-invariant ops' CPU paths pointed at
-    their Triton kernels under the interpreter: row 0's logits are the same bits at batch 1 and 3. (The
-    other ops run their CPU references here; on the GPU the gpu tests and examples/bench_deterministic.py
-    check the real kernels.)"""
+    """The whole deterministic decode graph (2-layer tiny V4, h200 lowering; bf16 experts and dense, or MXFP4
+    weight-only experts through `moe_experts_fp4_bi` with FP8 dense linears) with the batch-invariant ops' CPU
+    paths pointed at their Triton kernels under the interpreter: row 0's logits are the same bits at batch 1
+    and 3. (The other ops run their CPU references here; on the GPU the gpu tests and
+    examples/bench_deterministic.py check the real kernels.)"""
     import sys
 
     import dsv4c.kernels.batch_invariant as bi
@@ -294,38 +294,40 @@ def test_decode_kind_linears_get_a_k_split_from_the_weight_shape_prefill_none():
 
 def test_deterministic_h200_compile_keeps_bf16_dense_unless_fp8_is_asked(tmp_path):
     """The h200 target's FP8 dense default does not reach a deterministic artifact (its linears run bf16
-    weights); `--dense-format fp8_block_w8a16` puts the stored FP8 bytes on `fp8_linear_bi` with the decode
-    tile in decode graphs, and no blocker is left (a release-layout tiny V4, MXFP4 experts as stored)."""
+    weights; a release-layout tiny V4, MXFP4 experts as stored); `--dense-format fp8_block_w8a16` is
+    test_deterministic_h200_compile_with_fp8_experts's."""
     from cut_presets import small
 
     write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ck", seed=3, quant="release", dtype=torch.float32)
-    for dense in (None, "fp8_block_w8a16"):
-        art = tmp_path / f"art-{dense}"
-        m = compile_checkpoint(tmp_path / "ck", art, target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
-                               expert_format="mxfp4_w4a16", deterministic=True, dense_format=dense,
-                               verify_boundaries=False)
-        assert m["deterministic"]["blockers"] == {} and m["target"]["dense_format"] == (dense or "bf16")
-        ep = torch.export.load(str(art / m["graphs"]["decode"]["file"]))
-        fp8 = [n for n in ep.graph.nodes if str(n.target).startswith("dsv4c.fp8_linear")]
-        assert bool(fp8) == (dense is not None), dense
-        assert all(str(n.target).startswith("dsv4c.fp8_linear_bi") and n.args[4] is True for n in fp8)
+    m = compile_checkpoint(tmp_path / "ck", tmp_path / "art", target="h200", max_tokens=32, max_batch=2,
+                           buckets=(1, 2), expert_format="mxfp4_w4a16", deterministic=True, verify_boundaries=False)
+    assert m["deterministic"]["blockers"] == {} and m["target"]["dense_format"] == "bf16"
+    ep = torch.export.load(str(tmp_path / "art" / m["graphs"]["decode"]["file"]))
+    assert not [n for n in ep.graph.nodes if str(n.target).startswith("dsv4c.fp8_linear")]
 
 
 def test_deterministic_h200_compile_with_fp8_experts(tmp_path):
-    """`--deterministic --expert-format fp8_block`: every graph's FP8 block experts run `moe_experts_fp8_bi` (no
-    `moe_experts_q` left, no blocker); the artifact loads and its emulated logits are finite (a release-layout
-    tiny V4; the batch-invariance of the CUDA path is tests/test_kernels_batch_invariant.py's GPU test)."""
+    """`--deterministic --expert-format fp8_block --dense-format fp8_block_w8a16`: every graph's FP8 block experts
+    run `moe_experts_fp8_bi` (no `moe_experts_q` left, no blocker), the stored FP8 dense bytes run on
+    `fp8_linear_bi` with the decode tile in decode graphs; the artifact loads and its emulated logits are finite
+    (a release-layout tiny V4; the batch-invariance of the CUDA path is tests/test_kernels_batch_invariant.py's
+    GPU test)."""
     from cut_presets import small
 
     write_random_checkpoint(small("v4-tiny-a"), tmp_path / "ck", seed=3, quant="release", dtype=torch.float32)
     art = tmp_path / "art"
     m = compile_checkpoint(tmp_path / "ck", art, target="h200", max_tokens=32, max_batch=2, buckets=(1, 2),
-                           expert_format="fp8_block", deterministic=True, verify_boundaries=False)
+                           expert_format="fp8_block", deterministic=True, dense_format="fp8_block_w8a16",
+                           verify_boundaries=False)
     assert m["deterministic"]["blockers"] == {} and m["target"]["expert_format"] == "fp8_block"
+    assert m["target"]["dense_format"] == "fp8_block_w8a16"
     for kind in ("decode", "prefill"):
         ep = torch.export.load(str(art / m["graphs"][kind]["file"]))
         ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
         assert any(o.startswith("dsv4c.moe_experts_fp8_bi") for o in ops), kind
         assert not any(o.startswith("dsv4c.moe_experts_q") for o in ops), kind
+        fp8 = [n for n in ep.graph.nodes if str(n.target).startswith("dsv4c.fp8_linear")]
+        assert fp8 and all(str(n.target).startswith("dsv4c.fp8_linear_bi") for n in fp8), kind
+        assert all((len(n.args) > 4 and n.args[4]) is (kind == "decode") for n in fp8), kind  # the decode tile
     logits = Session.load(art, emulate=True, deterministic=True).logits([5, 9, 17, 3])
     assert torch.isfinite(logits).all()

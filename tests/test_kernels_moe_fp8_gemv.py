@@ -31,8 +31,13 @@ def tile(x, idx, weight, ex, limit=LIMIT):
     return M.moe_grouped(x, idx, weight, ex, limit, M.MoeKernelConfig(16, 64, 128, 4, 4, direct=True))
 
 
-@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
-@pytest.mark.parametrize("cfg", [Fp8GemvMoeConfig(32, 32, 128, 4), Fp8GemvMoeConfig(16, 64, 256, 2, False)])
+CASES = ["random", "empty_experts", "one_expert_all", "repeated_ids"]
+
+
+# every routing case on the first config; the second (other tiles, a 256-column K step, weights after the PDL
+# wait) on a random routing and on repeated ids
+@pytest.mark.parametrize("cfg,case", [(Fp8GemvMoeConfig(32, 32, 128, 4), c) for c in CASES]
+                         + [(Fp8GemvMoeConfig(16, 64, 256, 2, False), c) for c in ("random", "repeated_ids")])
 def test_gemv_matches_ref_and_tile(cfg, case):
     """Random weights, routing weights and activations, a SwiGLU clamp; K steps past K (256 / 384 with
     a 256-column step) masked. The tile computes the same W8A8 function: the two agree to fp32

@@ -200,8 +200,13 @@ def _direct_cfg(fmt: str, **kw) -> M.MoeKernelConfig:
     return M.MoeKernelConfig(16, 64, 128 if fmt == "fp8_block" else 64, direct=True, **kw)
 
 
-@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
-@pytest.mark.parametrize("fmt", list(FORMATS))
+# every routing case on bf16 and fp8_block; the FP4 formats (the interpreter's slowest) share direct's routing and
+# masking, so they take two cases: a random one and every slot on one expert
+DIRECT_CASES = [(f, c) for f in FORMATS for c in ("random", "empty_experts", "one_expert_all", "repeated_ids")
+                if f in ("bf16", "fp8_block") or c in ("random", "one_expert_all")]
+
+
+@pytest.mark.parametrize("fmt,case", DIRECT_CASES)
 def test_direct_routing_matches_ref(fmt, case):
     """direct: one M-block per assignment, no sort; repeated ids and one expert taking every
     slot must still add up, and the masked rows 1..15 of each block must not be stored. one_expert_all keeps

@@ -88,8 +88,8 @@ def test_matches_static_op(case, m, E, k, dtype):
     assert_same(a, SMALL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,E,k", [(0, 0, 0), (4, 13, 7), (8, 7, 0)])
+@pytest.mark.parametrize("m,E,k,dtype", [(0, 0, 0, torch.bfloat16), (4, 13, 7, torch.float32),
+                                         (8, 7, 0, torch.bfloat16)])  # each branch set once, both dtypes
 def test_prefill_chunk_longer_than_the_ring(m, E, k, dtype):
     """A prefill chunk of T = 37 > S = 10 rows (window 8): the chunk's keys come from kv, a row at
     pos0 = 0 and one resuming past a wrapped ring, one padded (n_real < T) so its last real rows are not
