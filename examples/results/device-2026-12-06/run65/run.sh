@@ -1,3 +1,6 @@
+# Ran on 2026-12-07 (H100, `699cb91`; outputs: ../../device-2026-12-07/run65_out). The FP8_GEMV_STAGES and
+# FP8_GEMV_FUSE_QUANT knobs it sets were removed after it (both slower), so the "fuse_quant stages 3" step no
+# longer applies.
 # run65 (any GPU, ~6 min): the routed experts' decode sweep (bench_moe_kernels.py --sweep, fp8_block with the FP8
 # GEMV's tiles, Triton's pipeliner (stages) and the fused activation quantisation (fq), at 1 and 8 tokens); then
 # the 2-layer step at batch 1 on the GPU alone, interleaved: the default, the FP8 experts' GEMV config the sweep
