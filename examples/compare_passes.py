@@ -430,17 +430,16 @@ def session_speed(sess, prompts: list[list[int]], n_new: int, mtp: int, warmup: 
     cell = run_cell(sess, prompts, n_new, 0.0, mtp)
     steps = max(len(o) for o in cell["outputs"].values()) - 1
     row = speed_row(len(prompts), len(prompts[0]), cell["total_s"], cell["decode_s"], cell["decode_tokens"], steps)
-    row["outputs"] = cell["outputs"]
+    row["outputs"], row["stats"] = cell["outputs"], cell["stats"]
     return row
 
 
-def mtp_acceptance(sess, prompts: list[list[int]], n_new: int, k: int) -> dict:
-    """Acceptance per draft position, mean accepted length and histogram over `prompts` (greedy; the
-    requests' speculation stats merged)."""
+def mtp_acceptance(stats: list[dict]) -> dict:
+    """Acceptance per draft position, mean accepted length and histogram: the requests' speculation stats
+    (GenerationResult.stats of a greedy `session_speed` cell) merged."""
     from dsv4c.runtime.speculative import merge_spec_stats
 
-    res = sess.generate(prompts, max_new_tokens=n_new, temperature=0.0, seed=1, mtp=k, stop=[])
-    st = merge_spec_stats([r.stats for r in res]) or {}
+    st = merge_spec_stats(stats) or {}
     return {"alpha": st.get("acceptance_per_position"), "mean_accepted_length": st.get("mean_accepted_length"),
             "histogram": st.get("accept_histogram")}
 
@@ -652,10 +651,10 @@ def _measure_rung(rung: Rung, art: str, info: dict, row: dict, sessions: dict, s
                expert_formats=info.get("quant_formats") or [], artifact_bytes=info.get("size_bytes"))
     if rung.mtp == 0:
         row.update(nll_and_snr(session_window_logits(sess, windows, s.tail), windows, ref_logits))
-    row["speed"] = []
+    row["speed"], stats = [], {}
     for B in s.batches:
         sp = session_speed(sess, prompts_for(stream, B, s.prompt_len), s.new_tokens, rung.mtp, s.warmup)
-        outs = sp.pop("outputs")
+        outs, stats[B] = sp.pop("outputs"), sp.pop("stats")
         if rung.mtp == 0:
             base_tokens[(art, B)] = outs
         elif (art, B) in base_tokens:
@@ -663,7 +662,7 @@ def _measure_rung(rung: Rung, art: str, info: dict, row: dict, sessions: dict, s
         row["speed"].append(sp)
     if rung.mtp:
         B = max(s.batches)
-        row["acceptance"] = mtp_acceptance(sess, prompts_for(stream, B, s.prompt_len), s.new_tokens, rung.mtp)
+        row["acceptance"] = mtp_acceptance(stats[B])  # the timed batch-B cell's requests
         row["acceptance_note"] = f"greedy, batch {B}, {s.new_tokens} new tokens per held-out prompt"
     row["memory"] = memory(s.device)
 

@@ -191,13 +191,11 @@ def moe_fp8_gemv(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, w13: 
         xq, xs, idx_flat, weight.reshape(-1).contiguous(), w13, w13_scale, h, i, float(swiglu_limit),
         xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         h.stride(0), K=d, TOPK=topk, HAS_LIMIT=swiglu_limit > 0, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n13,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **U.pdl_launch(x))
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **U.pdl_launch(x))
     hq, hs = act_quant_fp8(h)                                                      # [N_A, I] e4m3, [N_A, I/128]
     y = torch.empty(n_a, d, dtype=torch.bfloat16, device=dev)
     _gemv2_kernel[(n_a, triton.cdiv(d, cfg.block_n2))](
         hq, hs, idx_flat, w2, w2_scale, y, d, hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), y.stride(0), K=i, EARLY=cfg.early_weights, BLOCK_N=cfg.block_n2,
-        BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **U.pdl_launch(x))
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **U.pdl_launch(x))
     return combine_slots(y, None, topk, out, pdl=U.pdl_supported(dev))          # fp32 sum, one rounding
