@@ -48,9 +48,6 @@ class Target:
     # bytes of the next linears' weights a decode graph asks into L2 at the start of each run of small kernels
     # (passes/prefetch_weights.py); 0 (every target today, run64 measured a loss): none
     l2_prefetch_bytes: int = 0
-    # one token's shared-expert SwiGLU computed inside w2's FP8 GEMV (passes/fuse_swiglu_linear.py): one launch a
-    # layer fewer, the same bits; off on every target: run65 (H100, the 2-layer batch-1 step) timed it equal
-    swiglu_in_gemv: bool = False
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "capability": self.capability,
@@ -58,7 +55,7 @@ class Target:
                 "kernels": dict(self.kernels), "buckets": list(self.buckets), "dtype": self.dtype,
                 "status": self.status, "expert_format_reason": self.expert_format_reason,
                 "expert_format_tokens": list(self.expert_format_tokens) if self.expert_format_tokens else None,
-                "l2_prefetch_bytes": self.l2_prefetch_bytes, "swiglu_in_gemv": self.swiglu_in_gemv}
+                "l2_prefetch_bytes": self.l2_prefetch_bytes}
 
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",

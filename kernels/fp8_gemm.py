@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
-from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_swiglu_w8a16, fp8_gemv_w8a8, fp8_gemv_w8a16
+from dsv4c.kernels.fp8_gemv import MAX_M, fp8_gemv_w8a8, fp8_gemv_w8a16
 
 from dsv4c import quant as Q
 
@@ -223,22 +223,3 @@ def fp8_linear_w8a16(x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> t
 @fp8_linear_w8a16.register_fake
 def _fp8_linear_w8a16_fake(x, w_q, w_s):
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
-
-
-@torch.library.custom_op("dsv4c::fp8_linear_swiglu_w8a16", mutates_args=())
-def fp8_linear_swiglu_w8a16(g: torch.Tensor, u: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-                            limit: float) -> torch.Tensor:
-    """fp8_linear_w8a16(swiglu_act(g, u, limit), w_q, w_s) (passes/fuse_swiglu_linear.py): on CUDA one token's
-    row is one GEMV launch that computes the activation as it loads it (the same bits as the two ops); other
-    row counts and the CPU run the two ops."""
-    rows_g, rows_u = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
-    if (g.device.type == "cuda" and rows_g.shape[0] == 1 and g.dtype in (torch.bfloat16, torch.float16)
-            and u.dtype == g.dtype and rows_g.stride(-1) == 1 and rows_u.stride(-1) == 1):
-        y = fp8_gemv_swiglu_w8a16(rows_g, rows_u, w_q, _scale(w_s), limit)
-        return y.view(*g.shape[:-1], w_q.shape[0])
-    return torch.ops.dsv4c.fp8_linear_w8a16(torch.ops.dsv4c.swiglu_act(g, u, limit), w_q, w_s)
-
-
-@fp8_linear_swiglu_w8a16.register_fake
-def _fp8_linear_swiglu_w8a16_fake(g, u, w_q, w_s, limit):
-    return g.new_empty((*g.shape[:-1], w_q.shape[0]))

@@ -35,12 +35,10 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
-from dsv4c.kernels.swiglu import swiglu_values
 
 from dsv4c import quant as Q
 
-__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_swiglu_w8a16",
-           "fp8_gemv_grouped_w8a16",
+__all__ = ["Fp8GemvConfig", "default_config", "fp8_gemv_w8a16", "fp8_gemv_w8a16_ref", "fp8_gemv_grouped_w8a16",
            "fp8_gemv_grouped_w8a16_ref", "fp8_gemv_w8a8", "fp8_gemv_w8a8_ref", "MAX_M"]
 
 _B = Q.FP8_BLOCK
@@ -49,8 +47,6 @@ MAX_M = 64  # the ops in kernels/fp8_gemm.py take this kernel up to here, the ti
 # run64 (H200, the 2-layer slice's batch-1 step on the GPU alone, interleaved): 16: 0.606 / 0.605 ms, 8: 0.610 /
 # 0.612, 2 (the earlier rule): 0.629 / 0.629; 32 0.607. The dense linears' critical path 358-360 vs 379-382 µs.
 GEMV_PROGRAMS_PER_SM = 16
-# one token: 1 runs the K loop through Triton's pipeliner (Fp8GemvConfig.pipelined)
-GEMV_PIPELINED = 0
 
 
 @dataclass(frozen=True)
@@ -58,8 +54,8 @@ class Fp8GemvConfig:
     """block_m: token rows per program (1: CUDA cores; 16/32/64: tensor cores); block_n: weight rows
     per program (a power of two dividing 128, so one scale row per program); block_k: K columns per
     loop step (a multiple of 128); split: programs per output tile along K (a power of two);
-    num_warps / num_stages: Triton's; pipelined (one token): the K loop through Triton's pipeliner, num_stages - 1
-    steps in flight through shared memory (cp.async), instead of the next step held in registers."""
+    num_warps / num_stages: Triton's. One token's K loop holds the next step in registers (run65, H100: Triton's
+    pipeliner through shared memory timed equal in the 2-layer step, and was removed)."""
 
     block_m: int
     block_n: int
@@ -67,7 +63,6 @@ class Fp8GemvConfig:
     split: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    pipelined: bool = False
 
     def check(self) -> None:
         if self.block_m not in (1, 16, 32, 64):
@@ -109,8 +104,7 @@ def default_config(m: int, n: int, k: int, sm_count: int) -> Fp8GemvConfig:
     while (tiles * split < grid_cap and steps >= 2 * split and 2 * split <= U.SPLIT_TICKS
            and 2 * split * min(m, MAX_M) * n * 4 <= n * k // 4):
         split *= 2
-    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages,
-                         pipelined=m == 1 and bool(GEMV_PIPELINED))
+    return Fp8GemvConfig(bm, bn, bk, split, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -161,17 +155,11 @@ def _w_step(w_rows, ws_row, n_ok, k0, k_hi, K: tl.constexpr, WS_E8M0: tl.constex
 
 @triton.jit
 def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-            A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, SWIGLU: tl.constexpr = None):
+            A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
     """One K step of one token's activations, fp32 [BK] (zeros past min(k_hi, K)); FP8 ones times their
-    1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts).
-    SWIGLU (the limit L, 0.0: no clamp; None: off): the activations are swiglu_act(g, u, L) of g at a_row and
-    u at as_row, computed here as kernels/swiglu.py computes them (in their dtype)."""
+    1x128 scales; A_ROUND (a dtype, or None): rounded to it first (fp32 activations the model casts)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     ok = (ks < K) & (ks < k_hi)
-    if SWIGLU is not None:
-        g = tl.load(a_row + ks, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(as_row + ks, mask=ok, other=0.0).to(tl.float32)
-        return swiglu_values(g, u, SWIGLU, SWIGLU > 0, a_row.dtype.element_ty, RNE_BF16)
     a = tl.load(a_row + ks, mask=ok, other=0.0).to(tl.float32)
     if A_ROUND is not None:
         a = U.round_to(a, A_ROUND, RNE_BF16)
@@ -183,35 +171,19 @@ def _a_step(a_row, as_row, k0, k_hi, K: tl.constexpr, A_FP8: tl.constexpr, BLOCK
 @triton.jit
 def _fma_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, w, ws, K: tl.constexpr, A_FP8: tl.constexpr,
               WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False, SWIGLU: tl.constexpr = None):
+              A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False):
     """CUDA cores, one token: acc [BN, 1], given the first K step's weights (w, ws: `_w_step` at k_lo). The
     next K step is loaded before the current one is multiplied (the pipeliner only serves loads that feed a
     dot); products and sums in fp32."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_hi = k_lo + K_SPLIT
-    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
+    a = _a_step(a_row, as_row, k_lo, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
     for i in range(K_SPLIT // BLOCK_K):
         k1 = k_lo + (i + 1) * BLOCK_K
         w1, ws1 = _w_step(w_rows, ws_row, n_ok, k1, k_hi, K, WS_E8M0, BLOCK_K)
-        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
+        a1 = _a_step(a_row, as_row, k1, k_hi, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16)
         acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
         w, ws, a = w1, ws1, a1
-    return acc[:, None]
-
-
-@triton.jit
-def _piped_loop(a_row, as_row, w_rows, ws_row, n_ok, k_lo, K: tl.constexpr, A_FP8: tl.constexpr,
-                WS_E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                STAGES: tl.constexpr, A_ROUND: tl.constexpr = None, RNE_BF16: tl.constexpr = False,
-                SWIGLU: tl.constexpr = None):
-    """`_fma_loop`'s steps and sums in its order, the loads left to Triton's pipeliner (STAGES). Its steps stay
-    inside the split (K_SPLIT is a multiple of BLOCK_K), so the masks test K alone: a constant per 16-byte
-    vector, as cp.async needs."""
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in tl.range(0, K_SPLIT // BLOCK_K, num_stages=STAGES):
-        w, ws = _w_step(w_rows, ws_row, n_ok, k_lo + i * BLOCK_K, K, K, WS_E8M0, BLOCK_K)
-        a = _a_step(a_row, as_row, k_lo + i * BLOCK_K, K, K, A_FP8, BLOCK_K, A_ROUND, RNE_BF16, SWIGLU)
-        acc += tl.sum(w.to(tl.float32) * (ws * a)[None, :], axis=1)
     return acc[:, None]
 
 
@@ -221,12 +193,10 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
                  A_FP8: tl.constexpr, WS_E8M0: tl.constexpr, INTERPRET: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP_ROWS: tl.constexpr = 0,
-                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 0, SWIGLU: tl.constexpr = None):
+                 ROUND_A: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (pid_n, pid_s, pid_m): acc [BLOCK_N, BLOCK_M] = w rows x a rows over K range pid_s.
     GROUP_ROWS > 0: weight rows [g·GROUP_ROWS, (g+1)·GROUP_ROWS) take columns [g·K, (g+1)·K) of a's rows.
-    ROUND_A: a's (fp32) values are rounded to y's dtype before the products. STAGES > 0 (one token): the
-    pipelined K loop. SWIGLU (one token; a float, or None): the activations are swiglu_act(a, as, SWIGLU)."""
+    ROUND_A: a's (fp32) values are rounded to y's dtype before the products."""
     U.pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -240,17 +210,12 @@ def _gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K
     w_rows = w_ptr + n_idx.to(tl.int64)[:, None] * stride_wn                         # [BN, 1]
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
     k_lo = pid_s * K_SPLIT
-    if BLOCK_M == 1 and STAGES > 0:
-        row = pid_m.to(tl.int64)
-        acc = _piped_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, K, A_FP8,
-                          WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT, STAGES, y_ptr.dtype.element_ty if ROUND_A else None,
-                          RNE_BF16, SWIGLU)
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         row = pid_m.to(tl.int64)
         w0, ws0 = _w_step(w_rows, ws_row, n_ok, k_lo, k_lo + K_SPLIT, K, WS_E8M0, BLOCK_K)
         acc = _fma_loop(a_ptr + row * stride_am, as_ptr + row * stride_asm, w_rows, ws_row, n_ok, k_lo, w0, ws0,
                         K, A_FP8, WS_E8M0, BLOCK_N, BLOCK_K, K_SPLIT,
-                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16, SWIGLU)
+                        y_ptr.dtype.element_ty if ROUND_A else None, RNE_BF16)
     else:
         acc = _tc_loop(a_ptr + m_idx.to(tl.int64)[:, None] * stride_am, as_ptr + m_idx * stride_asm, w_rows, ws_row,
                        n_ok, m_ok, k_lo, K, A_FP8, WS_E8M0, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT,
@@ -279,7 +244,7 @@ def _check_weight(w_q: torch.Tensor, w_s: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8GemvConfig | None,
-            groups: int = 1, swiglu: float | None = None) -> torch.Tensor:
+            groups: int = 1) -> torch.Tensor:
     m, k = a.shape[0], a.shape[1] // groups
     n = w_q.shape[0]
     if w_q.device != a.device:
@@ -309,7 +274,6 @@ def _launch(a, a_s, w_q, ws, a_fp8: bool, out_dtype: torch.dtype, config: Fp8Gem
                        K_SPLIT=k_split, SPLIT=cfg.split, GROUP_ROWS=n // groups if groups > 1 else 0,
                        ROUND_A=a.dtype == torch.float32 and not a_fp8,
                        RNE_BF16=U.rne_bf16(a, out_dtype), num_warps=cfg.num_warps,
-                       STAGES=cfg.num_stages if cfg.pipelined and cfg.block_m == 1 else 0, SWIGLU=swiglu,
                        num_stages=cfg.num_stages, **U.pdl_launch(a))
     return y
 
@@ -324,22 +288,6 @@ def fp8_gemv_w8a16(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, out_dt
                          f"strides {a.stride() if a.dim() else ()}")
     ws = _check_weight(w_q, w_s, a.shape[1])
     return _launch(a, a, w_q, ws, False, out_dtype, config)
-
-
-def fp8_gemv_swiglu_w8a16(g: torch.Tensor, u: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, limit: float,
-                          config: Fp8GemvConfig | None = None) -> torch.Tensor:
-    """One token: y [1, N] = fp8_gemv_w8a16(swiglu_act(g, u, limit), w_q, w_s) in one launch, the activation
-    computed as the GEMV loads it (kernels/swiglu.py's steps, so the same bits as the two launches). g, u
-    bf16/fp16 [1, K] of one dtype with unit stride along K (the split halves of a fused w1 ‖ w3 output);
-    limit <= 0: no clamp. y in g's dtype."""
-    if (g.dtype not in (torch.bfloat16, torch.float16) or u.dtype != g.dtype or g.dim() != 2 or g.shape[0] != 1
-            or u.shape != g.shape or g.stride(1) != 1 or u.stride(1) != 1):
-        raise ValueError(f"g, u: expected one bf16/fp16 dtype, [1, K] with unit stride along K, got {g.dtype} "
-                         f"{tuple(g.shape)} {g.stride()} and {u.dtype} {tuple(u.shape)} {u.stride()}")
-    if config is not None and config.block_m != 1:
-        raise ValueError(f"Fp8GemvConfig.block_m: the SwiGLU GEMV takes the one-token tile (1), got {config.block_m}")
-    ws = _check_weight(w_q, w_s, g.shape[1])
-    return _launch(g, u, w_q, ws, False, g.dtype, config, swiglu=max(float(limit), 0.0))
 
 
 def fp8_gemv_w8a16_ref(a: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def _swiglu_act_kernel(g_ptr, u_ptr, out_ptr, I, g_rs, u_rs, limit,
 @triton.jit
 def swiglu_values(g, u, limit, CLAMP: tl.constexpr, ty: tl.constexpr, RNE_BF16: tl.constexpr):
     """h = silu(g) · u of fp32 g, u (values of `ty`) with PyTorch's rounding steps in `ty`, as fp32 (exact in
-    ty): the kernel above, and the FP8 GEMV that reads its activations through it (kernels/fp8_gemv.py)."""
+    ty)."""
     if CLAMP:  # compares, not min/max: a NaN passes through as in torch.clamp
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))

@@ -70,7 +70,6 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     from dsv4c.passes.fuse_router import fuse_router
     from dsv4c.passes.fuse_sinkhorn import fuse_sinkhorn
     from dsv4c.passes.fuse_swiglu import fuse_swiglu
-    from dsv4c.passes.fuse_swiglu_linear import fuse_swiglu_linear
     from dsv4c.passes.lower_f32_linears import lower_f32_linears
     from dsv4c.passes.lower_grouped_linear import lower_grouped_linear
     from dsv4c.passes.make_batch_invariant import make_batch_invariant
@@ -96,7 +95,6 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("quantize_experts", quantize_experts),
         ("quantize_dense", quantize_dense),
         ("make_batch_invariant", make_batch_invariant),  # no-op unless ctx.deterministic; sees the formats chosen
-        ("fuse_swiglu_linear", fuse_swiglu_linear),  # after it: only the non-deterministic FP8 linears
         ("select_kernels", select_kernels),
         ("prefetch_weights", prefetch_weights),  # last: places L2 prefetches by the final ops' weights
     ]

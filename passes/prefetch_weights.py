@@ -51,7 +51,6 @@ MAX_WEIGHTS = 4  # weights per P (kernels/l2_prefetch.MAX_RANGES)
 
 # ops that read their whole weight whatever the input (dense linears and their lowered forms)
 STREAMING = frozenset({"aten.linear", "aten.mm", "aten.addmm", "aten.matmul", "dsv4c.fp8_linear_w8a16",
-                       "dsv4c.fp8_linear_swiglu_w8a16",
                        "dsv4c.fp8_linear_w8a8", "dsv4c.fp8_grouped_linear", "dsv4c.grouped_linear",
                        "dsv4c.linear_f32", "dsv4c.linear_f32_fused", "dsv4c.linear_bi", "dsv4c.fp8_linear_bi",
                        "dsv4c.grouped_linear_bi"})

@@ -118,7 +118,6 @@ OP_CAPTURE: dict[str, str | None] = {
     # kernels/fp8_gemm.py (passes/quantize_dense.py): act_quant + GEMM launches, grids from shapes, no host sync
     "dsv4c.fp8_linear_w8a8": None,
     "dsv4c.fp8_linear_w8a16": None,
-    "dsv4c.fp8_linear_swiglu_w8a16": None,  # passes/fuse_swiglu_linear.py: one GEMV launch, or the two ops'
     "dsv4c.v4_attention_fused": None,
     "dsv4c.v4_attention_fused_det": None,  # the same launches with the batch-invariant split
     "dsv4c.v4_compress_fused": None,

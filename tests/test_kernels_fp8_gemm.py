@@ -21,7 +21,6 @@ from dsv4c.kernels.fp8_gemm import (
 )
 from dsv4c.kernels.fp8_gemv import (
     Fp8GemvConfig,
-    fp8_gemv_swiglu_w8a16,
     fp8_gemv_w8a8,
     fp8_gemv_w8a8_ref,
     fp8_gemv_w8a16,
@@ -145,52 +144,6 @@ def test_gemv_w8a8_matches_ref(m, n, k, fmt, cfg):
     assert rel_err(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, torch.float32, config=cfg), ref) < 1e-5
 
 
-@pytest.mark.parametrize("m, n, k, fmt, cfg", [c for c in GEMV_CASES if c[0] == 1])
-def test_gemv_pipelined_loop_gives_the_same_bits(m, n, k, fmt, cfg, monkeypatch):
-    """One token, Fp8GemvConfig.pipelined: the K loop through Triton's pipeliner takes the same steps in the same
-    order as the register-prefetch loop: the same bits (W8A16 and W8A8, ragged K, split or not); the default
-    config takes it from GEMV_PIPELINED."""
-    import dataclasses
-
-    from dsv4c.kernels import fp8_gemv as FG
-    a, w_q, w_s = operands(m, n, k, fmt, seed=4)
-    piped = dataclasses.replace(cfg, pipelined=True, num_stages=3)
-    assert torch.equal(fp8_gemv_w8a16(a, w_q, w_s, config=piped), fp8_gemv_w8a16(a, w_q, w_s, config=cfg))
-    if k % 128 == 0:
-        a_q, a_s = Q.quant_act_fp8(a)
-        assert torch.equal(fp8_gemv_w8a8(a_q, a_s, w_q, w_s, config=piped),
-                           fp8_gemv_w8a8(a_q, a_s, w_q, w_s, config=cfg))
-    assert not FG.default_config(1, 4096, 4096, 132).pipelined
-    monkeypatch.setattr(FG, "GEMV_PIPELINED", 1)
-    assert FG.default_config(1, 4096, 4096, 132).pipelined and not FG.default_config(8, 4096, 4096, 132).pipelined
-
-
-@pytest.mark.parametrize("k, limit, cfg", [
-    (200, 0.0, Fp8GemvConfig(1, 16, 128, split=2)), (384, 2.5, Fp8GemvConfig(1, 32, 256)),
-    (384, 2.5, Fp8GemvConfig(1, 32, 128, split=2, pipelined=True, num_stages=3))])
-def test_gemv_swiglu_gives_the_bits_of_the_activation_then_the_gemv(k, limit, cfg):
-    """fp8_gemv_swiglu_w8a16: swiglu_act(g, u, L) computed as the GEMV loads it (g, u the strided halves of a
-    fused w1 ‖ w3 output, values past the clamp) gives the bits of kernels/swiglu.py's launch then the GEMV;
-    and the dsv4c op does the same (on the CPU: the two ops)."""
-    from dsv4c.kernels.swiglu import swiglu_act
-
-    g0 = torch.Generator().manual_seed(k)
-    gu = (torch.randn(1, 2 * k, generator=g0) * 3).bfloat16()
-    g, u = gu[:, :k], gu[:, k:]
-    _, w_q, w_s = operands(1, 72, k, "ue8m0", seed=6)
-    h = swiglu_act(g, u, limit)
-    y = fp8_gemv_swiglu_w8a16(g, u, w_q, w_s, limit, cfg)
-    assert y.dtype == torch.bfloat16 and y.shape == (1, 72)
-    assert torch.equal(y, fp8_gemv_w8a16(h, w_q, w_s, config=cfg))
-    assert rel_err(y, fp8_gemv_w8a16(g, w_q, w_s, config=cfg)) > 0.1               # it is not the GEMV of g
-    if limit:
-        assert (g.float().abs() > limit).any() and not torch.equal(h, swiglu_act(g, u, 0.0))
-    op = torch.ops.dsv4c.fp8_linear_swiglu_w8a16(g, u, w_q, w_s, limit)
-    assert torch.equal(op, torch.ops.dsv4c.fp8_linear_w8a16(torch.ops.dsv4c.swiglu_act(g, u, limit), w_q, w_s))
-    with pytest.raises(ValueError, match="g, u: expected one bf16/fp16 dtype"):
-        fp8_gemv_swiglu_w8a16(g.float(), u, w_q, w_s, limit)
-
-
 def test_split_counters_are_left_as_found():
     """The split launches share one persistent counter buffer (kernels/_tl.py `split_counters`), never
     zeroed after it is made: a launch of split 4 after one of split 2 (and the batch-invariant decode tile's
@@ -296,17 +249,16 @@ _SM90_SCRIPT = textwrap.dedent('''
 
     names = list(fn.arg_names)
     ints = ("N", "stride_am", "stride_asm", "stride_wn", "stride_wsn", "stride_ym")  # launch-time multiples of 16
-    tiles = ((False, 1, 32, 512, 4, 8, 0, False, 0), (True, 16, 64, 128, 8, 4, 0, False, 0),
-             (False, 64, 64, 128, 4, 4, 0, False, 0), (False, 1, 32, 512, 2, 8, 1024, False, 0),
-             (False, 1, 32, 512, 2, 8, 1024, True, 0), (False, 16, 64, 128, 4, 4, 1024, True, 0),
-             (False, 1, 32, 512, 4, 8, 0, False, 4))  # 4-6: Flash's wo_a block-diagonally, then on the graph's
-    for a_fp8, bm, bn, bk, split, warps, group, f32, stages in tiles:  # fp32 rows; 7: the pipelined one-token loop
+    tiles = ((False, 1, 32, 512, 4, 8, 0, False), (True, 16, 64, 128, 8, 4, 0, False),
+             (False, 64, 64, 128, 4, 4, 0, False), (False, 1, 32, 512, 2, 8, 1024, False),
+             (False, 1, 32, 512, 2, 8, 1024, True), (False, 16, 64, 128, 4, 4, 1024, True))
+    for a_fp8, bm, bn, bk, split, warps, group, f32 in tiles:  # 4-6: Flash's wo_a block-diagonally, then fp32 rows
         a_ty = "*fp8e4nv" if a_fp8 else "*fp32" if f32 else "*bf16"
         types = {"a_ptr": a_ty, "as_ptr": "*fp32" if a_fp8 else a_ty, "w_ptr": "*fp8e4nv",
                  "ws_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
         consts = dict(K=8192, A_FP8=a_fp8, WS_E8M0=True, INTERPRET=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       K_SPLIT=8192 // split, SPLIT=split, GROUP_ROWS=group, ROUND_A=f32,
-                      PDL=True, STAGES=stages)  # PDL: as sm_90 launches it
+                      PDL=True)  # PDL: as sm_90 launches it
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -316,13 +268,12 @@ _SM90_SCRIPT = textwrap.dedent('''
 
 
 def test_gemv_compiles_for_sm90(tmp_path):
-    """Compile (not run) four tiles for sm_90 with the real Triton compiler in a subprocess (tests
+    """Compile (not run) six tiles for sm_90 with the real Triton compiler in a subprocess (tests
     import kernels under TRITON_INTERPRET=1): the tensor-core tiles are software-pipelined (cp.async),
-    the split tiles count with a global atomic, the one-token tile has no MMA; its pipelined loop
-    (Fp8GemvConfig.pipelined) loads through cp.async."""
+    the split tiles count with a global atomic, the one-token tile has no MMA."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
     assert rows == [["1", "0", "1", "0"], ["16", "1", "1", "1"], ["64", "1", "1", "1"], ["1", "0", "1", "0"],
-                    ["1", "0", "1", "0"], ["16", "1", "1", "1"], ["1", "1", "1", "0"]], rows
+                    ["1", "0", "1", "0"], ["16", "1", "1", "1"]], rows
 
 
 def test_bench_dense_kernels_quick_run(tmp_path):
