@@ -1,7 +1,7 @@
 # run63 (any GPU, ~9 min; planned after the thirty-second session): what run59-62 left untimed. (1) The deterministic
 # decode step at batch 1 and 8 with hc_pre's 16-row tile (`mhc.HC_BI_ROW_BLOCK` 16, the default since `c6b709f`:
-# one row in a 16-row tile at batch 1) vs the one-row kernel (1), interleaved; (2) the FP8 experts' one-token GEMV
-# on the GPU alone (`moe_grouped.FP8_GEMV_MAX_ASSIGN` 8, the default, vs 0, the tile), interleaved; (3) while the
+# one row in a 16-row tile at batch 1) vs the one-row kernel (1), interleaved; (2) [the FP8 experts' one-token GEMV A/B:
+# run65 timed it, dropped here]; (3) while the
 # budget lasts, the slice's deterministic teacher-forced MTP grid with the new defaults (run48's call B; its
 # batch-64 cells α 0.9, k = 2 / 3 are still missing).
 # B=SECONDS budget. At most 8 files to $OUT: the profiles are appended to one file.
@@ -19,7 +19,6 @@ run() {  # label batch knob [profile_step args]
 }
 for v in 16 1 16 1; do run "det b1 row block $v" 1 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
 for v in 16 1; do run "det b8 row block $v" 8 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
-for v in 8 0 8 0; do run "b1 moe gemv $v" 1 moe_grouped.FP8_GEMV_MAX_ASSIGN=$v; done
 if [ $((SECONDS + 200)) -lt $B ]; then
   timeout $((B - SECONDS)) python examples/bench_mtp_forced.py --slice /tmp/fs --deterministic --expert-format fp8_block \
     --compile-batches 1,8,32,64 --batches 1,8,32,64 --budget-s $((B - SECONDS - 30)) \
