@@ -358,6 +358,8 @@ HC_ROWS_WARPS = 2
 # 1 + 3 tokens, FP8 block experts, GPU alone, interleaved): batch 64 8.201 / 8.184 ms with 16 against 8.279 /
 # 8.275 with the row kernel (313 µs of it), batch 8 3.428 vs 3.434 ms; run62: tests/test_deterministic.py -m gpu
 # passes with 16.
+# In the deterministic decode step it costs (run63, H200, GPU alone): batch 1 0.812 vs 0.801 ms, batch 8 1.300 vs
+# 1.292. The two kernels round differently, so the tile cannot follow the token count; kept for the verify.
 HC_BI_ROW_BLOCK = 16
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
