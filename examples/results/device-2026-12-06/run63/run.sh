@@ -17,8 +17,10 @@ run() {  # label batch knob [profile_step args]
   { echo "### $1"; cat /tmp/p.txt; } >> $OUT/profiles.txt
   grep "^== full\|(critical path) |\|Error" /tmp/p.txt | sed "s|^|$1: |" | tee -a $OUT/steps.txt
 }
-for v in 16 1 16 1; do run "det b1 row block $v" 1 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
-for v in 16 1; do run "det b8 row block $v" 8 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
+if [ -z "$GRID_ONLY" ]; then  # GRID_ONLY=1: the MTP grid alone (the tile A/B ran in the thirty-sixth session)
+  for v in 16 1 16 1; do run "det b1 row block $v" 1 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
+  for v in 16 1; do run "det b8 row block $v" 8 mhc.HC_BI_ROW_BLOCK=$v --deterministic; done
+fi
 if [ $((SECONDS + 200)) -lt $B ]; then
   timeout $((B - SECONDS)) python examples/bench_mtp_forced.py --slice /tmp/fs --deterministic --expert-format fp8_block \
     --compile-batches 1,8,32,64 --batches 1,8,32,64 --budget-s $((B - SECONDS - 30)) \
