@@ -34,10 +34,9 @@ sizes are constants, never chosen from M, and no split-K is chosen from M. An MM
 on row i of its A operand, so each row's result is the same bits whatever M is (tests:
 test_kernels_batch_invariant.py, 1 vs 8 rows). A K split fixed by the weight's shape keeps that: with
 `split` S, program s walks its own K range in the same fixed steps and the last program of a tile adds
-the S fp32 partials in split order (then the bias), so a row's sums are the same for any M. Where a
-decode-tile launch has SERIAL_SPLIT_MIN_TILES output tiles or more (a verify call's rows; 0, off, until
-timed), each tile's one program walks the S ranges itself and adds them in the same order, without storing
-the partials: the same bits, so a launch may go serial or not by M.
+the S fp32 partials in split order (then the bias), so a row's sums are the same for any M. (A serial form,
+one program per tile walking the S ranges itself without storing partials, was timed slower at the batch-64
+verify, run53: 8.201 vs 8.128 ms on an H100, and removed.)
 make_batch_invariant gives decode-kind graphs (decode, verify, mtp) `bi_split(N, K)`: at decode a
 [1536, 4096] weight in 64-row tiles is 24 programs, each walking all of K, a few percent of the copy
 bandwidth; the prefill graph keeps S = 1, where the tiles over M fill the GPU. Decode-kind graphs also
@@ -94,13 +93,6 @@ DECODE_STAGES = 4
 # the batch-invariant linears ran at about 150 TFLOP/s (run49). run51 (H100, 256 verify rows): dense GEMMs and
 # head 2.79 -> 2.06 ms with 4, the same bits (GPU test); batch 1 / 8 / 64 decode steps unchanged.
 DECODE_A_REG_MIN_GROUPS = 4
-# From this many output tiles (M tiles x N tiles) a decode-tile launch with a K split runs one program per tile
-# that walks the splits itself (`SERIAL`: the same bits); 0: never. The split's fp32 partials are
-# split x M x N x 4 bytes written and read again: at 256 verify rows and a split of 8 about twice a [N, 4096]
-# bf16 weight's bytes, while 4 M tiles x 64 N tiles already give each SM two programs. A serial launch leaves
-# A_REG off (sm_90, 4 groups: 202 registers without it, 255 and a 280-byte stack with it). run53 (H100, the
-# verify of 1 + 3 tokens at batch 64): 128 took 8.201 ms against 8.128 without: off.
-SERIAL_SPLIT_MIN_TILES = 0
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64
@@ -170,8 +162,7 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
                       BLOCK_K: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr,
                       K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr = False,
                       PDL: tl.constexpr = False, ws_ptr=None, swsn=0, W_FP8: tl.constexpr = False,
-                      WS_E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1, A_REG: tl.constexpr = False,
-                      SERIAL: tl.constexpr = False):
+                      WS_E8M0: tl.constexpr = False, GROUPS: tl.constexpr = 1, A_REG: tl.constexpr = False):
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
     the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
@@ -183,10 +174,7 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     else fp32): each K step's product is formed from zero, scaled, then accumulated. A_REG (SWAP, 16-bit
     weights, compiled for a GPU only): each K step's weight tile passes through an inline-asm register copy,
     so every group's MMA reads its A operand from registers instead of shared memory (as the FP8 path's
-    converted tile does); the MMA shape, operands and K walk are unchanged. SERIAL (SWAP, SPLIT > 1, a grid of
-    one program per tile): the program walks the SPLIT K ranges itself, each from a zero accumulator, and
-    adds them in split order to a zero total (then the bias) as `_sum_parts` adds the stored partials: the
-    same fp32 operations in the same order, without the partials' round trip through memory."""
+    converted tile does); the MMA shape, operands and K walk are unchanged."""
     pdl_wait(PDL)
     pid_s = tl.program_id(2)
     m = tl.program_id(0) * (BLOCK_M * GROUPS) + tl.arange(0, BLOCK_M)   # group 0's rows; group g: + g * BLOCK_M
@@ -198,66 +186,47 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     acc_t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    tot_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # SERIAL: the split-order totals
-    tot_t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    tot_t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    tot_t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(SPLIT if SERIAL else 1):
-        k_lo = 0
-        if SERIAL:
-            k_lo = s * K_SPLIT
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        elif SPLIT > 1:
-            k_lo = pid_s * K_SPLIT
-        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):  # fixed order: k_lo, k_lo + BLOCK_K, ... whatever M is
-            b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & ((k0 + k) < K)[None, :], other=0.0)
-            sc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if W_FP8:  # e4m3 -> x's dtype is exact; one scale per weight row for this K step
-                b = b.to(x_ptr.dtype.element_ty)
-                sc = tl.load(ws_ptr + (n // 128) * swsn + k0 // 128, mask=nm, other=0)
-                if WS_E8M0:
-                    sc = e8m0_value(sc.to(tl.int32))
-                sc = sc.to(tl.float32)
-            if A_REG:  # an opaque register copy of the 16-bit weight tile: the MMAs take A from registers
-                b = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [b], dtype=b.dtype, is_pure=True, pack=2)
-            if SWAP:
-                acc_t = _swap_step(acc_t, b, sc, _x_tile(x_ptr, m, M, sxm, k0, k, K), F32, INTERPRET, W_FP8)
-                if GROUPS > 1:
-                    acc_t1 = _swap_step(acc_t1, b, sc, _x_tile(x_ptr, m + BLOCK_M, M, sxm, k0, k, K), F32,
-                                        INTERPRET, W_FP8)
-                if GROUPS > 2:
-                    acc_t2 = _swap_step(acc_t2, b, sc, _x_tile(x_ptr, m + 2 * BLOCK_M, M, sxm, k0, k, K), F32,
-                                        INTERPRET, W_FP8)
-                    acc_t3 = _swap_step(acc_t3, b, sc, _x_tile(x_ptr, m + 3 * BLOCK_M, M, sxm, k0, k, K), F32,
-                                        INTERPRET, W_FP8)
+    k_lo = 0
+    if SPLIT > 1:
+        k_lo = pid_s * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):  # fixed order: k_lo, k_lo + BLOCK_K, ... whatever M is
+        b = tl.load(w_rows + k0 + k[None, :], mask=nm[:, None] & ((k0 + k) < K)[None, :], other=0.0)
+        sc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if W_FP8:  # e4m3 -> x's dtype is exact; one scale per weight row for this K step
+            b = b.to(x_ptr.dtype.element_ty)
+            sc = tl.load(ws_ptr + (n // 128) * swsn + k0 // 128, mask=nm, other=0)
+            if WS_E8M0:
+                sc = e8m0_value(sc.to(tl.int32))
+            sc = sc.to(tl.float32)
+        if A_REG:  # an opaque register copy of the 16-bit weight tile: the MMAs take A from registers
+            b = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [b], dtype=b.dtype, is_pure=True, pack=2)
+        if SWAP:
+            acc_t = _swap_step(acc_t, b, sc, _x_tile(x_ptr, m, M, sxm, k0, k, K), F32, INTERPRET, W_FP8)
+            if GROUPS > 1:
+                acc_t1 = _swap_step(acc_t1, b, sc, _x_tile(x_ptr, m + BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+            if GROUPS > 2:
+                acc_t2 = _swap_step(acc_t2, b, sc, _x_tile(x_ptr, m + 2 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+                acc_t3 = _swap_step(acc_t3, b, sc, _x_tile(x_ptr, m + 3 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+        else:
+            a = _x_tile(x_ptr, m, M, sxm, k0, k, K)
+            if W_FP8:
+                acc += _tile_product(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32,
+                                     INTERPRET) * sc[None, :]
             else:
-                a = _x_tile(x_ptr, m, M, sxm, k0, k, K)
-                if W_FP8:
-                    acc += _tile_product(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32,
-                                         INTERPRET) * sc[None, :]
-                else:
-                    acc = _tile_product(a, b, acc, F32, INTERPRET)
-        if SERIAL:
-            tot_t += acc_t
-            tot_t1 += acc_t1
-            tot_t2 += acc_t2
-            tot_t3 += acc_t3
-    if SERIAL:
-        acc_t, acc_t1, acc_t2, acc_t3 = tot_t, tot_t1, tot_t2, tot_t3
-    PUT: tl.constexpr = 1 if SERIAL else SPLIT  # what _put_tile stores: y (+ bias), or this split's partial
+                acc = _tile_product(a, b, acc, F32, INTERPRET)
     if SWAP:
         acc = tl.trans(acc_t)
-    _put_tile(acc, m, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, PUT)
+    _put_tile(acc, m, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
     if GROUPS > 1:
-        _put_tile(tl.trans(acc_t1), m + BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, PUT)
+        _put_tile(tl.trans(acc_t1), m + BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
     if GROUPS > 2:
-        _put_tile(tl.trans(acc_t2), m + 2 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, PUT)
-        _put_tile(tl.trans(acc_t3), m + 3 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, PUT)
-    if PUT > 1:  # the last program of the tile adds the partials in split order, then the bias
+        _put_tile(tl.trans(acc_t2), m + 2 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+        _put_tile(tl.trans(acc_t3), m + 3 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+    if SPLIT > 1:  # the last program of the tile adds the partials in split order, then the bias
         tl.debug_barrier()
         if last_split(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
             for g in tl.static_range(GROUPS):
@@ -320,12 +289,10 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
         stages = {"num_stages": DECODE_STAGES if x.dtype != torch.float32 else 2} if decode else {}
         groups = decode_groups(M) if decode else 1
         k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-        tiles = triton.cdiv(M, bm * groups) * triton.cdiv(N, bn)
-        serial = decode and split > 1 and 0 < SERIAL_SPLIT_MIN_TILES <= tiles
         a_reg = (decode and ws is None and x.dtype != torch.float32 and x.device.type == "cuda"
-                 and 0 < DECODE_A_REG_MIN_GROUPS <= groups and not serial)  # both: 255 registers + 280 B of stack
-        grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), 1 if serial else split)  # M tiles side by side
-        if split > 1 and not serial:
+                 and 0 < DECODE_A_REG_MIN_GROUPS <= groups)
+        grid = (triton.cdiv(M, bm * groups), triton.cdiv(N, bn), split)  # M tiles side by side
+        if split > 1:
             part = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
             cnt = split_counters(x.device, grid[0] * grid[1], split)
         else:
@@ -336,7 +303,7 @@ def _launch_bi(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_
                                 wc.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
                                 BLOCK_K=bk, F32=x.dtype == torch.float32, INTERPRET=x.device.type == "cpu",
                                 K_SPLIT=k_split, SPLIT=split, SWAP=decode, GROUPS=groups, A_REG=a_reg,
-                                SERIAL=serial, num_warps=4,
+                                num_warps=4,
                                 **stages, **pdl_launch(x2), **fp8)
     return y.view(*x.shape[:-1], N)
 

@@ -91,30 +91,6 @@ def test_bi_matmul_fp8_rows_do_not_depend_on_m(split, fmt, decode):
         bi_matmul_fp8(x.float(), w_q, w_s)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_serial_split_gives_the_split_launch_bits(monkeypatch, fp8):
-    """SERIAL_SPLIT_MIN_TILES: a decode-tile launch with as many output tiles runs one program per tile that
-    adds its own K splits. Its rows are the bits of the split launch's (partials stored, summed by the last
-    program), so a row is the same whether its launch had enough tiles to go serial or not."""
-    import dsv4c.kernels.batch_invariant as bi
-    from dsv4c import quant as Q
-
-    K, N, split = 384, 200, 2  # 4 N tiles; K = three 128-column steps: splits of 2 and 1 steps
-    x = _rand(70, K, dtype=torch.bfloat16)
-    if fp8:
-        w_q, w_s = Q.quant_fp8_block(_rand(N, K, dtype=torch.float32, seed=1) * 0.05, scale_fmt="ue8m0")
-        run = functools.partial(bi_matmul_fp8, w_q=w_q, w_s=w_s, split=split, decode=True)
-    else:
-        w, b = _rand(N, K, dtype=torch.bfloat16, seed=1), _rand(N, dtype=torch.bfloat16, seed=2)
-        run = functools.partial(bi_matmul, w=w, bias=b, split=split, decode=True)
-    monkeypatch.setattr(bi, "SERIAL_SPLIT_MIN_TILES", 0)  # never serial
-    y_split = run(x)
-    monkeypatch.setattr(bi, "SERIAL_SPLIT_MIN_TILES", 8)  # 70 rows: 2 x 4 tiles, serial; 20 rows: 4, split
-    y_serial = run(x)
-    assert torch.equal(y_serial.view(torch.int16), y_split.view(torch.int16))
-    assert torch.equal(run(x[:20]).view(torch.int16), y_serial[:20].view(torch.int16))
-
-
 def test_bi_split_comes_from_the_weight_shape_only():
     """The slice's decode shapes get a split that fills the GPU; the head and the wide projections none;
     bad splits are refused."""
@@ -251,29 +227,6 @@ def test_bi_matmul_weights_from_registers_on_gpu(monkeypatch):
     assert torch.equal(y100, before)
     for m in (1, 17, 40, 64):
         assert torch.equal(bi_matmul(x[:m], w, split=split, decode=True), y100[:m]), m
-
-
-@pytest.mark.gpu
-def test_serial_split_on_gpu(monkeypatch):
-    """SERIAL on the device at a verify call's size (256 rows, a [4096, 4096] weight, split 8): the bits of
-    the split launch, bf16 and FP8 block weights; rows of a small launch (not serial) equal them."""
-    import dsv4c.kernels.batch_invariant as bi
-    from dsv4c import quant as Q
-
-    K, N = 4096, 4096
-    x = _rand(256, K, dtype=torch.bfloat16, device="cuda")
-    w = _rand(N, K, dtype=torch.float32, device="cuda", seed=1) * 0.02
-    w_q, w_s = Q.quant_fp8_block(w)
-    split = bi_split(N, K)
-    assert split > 1
-    for run in (functools.partial(bi_matmul, w=w.to(torch.bfloat16), split=split, decode=True),
-                functools.partial(bi_matmul_fp8, w_q=w_q, w_s=w_s, split=split, decode=True)):
-        monkeypatch.setattr(bi, "SERIAL_SPLIT_MIN_TILES", 0)
-        y_split = run(x)
-        monkeypatch.setattr(bi, "SERIAL_SPLIT_MIN_TILES", 128)  # 256 rows: 4 x 64 tiles
-        y_serial = run(x)
-        assert torch.equal(y_serial.view(torch.int16), y_split.view(torch.int16))
-        assert torch.equal(run(x[:9]).view(torch.int16), y_serial[:9].view(torch.int16))
 
 
 @pytest.mark.gpu
@@ -437,25 +390,24 @@ _SM90_SCRIPT = textwrap.dedent(r'''
 
     names = list(fn.arg_names)
     ints = ("N", "sxm", "swn", "sym")  # launch-time multiples of 16
-    for dt, split, bias, swap, fp8, groups, serial in (
-            ("bf16", 1, False, False, False, 1, 0), ("bf16", 8, True, False, False, 1, 0),
-            ("fp32", 4, False, False, False, 1, 0), ("bf16", 8, True, True, False, 1, 0),
-            ("fp32", 4, False, True, False, 1, 0), ("bf16", 8, False, True, True, 1, 0),
-            ("bf16", 1, False, False, True, 1, 0), ("bf16", 8, True, True, False, 4, 0),
-            ("bf16", 8, False, True, True, 4, 0), ("bf16", 8, True, True, False, 4, 1),
-            ("bf16", 8, False, True, True, 4, 1)):
+    for dt, split, bias, swap, fp8, groups in (
+            ("bf16", 1, False, False, False, 1), ("bf16", 8, True, False, False, 1),
+            ("fp32", 4, False, False, False, 1), ("bf16", 8, True, True, False, 1),
+            ("fp32", 4, False, True, False, 1), ("bf16", 8, False, True, True, 1),
+            ("bf16", 1, False, False, True, 1), ("bf16", 8, True, True, False, 4),
+            ("bf16", 8, False, True, True, 4)):
         types = {"x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv" if fp8 else f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                  "part_ptr": "*fp32", "cnt_ptr": "*i32", "ws_ptr": "*u8"}
         bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
         consts = dict(K=4096, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, F32=dt == "fp32", INTERPRET=False,
                       K_SPLIT=4096 // split, SPLIT=split, SWAP=swap, PDL=True,  # PDL: as sm_90 launches it
-                      W_FP8=fp8, WS_E8M0=fp8, GROUPS=groups, A_REG=False, SERIAL=bool(serial))
+                      W_FP8=fp8, WS_E8M0=fp8, GROUPS=groups, A_REG=False)
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr") or nm in ints}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
         ptx = k.asm["ptx"]
-        print("kernel", dt + "+fp8" * fp8 + "+serial" * serial, split, int(swap), int("atom.global" in ptx),
+        print("kernel", dt + "+fp8" * fp8, split, int(swap), int("atom.global" in ptx),
               int("wgmma" in ptx or "mma.sync" in ptx), int("cp.async" in ptx or "cp.async.bulk" in ptx),
               ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned"),
               ",".join(sorted(set(re.findall(r"wgmma\.mma_async\.\S+|mma\.sync\.aligned\.\S+", ptx))) or "-"))
@@ -504,8 +456,7 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
     tensor-core MMAs for bf16 (fp32's IEEE products run on FMAs), a global atomic (the split's tile
     counter) only where the K is split, and the loads software-pipelined (cp.async); the FP8-weight variant
     (`bi_matmul_fp8`) on both tiles too; the decode tile with 4 groups of token rows per program runs 4x the
-    MMAs of one group, all of one group's shape (m64n16k16: a row's products and K order as alone), with and
-    without SERIAL (no atomic: the program adds its own splits)."""
+    MMAs of one group, all of one group's shape (m64n16k16: a row's products and K order as alone)."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
     n64, n16 = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in (64, 16))
     assert rows == [["bf16", "1", "0", "0", "1", "1", "4", n64], ["bf16", "8", "0", "1", "1", "1", "4", n64],
@@ -514,7 +465,4 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
                     ["bf16+fp8", "1", "0", "0", "1", "1", "4", n64],
                     # the decode tile with 4 groups of token rows: 4x the MMAs, each of one group's shape
                     ["bf16", "8", "1", "1", "1", "1", "32", n16],
-                    ["bf16+fp8", "8", "1", "1", "1", "1", "32", n16],
-                    # SERIAL: the program walks the 8 splits itself: the same MMAs, no tile counter
-                    ["bf16+serial", "8", "1", "0", "1", "1", "32", n16],
-                    ["bf16+fp8+serial", "8", "1", "0", "1", "1", "32", n16]], rows
+                    ["bf16+fp8", "8", "1", "1", "1", "1", "32", n16]], rows
