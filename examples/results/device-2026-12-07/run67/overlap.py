@@ -66,6 +66,7 @@ def step(x, ws, side: torch.cuda.Stream | None):
                 y2 = shared(x, w)
             y1 = routed(x, w)
             torch.cuda.current_stream().wait_stream(side)
+            y2.record_stream(torch.cuda.current_stream())  # made on `side`, read here
         x = (x.float() * 0.5 + y1.float() + y2.float()).to(torch.bfloat16)
     return x
 
