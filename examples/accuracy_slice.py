@@ -77,13 +77,9 @@ def _free(dev) -> None:
 
 
 def _commit() -> str:
-    import subprocess
+    from bench_segments import _commit as commit  # "+dirty" when the tree differs from HEAD
 
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    return commit()
 
 
 def build(preset: str, dev, dtype):

@@ -501,9 +501,14 @@ def table(res: dict) -> str:
 
 
 def _commit() -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it (a device that runs a copied working tree
+    under older git metadata reports its HEAD, not the tree it ran: the suffix says so)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
     except OSError:
         return "unknown"
 
