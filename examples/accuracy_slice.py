@@ -50,6 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+from bench_segments import _commit  # noqa: E402  (HEAD's hash, "+dirty" when the tracked files differ)
 
 FORMATS = ("fp8_block", "mxfp4_w4a16", "nvfp4_w4a16")
 PARTS = ("passes", "formats", "floor", "fp8", "margins", "artifact")
@@ -74,12 +75,6 @@ def _free(dev) -> None:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _commit() -> str:
-    from bench_segments import _commit as commit  # "+dirty" when the tree differs from HEAD
-
-    return commit()
 
 
 def build(preset: str, dev, dtype):

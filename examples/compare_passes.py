@@ -50,7 +50,6 @@ import multiprocessing
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -943,14 +942,9 @@ def plots(res: dict, out_dir: Path) -> list[str]:
 
 
 def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                             check=False).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=ROOT, check=False).stdout.strip()
-        return (sha.strip() or "unknown") + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+    from bench_segments import _commit as commit  # HEAD's hash, "+dirty" when the tracked files differ
+
+    return commit()
 
 
 def _strip(o):

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from dsv4c.kernels.fp8_gemv import fp8_gemv_w8a16
 from dsv4c.kernels.moe_fp8_gemv import moe_fp8_gemv
 from dsv4c.kernels.swiglu import swiglu_act
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # examples/
+from bench_segments import copy_bandwidth  # noqa: E402
 
 E, TOPK, D, I, I_SH = 256, 6, 4096, 2048, 2048
 LIMIT = 10.0
@@ -83,22 +87,8 @@ def timed(graph: torch.cuda.CUDAGraph) -> float:
     return statistics.median(out)
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        dst.copy_(src)
-    b.record()
-    b.synchronize()
-    return 2 * 10 * src.numel() / (a.elapsed_time(b) * 1e-3)
-
-
 def main() -> None:
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(dev)
     ws = [layer_weights() for _ in range(LAYERS)]
     x = torch.randn(1, D, device=dev, dtype=torch.bfloat16) * 0.1
     per_layer_bytes = TOPK * (2 * I * D + D * I) + (2 * I_SH * D + D * I_SH)        # e4m3: 1 byte each
