@@ -33,6 +33,7 @@ from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph, flat_caches
 from dsv4c.model import build_model
 from dsv4c.passes import PassContext, run_pipeline
+from dsv4c.passes.overlap_shared_experts import overlap_shared_experts
 from dsv4c.passes.split_at_routers import apply_plan, plan_segments
 from dsv4c.runtime.sampling import greedy_rows
 from dsv4c.runtime.segments import SegmentExecutor
@@ -62,19 +63,26 @@ ABLATED = ("fuse_sinkhorn", "fuse_hc", "fuse_rmsnorm", "fuse_rope", "lower_f32_l
 
 def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = False, skip: tuple = (),
           kind: str = "decode", k: int = 0, extra_ring_slots: int = 0, expert_format: str | None = None,
-          dense_format: str | None = None, deterministic: bool = False):
+          dense_format: str | None = None, deterministic: bool = False, side_stream: bool = False):
     """A graph (default: decode, 1 token per row) lowered for h200; `quantize=False` skips
     quantize_experts (bf16 experts); `skip` leaves out further passes; `expert_format` and `dense_format`
     override the target's formats (as `compile --expert-format / --dense-format`; in-memory dense weights
     are quantised to FP8 blocks by passes/quantize_dense.py); `deterministic` lowers as `compile
-    --deterministic` does (passes/make_batch_invariant.py; the caller picks the kernels and experts)."""
+    --deterministic` does (passes/make_batch_invariant.py; the caller picks the kernels and experts);
+    `side_stream` forks the shared experts onto a second stream as `Session.load` does for a step captured
+    whole (passes/overlap_shared_experts.py; only where every segment is capturable)."""
     ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())), expert_format,
                       dense_format=dense_format, deterministic=deterministic)
     spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
     gm = export_graph(model, spec).module()
     gm, records = run_pipeline(gm, ctx, skip=tuple(skip) + (() if quantize else ("quantize_experts",)))
     plan = plan_segments(gm, ctx)
-    return plan, apply_plan(gm, plan), {r.name: r.stats for r in records}
+    stats = {r.name: r.stats for r in records}
+    if side_stream and plan.n_capturable == len(plan.segments):
+        gm = (res := overlap_shared_experts(gm, ctx)).graph
+        stats["overlap_shared_experts"] = res.stats
+        plan = plan_segments(gm, ctx)
+    return plan, apply_plan(gm, plan), stats
 
 
 @torch.no_grad()

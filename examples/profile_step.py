@@ -286,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--timeline", action="store_true",
                     help="print the replay's last step kernel by kernel: start, duration, gap to the ones before")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="keep the shared experts on the step's stream (default: a second stream, as Session.load)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
     fmt = (a.expert_format or "fp8_block") if quantize else "bf16"  # h200's expert format unless told
     plan, split, stats = bs.graph(model, n_slots, max_len, kernels, quantize=quantize, skip=tuple(a.skip_passes),
                                   expert_format=a.expert_format, dense_format=a.dense_format,
-                                  deterministic=a.deterministic, k=a.verify)
+                                  deterministic=a.deterministic, k=a.verify, side_stream=not a.one_stream)
     blockers = stats.get("make_batch_invariant", {}).get("blockers", [])
     if a.deterministic and blockers and dev.type == "cuda":
         raise SystemExit(f"--deterministic: the graph keeps ops that are not batch-invariant: {blockers[:6]}")
@@ -321,7 +323,9 @@ def main(argv=None) -> int:
                  "quantize": quantize, "expert_format": fmt, "dense_format": a.dense_format or "target default",
                  "fp8_dense_linears": fp8_dense, "deterministic": a.deterministic, "blockers": blockers,
                  "skipped_passes": list(a.skip_passes), "tokens_per_row": T,
-                 "segments": len(plan.segments), "capturable": plan.n_capturable}
+                 "segments": len(plan.segments), "capturable": plan.n_capturable,
+                 "side_stream": stats.get("overlap_shared_experts", {}).get("forked", 0)}
+    print(f"== side stream: {res['side_stream']} shared experts forked", flush=True)
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch * T)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)

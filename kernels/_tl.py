@@ -64,20 +64,22 @@ def pdl_wait(PDL: tl.constexpr):
 # tiles' counters (SPLIT_TICKS / SPLIT per program), so a counter is a multiple of SPLIT_TICKS between launches
 # and is never zeroed again: no memset per call, which would also break a step's PDL chain (an ATen kernel).
 SPLIT_TICKS = 64
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, bool], torch.Tensor] = {}  # (device, on its side stream) -> counters
 _RETIRED: list[torch.Tensor] = []
 _MIN_COUNTERS = 1 << 16
 
 
 def split_counters(device: torch.device, n: int, split: int) -> torch.Tensor:
     """int32 [n] tile counters of a split launch of `split` programs per tile on `device` (see `last_split`),
-    from one zeroed buffer per device that lives as long as the process. Launches that share it run one
-    after another (one stream, or streams the caller orders): a launch's counters are back to a multiple of
+    from one zeroed buffer per device (and one more for the device's `side_stream`) that lives as long as the
+    process. Launches that share a buffer run one after another (one stream, or streams the caller orders:
+    any stream but the side stream counts on the first): a launch's counters are back to a multiple of
     SPLIT_TICKS when it ends. The buffer is made before a CUDA graph captures a launch (the kernels' eager
     warm-up call does it), never during capture."""
     if split < 1 or split > SPLIT_TICKS or split & (split - 1):
         raise ValueError(f"split_counters: split must be a power of two in [1, {SPLIT_TICKS}], got {split}")
-    buf = _COUNTERS.get(device)
+    key = (device, _on_side_stream(device))
+    buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"split_counters: {n} counters on {device} first asked for during CUDA graph "
@@ -85,8 +87,26 @@ def split_counters(device: torch.device, n: int, split: int) -> torch.Tensor:
         if buf is not None:  # graphs captured with the old buffer still count on it: never freed
             _RETIRED.append(buf)
         buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[key] = buf
     return buf[:n]
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one side stream, on which passes/overlap_shared_experts.py runs the shared experts beside
+    the routed ones. Split launches on it count on their own counters (`split_counters`), so they may run
+    concurrently with split launches on any other stream."""
+    return _side_stream(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _on_side_stream(device: torch.device) -> bool:
+    if device.type != "cuda" or _side_stream.cache_info().currsize == 0:
+        return False
+    return torch.cuda.current_stream(device) == side_stream(device)
 
 
 @triton.jit

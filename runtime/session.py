@@ -146,8 +146,9 @@ PREFILL_CHUNK = 2048  # default max_num_batched_tokens: an 8192-token one-shot p
 
 class Session:
     def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer,
-                 graph_mode: str = "off", prefix_cache: bool | PrefixCacheConfig = False):
+                 graph_mode: str = "off", prefix_cache: bool | PrefixCacheConfig = False, side_stream: bool = True):
         self.art, self.manifest, self.device = art, manifest, device
+        self.side_stream = side_stream  # the shared experts on a second stream in whole-step graphs (`_executors`)
         self.config = ModelConfig.from_dict(manifest["model_config"])
         self.graphs, self.weights, self.tokenizer = graphs, weights, tokenizer
         self.max_tokens = manifest["limits"]["max_tokens"]
@@ -195,7 +196,7 @@ class Session:
              graphs: str | None = None, max_num_batched_tokens: int | None = None,
              strict_source: bool = False, prefix_cache: bool | PrefixCacheConfig = True,
              deterministic: bool = False, paged: bool | None = None, warm_up: bool = False,
-             prefill_graphs: str | Sequence[tuple[int, int]] = "auto") -> "Session":
+             prefill_graphs: str | Sequence[tuple[int, int]] = "auto", side_stream: bool = True) -> "Session":
         """Check and load an artifact. Errors name the file or field: missing/changed files, a newer
         format, or a target this device cannot run (`emulate=True` runs it on the reference ops).
         `graphs`: auto | off | piecewise | full | emulate | full-emulate (default: auto on a GPU, off on
@@ -214,7 +215,10 @@ class Session:
         `prefill_graphs`: prefill calls replayed as CUDA graphs at fixed (rows, tokens) shapes
         (runtime/prefill_graphs.py): "auto" (on where the fixed-shape graphs are CUDA graphs and the artifact
         is not sharded: `prefill_graphs.default_shapes` of max_num_batched_tokens), "off", "emulate" (the
-        padded data flow op by op, any device: tests), or a list of (rows, tokens) shapes (CUDA only)."""
+        padded data flow op by op, any device: tests), or a list of (rows, tokens) shapes (CUDA only).
+        `side_stream`: in the graphs captured whole (`graphs` "full", or "auto" where every segment is
+        capturable) each MoE layer's shared expert runs on a second CUDA stream beside its routed experts
+        (passes/overlap_shared_experts.py; bit-identical outputs); False keeps one stream."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -264,7 +268,8 @@ class Session:
 
             tok = Tokenizer.from_file(str(inside(art, "tokenizer.json", "tokenizer")))
         # a sharded artifact: rank 0 schedules and mirrors (blocks, prefix-cache copies too), the others replay
-        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache if not rank else False)
+        sess = cls(art, manifest, graph_modules, weights, device, tok, graphs, prefix_cache if not rank else False,
+                   side_stream=side_stream)
         if rank is not None:
             attach(sess, rank)  # runtime/distributed.py
         if max_num_batched_tokens is not None:
@@ -401,6 +406,7 @@ class Session:
     def _executors(self, mode: str) -> dict:
         """One SegmentExecutor per fixed-shape graph (none when `mode` is "off")."""
         from dsv4c.passes import PassContext
+        from dsv4c.passes.overlap_shared_experts import graph_copy, overlap_shared_experts
         from dsv4c.passes.split_at_routers import apply_plan, plan_segments
         from dsv4c.runtime.segments import SegmentExecutor
 
@@ -411,13 +417,18 @@ class Session:
             if g["tokens_per_seq"] is None:
                 continue  # prefill: dynamic T, runs op by op
             gm = self.graphs[kind]
-            plan = plan_segments(gm, PassContext(self.config, self.manifest["target"]["name"], g["kind"]))
+            ctx = PassContext(self.config, self.manifest["target"]["name"], g["kind"])
+            plan = plan_segments(gm, ctx)
+            ex_mode = _executor_mode(mode, plan)
+            if self.side_stream and ex_mode in ("full", "full-emulate"):
+                gm = overlap_shared_experts(graph_copy(gm), ctx).graph
+                plan = plan_segments(gm, ctx)
             expected = self.manifest.get("segment_plan", {}).get(kind)
             if expected is not None and len(expected["segments"]) != len(plan.segments):
                 raise ArtifactError(f"{self.art}: graph {kind} splits into {len(plan.segments)} segments, the "
                                     f"manifest's segment_plan says {len(expected['segments'])}")
             out[kind] = SegmentExecutor(apply_plan(gm, plan), plan, self.device, buckets=self.manifest["buckets"],
-                                        mode=_executor_mode(mode, plan), pad_slot=self.cache_slots - 1)
+                                        mode=ex_mode, pad_slot=self.cache_slots - 1)
         return out
 
     def _graph_weights(self, kind: str) -> dict[str, torch.Tensor]:
