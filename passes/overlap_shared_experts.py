@@ -8,7 +8,8 @@ At batch 1 a V4 MoE layer launches the router (gate GEMV, top-k), the routed exp
 w1 ‖ w3 GEMV, SwiGLU quant, w2 GEMV, combine) and then the shared expert (w1 ‖ w3 GEMV, SwiGLU, w2 GEMV) on
 one stream, though the shared expert reads neither: each launch's ramp and tail is paid in turn. Forked
 onto a second stream, the shared expert's kernels fill the gaps the routed path leaves (run67, H100, Flash
-shapes, 4 layers alone: 94.3 → 87.2 µs a layer).
+shapes, 4 layers alone: 94.3 → 87.2 µs a layer; run68, the 2-layer slice's whole step on the GPU alone: 1.016x
+at batch 1, 1.014x at batch 8).
 
 Before (one layer; x: the FFN norm's output, N rows; every op launches on the current stream):
     x = reshape(rms_norm(h))                                  # [N, D]
