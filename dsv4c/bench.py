@@ -83,17 +83,27 @@ class _Timer:
         self.calls.clear()
 
 
+def side_streams(sess) -> dict[str, int]:
+    """Per fixed-shape graph, the MoE layers whose shared expert runs on the side stream
+    (passes/overlap_shared_experts.py)."""
+    from dsv4c.passes.overlap_shared_experts import SideStream
+
+    return {k: sum(isinstance(m, SideStream) for _, m in e.gm.named_modules())
+            for k, e in getattr(sess, "executors", {}).items()}
+
+
 def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_len: int, device: str = "cpu",
                    graphs: str | None = None, emulate: bool = False, mtp=0, seed: int = 0,
                    warmup: bool = True, deterministic: bool = False,
-                   max_num_batched_tokens: int | None = None) -> dict:
+                   max_num_batched_tokens: int | None = None, side_stream: bool = True) -> dict:
     from dsv4c.runtime import Session
     from dsv4c.runtime.speculative import merge_spec_stats
 
     t0 = time.perf_counter()
     # prefix caching off: a warm-up prompt served again from cached blocks would not time its prefill
     sess = Session.load(art, device=device, emulate=emulate, graphs=graphs, prefix_cache=False,
-                        deterministic=deterministic, max_num_batched_tokens=max_num_batched_tokens)
+                        deterministic=deterministic, max_num_batched_tokens=max_num_batched_tokens,
+                        side_stream=side_stream)
     load_s = time.perf_counter() - t0
     V = sess.config.vocab_size
     if prompt_len + output_len > sess.max_tokens:
@@ -134,13 +144,14 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
         rows.append(row)
     ex = {k: e.stats for k, e in getattr(sess, "executors", {}).items()}
     return {"artifact": str(art), "device": device, "graphs": graphs or "default", "mtp": mtp, "load_s": load_s,
-            "target": sess.manifest["target"]["name"], "rows": rows,
+            "target": sess.manifest["target"]["name"], "rows": rows, "side_stream": side_streams(sess),
             "executors": {k: {n: v for n, v in s.items() if n != "buckets"} for k, s in ex.items()}}
 
 
 def format_table(res: dict) -> str:
     lines = [f"artifact {res['artifact']} (target {res['target']}) on {res['device']}, graphs {res['graphs']}, "
-             f"mtp {res['mtp']}; load {res['load_s']:.1f}s",
+             f"mtp {res['mtp']}; load {res['load_s']:.1f}s; shared experts on a side stream: "
+             f"{sum(res.get('side_stream', {}).values())} layer(s)",
              "| batch | prefill tok/s | decode tok/s | step p50 ms | p90 | p99 | TTFT p50 ms |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:

@@ -275,7 +275,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     check_mtp(a.mtp, read_manifest(a.artifact, verify=False), a.artifact)  # before the artifact loads
     res = bench_artifact(a.artifact, a.batch, a.prompt_len, a.output_len, device=a.device, graphs=a.graphs,
                          emulate=a.emulate, mtp=a.mtp if a.mtp == "auto" else int(a.mtp), seed=a.seed,
-                         deterministic=a.deterministic, max_num_batched_tokens=a.max_num_batched_tokens)
+                         deterministic=a.deterministic, max_num_batched_tokens=a.max_num_batched_tokens,
+                         side_stream=not a.one_stream)
     print(format_table(res))
     if a.json:
         write_json(res, a.json)
@@ -556,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
     s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0, k, or auto")
+    s.add_argument("--one-stream", action="store_true", help="keep each MoE layer's shared expert on the step's "
+                   "stream (default: a second CUDA stream in steps captured whole; the outputs are the same)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     s.add_argument("--worker-timeout", type=float, default=3600.0,

@@ -3,6 +3,7 @@ before its router and joined before the post-mix; outputs and cache writes bit-i
 applies it to whole-step graphs only."""
 from __future__ import annotations
 
+import json
 import operator
 import warnings
 
@@ -148,6 +149,19 @@ def test_session_forks_whole_step_graphs_only(h100_art):
         warnings.simplefilter("ignore")
         piecewise = Session.load(h100_art, device="cpu", emulate=True, graphs="emulate", prefix_cache=False)
     assert _sides(piecewise) == 0  # segments captured one by one: no stream crosses them
+
+
+def test_bench_reports_the_side_stream_and_one_stream_turns_it_off(h100_art, capsys):
+    from dsv4c.cli import main
+
+    res = {}
+    for flag in ((), ("--one-stream",)):
+        out = h100_art.parent / f"bench{len(flag)}.json"
+        assert main(["bench", str(h100_art), "--device", "cpu", "--emulate", "--graphs", "full-emulate", "--batch", "1",
+                     "--prompt-len", "4", "--output-len", "3", "--json", str(out), *flag]) == 0
+        res[flag] = json.loads(out.read_text())
+    assert res[()]["side_stream"] == {"decode": 2} and res[("--one-stream",)]["side_stream"] == {"decode": 0}
+    assert "side stream: 0 layer(s)" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
