@@ -84,24 +84,23 @@ def side_join(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _ancestors(n: Node) -> set[Node]:
-    seen, todo = set(), list(n.all_input_nodes)
+def _reach(n: Node, step) -> set[Node]:
+    """Every node reachable from `n` (not `n` itself) by repeated `step(node)` (its inputs or its users)."""
+    seen, todo = set(), list(step(n))
     while todo:
         a = todo.pop()
         if a not in seen:
             seen.add(a)
-            todo.extend(a.all_input_nodes)
+            todo.extend(step(a))
     return seen
+
+
+def _ancestors(n: Node) -> set[Node]:
+    return _reach(n, lambda m: m.all_input_nodes)
 
 
 def _descendants(n: Node) -> set[Node]:
-    seen, todo = set(), list(n.users)
-    while todo:
-        u = todo.pop()
-        if u not in seen:
-            seen.add(u)
-            todo.extend(u.users)
-    return seen
+    return _reach(n, lambda m: m.users)
 
 
 def _branch_point(moe: Node) -> Node:

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from dsv4c.bench import side_streams
 from dsv4c.passes import PassContext, run_pipeline
 from dsv4c.passes.overlap_shared_experts import SideStream, _ancestors, graph_copy, overlap_shared_experts, side_join
 from dsv4c.passes.split_at_routers import MOE_OPS, apply_plan, op_name, plan_segments
@@ -134,7 +135,7 @@ def _session(art, device: str, side: bool):
 
 
 def _sides(sess) -> int:
-    return sum(isinstance(m, SideStream) for ex in sess.executors.values() for _, m in ex.gm.named_modules())
+    return sum(side_streams(sess).values())
 
 
 def test_session_forks_whole_step_graphs_only(h100_art):
