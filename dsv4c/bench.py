@@ -84,8 +84,8 @@ class _Timer:
 
 
 def side_streams(sess) -> dict[str, int]:
-    """Per fixed-shape graph, the calls forked onto the side stream (`passes.stream_passes`: shared experts,
-    compressor projections, hash lookups)."""
+    """Per fixed-shape graph, the MoE layers whose shared expert runs on the side stream
+    (passes/overlap_shared_experts.py)."""
     from dsv4c.passes.overlap_shared_experts import SideStream
 
     return {k: sum(isinstance(m, SideStream) for _, m in e.gm.named_modules())
@@ -150,8 +150,8 @@ def bench_artifact(art: str | Path, batches: list[int], prompt_len: int, output_
 
 def format_table(res: dict) -> str:
     lines = [f"artifact {res['artifact']} (target {res['target']}) on {res['device']}, graphs {res['graphs']}, "
-             f"mtp {res['mtp']}; load {res['load_s']:.1f}s; calls on a side stream: "
-             f"{sum(res.get('side_stream', {}).values())}",
+             f"mtp {res['mtp']}; load {res['load_s']:.1f}s; shared experts on a side stream: "
+             f"{sum(res.get('side_stream', {}).values())} layer(s)",
              "| batch | prefill tok/s | decode tok/s | step p50 ms | p90 | p99 | TTFT p50 ms |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:

@@ -557,9 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--emulate", action="store_true", help="run another target's artifact on the reference ops")
     s.add_argument("--graphs", default=None, choices=("auto", "off", "piecewise", "full", "emulate", "full-emulate"))
     s.add_argument("--mtp", type=mtp_arg, default=0, help="MTP speculative decoding: 0, k, or auto")
-    s.add_argument("--one-stream", action="store_true", help="keep each step on one stream (default: shared experts, "
-                   "compressor projections and hash lookups on a second CUDA stream in steps captured whole; the "
-                   "outputs are the same)")
+    s.add_argument("--one-stream", action="store_true", help="keep each MoE layer's shared expert on the step's "
+                   "stream (default: a second CUDA stream in steps captured whole; the outputs are the same)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     s.add_argument("--worker-timeout", type=float, default=3600.0,

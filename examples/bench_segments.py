@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph, flat_caches
 from dsv4c.model import build_model
-from dsv4c.passes import PassContext, run_pipeline, stream_passes
+from dsv4c.passes import PassContext, run_pipeline
+from dsv4c.passes.overlap_shared_experts import overlap_shared_experts
 from dsv4c.passes.split_at_routers import apply_plan, plan_segments
 from dsv4c.runtime.sampling import greedy_rows
 from dsv4c.runtime.segments import SegmentExecutor
@@ -68,9 +69,8 @@ def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = Fal
     override the target's formats (as `compile --expert-format / --dense-format`; in-memory dense weights
     are quantised to FP8 blocks by passes/quantize_dense.py); `deterministic` lowers as `compile
     --deterministic` does (passes/make_batch_invariant.py; the caller picks the kernels and experts);
-    `side_stream` forks work onto a second stream as `Session.load` does for a step captured whole
-    (`passes.stream_passes`: shared experts, compressor projections, hash lookups; only where every segment
-    is capturable)."""
+    `side_stream` forks the shared experts onto a second stream as `Session.load` does for a step captured
+    whole (passes/overlap_shared_experts.py; only where every segment is capturable)."""
     ctx = PassContext(model.config, "h200", kind, tuple(sorted(kernels.items())), expert_format,
                       dense_format=dense_format, deterministic=deterministic)
     spec = GraphSpec(kind, k=k, n_slots=n_slots, max_len=max_len, extra_ring_slots=extra_ring_slots)
@@ -79,8 +79,8 @@ def graph(model, n_slots: int, max_len: int, kernels: dict, quantize: bool = Fal
     plan = plan_segments(gm, ctx)
     stats = {r.name: r.stats for r in records}
     if side_stream and plan.n_capturable == len(plan.segments):
-        gm, records = run_pipeline(gm, ctx, passes=stream_passes(), check=False)
-        stats.update({r.name: r.stats for r in records})
+        gm = (res := overlap_shared_experts(gm, ctx)).graph
+        stats["overlap_shared_experts"] = res.stats
         plan = plan_segments(gm, ctx)
     return plan, apply_plan(gm, plan), stats
 

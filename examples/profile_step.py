@@ -287,8 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="print the replay's last step kernel by kernel: start, duration, gap to the ones before")
     ap.add_argument("--one-stream", action="store_true",
-                    help="keep the whole step on one stream (default: shared experts, compressor projections and hash lookups "
-                         "forked onto a second stream, as Session.load)")
+                    help="keep the shared experts on the step's stream (default: a second stream, as Session.load)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -325,9 +324,8 @@ def main(argv=None) -> int:
                  "fp8_dense_linears": fp8_dense, "deterministic": a.deterministic, "blockers": blockers,
                  "skipped_passes": list(a.skip_passes), "tokens_per_row": T,
                  "segments": len(plan.segments), "capturable": plan.n_capturable,
-                 "side_stream": stats.get("overlap_shared_experts", {}).get("forked", 0),
-                 "early_ops": stats.get("overlap_early_ops", {}).get("forked", 0)}
-    print(f"== side stream: {res['side_stream']} shared experts and {res['early_ops']} early ops forked", flush=True)
+                 "side_stream": stats.get("overlap_shared_experts", {}).get("forked", 0)}
+    print(f"== side stream: {res['side_stream']} shared experts forked", flush=True)
     cfg = model.config
     unique = [expected_unique(cfg.n_routed_experts, cfg.num_experts_per_tok, a.batch * T)] * cfg.num_hidden_layers
     sb = bs.step_bytes(model, a.batch, prompt, unique)

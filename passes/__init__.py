@@ -100,20 +100,6 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     ]
 
 
-def stream_passes() -> list[tuple[str, Pass]]:
-    """The passes the runtime applies at load to a lowered graph it captures whole (one CUDA graph per
-    bucket), in order: they fork work onto a second stream, which only a whole-step capture can join. Run
-    with `run_pipeline(graph_copy(gm), ctx, passes=stream_passes(), check=False)` (their side calls are not
-    aten / dsv4c ops)."""
-    from dsv4c.passes.overlap_early_ops import overlap_early_ops
-    from dsv4c.passes.overlap_shared_experts import overlap_shared_experts
-
-    return [
-        ("overlap_shared_experts", overlap_shared_experts),  # each MoE layer's shared expert beside its router
-        ("overlap_early_ops", overlap_early_ops),  # compressor projections, hash lookups: launched when ready
-    ]
-
-
 class VerifyError(AssertionError):
     """A graph invariant broke; the message names the pass and the node."""
 

@@ -148,7 +148,7 @@ class Session:
     def __init__(self, art: Path, manifest: dict, graphs: dict, weights: dict, device: torch.device, tokenizer,
                  graph_mode: str = "off", prefix_cache: bool | PrefixCacheConfig = False, side_stream: bool = True):
         self.art, self.manifest, self.device = art, manifest, device
-        self.side_stream = side_stream  # passes.stream_passes on whole-step graphs (`_executors`)
+        self.side_stream = side_stream  # the shared experts on a second stream in whole-step graphs (`_executors`)
         self.config = ModelConfig.from_dict(manifest["model_config"])
         self.graphs, self.weights, self.tokenizer = graphs, weights, tokenizer
         self.max_tokens = manifest["limits"]["max_tokens"]
@@ -217,9 +217,8 @@ class Session:
         is not sharded: `prefill_graphs.default_shapes` of max_num_batched_tokens), "off", "emulate" (the
         padded data flow op by op, any device: tests), or a list of (rows, tokens) shapes (CUDA only).
         `side_stream`: in the graphs captured whole (`graphs` "full", or "auto" where every segment is
-        capturable) the load-time stream passes fork work onto a second CUDA stream (`passes.stream_passes`:
-        each MoE layer's shared expert beside its routed experts, compressor projections and hash lookups as
-        soon as their inputs are ready; bit-identical outputs); False keeps one stream."""
+        capturable) each MoE layer's shared expert runs on a second CUDA stream beside its routed experts
+        (passes/overlap_shared_experts.py; bit-identical outputs); False keeps one stream."""
         from safetensors.torch import load_file
 
         from dsv4c.provenance import check_source
@@ -406,8 +405,8 @@ class Session:
 
     def _executors(self, mode: str) -> dict:
         """One SegmentExecutor per fixed-shape graph (none when `mode` is "off")."""
-        from dsv4c.passes import PassContext, run_pipeline, stream_passes
-        from dsv4c.passes.overlap_shared_experts import graph_copy
+        from dsv4c.passes import PassContext
+        from dsv4c.passes.overlap_shared_experts import graph_copy, overlap_shared_experts
         from dsv4c.passes.split_at_routers import apply_plan, plan_segments
         from dsv4c.runtime.segments import SegmentExecutor
 
@@ -422,7 +421,7 @@ class Session:
             plan = plan_segments(gm, ctx)
             ex_mode = _executor_mode(mode, plan)
             if self.side_stream and ex_mode in ("full", "full-emulate"):
-                gm, _ = run_pipeline(graph_copy(gm), ctx, passes=stream_passes(), check=False)
+                gm = overlap_shared_experts(graph_copy(gm), ctx).graph
                 plan = plan_segments(gm, ctx)
             expected = self.manifest.get("segment_plan", {}).get(kind)
             if expected is not None and len(expected["segments"]) != len(plan.segments):

@@ -1,4 +1,5 @@
-# run70 (any GPU, about 7 min): the compressor projections and the hash lookup launched on the side stream
+# run70 (any GPU, about 7 min; ran on `b4706c4`; its passes/overlap_early_ops.py was then reverted, not adopted,
+# see BENCHMARKS.md): the compressor projections and the hash lookup launched on the side stream
 # where their inputs are ready (passes/overlap_early_ops.py, Session.load's default with the shared experts) vs
 # the shared experts alone on it (early_off.py). (1) GPU tests: the two-stream step's greedy tokens equal one
 # stream's (bundled model cut to 2 layers, h100 target; 4 side calls). (2) The 2-layer v4-flash-slice decode
