@@ -160,14 +160,14 @@ def row_sumsq(row_ptr, C, BW: tl.constexpr, YS: tl.constexpr, STEPS: tl.constexp
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BLOCK_C: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, SX, eps, inv_c, CAST_FIRST: tl.constexpr, BLOCK_C: tl.constexpr,
                      PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    # x [R, C] contiguous rows; w [C]; out [R, C]
+    # x [R, C] rows SX elements apart, unit stride along C; w [C]; out [R, C] contiguous
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     cm = c < C
-    x = tl.load(x_ptr + row * C + c, mask=cm, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * SX + c, mask=cm, other=0.0).to(tl.float32)
     r = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) * inv_c + eps))
     w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
     if CAST_FIRST:
@@ -176,13 +176,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.conste
 
 
 @triton.jit
-def _rms_norm_exact_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.constexpr, BW: tl.constexpr,
+def _rms_norm_exact_kernel(x_ptr, w_ptr, out_ptr, C, SX, eps, inv_c, CAST_FIRST: tl.constexpr, BW: tl.constexpr,
                            YS: tl.constexpr, STEPS: tl.constexpr, VEC: tl.constexpr, LOG_BW: tl.constexpr,
                            LOG_YS: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    # x [R, C] contiguous rows; w [C]; out [R, C]; one program per row
+    # x [R, C] rows SX elements apart, unit stride along C; w [C]; out [R, C] contiguous; one program per row
     row = tl.program_id(0).to(tl.int64)
-    ss = row_sumsq(x_ptr + row * C, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
+    ss = row_sumsq(x_ptr + row * SX, C, BW, YS, STEPS, VEC, LOG_BW, LOG_YS)
     rs = tl.math.rsqrt(ss * inv_c + eps)  # eager: mean (sum · fl(1/C)), + eps, rsqrt: each rounded
     t = tl.arange(0, YS)[:, None] * BW + tl.arange(0, BW)[None, :]
     i = tl.arange(0, 4)
@@ -192,7 +192,7 @@ def _rms_norm_exact_kernel(x_ptr, w_ptr, out_ptr, C, eps, inv_c, CAST_FIRST: tl.
         else:
             e = t[:, :, None] + BW * YS * (4 * m + i[None, None, :])
         em = e < C
-        r = tl.load(x_ptr + row * C + e, mask=em, other=0.0).to(tl.float32) * rs
+        r = tl.load(x_ptr + row * SX + e, mask=em, other=0.0).to(tl.float32) * rs
         w = tl.load(w_ptr + e, mask=em, other=0.0).to(tl.float32)
         if CAST_FIRST:
             r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -218,38 +218,52 @@ def _check(x: torch.Tensor, w: torch.Tensor, eps: float) -> int:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False,
              exact: bool | None = None) -> torch.Tensor:
-    """RMSNorm of every row of x [..., C] with weight w [C] (any strides: a non-contiguous x is
-    copied once). C <= MAX_C. `exact` picks the variant (module doc; default: rows >= EXACT_ROWS_MIN):
-    True the exact-order kernel, False the fast one. CPU tensors run under the Triton interpreter."""
+    """RMSNorm of every row of x [..., C] with weight w [C], out contiguous. x is read in place where its rows
+    are one stride apart with unit stride along C (a column slice of a wider row: the split of a fused
+    projection at several tokens), else copied once. C <= MAX_C. `exact` picks the variant (module doc; default:
+    rows >= EXACT_ROWS_MIN): True the exact-order kernel, False the fast one. CPU tensors run under the Triton
+    interpreter."""
     c = _check(x, w, eps)
     if c > MAX_C:
         raise ValueError(f"rms_norm: C = {c} exceeds MAX_C = {MAX_C} (one row per program)")
-    xc, wc = x.contiguous(), w.contiguous()
+    xr, wc = rows_view(x), w.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype(x, w, cast_first), device=x.device)
-    rows = xc.numel() // c if c else 0
+    rows = xr.shape[0] if c else 0
     if rows == 0:
         return out
     if rows >= EXACT_ROWS_MIN if exact is None else exact:
-        _launch_exact(xc, wc, out, rows, c, eps, cast_first)
+        _launch_exact(xr, wc, out, rows, c, eps, cast_first)
     else:
-        _launch_fast(xc, wc, out, rows, c, eps, cast_first)
+        _launch_fast(xr, wc, out, rows, c, eps, cast_first)
     return out
 
 
-def _launch_fast(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] as [R, C] rows one stride apart with unit stride along C: a view where x's strides allow
+    (no copy), else a contiguous copy."""
+    c = x.shape[-1]
+    if x.dim() and x.stride(-1) == 1:
+        try:
+            return x.view(-1, c)
+        except RuntimeError:  # leading dims not collapsible to one stride
+            pass
+    return x.contiguous().view(-1, c)
+
+
+def _launch_fast(xr, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
     # decode-sized launches: the kernel and launch of the tree's decode path before issue 22's re-land
     block = triton.next_power_of_2(c)
-    _rms_norm_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BLOCK_C=block,
-                              num_warps=max(1, min(16, block // 512)), **pdl_launch(xc))
+    _rms_norm_kernel[(rows,)](xr, wc, out, c, xr.stride(0), float(eps), 1.0 / c, CAST_FIRST=bool(cast_first),
+                              BLOCK_C=block, num_warps=max(1, min(16, block // 512)), **pdl_launch(xr))
 
 
-def _launch_exact(xc, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
+def _launch_exact(xr, wc, out, rows: int, c: int, eps: float, cast_first: bool) -> None:
     lay = reduce_layout(ORDER_ROWS, c)
-    _rms_norm_exact_kernel[(rows,)](xc, wc, out, c, float(eps), 1.0 / c, CAST_FIRST=bool(cast_first), BW=lay.lanes,
-                                    YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
+    _rms_norm_exact_kernel[(rows,)](xr, wc, out, c, xr.stride(0), float(eps), 1.0 / c, CAST_FIRST=bool(cast_first),
+                                    BW=lay.lanes, YS=lay.warps, STEPS=lay.steps, VEC=lay.vectorized,
                                     LOG_BW=lay.lanes.bit_length() - 1, LOG_YS=lay.warps.bit_length() - 1,
                                     num_warps=max(1, min(16, lay.lanes * lay.warps // 32)), enable_fp_fusion=False,
-                                    **pdl_launch(xc))
+                                    **pdl_launch(xr))
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, cast_first: bool = False) -> torch.Tensor:

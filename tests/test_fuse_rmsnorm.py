@@ -140,6 +140,21 @@ def test_non_contiguous_input():
     assert _rel(rms_norm(x, w, EPS), _norm64(x, w, EPS, False)) <= KERNEL_REL[torch.float32]
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_column_slice_is_read_in_place_with_the_same_bits(exact):
+    """The split of a fused projection at several tokens (q's columns of wq_a ‖ wkv): rows one stride apart,
+    unit stride along C. Read in place (no copy: `rows_view` is a view) with the bits of its contiguous copy."""
+    from dsv4c.kernels.norm import rows_view
+
+    fused = torch.randn(2, 3, 56).to(torch.bfloat16)
+    x = fused[..., 8:48]                                  # [2, 3, 40], row stride 56
+    w = torch.rand(40) + 0.5
+    assert not x.is_contiguous() and rows_view(x).data_ptr() == x.data_ptr() and rows_view(x).stride() == (56, 1)
+    got = rms_norm(x, w, EPS, exact=exact)
+    assert got.is_contiguous() and torch.equal(got, rms_norm(x.contiguous(), w, EPS, exact=exact))
+    assert rows_view(torch.randn(6, 5, 40).transpose(0, 1)).is_contiguous()  # not one stride: copied
+
+
 @pytest.mark.parametrize("x,w,err", [
     (torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), "float32/bfloat16/float16"),
     (torch.zeros(2, 8), torch.ones(7), r"w must have shape \[8\]"),

@@ -72,6 +72,22 @@ def test_strided_x_and_expanded_cos():
     assert _rel(rope_interleaved(x, cos_e, sin_e), _rope64(x, cos, sin, False)) <= KERNEL_REL[torch.float32]
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_column_slices_are_read_in_place_with_the_same_bits(inverse):
+    """The indexer's q and the kv row as column slices of a fused projection's output at several tokens:
+    both kernels read them through their strides and give the bits of their contiguous copies."""
+    from dsv4c.kernels.rope import head_rms_rope
+
+    fused = (2 * torch.randn(3, 2, 5 * 48 + 24)).to(torch.bfloat16)
+    x = fused[..., 24:].unflatten(-1, (5, 48))               # [3, 2, 5, 48] inside a wider row
+    cos, sin = _angles((3, 2, 1, 8), seed=2)
+    assert not x.is_contiguous() and x.stride(-1) == 1
+    got = rope_interleaved(x, cos, sin, inverse)
+    assert got.is_contiguous() and torch.equal(got, rope_interleaved(x.contiguous(), cos, sin, inverse))
+    got = head_rms_rope(x, cos[:, :, 0], sin[:, :, 0], 1e-6)
+    assert got.is_contiguous() and torch.equal(got, head_rms_rope(x.contiguous(), cos[:, :, 0], sin[:, :, 0], 1e-6))
+
+
 @pytest.mark.parametrize("x,cs,err", [
     (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, 2), "float32/bfloat16/float16"),
     (torch.zeros(2, 8), torch.zeros(2, 5), "rotates 10 channels"),
