@@ -364,11 +364,14 @@ HC_BI_ROW_BLOCK = 16
 # d columns per program of _hc_post_mix_kernel: N·32 = 128 of K a program, 12 KB of fn at Flash dims, as the
 # row kernel's measured best (chunk 128, HC_ROWS_WARPS; 128 programs a token at D = 4096)
 HC_CHAIN_BLOCK_D = 32
-# _hc_post_mix_kernel requests its fn tiles (a weight) before its PDL wait (1) or after it (0). run57 (H100, the
-# 2-layer slice at batch 1): the critical path's small kernels 161 µs with it, 170 / 174 µs without (the step on
-# the GPU alone 0.837 ms, 0.837 / 0.848 without: within the runs' spread). The fast finish's Sinkhorn as 16
-# scalars per thread (`_sinkhorn4_io`) was tried there too: 50 µs slower a step, dropped.
-HC_EARLY_FN = 1
+# _hc_post_mix_kernel requests its fn tiles (a weight) before its PDL wait up to this many token rows, after it
+# from one more (0: never). Each token's programs load the same tiles, so early loads at M rows are M copies of
+# fn's 1.5 MB (Flash) requested while the predecessor (wo_b's GEMV) still runs. run57 (H100, the 2-layer slice
+# at batch 1): the critical path's small kernels 161 µs early, 170 / 174 µs late (the step on the GPU alone 0.837
+# ms, 0.837 / 0.848 late: within the runs' spread). run73 (H100, the same at batch 8): late 1.459 / 1.457 ms
+# against early 1.477 / 1.473 (1.011x). The fast finish's Sinkhorn as 16 scalars per thread (`_sinkhorn4_io`)
+# was tried in run57 too: 50 µs slower a step, dropped.
+HC_EARLY_FN_MAX_ROWS = 1
 # H200, one hc_pre replayed in a CUDA graph at Flash dims (N 4, D 4096), BENCHMARKS.md fourth session:
 # chunk 512 / 4 warps took 32 / 33 / 59 us at M = 1 / 8 / 64; chunk 128 / 2 warps 26 / 26 / 33 us.
 # Seventh session: with the Sinkhorn input reloaded (in _hc_pre_finish_kernel) and the row launch for
@@ -832,7 +835,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
-                                     EARLY_FN=bool(HC_EARLY_FN), HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
+                                     EARLY_FN=m <= HC_EARLY_FN_MAX_ROWS, HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
                                      num_warps=HC_ROWS_WARPS, **pdl_launch(x))
     _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)

@@ -67,12 +67,13 @@ def test_chained_kernel_equals_the_two_unchained_kernels(lead, n, d, dtype):
 
 
 def test_early_fn_keeps_the_chain_within_its_bounds(monkeypatch):
-    """HC_EARLY_FN (fn's tiles loaded before the PDL wait, z summed over d then streams) against 0 (the loop over
-    streams): X' unchanged bit for bit, u / post' / comb' within fp32 noise, both within the model pair's bounds."""
+    """Early fn (fn's tiles loaded before the PDL wait, z summed over d then streams; HC_EARLY_FN_MAX_ROWS >= M)
+    against late (the loop over streams): X' unchanged bit for bit, u / post' / comb' within fp32 noise, both
+    within the model pair's bounds."""
     args = _case((2, 1), 4, 256, torch.bfloat16, 11)
     outs = {}
     for early in (0, 1):
-        monkeypatch.setattr(mhc_mod, "HC_EARLY_FN", early)
+        monkeypatch.setattr(mhc_mod, "HC_EARLY_FN_MAX_ROWS", 64 * early)
         outs[early] = hc_post_pre(*args, EPS, HC_EPS, ITERS, chained=True)
     got, base = outs[1], outs[0]
     ref = hc_post_pre_ref(*args, EPS, HC_EPS, ITERS)
@@ -126,13 +127,20 @@ def test_chained_kernel_partials_are_the_streams_it_wrote():
 
 
 def test_the_token_count_picks_the_path(monkeypatch):
-    calls = []
+    calls, early = [], []
     real = mhc_mod._hc_post_mix_kernel
-    monkeypatch.setattr(mhc_mod, "_hc_post_mix_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+
+    def launch(grid):
+        def run(*args, **kw):
+            early.append(kw["EARLY_FN"])
+            return real[grid](*args, **kw)
+        calls.append(grid)
+        return run
+    monkeypatch.setattr(mhc_mod, "_hc_post_mix_kernel", type("K", (), {"__getitem__": lambda self, g: launch(g)})())
     for m in (1, HC_ROWS_MAX, HC_ROWS_MAX + 1):
         hc_post_pre(*_case((m, 1), 4, 32, torch.float32, m), EPS, HC_EPS, ITERS)
     assert [g[0] for g in calls] == [1, HC_ROWS_MAX]   # above HC_ROWS_MAX: hc_post then hc_pre
+    assert mhc_mod.HC_EARLY_FN_MAX_ROWS == 1 and early == [True, False]  # fn before the wait at one token only
 
 
 def test_no_tokens_and_bad_input():
@@ -244,11 +252,11 @@ def test_in_the_pipeline_chains_sit_in_capturable_segments():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8])
 def test_early_fn_on_cuda_at_flash_dims(monkeypatch, m):
-    """HC_EARLY_FN 1 (the default) against 0 on the GPU (Flash dims): X' the same bits, u / post' / comb' within
-    fp32 noise."""
+    """Early fn against late on the GPU (Flash dims): X' the same bits, u / post' / comb' within fp32 noise."""
     args = [a.cuda() for a in _case((m, 1), 4, 4096, torch.bfloat16, 20 + m)]
+    monkeypatch.setattr(mhc_mod, "HC_EARLY_FN_MAX_ROWS", 64)
     got = hc_post_pre(*args, EPS, HC_EPS, ITERS, chained=True)
-    monkeypatch.setattr(mhc_mod, "HC_EARLY_FN", 0)
+    monkeypatch.setattr(mhc_mod, "HC_EARLY_FN_MAX_ROWS", 0)
     base = hc_post_pre(*args, EPS, HC_EPS, ITERS, chained=True)
     assert torch.equal(got[0], base[0]) and _rel(got[1], base[1]) <= 1e-2
     assert _rel(got[2], base[2]) <= 1e-5 and _rel(got[3], base[3]) <= 1e-5
