@@ -23,6 +23,7 @@ After:
     r = moe_experts_q(pad(x), route(linear_f32_fused(x)))     # current stream, concurrently
     s' = side_join(s)                 # the current stream waits for the side stream
     h2 = hc_post_pre(slice(r), X, .., y2=s')
+With `FORK_BEFORE_ROUTER` 0 the side call goes after the router's ops instead, right before moe_experts_q.
 
 Why it is valid: the moved nodes are exactly the layer's nodes that read x (directly or through each other)
 and are neither ancestors nor descendants of the routed-experts op: the shared expert. They read only x and
@@ -52,6 +53,12 @@ from dsv4c.passes import PassContext, PassResult, _mutated_args
 from dsv4c.passes.split_at_routers import MOE_OPS, op_name
 
 MOE_NODES = MOE_OPS | {"dsv4c.moe_experts_fp8_bi"}
+# Where the side call goes: 1 right after x, before the router (run68's A/B: 1.016x / 1.014x at batch 1 / 8); 0 right
+# before the routed experts' op, after the router's launches. run72's timelines (H100, the 2-layer slice) show the
+# router's first kernel starting 5 µs (batch 1) and 9-10 µs (batch 8) after the FFN norm ends, behind the shared
+# expert's w1 ‖ w3 GEMV launched first on the side stream; with 0 the router's latency-bound kernels go first and
+# the shared expert overlaps the experts' GEMMs instead. 0 is not timed yet (run74).
+FORK_BEFORE_ROUTER = 1
 
 
 class SideStream(torch.nn.Module):
@@ -211,7 +218,8 @@ def overlap_shared_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
         body, ins = _body(nodes, out)
         name = f"side_{i}"
         gm.add_submodule(name, SideStream(body))
-        with gm.graph.inserting_after(_hoist(ins, x, order)):
+        at = _hoist(ins, x, order)
+        with gm.graph.inserting_after(at) if FORK_BEFORE_ROUTER else gm.graph.inserting_before(moe):
             call = gm.graph.call_module(name, tuple(ins))
         call.meta = {"val": out.meta.get("val")}
         readers = sorted((u for u in out.users if u not in nodes), key=order.__getitem__)

@@ -62,6 +62,33 @@ def test_each_shared_expert_moves_before_its_router_and_outputs_are_bit_identica
     assert_same(run(gm, args), before)  # graph_copy left the original alone
 
 
+def test_the_fork_can_follow_the_router(monkeypatch):
+    """FORK_BEFORE_ROUTER 0: each side call sits after its layer's router and right before the routed experts'
+    op (the router's kernels launch first); outputs and cache writes bit-identical, whole-step executor too."""
+    import dsv4c.passes.overlap_shared_experts as ose
+
+    monkeypatch.setattr(ose, "FORK_BEFORE_ROUTER", 0)
+    gm, ctx = _lowered("decode")
+    args = inputs("v4", "decode")
+    out = overlap_shared_experts(graph_copy(gm), ctx).graph
+    nodes = list(out.graph.nodes)
+    calls = _side_calls(out)
+    assert len(calls) == 2
+    for call in calls:
+        moe = nodes[nodes.index(call) + 1]
+        assert op_name(moe.target) in MOE_OPS
+        router = max((n for n in _ancestors(moe) if n.op == "call_function" and "route" in op_name(n.target)),
+                     key=nodes.index)
+        assert nodes.index(router) < nodes.index(call)
+    assert_same(run(out, args), run(gm, args))
+    plan = plan_segments(out, ctx)
+    assert plan.n_capturable == len(plan.segments)
+    ex = SegmentExecutor(apply_plan(out, plan), plan, "cpu", buckets=(2,), mode="full-emulate")
+    plan0 = plan_segments(gm, ctx)
+    ex0 = SegmentExecutor(apply_plan(gm, plan0), plan0, "cpu", buckets=(2,), mode="full-emulate")
+    assert_same(run(ex, args), run(ex0, args))
+
+
 def test_the_split_step_runs_the_same_with_the_side_calls():
     """Whole-step execution (full-emulate): same segment count, the side call in the static segment before
     the experts, its join after them, and the same outputs and cache writes."""
