@@ -141,7 +141,7 @@ CLASS_EXACT = {
     "attention and caches": ("_attn_split_kernel", "_combine_kernel", "_v4_compress_kernel", "_scores_kernel",
                              "_select_kernel", "_select_slice_kernel"),
     "dense GEMMs and head": ("_gemv_kernel", "_fp8_gemm_kernel", "_grouped_linear_kernel", "_fp8_grouped_kernel",
-                             "_bi_matmul_kernel", "_dequant_kernel", "_gemv_f32_kernel", "_tc_f32_kernel"),
+                             "_bi_matmul_kernel", "_dequant_kernel", "_gemv_f32_kernel"),
 }
 # dsv4c's kernels counted as "other" on purpose (small per-token work that reads no weight of a class's bytes);
 # tests/test_profile_step.py checks that every Triton kernel of kernels/ is named here or in CLASS_EXACT

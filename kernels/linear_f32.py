@@ -4,7 +4,7 @@ projections) at decode token counts as one Triton launch.
 Public API::
 
     linear_f32_gemv(x, w) -> Tensor       # the Triton GEMV: x [1, K], w [N, K] one 16-bit dtype -> fp32 [1, N]
-    linear_f32_tc(x, w) -> Tensor         # tensor cores, x [M <= 16, K] -> fp32 [M, N] (TC_MAX_M: off by default)
+    linear_f32_tc(x, w) -> Tensor         # a few token rows: x [M, K] -> fp32 [M, N] on batch_invariant's decode tile
     linear_f32_gemv_ref(x, w) -> Tensor   # linear(x.float(), w.float()), the function computed
 
 Custom op (select_kernels' `fused` implementation of `linear_f32`; CPU = the reference)::
@@ -26,10 +26,10 @@ compressor and indexer projections) and the CUDA targets' `linear_f32: fused` ar
 
 From two token rows cuBLAS runs again: run72's batch-8 timeline (H100, the 2-layer slice) shows each of these
 linears as cuBLAS's split-K GEMM and its reduce, two launches outside the PDL chain (router 4.6 + 1.7 µs,
-compressor 10.3 + 2.0 µs). `linear_f32_tc` is one launch for 2 to TC_M_TILE rows: program (n-tile, split)
-multiplies TC_BLOCK_N weight rows by the tokens' 16-row tile on tensor cores (bf16 products exact, fp32
-accumulation), the split's partials summed as above. The op takes it up to TC_MAX_M rows, 0 by default: it is
-not timed yet (examples/results/device-2026-12-07/run75).
+compressor 10.3 + 2.0 µs). `linear_f32_tc` is one PDL-chained launch instead: kernels/batch_invariant.py's
+`bi_matmul` on its decode tile (weight rows on the MMA's rows, 16 token rows on its columns, fp32 accumulation
+of exact bf16 products, an ordered K split `bi_split`) with an fp32 output. The op takes it from 2 up to TC_MAX_M
+rows, 0 by default: it is not timed yet (examples/results/device-2026-12-07/run75).
 
 Shapes: K reduction (x's last dim), N output features; legend as kernels/fp8_gemv.py.
 """
@@ -39,17 +39,12 @@ import torch
 import triton
 import triton.language as tl
 from dsv4c.kernels import _tl as U
+from dsv4c.kernels.batch_invariant import bi_matmul, bi_split
 
 BLOCK_N = 32
 BLOCK_K = 256
 NUM_WARPS = 4
 GEMV_MAX_ELEMENTS = 16 << 20  # weight values up to which the op runs the GEMV at one token; 0: cuBLAS always
-TC_M_TILE = 16     # linear_f32_tc: token rows per tile (the MMA's N), the most rows it takes
-TC_BLOCK_N = 64    # weight rows per program (the MMA's M)
-TC_BLOCK_K = 64
-TC_STAGES = 3
-TC_PROGRAMS_PER_SM = 4  # linear_f32_tc's K split doubles while the grid stays within this many programs per SM
-TC_MIN_STEPS = 4   # ... and each split keeps this many K steps (the tile's last program sums the partials)
 TC_MAX_M = 0       # token rows (2 or more) up to which the op runs linear_f32_tc (at most GEMV_MAX_ELEMENTS weight
                    # values); 0: cuBLAS from two rows, as before (not timed yet: run75)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -134,73 +129,10 @@ def linear_f32_gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) 
     return y
 
 
-@triton.jit
-def _tc_f32_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn,
-                   INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (pid_n, pid_s): acc [BN, BM] = w rows x the tokens' rows over K range pid_s on tensor cores
-    (fp32 accumulation); y [M, N] (SPLIT 1) or partial pid_s, summed by the tile's last program."""
-    U.pdl_wait(PDL)
-    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                                       # [BN]
-    m = tl.arange(0, BLOCK_M)                                                         # [BM]
-    n_ok, m_ok = n < N, m < M
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn                              # [BN, 1]
-    x_rows = x_ptr + m[:, None] * stride_xm                                           # [BM, 1]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for i in range(K_SPLIT // BLOCK_K):
-        ks = pid_s * K_SPLIT + i * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
-        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
-        acc = U.mma(w, x, acc, INTERPRET)
-    ok = n_ok[:, None] & m_ok[None, :]
-    U.store_split(acc, y_ptr + m[None, :] * N + n[:, None], part_ptr + m[None, :] * N + n[:, None], M * N, ok,
-                  cnt_ptr + pid_n, pid_s, SPLIT)                                     # partials [SPLIT, M, N]
-
-
-def tc_split_for(m: int, n: int, k: int, sm_count: int) -> int:
-    """linear_f32_tc's programs per output tile along K: doubled while the grid stays within
-    TC_PROGRAMS_PER_SM programs per SM, each keeps TC_MIN_STEPS K steps, and the partials (split · M · N · 4
-    bytes) stay under a quarter of the weight's bytes."""
-    tiles, steps, split = triton.cdiv(n, TC_BLOCK_N), triton.cdiv(k, TC_BLOCK_K), 1
-    while (tiles * split * 2 <= TC_PROGRAMS_PER_SM * sm_count and steps >= 2 * split * TC_MIN_STEPS
-           and 2 * split <= U.SPLIT_TICKS and 2 * split * m * n * 4 <= n * k * 2 // 4):
-        split *= 2
-    return split
-
-
-def linear_f32_tc(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """y [M, N] fp32 = x [M, K] @ w [N, K]^T for 1 <= M <= TC_M_TILE token rows, x and w in one 16-bit dtype with
-    unit stride along K; tensor-core products (exact) and fp32 sums; `split` (a power of two) overrides the K
-    split. CPU tensors run under the Triton interpreter."""
-    if x.dtype not in _DTYPES or w.dtype != x.dtype:
-        raise ValueError(f"linear_f32_tc: x and w must share a 16-bit dtype, got {x.dtype}, {w.dtype}")
-    if x.dim() != 2 or not 1 <= x.shape[0] <= TC_M_TILE or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"linear_f32_tc: x must be [M, K] with 1 <= M <= {TC_M_TILE} and w [N, K], got "
-                         f"{list(x.shape)}, {list(w.shape)}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"linear_f32_tc: x and w need unit stride along K, got {x.stride()}, {w.stride()}")
-    if x.device != w.device:
-        raise ValueError(f"linear_f32_tc: x on {x.device}, w on {w.device}")
-    (m, k), n = x.shape, w.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return y
-    split = split or tc_split_for(m, n, k, U.sm_count(x.device))
-    if split < 1 or split > U.SPLIT_TICKS or split & (split - 1):
-        raise ValueError(f"linear_f32_tc: split must be a power of two up to {U.SPLIT_TICKS}, got {split}")
-    k_split = triton.cdiv(triton.cdiv(k, split), TC_BLOCK_K) * TC_BLOCK_K
-    grid = (triton.cdiv(n, TC_BLOCK_N), split)
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = U.split_counters(x.device, grid[0], split)
-    else:
-        part, cnt = y, y
-    _tc_f32_kernel[grid](x, w, y, part, cnt, m, n, k, x.stride(0), w.stride(0), INTERPRET=U.interpret_flag(x),
-                         BLOCK_M=TC_M_TILE, BLOCK_N=TC_BLOCK_N, BLOCK_K=TC_BLOCK_K, K_SPLIT=k_split, SPLIT=split,
-                         num_warps=4, num_stages=TC_STAGES, **U.pdl_launch(x))
-    return y
+def linear_f32_tc(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, K] @ w [N, K]^T, x and w in one 16-bit dtype: `bi_matmul`'s decode tile with the K
+    split `bi_split` fixes from w's shape (one PDL-chained launch; its checks name bad input)."""
+    return bi_matmul(x, w, out_dtype=torch.float32, split=bi_split(*w.shape), decode=True)
 
 
 def linear_f32_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -219,7 +151,7 @@ def linear_f32_fused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             and w.dtype == x.dtype and x2.stride(1) == 1 and w.stride(1) == 1):
         if m == 1:
             return linear_f32_gemv(x2, w).view(*x.shape[:-1], w.shape[0])
-        if 2 <= m <= min(TC_MAX_M, TC_M_TILE):
+        if 2 <= m <= TC_MAX_M:
             return linear_f32_tc(x2, w).view(*x.shape[:-1], w.shape[0])
     return torch.ops.dsv4c.linear_f32(x, w)
 

@@ -218,7 +218,7 @@ def overlap_shared_experts(gm: GraphModule, ctx: PassContext) -> PassResult:
         body, ins = _body(nodes, out)
         name = f"side_{i}"
         gm.add_submodule(name, SideStream(body))
-        at = _hoist(ins, x, order)
+        at = _hoist(ins, x, order)  # moves the weights (read where first used, after moe) up: both placements need it
         with gm.graph.inserting_after(at) if FORK_BEFORE_ROUTER else gm.graph.inserting_before(moe):
             call = gm.graph.call_module(name, tuple(ins))
         call.meta = {"val": out.meta.get("val")}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsv4c.kernels.linear_f32 as LF
-from dsv4c.kernels.linear_f32 import linear_f32_gemv, linear_f32_gemv_ref, linear_f32_tc, split_for, tc_split_for
+from dsv4c.kernels.linear_f32 import linear_f32_gemv, linear_f32_gemv_ref, linear_f32_tc, split_for
 from dsv4c.kernels.tolerances import rel_err
 from dsv4c.model import register_ops
 from sm90_compile import run_sm90_script
@@ -58,34 +58,18 @@ def test_bad_input_names_the_limit():
         linear_f32_gemv(x, w, split=3)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(2, 48, 200, 1), (7, 96, 512, 2), (16, 70, 1100, 4), (5, 256, 1024, None),
-                                         (1, 64, 256, None)])
-def test_tc_equals_the_fp32_linear(m, n, k, split):
-    """Several token rows on the tensor-core tile (padding rows masked), ragged N and K, one K split or several:
-    within fp32 summation order of linear(x.float(), w.float()), the same bits on a second call."""
+@pytest.mark.parametrize("m,n,k", [(2, 48, 200), (7, 96, 512), (16, 70, 1100), (5, 256, 1024), (1, 64, 256)])
+def test_tc_equals_the_fp32_linear(m, n, k):
+    """Several token rows on batch_invariant's decode tile with an fp32 output (padding rows masked), ragged N and
+    K, its K split: within fp32 summation order of linear(x.float(), w.float()), the same bits on a second call."""
     x, w = _case(n, k, seed=n + k + m, m=m)
-    y = linear_f32_tc(x, w, split)
+    y = linear_f32_tc(x, w)
     ref = linear_f32_gemv_ref(x, w)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert rel_err(y, ref) < 1e-6
-    assert torch.equal(y, linear_f32_tc(x, w, split))
+    assert torch.equal(y, linear_f32_tc(x, w))
     if m > 1:
         assert rel_err(y, ref.roll(1, 0)) > 0.5  # each token row is its own
-
-
-def test_tc_split_and_bad_input():
-    assert tc_split_for(8, 256, 4096, 132) == 16   # Flash's router: 4 tiles, 4 K steps a split
-    assert tc_split_for(8, 2624, 4096, 132) == 8   # the ratio-4 layers' compressor / indexer stack: 328 programs
-    assert tc_split_for(16, 256, 256, 132) == 1    # four K steps: no split
-    x, w = _case(32, 256, m=4)
-    with pytest.raises(ValueError, match="share a 16-bit dtype"):
-        linear_f32_tc(x.float(), w)
-    with pytest.raises(ValueError, match=r"1 <= M <= 16"):
-        linear_f32_tc(torch.cat([x] * 5), w)
-    with pytest.raises(ValueError, match="unit stride"):
-        linear_f32_tc(x, w.t().contiguous().t())
-    with pytest.raises(ValueError, match="split must be a power of two"):
-        linear_f32_tc(x, w, split=3)
 
 
 def test_fused_op_is_the_op_off_cuda_and_selected_by_the_target_map():
@@ -119,25 +103,12 @@ _SM90_SCRIPT = textwrap.dedent('''
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         print("kernel", split, int("griddepcontrol.wait" in ptx), int("atom.global" in ptx), int("mma" in ptx))
-    from dsv4c.kernels.linear_f32 import _tc_f32_kernel as fn
-
-    names = list(fn.arg_names)
-    for split in (1, 8):
-        consts = dict(K=4096, INTERPRET=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, K_SPLIT=4096 // split, SPLIT=split,
-                      PDL=True)
-        sig = {nm: "constexpr" if nm in consts else types.get(nm, "i32") for nm in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-        print("kernel", "tc", split, int("griddepcontrol.wait" in ptx), int("atom.global" in ptx), int("mma" in ptx))
 ''')
 
 
 def test_kernel_compiles_for_sm90(tmp_path):
-    """Compiled (not run) for sm_90: the PDL wait, the split's atomic counter only when split; the GEMV without
-    an MMA, linear_f32_tc with tensor-core MMAs."""
-    assert run_sm90_script(tmp_path, _SM90_SCRIPT) == [["1", "1", "0", "0"], ["16", "1", "1", "0"],
-                                                       ["tc", "1", "1", "0", "1"], ["tc", "8", "1", "1", "1"]]
+    """Compiled (not run) for sm_90: the PDL wait, the split's atomic counter only when split, no MMA."""
+    assert run_sm90_script(tmp_path, _SM90_SCRIPT) == [["1", "1", "0", "0"], ["16", "1", "1", "0"]]
 
 
 @pytest.mark.gpu
@@ -164,7 +135,8 @@ def test_gemv_on_gpu_at_flash_shapes(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 8, 16])
 def test_tc_on_gpu_at_flash_shapes(monkeypatch, m):
-    """linear_f32_tc at Flash's router and a ratio-4 layer's compressor / indexer stack, 2-16 token rows, through
+    """linear_f32_tc (bi_matmul's decode tile) at Flash's router and a ratio-4 layer's compressor / indexer stack,
+    2-16 token rows, through
     the op once TC_MAX_M allows it: within fp32 summation order of the fp32 linear (1e-5: tensor-core sums), the
     same bits twice and in a CUDA graph; without TC_MAX_M the op is cuBLAS's."""
     monkeypatch.setattr(LF, "TC_MAX_M", 16)

@@ -166,18 +166,7 @@ def main() -> int:
                     call, sp = exp_call("cc", m, n, k, per_sm, sms, bn=bn, bk=bk, warps=warps)
                     cands.append((f"cc P{per_sm} bn{bn} bk{bk} w{warps} s{sp}", call, copies32, None))
             for label, call, cps, _ in cands:
-                try:
-                    y = call(xd, *cps[0]).float().cpu()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    us = time_us(call, xd, cps, reps)
-                except Exception as e:  # noqa: BLE001
-                    row = {"shape": name, "m": m, "kernel": label, "failed": f"{type(e).__name__}: {str(e)[:200]}"}
-                else:
-                    gbps = (n * k + 2 * m * k) / us / 1e3
-                    row = {"shape": name, "n": n, "k": k, "m": m, "kernel": label, "us": round(us, 2),
-                           "bw": round(gbps / res["copy_GBps"], 3), "rel_err": err}
-                res["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                time_row(res, label, call, xd, cps, ref, reps, name, n, k, m)
             out.write_text(json.dumps(res, indent=1))
         del copies, copies32
         torch.cuda.empty_cache()
@@ -186,20 +175,38 @@ def main() -> int:
     return 0
 
 
-def summary(res: dict) -> None:
-    """Per M and kernel variant, the sum over the shapes measured at every M (µs), best first."""
+def time_row(res: dict, label: str, call, xd, cps, ref, reps: int, name: str, n: int, k: int, m: int) -> None:
+    """One candidate on one shape: its relative error against `ref` and µs per call (or why it failed), appended
+    to res["rows"] and printed."""
+    try:
+        y = call(xd, *cps[0]).float().cpu()
+        err = ((y - ref).norm() / ref.norm()).item()
+        us = time_us(call, xd, cps, reps)
+    except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is reported)
+        row = {"shape": name, "m": m, "kernel": label, "failed": f"{type(e).__name__}: {str(e)[:200]}"}
+    else:
+        gbps = (n * k + 2 * m * k) / us / 1e3
+        row = {"shape": name, "n": n, "k": k, "m": m, "kernel": label, "us": round(us, 2),
+               "bw": round(gbps / res["copy_GBps"], 3), "rel_err": err}
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+
+
+def summary(res: dict, variant=lambda label: label, beside: tuple[str, ...] = ("prod",)) -> None:
+    """Per M and kernel variant (`variant` of the row's label), the sum over the shapes measured at every M (µs),
+    best first, with the `beside` variants' sums."""
     rows = [r for r in res["rows"] if "us" in r]
     shapes = {r["shape"] for r in rows}
     for m in sorted({r["m"] for r in rows}):
         tot: dict[str, list] = {}
         for r in rows:
             if r["m"] == m:
-                tot.setdefault(r["kernel"], []).append(r["us"])
+                tot.setdefault(variant(r["kernel"]), []).append(r["us"])
         full = {k: sum(v) for k, v in tot.items() if len(v) == len(shapes)}
         best = sorted(full.items(), key=lambda kv: kv[1])[:8]
         res.setdefault("summary", {})[str(m)] = best
-        print(f"M={m}: " + "; ".join(f"{k} {v:.1f}" for k, v in best) + f" | prod {full.get('prod', float('nan')):.1f}",
-              flush=True)
+        print(f"M={m}: " + "; ".join(f"{k} {v:.1f}" for k, v in best)
+              + "".join(f" | {b} {full.get(b, float('nan')):.1f}" for b in beside), flush=True)
 
 
 if __name__ == "__main__":

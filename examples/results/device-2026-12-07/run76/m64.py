@@ -19,7 +19,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "run71"))
 import m8  # noqa: E402  (its sys.path setup brings examples/ in)
-from bench_dense_kernels import dense_shapes, time_us  # noqa: E402
+from bench_dense_kernels import dense_shapes  # noqa: E402
 from bench_segments import copy_bandwidth  # noqa: E402
 
 from dsv4c import ModelConfig  # noqa: E402
@@ -62,40 +62,14 @@ def main() -> int:
                         call, sp = m8.exp_call(kind, m, n, k, per_sm, sms, stages=stages, bn=bn, warps=warps)
                         cands.append((f"{kind} bn{bn} w{warps} st{stages} P{per_sm} s{sp}", call, copies32))
             for label, call, cps in cands:
-                try:
-                    y = call(xd, *cps[0]).float().cpu()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    us = time_us(call, xd, cps, reps)
-                except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is reported)
-                    row = {"shape": name, "m": m, "kernel": label, "failed": f"{type(e).__name__}: {str(e)[:200]}"}
-                else:
-                    row = {"shape": name, "n": n, "k": k, "m": m, "kernel": label, "us": round(us, 2),
-                           "bw": round((n * k + 2 * m * k) / us / 1e3 / res["copy_GBps"], 3), "rel_err": err}
-                res["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                m8.time_row(res, label, call, xd, cps, ref, reps, name, n, k, m)
             out.write_text(json.dumps(res, indent=1))
         del copies, copies32
         torch.cuda.empty_cache()
-    summary(res)
+    m8.summary(res, variant=lambda label: label.rsplit(" s", 1)[0] if label.startswith("tc") else label,
+               beside=("prod", "bf16"))
     out.write_text(json.dumps(res, indent=1))
     return 0
-
-
-def summary(res: dict) -> None:
-    """Per M and variant (the split suffix dropped), the sum over the shapes measured at every M, best first."""
-    rows = [r for r in res["rows"] if "us" in r]
-    shapes = {r["shape"] for r in rows}
-    for m in sorted({r["m"] for r in rows}):
-        tot: dict[str, dict] = {}
-        for r in rows:
-            if r["m"] == m:
-                tot.setdefault(r["kernel"].rsplit(" s", 1)[0] if r["kernel"].startswith("tc") else r["kernel"],
-                               {})[r["shape"]] = r["us"]
-        full = {k: sum(v.values()) for k, v in tot.items() if len(v) == len(shapes)}
-        best = sorted(full.items(), key=lambda kv: kv[1])[:8]
-        res.setdefault("summary", {})[str(m)] = best
-        print(f"M={m}: " + "; ".join(f"{k} {v:.1f}" for k, v in best) + f" | prod {full.get('prod', float('nan')):.1f}"
-              f" | bf16 {full.get('bf16', float('nan')):.1f}", flush=True)
 
 
 if __name__ == "__main__":
