@@ -6,17 +6,22 @@ Public API::
     route_topk_ref(logits, bias, k, scale)            # dsv4c.model.v4.route_topk, unchanged (the spec)
     route_hashed(logits, idx, scale) -> w             # hash layers: the expert ids are given
     route_hashed_ref(logits, idx, scale)              # dsv4c.model.v4.route_hashed
+    route_hashed_ids(logits, ids, tid2eid, scale) -> (idx, w)   # the table lookup idx = tid2eid[ids] too
+    route_hashed_ids_ref(logits, ids, tid2eid, scale)           # the lookup, then route_hashed_ref
 
 Custom ops (targets of passes/fuse_router.py; CPU = the model's function)::
 
     dsv4c::route_topk(Tensor logits, Tensor bias, int k, float scale) -> (Tensor, Tensor)
     dsv4c::route_hashed(Tensor logits, Tensor idx, float scale) -> Tensor
+    dsv4c::route_hashed_ids(Tensor logits, Tensor ids, Tensor tid2eid, float scale) -> (Tensor, Tensor)
 
 Semantics, per token row (T tokens, E experts, K chosen; logits [T, E] fp32, bias [E] fp32):
     s   = sqrt(softplus(logits))            softplus as torch's (beta 1, threshold 20: x > 20 -> x)
     idx = top-K of s + bias, descending     (topk: the largest first; equal keys: the lowest index)
     w   = s[idx] / (sum_K s[idx] + 1e-20) * scale          idx int64 [T, K], w fp32 [T, K]
-The hash variant takes idx [T, K] int64 and computes only w (it reads the K logits it needs).
+The hash variant takes idx [T, K] int64 and computes only w (it reads the K logits it needs); its `_ids`
+form takes the token ids [T] and the table tid2eid [V, K] and writes idx = tid2eid[ids] as well (one
+launch in the PDL chain instead of an ATen gather before it).
 Eagerly that is ~9 ATen launches per layer; here one program holds one row of E <= MAX_E scores
 in registers: K rounds of (max, lowest index of the max, mask it out). Grid = T, fixed by the
 shape, no host sync: capture-safe.
@@ -31,7 +36,8 @@ keys of a row lie within a few ulp of each other (then the order of that near-ti
 the sum of K weights is a tree sum (the reference's order may differ in the last bit).
 NaN logits are not supported (torch.topk ranks NaN highest; here the index is clamped into
 [0, E)). The hash kernel gives NaN weights for ids outside [0, E) instead of reading out of
-bounds (the reference raises; a capture-safe op cannot check without a host sync).
+bounds (the reference raises; a capture-safe op cannot check without a host sync); the `_ids` kernel
+gives a token outside [0, V) expert 0 and NaN weights.
 """
 from __future__ import annotations
 
@@ -95,19 +101,41 @@ def _route_topk_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, E, scale,
 
 
 @triton.jit
+def _hashed_weights(logits_ptr, w_ptr, row, i, E, scale, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row `row`'s weights from its expert ids i [BLOCK_K] (an id outside [0, E) gives NaN weights)."""
+    kl = tl.arange(0, BLOCK_K)
+    out = kl < K
+    ok = (i >= 0) & (i < E)
+    x = tl.load(logits_ptr + row * E + i, mask=out & ok, other=0.0)
+    s = tl.where(out, tl.where(ok, _sqrt_softplus(x), float("nan")), 0.0)
+    w = tl.div_rn(s, tl.sum(s, axis=0) + 1e-20) * scale
+    tl.store(w_ptr + row * K + kl, w, mask=out)
+
+
+@triton.jit
 def _route_hashed_kernel(logits_ptr, idx_ptr, w_ptr, E, scale, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False):
     U.pdl_wait(PDL)
     # logits [T, E], idx [T, K] int64 (given), w [T, K] fp32; one row per program
     row = tl.program_id(0).to(tl.int64)
     kl = tl.arange(0, BLOCK_K)
+    i = tl.load(idx_ptr + row * K + kl, mask=kl < K, other=0)
+    _hashed_weights(logits_ptr, w_ptr, row, i, E, scale, K, BLOCK_K)
+
+
+@triton.jit
+def _route_hashed_ids_kernel(logits_ptr, ids_ptr, table_ptr, idx_ptr, w_ptr, E, V, scale, K: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    U.pdl_wait(PDL)  # ids may come from an earlier kernel of the step (a draft token)
+    # logits [T, E], ids [T] int64, table (tid2eid) [V, K] int64, idx [T, K] int64 out, w [T, K] fp32 out
+    row = tl.program_id(0).to(tl.int64)
+    kl = tl.arange(0, BLOCK_K)
     out = kl < K
-    i = tl.load(idx_ptr + row * K + kl, mask=out, other=0)
-    ok = (i >= 0) & (i < E)
-    x = tl.load(logits_ptr + row * E + i, mask=out & ok, other=0.0)
-    s = tl.where(out, tl.where(ok, _sqrt_softplus(x), float("nan")), 0.0)  # a bad id: NaN weights
-    w = tl.div_rn(s, tl.sum(s, axis=0) + 1e-20) * scale
-    tl.store(w_ptr + row * K + kl, w, mask=out)
+    tok = tl.load(ids_ptr + row) + tl.zeros([BLOCK_K], dtype=tl.int64)  # [BLOCK_K], one value
+    known = (tok >= 0) & (tok < V)
+    i = tl.load(table_ptr + tok * K + kl, mask=out & known, other=-1)
+    tl.store(idx_ptr + row * K + kl, tl.where(known, i, 0), mask=out)
+    _hashed_weights(logits_ptr, w_ptr, row, i, E, scale, K, BLOCK_K)  # an unknown token: expert 0, NaN weights
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -149,6 +177,23 @@ def _check_hashed(logits: torch.Tensor, idx: torch.Tensor) -> tuple[int, int, in
     return T, E, K
 
 
+def _check_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor) -> tuple[int, int, int]:
+    T, E = _check_logits("route_hashed_ids", logits)
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (T,) or not ids.is_contiguous():
+        raise ValueError(f"route_hashed_ids: ids must be a contiguous int64 [{T}] (logits' T), got "
+                         f"{ids.dtype} {list(ids.shape)} strides {ids.stride()}")
+    if tid2eid.dtype != torch.int64 or tid2eid.dim() != 2 or not tid2eid.is_contiguous():
+        raise ValueError(f"route_hashed_ids: tid2eid must be a contiguous int64 [V, K], got "
+                         f"{tid2eid.dtype} {list(tid2eid.shape)} strides {tid2eid.stride()}")
+    for name, t in (("ids", ids), ("tid2eid", tid2eid)):
+        if t.device != logits.device:
+            raise ValueError(f"route_hashed_ids: {name} is on {t.device}, logits on {logits.device}")
+    K = tid2eid.shape[1]
+    if not 1 <= K <= MAX_K:
+        raise ValueError(f"route_hashed_ids: tid2eid has K = {K} columns; need 1 <= K <= MAX_K = {MAX_K}")
+    return T, E, K
+
+
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32, bias [E] fp32 -> (idx [T, k] int64, w [T, k] fp32), one launch. CPU tensors run
     under the Triton interpreter."""
@@ -173,6 +218,19 @@ def route_hashed(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> torch
     return w
 
 
+def route_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] fp32, token ids [T] int64, the hash table tid2eid [V, K] int64 -> (idx = tid2eid[ids]
+    [T, K] int64, w [T, K] fp32), one launch (the table lookup too)."""
+    T, E, K = _check_hashed_ids(logits, ids, tid2eid)
+    idx = torch.empty((T, K), dtype=torch.int64, device=logits.device)
+    w = torch.empty((T, K), dtype=torch.float32, device=logits.device)
+    if T:
+        _route_hashed_ids_kernel[(T,)](logits, ids, tid2eid, idx, w, E, tid2eid.shape[0], float(scale), K=K,
+                                       BLOCK_K=triton.next_power_of_2(K), num_warps=1, **U.pdl_launch(logits))
+    return idx, w
+
+
 def route_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`dsv4c.model.v4.route_topk`, unchanged (the specification)."""
     from dsv4c.model.v4 import route_topk as model_route_topk
@@ -185,6 +243,14 @@ def route_hashed_ref(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> t
     from dsv4c.model.v4 import route_hashed as model_route_hashed
 
     return model_route_hashed(logits, idx, scale)
+
+
+def route_hashed_ids_ref(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hash layers' `Gate.forward` after the logits (dsv4c/model/v4.py): idx = tid2eid[ids], then
+    `route_hashed`."""
+    idx = tid2eid[ids]
+    return idx, route_hashed_ref(logits, idx, scale)
 
 
 @torch.library.custom_op("dsv4c::route_topk", mutates_args=(),
@@ -216,3 +282,20 @@ def route_hashed_op(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> to
 @route_hashed_op.register_fake
 def _route_hashed_fake(logits, idx, scale):
     return logits.new_empty(idx.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4c::route_hashed_ids", mutates_args=(),
+                         schema="(Tensor logits, Tensor ids, Tensor tid2eid, float scale) -> (Tensor, Tensor)")
+def route_hashed_ids_op(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_hashed_ids` on CUDA tensors; on CPU the model's own lookup and function."""
+    if logits.device.type == "cpu":
+        _check_hashed_ids(logits, ids, tid2eid)
+        return route_hashed_ids_ref(logits, ids, tid2eid, scale)
+    return route_hashed_ids(logits, ids, tid2eid, scale)
+
+
+@route_hashed_ids_op.register_fake
+def _route_hashed_ids_fake(logits, ids, tid2eid, scale):
+    T, K = ids.shape[0], tid2eid.shape[1]
+    return ids.new_empty((T, K)), logits.new_empty((T, K), dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Fuse V4's MoE router scoring (after the logits GEMM) into one `dsv4c::route_topk` / `route_hashed` call.
+"""Fuse V4's MoE router scoring (after the logits GEMM) into one `dsv4c::route_topk` / `route_hashed(_ids)` call.
 
 Every V4 MoE (each layer's and the MTP block's) routes with `Gate.forward`: the logits GEMM
 (`linear_f32` once lower_f32_linears ran on a low-precision graph, an fp32 `linear` otherwise),
@@ -12,9 +12,13 @@ Before (logits [T, E] fp32, bias [E] fp32 graph attribute; K, scale literals):
 After:
     idx, w = dsv4c.route_topk(logits, bias, K, scale)          w = dsv4c.route_hashed(logits, idx, scale)
                                                                # kernels/router.py: one Triton launch
+    hash, with the lookup:  idx, w = dsv4c.route_hashed_ids(logits, ids, tid2eid, scale)
+The hash layers' lookup `idx = tid2eid[ids]` (an ATen gather, launched outside the kernels' PDL chain)
+moves into the op with the scoring when ids is a contiguous int64 [T] and tid2eid a contiguous int64
+[V, K] (always, in the model's graphs); otherwise the lookup stays before `route_hashed`.
 
 Why it is valid: the patterns are not written by hand. They are the model's own `route_topk` and
-`route_hashed` exported with torch.export for this config's K (num_experts_per_tok) and scale
+`route_hashed` (the latter with `Gate.forward`'s lookup before it, or alone) exported with torch.export for this config's K (num_experts_per_tok) and scale
 (routed_scaling_factor), so they hold exactly the op sequence and literals the model's graphs
 contain; passes/pattern.py finds each site and keeps it only when no intermediate value (s, the
 keys, the gathered scores) is used outside it. The ops are defined as those same functions: on the
@@ -24,7 +28,8 @@ is left alone when its logits are not a contiguous fp32 [T, E] with E <= kernels
 or its bias not an fp32 [E]. V3/V3.2 routers (sigmoid, group-limited) hold no softplus: nothing
 matches there.
 
-`stats["sites"]` is the number of routers fused, `stats["variants"]` how many of each (topk, hashed).
+`stats["sites"]` is the number of routers fused, `stats["variants"]` how many of each (topk, hashed_ids,
+hashed).
 """
 from __future__ import annotations
 
@@ -61,6 +66,20 @@ class _Hashed(nn.Module):
         return route_hashed(logits, idx, self.scale)
 
 
+class _HashedIds(nn.Module):
+    """A hash layer's `Gate.forward` after the logits: the table lookup, then `route_hashed`."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, logits, ids, tid2eid):
+        from dsv4c.model.v4 import route_hashed
+
+        idx = tid2eid[ids]
+        return idx, route_hashed(logits, idx, self.scale)
+
+
 _E = 8  # the patterns' example width (E appears in no op of them)
 
 
@@ -88,6 +107,13 @@ def hashed_pattern(k: int, scale: float):
     return export_pattern(_Hashed(scale), (torch.zeros(2, _E), torch.zeros(2, k, dtype=torch.int64))).graph
 
 
+@functools.lru_cache(maxsize=8)
+def hashed_ids_pattern(k: int, scale: float):
+    """`tid2eid[ids]` then `route_hashed`, exported on logits [2, 8] fp32, ids [2], tid2eid [16, K]."""
+    args = (torch.zeros(2, _E), torch.zeros(2, dtype=torch.int64), torch.zeros(16, k, dtype=torch.int64))
+    return export_pattern(_HashedIds(scale), args).graph
+
+
 def _logits_ok(logits) -> bool:
     from dsv4c.kernels.router import MAX_E
 
@@ -107,11 +133,19 @@ def _hashed_ok(site, k: int) -> bool:
             and idx.shape[1] == k)
 
 
+def _hashed_ids_ok(site, k: int) -> bool:
+    logits, ids, table = (tensor_value(a) for a in site.inputs)
+    return (_logits_ok(logits) and ids is not None and ids.dtype == torch.int64 and ids.dim() == 1
+            and ids.is_contiguous() and table is not None and table.dtype == torch.int64 and table.dim() == 2
+            and table.shape[1] == k and table.is_contiguous())
+
+
 def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
-    ops = kernel_ops(ctx, "route_topk", "route_hashed")
+    names = ("route_topk", "route_hashed", "route_hashed_ids")
+    ops = kernel_ops(ctx, *names)
     if ops is None:
-        return PassResult(gm, False, {"sites": 0, "skipped": unavailable("route_topk", "route_hashed")})
-    topk_op, hashed_op = ops
+        return PassResult(gm, False, {"sites": 0, "skipped": unavailable(*names)})
+    topk_op, hashed_op, hashed_ids_op = ops
     if not ctx.config.is_v4 or not any(n.target is torch.ops.aten.softplus.default for n in gm.graph.nodes):
         return PassResult(gm, False, {"sites": 0})
     k, scale = ctx.config.num_experts_per_tok, ctx.config.routed_scaling_factor
@@ -120,6 +154,8 @@ def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
     variants = {
         "topk": fuse_sites(gm, topk_pattern(k, scale),
                            lambda s: (topk_op, (*s.inputs, k, scale)) if _topk_ok(s) else None),
+        "hashed_ids": fuse_sites(gm, hashed_ids_pattern(k, scale),
+                                 lambda s: (hashed_ids_op, (*s.inputs, scale)) if _hashed_ids_ok(s, k) else None),
         "hashed": fuse_sites(gm, hashed_pattern(k, scale),
                              lambda s: (hashed_op, (*s.inputs, scale)) if _hashed_ok(s, k) else None),
     }

@@ -108,6 +108,7 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.rope_angles": None,  # kernels/rope_angles.py (passes/fuse_rope_angles.py): one Triton launch
     "dsv4c.route_topk": None,  # kernels/router.py (passes/fuse_router.py): one Triton launch, grid = T
     "dsv4c.route_hashed": None,
+    "dsv4c.route_hashed_ids": None,  # the same launch, the hash table lookup inside it
     "dsv4c.swiglu_act": None,  # kernels/swiglu.py (passes/fuse_swiglu.py): one Triton launch, grid fixed by the shape
     "dsv4c.l2_prefetch": None,  # kernels/l2_prefetch.py (passes/prefetch_weights.py): one launch, grid from the sizes
     # kernels/rope.py, v4_attention.py, v4_compress.py, v4_indexer.py (the `fused` implementations,

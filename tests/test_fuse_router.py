@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from dsv4c.kernels import router as R
-from dsv4c.kernels.router import route_hashed, route_hashed_ref, route_topk, route_topk_ref
+from dsv4c.kernels.router import (route_hashed, route_hashed_ids, route_hashed_ids_ref, route_hashed_ref, route_topk,
+                                  route_topk_ref)
 from dsv4c.kernels.tolerances import rel_err
 from dsv4c.model import register_ops
 from dsv4c.passes import PassContext, verify
@@ -27,6 +28,7 @@ W_REL = 1e-6
 SP_ULP = 4  # sqrt(softplus) vs fp64, normal range (measured <= 1.9 ulp; torch's own: 1.4)
 GRAPH_REL = 2e-6  # graphs with the Triton kernels (interpreter) in place of the ops, fp32 model
 TOPK, HASHED = torch.ops.dsv4c.route_topk.default, torch.ops.dsv4c.route_hashed.default
+HASHED_IDS = torch.ops.dsv4c.route_hashed_ids.default
 
 
 def _case(T, E, K, seed):
@@ -35,6 +37,13 @@ def _case(T, E, K, seed):
     bias = 0.5 * torch.randn(E, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.long)
     return logits, bias, idx
+
+
+def _table(V, E, K, T, seed):
+    """A hash table tid2eid [V, K] (K distinct experts a row) and token ids [T] into it, repeats included."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)])
+    return table, torch.randint(0, V, (T,), generator=g)
 
 
 # ---- the kernels (Triton interpreter on CPU) ------------------------------------------------------
@@ -52,6 +61,11 @@ def test_kernels_match_the_model_functions(T, E, K):
     assert not torch.equal(route_topk(logits, torch.zeros(E), K, 1.5)[0], route_topk(logits, 4 * bias, K, 1.5)[0])
     hw = route_hashed(logits, hidx, 2.5)
     assert hw.shape == (T, K) and rel_err(hw, route_hashed_ref(logits, hidx, 2.5)) <= W_REL
+    table, ids = _table(50, E, K, T, seed=T + E)
+    tidx, tw = route_hashed_ids(logits, ids, table, 2.5)
+    ridx, rw = route_hashed_ids_ref(logits, ids, table, 2.5)
+    assert tidx.shape == (T, K) and torch.equal(tidx, ridx) and torch.equal(tidx, table[ids])
+    assert rel_err(tw, rw) <= W_REL
 
 
 @triton.jit
@@ -108,12 +122,18 @@ def test_no_rows_launch_nothing():
     idx, w = route_topk(torch.zeros(0, 40), torch.zeros(40), 2, 1.0)
     assert idx.shape == w.shape == (0, 2)
     assert route_hashed(torch.zeros(0, 40), torch.zeros(0, 2, dtype=torch.long), 1.0).shape == (0, 2)
+    idx, w = route_hashed_ids(torch.zeros(0, 40), torch.zeros(0, dtype=torch.long), torch.zeros(9, 2, dtype=torch.long), 1.0)
+    assert idx.shape == w.shape == (0, 2)
 
 
 def test_hashed_kernel_bad_ids_give_nan_not_a_wild_read():
     logits = torch.randn(2, 16)
     w = route_hashed(logits, torch.tensor([[1, 2], [3, 16]]), 1.0)
     assert torch.isfinite(w[0]).all() and torch.isnan(w[1]).all()
+    table = torch.tensor([[1, 2], [3, 16], [4, 5]])  # token 1's row names expert 16 of 16
+    idx, w = route_hashed_ids(logits.repeat(2, 1), torch.tensor([0, 1, 3, -1]), table, 1.0)
+    assert idx[:2].tolist() == [[1, 2], [3, 16]] and idx[2:].tolist() == [[0, 0], [0, 0]]  # unknown tokens: expert 0
+    assert torch.isfinite(w[0]).all() and torch.isnan(w[1:]).all()
 
 
 @pytest.mark.parametrize("call,err", [
@@ -128,6 +148,12 @@ def test_hashed_kernel_bad_ids_give_nan_not_a_wild_read():
     (lambda: route_hashed(torch.zeros(2, 8), torch.zeros(2, 2, dtype=torch.int32), 1.0), "idx must be a contiguous int64"),
     (lambda: route_hashed(torch.zeros(2, 8), torch.zeros(3, 2, dtype=torch.long), 1.0), r"int64 \[2, K\]"),
     (lambda: route_hashed(torch.zeros(2, 8), torch.zeros(2, 40, dtype=torch.long), 1.0), "K = 40 columns"),
+    (lambda: route_hashed_ids(torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.zeros(5, 2, dtype=torch.long),
+                              1.0), r"ids must be a contiguous int64 \[2\]"),
+    (lambda: route_hashed_ids(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(5, 2, dtype=torch.int32),
+                              1.0), "tid2eid must be a contiguous int64"),
+    (lambda: route_hashed_ids(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), torch.zeros(5, 40, dtype=torch.long),
+                              1.0), "tid2eid has K = 40 columns"),
     (lambda: torch.ops.dsv4c.route_topk(torch.zeros(2, 8), torch.zeros(7), 2, 1.0), "bias must be"),
     (lambda: torch.ops.dsv4c.route_hashed(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(2, 2, dtype=torch.long),
                                           1.0), "logits must be float32"),
@@ -144,25 +170,32 @@ def test_ops_are_the_model_functions_on_cpu_fake_and_capture_safe():
     ridx, rw = route_topk_ref(logits, bias, 6, 1.5)
     assert torch.equal(idx, ridx) and torch.equal(w, rw)
     assert torch.equal(torch.ops.dsv4c.route_hashed(logits, hidx, 1.5), route_hashed_ref(logits, hidx, 1.5))
+    table, ids = _table(30, 40, 6, 5, seed=3)
+    oi, ow = torch.ops.dsv4c.route_hashed_ids(logits, ids, table, 1.5)
+    assert torch.equal(oi, table[ids]) and torch.equal(ow, route_hashed_ref(logits, table[ids], 1.5))
     assert str(TOPK._schema) == "dsv4c::route_topk(Tensor logits, Tensor bias, int k, float scale) -> (Tensor, Tensor)"
     with torch._subclasses.FakeTensorMode() as mode:
         fi, fw = torch.ops.dsv4c.route_topk(mode.from_tensor(logits), mode.from_tensor(bias), 6, 1.5)
         fh = torch.ops.dsv4c.route_hashed(mode.from_tensor(logits), mode.from_tensor(hidx), 1.5)
+        ti, tw = torch.ops.dsv4c.route_hashed_ids(mode.from_tensor(logits), mode.from_tensor(ids),
+                                                  mode.from_tensor(table), 1.5)
     assert (fi.shape, fi.dtype, fw.shape, fw.dtype) == ((5, 6), torch.int64, (5, 6), torch.float32)
     assert (fh.shape, fh.dtype) == ((5, 6), torch.float32)
-    assert OP_CAPTURE["dsv4c.route_topk"] is None and OP_CAPTURE["dsv4c.route_hashed"] is None
+    assert (ti.shape, ti.dtype, tw.shape, tw.dtype) == ((5, 6), torch.int64, (5, 6), torch.float32)
+    assert all(OP_CAPTURE[f"dsv4c.{n}"] is None for n in ("route_topk", "route_hashed", "route_hashed_ids"))
     assert host_sync_ops(reference_impl("dsv4c.route_topk"), logits, bias, 6, 1.5) == []
     assert host_sync_ops(reference_impl("dsv4c.route_hashed"), logits, hidx, 1.5) == []
+    assert host_sync_ops(reference_impl("dsv4c.route_hashed_ids"), logits, ids, table, 1.5) == []
 
 
 # ---- the pass ------------------------------------------------------------------------------------
 def _expected(name, kind) -> dict:
-    """Router sites by variant, from the config: each layer's MoE (the first num_hash_layers hashed),
-    or the MTP block's one top-K router."""
+    """Router sites by variant, from the config: each layer's MoE (the first num_hash_layers hashed, their
+    table lookup inside the op), or the MTP block's one top-K router."""
     cfg = _model(name).config
     if kind == "mtp":
-        return {"topk": 1, "hashed": 0}
-    return {"topk": cfg.num_hidden_layers - cfg.num_hash_layers, "hashed": cfg.num_hash_layers}
+        return {"topk": 1, "hashed_ids": 0, "hashed": 0}
+    return {"topk": cfg.num_hidden_layers - cfg.num_hash_layers, "hashed_ids": cfg.num_hash_layers, "hashed": 0}
 
 
 def _count(gm, op) -> int:
@@ -187,11 +220,13 @@ def test_pass_fuses_every_router_bit_exact(kind, dtype):
     verify(gm, ctx, after="fuse_router")
     want = _expected("v4", kind)
     assert res.changed and res.stats["variants"] == want and res.stats["sites"] == sum(want.values()) > 0
-    assert _count(gm, TOPK) == want["topk"] and _count(gm, HASHED) == want["hashed"]
+    assert _count(gm, TOPK) == want["topk"] and _count(gm, HASHED_IDS) == want["hashed_ids"]
+    assert _count(gm, HASHED) == 0
     assert _count(gm, torch.ops.aten.softplus.default) == 0 and _count(gm, torch.ops.aten.topk.default) == 0
+    assert _count(gm, torch.ops.aten.index.Tensor) == _count(ref_gm, torch.ops.aten.index.Tensor) - want["hashed_ids"]
     if dtype != torch.float32:
         assert all(nd.args[0].target is torch.ops.dsv4c.linear_f32.default
-                   for nd in gm.graph.nodes if nd.target in (TOPK, HASHED))
+                   for nd in gm.graph.nodes if nd.target in (TOPK, HASHED_IDS))
     args = _inputs("v4", kind, dtype)
     _assert_same(_run(gm, args), _run(ref_gm, args))  # CPU: the ops are the model's functions: exact
     again = fuse_router(gm, ctx)
@@ -203,9 +238,25 @@ def test_fused_graph_with_the_triton_kernels_matches(kind):
     ctx = PassContext(_model("v4").config, "cpu", graph_kind=kind)
     ref_gm = _exported("v4", kind)
     gm = fuse_router(_exported("v4", kind), ctx).graph
-    assert swap_targets(gm, {TOPK: route_topk, HASHED: route_hashed}) == sum(_expected("v4", kind).values())
+    assert swap_targets(gm, {TOPK: route_topk, HASHED_IDS: route_hashed_ids}) == sum(_expected("v4", kind).values())
     args = _inputs("v4", kind)
     _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
+
+
+def test_a_lookup_the_kernel_cannot_take_leaves_route_hashed(monkeypatch):
+    """Where the table lookup cannot move into the op (here: every site refused), the hashed sites are the
+    plain `route_hashed` after the ATen lookup, still bit-exact."""
+    import dsv4c.passes.fuse_router as FR
+
+    monkeypatch.setattr(FR, "_hashed_ids_ok", lambda site, k: False)
+    ctx = PassContext(_model("v4").config, "cpu", graph_kind="decode")
+    ref_gm = _exported("v4", "decode")
+    res = fuse_router(_exported("v4", "decode"), ctx)
+    want = _expected("v4", "decode")
+    assert res.stats["variants"] == {"topk": want["topk"], "hashed_ids": 0, "hashed": want["hashed_ids"]}
+    assert _count(res.graph, HASHED) == want["hashed_ids"] > 0 and _count(res.graph, HASHED_IDS) == 0
+    args = _inputs("v4", "decode")
+    _assert_same(_run(res.graph, args), _run(ref_gm, args))
 
 
 def test_other_k_or_scale_and_v3_graphs_are_left_alone():
@@ -230,7 +281,7 @@ def test_in_the_pipeline_routers_sit_in_capturable_segments():
     assert names.index("fuse_router") == names.index("lower_f32_linears") + 1
     want = _expected("v4", "decode")
     assert next(r for r in recs if r.name == "fuse_router").stats["variants"] == want
-    assert_in_capturable_segments(gm, ctx, (TOPK, HASHED), sum(want.values()))
+    assert_in_capturable_segments(gm, ctx, (TOPK, HASHED_IDS), sum(want.values()))
 
 
 # ---- CUDA (the device) ------------------------------------------------------------------------------
@@ -244,21 +295,31 @@ def test_kernels_on_cuda(T):
     assert torch.equal(idx, ridx) and rel_err(w, rw) <= W_REL
     hw = torch.ops.dsv4c.route_hashed(logits, hidx, 1.5)
     assert rel_err(hw, route_hashed_ref(logits, hidx, 1.5)) <= W_REL
+    table, ids = (t.cuda() for t in _table(1000, 256, 6, T, seed=T))
+    ti, tw = torch.ops.dsv4c.route_hashed_ids(logits, ids, table, 1.5)
+    ri, rw = route_hashed_ids_ref(logits, ids, table, 1.5)
+    assert torch.equal(ti, ri) and rel_err(tw, rw) <= W_REL
 
 
 @pytest.mark.gpu
 def test_ops_capture_in_a_cuda_graph():
     logits, bias, hidx = (t.cuda() for t in _case(8, 256, 6, seed=11))
+    table, ids = (t.cuda() for t in _table(1000, 256, 6, 8, seed=11))
     torch.ops.dsv4c.route_topk(logits, bias, 6, 1.5)  # compile before capture
     torch.ops.dsv4c.route_hashed(logits, hidx, 1.5)
+    torch.ops.dsv4c.route_hashed_ids(logits, ids, table, 1.5)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         idx, w = torch.ops.dsv4c.route_topk(logits, bias, 6, 1.5)
         hw = torch.ops.dsv4c.route_hashed(logits, hidx, 1.5)
+        ti, tw = torch.ops.dsv4c.route_hashed_ids(logits, ids, table, 1.5)
     logits.copy_(3 * torch.randn_like(logits))
+    ids.copy_(torch.randint_like(ids, 0, 1000))  # new tokens: the lookup happens at replay
     graph.replay()
     torch.cuda.synchronize()
     ridx, rw = route_topk_ref(logits, bias, 6, 1.5)
     assert torch.equal(idx, ridx) and rel_err(w, rw) <= W_REL
     assert rel_err(hw, route_hashed_ref(logits, hidx, 1.5)) <= W_REL
+    ri, rw = route_hashed_ids_ref(logits, ids, table, 1.5)
+    assert torch.equal(ti, ri) and rel_err(tw, rw) <= W_REL

@@ -51,7 +51,7 @@ def test_each_shared_expert_moves_before_its_router_and_outputs_are_bit_identica
         body = getattr(out, call.target)
         assert isinstance(body, SideStream)
         moved = {op_name(n.target) for n in body.body.graph.nodes if n.op == "call_function"}
-        assert "dsv4c.swiglu_act" in moved and not moved & (MOE_OPS | {"dsv4c.route_topk", "dsv4c.route_hashed"})
+        assert "dsv4c.swiglu_act" in moved and not moved & (MOE_OPS | {"dsv4c.route_topk", "dsv4c.route_hashed", "dsv4c.route_hashed_ids"})
         (join,) = list(call.users)
         assert join.target is side_join
         moe = next(n for n in nodes[nodes.index(call):] if op_name(getattr(n, "target", "")) in MOE_OPS)
