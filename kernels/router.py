@@ -124,14 +124,14 @@ def _route_hashed_kernel(logits_ptr, idx_ptr, w_ptr, E, scale, K: tl.constexpr, 
 
 
 @triton.jit
-def _route_hashed_ids_kernel(logits_ptr, ids_ptr, table_ptr, idx_ptr, w_ptr, E, V, scale, K: tl.constexpr,
+def _route_hashed_ids_kernel(logits_ptr, ids_ptr, ids_stride, table_ptr, idx_ptr, w_ptr, E, V, scale, K: tl.constexpr,
                              BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     U.pdl_wait(PDL)  # ids may come from an earlier kernel of the step (a draft token)
-    # logits [T, E], ids [T] int64, table (tid2eid) [V, K] int64, idx [T, K] int64 out, w [T, K] fp32 out
+    # logits [T, E], ids [T] int64 (any stride), table (tid2eid) [V, K] int64, idx [T, K] int64 out, w [T, K] fp32
     row = tl.program_id(0).to(tl.int64)
     kl = tl.arange(0, BLOCK_K)
     out = kl < K
-    tok = tl.load(ids_ptr + row) + tl.zeros([BLOCK_K], dtype=tl.int64)  # [BLOCK_K], one value
+    tok = tl.load(ids_ptr + row * ids_stride) + tl.zeros([BLOCK_K], dtype=tl.int64)  # [BLOCK_K], one value
     known = (tok >= 0) & (tok < V)
     i = tl.load(table_ptr + tok * K + kl, mask=out & known, other=-1)
     tl.store(idx_ptr + row * K + kl, tl.where(known, i, 0), mask=out)
@@ -179,9 +179,8 @@ def _check_hashed(logits: torch.Tensor, idx: torch.Tensor) -> tuple[int, int, in
 
 def _check_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor) -> tuple[int, int, int]:
     T, E = _check_logits("route_hashed_ids", logits)
-    if ids.dtype != torch.int64 or tuple(ids.shape) != (T,) or not ids.is_contiguous():
-        raise ValueError(f"route_hashed_ids: ids must be a contiguous int64 [{T}] (logits' T), got "
-                         f"{ids.dtype} {list(ids.shape)} strides {ids.stride()}")
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (T,):
+        raise ValueError(f"route_hashed_ids: ids must be an int64 [{T}] (logits' T), got {ids.dtype} {list(ids.shape)}")
     if tid2eid.dtype != torch.int64 or tid2eid.dim() != 2 or not tid2eid.is_contiguous():
         raise ValueError(f"route_hashed_ids: tid2eid must be a contiguous int64 [V, K], got "
                          f"{tid2eid.dtype} {list(tid2eid.shape)} strides {tid2eid.stride()}")
@@ -226,7 +225,7 @@ def route_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Ten
     idx = torch.empty((T, K), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, K), dtype=torch.float32, device=logits.device)
     if T:
-        _route_hashed_ids_kernel[(T,)](logits, ids, tid2eid, idx, w, E, tid2eid.shape[0], float(scale), K=K,
+        _route_hashed_ids_kernel[(T,)](logits, ids, ids.stride(0), tid2eid, idx, w, E, tid2eid.shape[0], float(scale), K=K,
                                        BLOCK_K=triton.next_power_of_2(K), num_warps=1, **U.pdl_launch(logits))
     return idx, w
 

@@ -14,7 +14,7 @@ After:
                                                                # kernels/router.py: one Triton launch
     hash, with the lookup:  idx, w = dsv4c.route_hashed_ids(logits, ids, tid2eid, scale)
 The hash layers' lookup `idx = tid2eid[ids]` (an ATen gather, launched outside the kernels' PDL chain)
-moves into the op with the scoring when ids is a contiguous int64 [T] and tid2eid a contiguous int64
+moves into the op with the scoring when ids is an int64 [T] (any stride) and tid2eid a contiguous int64
 [V, K] (always, in the model's graphs); otherwise the lookup stays before `route_hashed`.
 
 Why it is valid: the patterns are not written by hand. They are the model's own `route_topk` and
@@ -136,7 +136,7 @@ def _hashed_ok(site, k: int) -> bool:
 def _hashed_ids_ok(site, k: int) -> bool:
     logits, ids, table = (tensor_value(a) for a in site.inputs)
     return (_logits_ok(logits) and ids is not None and ids.dtype == torch.int64 and ids.dim() == 1
-            and ids.is_contiguous() and table is not None and table.dtype == torch.int64 and table.dim() == 2
+            and table is not None and table.dtype == torch.int64 and table.dim() == 2
             and table.shape[1] == k and table.is_contiguous())
 
 
