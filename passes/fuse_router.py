@@ -15,7 +15,9 @@ After:
     hash, with the lookup:  idx, w = dsv4c.route_hashed_ids(logits, ids, tid2eid, scale)
 The hash layers' lookup `idx = tid2eid[ids]` (an ATen gather, launched outside the kernels' PDL chain)
 moves into the op with the scoring when ids is an int64 [T] (any stride) and tid2eid a contiguous int64
-[V, K] (always, in the model's graphs); otherwise the lookup stays before `route_hashed`.
+[V, K] (always, in the model's graphs) and HASH_LOOKUP is on; otherwise the lookup stays before
+`route_hashed`. HASH_LOOKUP is off until the kernel's GPU tests and its A/B on the device have run
+(examples/results/device-2026-12-07/run78); tests/test_fuse_router.py turns it on.
 
 Why it is valid: the patterns are not written by hand. They are the model's own `route_topk` and
 `route_hashed` (the latter with `Gate.forward`'s lookup before it, or alone) exported with torch.export for this config's K (num_experts_per_tok) and scale
@@ -80,6 +82,7 @@ class _HashedIds(nn.Module):
         return idx, route_hashed(logits, idx, self.scale)
 
 
+HASH_LOOKUP = False  # hash layers: the table lookup inside the router's launch (route_hashed_ids)
 _E = 8  # the patterns' example width (E appears in no op of them)
 
 
@@ -155,7 +158,8 @@ def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
         "topk": fuse_sites(gm, topk_pattern(k, scale),
                            lambda s: (topk_op, (*s.inputs, k, scale)) if _topk_ok(s) else None),
         "hashed_ids": fuse_sites(gm, hashed_ids_pattern(k, scale),
-                                 lambda s: (hashed_ids_op, (*s.inputs, scale)) if _hashed_ids_ok(s, k) else None),
+                                 lambda s: (hashed_ids_op, (*s.inputs, scale)) if _hashed_ids_ok(s, k) else None)
+        if HASH_LOOKUP else 0,
         "hashed": fuse_sites(gm, hashed_pattern(k, scale),
                              lambda s: (hashed_op, (*s.inputs, scale)) if _hashed_ok(s, k) else None),
     }

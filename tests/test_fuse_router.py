@@ -192,13 +192,23 @@ def test_ops_are_the_model_functions_on_cpu_fake_and_capture_safe():
 
 
 # ---- the pass ------------------------------------------------------------------------------------
-def _expected(name, kind) -> dict:
+@pytest.fixture(autouse=True)
+def _hash_lookup_on(monkeypatch):
+    """The pass tests here take the hash layers' table lookup into the op (fuse_router.HASH_LOOKUP, off by
+    default until its device A/B); test_hash_lookup_off_by_default checks the default."""
+    import dsv4c.passes.fuse_router as FR
+
+    monkeypatch.setattr(FR, "HASH_LOOKUP", True)
+
+
+def _expected(name, kind, lookup: bool = True) -> dict:
     """Router sites by variant, from the config: each layer's MoE (the first num_hash_layers hashed, their
-    table lookup inside the op), or the MTP block's one top-K router."""
+    table lookup inside the op with `lookup`), or the MTP block's one top-K router."""
     cfg = _model(name).config
     if kind == "mtp":
         return {"topk": 1, "hashed_ids": 0, "hashed": 0}
-    return {"topk": cfg.num_hidden_layers - cfg.num_hash_layers, "hashed_ids": cfg.num_hash_layers, "hashed": 0}
+    h = cfg.num_hash_layers
+    return {"topk": cfg.num_hidden_layers - h, "hashed_ids": h if lookup else 0, "hashed": 0 if lookup else h}
 
 
 def _count(gm, op) -> int:
@@ -246,18 +256,23 @@ def test_fused_graph_with_the_triton_kernels_matches(kind):
     _assert_same(_run(gm, args), _run(ref_gm, args), rel=GRAPH_REL)
 
 
-def test_a_lookup_the_kernel_cannot_take_leaves_route_hashed(monkeypatch):
-    """Where the table lookup cannot move into the op (here: every site refused), the hashed sites are the
-    plain `route_hashed` after the ATen lookup, still bit-exact."""
+@pytest.mark.parametrize("why", ["refused", "off"])
+def test_a_lookup_left_out_leaves_route_hashed(monkeypatch, why):
+    """Where the table lookup does not move into the op (a site refused, or HASH_LOOKUP off: the default),
+    the hashed sites are the plain `route_hashed` after the ATen lookup, still bit-exact."""
     import dsv4c.passes.fuse_router as FR
 
-    monkeypatch.setattr(FR, "_hashed_ids_ok", lambda site, k: False)
+    if why == "refused":
+        monkeypatch.setattr(FR, "_hashed_ids_ok", lambda site, k: False)
+    else:
+        monkeypatch.undo()  # the module's own default
+        assert FR.HASH_LOOKUP is False
     ctx = PassContext(_model("v4").config, "cpu", graph_kind="decode")
     ref_gm = _exported("v4", "decode")
-    res = fuse_router(_exported("v4", "decode"), ctx)
-    want = _expected("v4", "decode")
-    assert res.stats["variants"] == {"topk": want["topk"], "hashed_ids": 0, "hashed": want["hashed_ids"]}
-    assert _count(res.graph, HASHED) == want["hashed_ids"] > 0 and _count(res.graph, HASHED_IDS) == 0
+    res = FR.fuse_router(_exported("v4", "decode"), ctx)
+    want = _expected("v4", "decode", lookup=False)
+    assert res.stats["variants"] == want
+    assert _count(res.graph, HASHED) == want["hashed"] > 0 and _count(res.graph, HASHED_IDS) == 0
     args = _inputs("v4", "decode")
     _assert_same(_run(res.graph, args), _run(ref_gm, args))
 

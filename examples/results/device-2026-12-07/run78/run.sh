@@ -1,7 +1,8 @@
 # run78 (any GPU, about 6 min; the thirty-ninth session): three variants of the 2-layer v4-flash-slice decode step
 # (FP8 block experts, whole-step CUDA graph, on the GPU alone), interleaved twice at batch 1 and 8:
-#   base     the tree: the hash layers' table lookup inside `route_hashed_ids` (one launch, in the PDL chain)
-#   lookup   the lookup as the ATen gather before `route_hashed` (lookup_off.py; run72's b1 timeline: 4.2 µs)
+#   base     the tree: the hash layer's table lookup as an ATen gather before `route_hashed` (run72's b1 timeline:
+#            4.2 µs, outside the PDL chain)
+#   lookup   the lookup inside `route_hashed_ids` (lookup_on.py, fuse_router.HASH_LOOKUP: one launch in the chain)
 #   after    base with the shared expert's side call after the router (run74's fork_after_router.py)
 # and the GPU tests of kernels/router.py. Adopt what wins at both batches. At most 8 files to $OUT.
 export PYTHONPATH=$PWD
@@ -19,7 +20,7 @@ run() {  # label batch [wrapper]
 }
 for rep in 1 2; do
   for b in 1 8; do
-    run "b$b base" $b; run "b$b lookup" $b $D/run78/lookup_off.py; run "b$b after" $b $D/run74/fork_after_router.py
+    run "b$b base" $b; run "b$b lookup" $b $D/run78/lookup_on.py; run "b$b after" $b $D/run74/fork_after_router.py
   done
 done
 echo "at ${SECONDS}s" | tee -a $OUT/steps.txt
