@@ -225,8 +225,8 @@ def route_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Ten
     idx = torch.empty((T, K), dtype=torch.int64, device=logits.device)
     w = torch.empty((T, K), dtype=torch.float32, device=logits.device)
     if T:
-        _route_hashed_ids_kernel[(T,)](logits, ids, ids.stride(0), tid2eid, idx, w, E, tid2eid.shape[0], float(scale), K=K,
-                                       BLOCK_K=triton.next_power_of_2(K), num_warps=1, **U.pdl_launch(logits))
+        _route_hashed_ids_kernel[(T,)](logits, ids, ids.stride(0), tid2eid, idx, w, E, tid2eid.shape[0], float(scale),
+                                       K=K, BLOCK_K=triton.next_power_of_2(K), num_warps=1, **U.pdl_launch(logits))
     return idx, w
 
 

@@ -16,19 +16,20 @@ After:
 The hash layers' lookup `idx = tid2eid[ids]` (an ATen gather, launched outside the kernels' PDL chain)
 moves into the op with the scoring when ids is an int64 [T] (any stride) and tid2eid a contiguous int64
 [V, K] (always, in the model's graphs) and HASH_LOOKUP is on; otherwise the lookup stays before
-`route_hashed`. HASH_LOOKUP is off until the kernel's GPU tests and its A/B on the device have run
-(examples/results/device-2026-12-07/run78); tests/test_fuse_router.py turns it on.
+`route_hashed`. HASH_LOOKUP is off: its GPU tests pass, but on the 2-layer slice (one hash layer) the step
+was no faster, 0.753 / 0.760 vs 0.756 / 0.752 ms at batch 1 and 1.468 vs 1.467 at batch 8 (H100,
+examples/results/device-2026-12-07/run78). tests/test_fuse_router.py turns it on.
 
 Why it is valid: the patterns are not written by hand. They are the model's own `route_topk` and
-`route_hashed` (the latter with `Gate.forward`'s lookup before it, or alone) exported with torch.export for this config's K (num_experts_per_tok) and scale
-(routed_scaling_factor), so they hold exactly the op sequence and literals the model's graphs
-contain; passes/pattern.py finds each site and keeps it only when no intermediate value (s, the
-keys, the gathered scores) is used outside it. The ops are defined as those same functions: on the
-CPU they call them (bit-exact), on CUDA one Triton kernel computes the same formula in fp32
-(tests/test_fuse_router.py bounds the difference: equal expert ids, weights within 1e-6). A site
-is left alone when its logits are not a contiguous fp32 [T, E] with E <= kernels.router.MAX_E,
-or its bias not an fp32 [E]. V3/V3.2 routers (sigmoid, group-limited) hold no softplus: nothing
-matches there.
+`route_hashed` (the latter with `Gate.forward`'s lookup before it, or alone) exported with torch.export
+for this config's K (num_experts_per_tok) and scale (routed_scaling_factor), so they hold exactly the op
+sequence and literals the model's graphs contain; passes/pattern.py finds each site and keeps it only
+when no intermediate value (s, the keys, the gathered scores) is used outside it. The ops are defined as
+those same functions: on the CPU they call them (bit-exact), on CUDA one Triton kernel computes the same
+formula in fp32 (tests/test_fuse_router.py bounds the difference: equal expert ids, weights within 1e-6).
+A site is left alone when its logits are not a contiguous fp32 [T, E] with E <= kernels.router.MAX_E, or
+its bias not an fp32 [E]. V3/V3.2 routers (sigmoid, group-limited) hold no softplus: nothing matches
+there.
 
 `stats["sites"]` is the number of routers fused, `stats["variants"]` how many of each (topk, hashed_ids,
 hashed).

@@ -195,7 +195,7 @@ def test_ops_are_the_model_functions_on_cpu_fake_and_capture_safe():
 @pytest.fixture(autouse=True)
 def _hash_lookup_on(monkeypatch):
     """The pass tests here take the hash layers' table lookup into the op (fuse_router.HASH_LOOKUP, off by
-    default until its device A/B); test_hash_lookup_off_by_default checks the default."""
+    default: no faster on the device, run78); test_a_lookup_left_out_leaves_route_hashed[off] checks the default."""
     import dsv4c.passes.fuse_router as FR
 
     monkeypatch.setattr(FR, "HASH_LOOKUP", True)

@@ -1,4 +1,4 @@
-# run74 (any GPU, about 6.5 min; planned in the thirty-eighth session, not yet run): the shared expert's side call
+# run74 (any GPU, about 6.5 min; planned in the thirty-eighth session; its variant ran inside run78 instead): the shared expert's side call
 # after the router (fork_after_router.py: the router's latency-bound kernels launch first, the shared expert
 # overlaps the routed experts' GEMMs) vs before it (the default since run68; run72's timelines show the router's
 # first kernel 5 / 9-10 µs late at batch 1 / 8 behind the shared expert's GEMV). The 2-layer v4-flash-slice decode

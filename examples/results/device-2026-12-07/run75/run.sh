@@ -1,4 +1,4 @@
-# run75 (any GPU, about 5 min; planned in the thirty-eighth session, not yet run): `linear_f32_tc` (kernels/
+# run75 (any GPU, about 5 min; planned in the thirty-eighth session, run in the thirty-ninth at B=120: run75_out): `linear_f32_tc` (kernels/
 # linear_f32.py: the routers' gates and the compressor / indexer projections at 2-16 token rows on one launch of
 # batch_invariant's bi_matmul decode tile, in the PDL chain, instead of cuBLAS's split-K GEMM and its reduce) vs cuBLAS (TC_MAX_M 0).
 # (1) GPU tests of kernels/linear_f32.py. (2) The 2-layer v4-flash-slice decode step at batch 8, FP8 block experts,

@@ -1,4 +1,4 @@
-# run78 (any GPU, about 6 min; the thirty-ninth session): three variants of the 2-layer v4-flash-slice decode step
+# run78 (any GPU, about 6 min; run in the thirty-ninth session at B=250, one repetition: run78_out): three variants of the 2-layer v4-flash-slice decode step
 # (FP8 block experts, whole-step CUDA graph, on the GPU alone), interleaved twice at batch 1 and 8:
 #   base     the tree: the hash layer's table lookup as an ATen gather before `route_hashed` (run72's b1 timeline:
 #            4.2 µs, outside the PDL chain)
