@@ -164,6 +164,12 @@ def _check_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[int, 
     return T, E
 
 
+def _check_k(fn: str, what: str, K: int) -> int:
+    if not 1 <= K <= MAX_K:
+        raise ValueError(f"{fn}: {what} has K = {K} columns; need 1 <= K <= MAX_K = {MAX_K}")
+    return K
+
+
 def _check_hashed(logits: torch.Tensor, idx: torch.Tensor) -> tuple[int, int, int]:
     T, E = _check_logits("route_hashed", logits)
     if idx.dtype != torch.int64 or idx.dim() != 2 or idx.shape[0] != T or not idx.is_contiguous():
@@ -171,10 +177,7 @@ def _check_hashed(logits: torch.Tensor, idx: torch.Tensor) -> tuple[int, int, in
                          f"{idx.dtype} {list(idx.shape)} strides {idx.stride()}")
     if idx.device != logits.device:
         raise ValueError(f"route_hashed: idx is on {idx.device}, logits on {logits.device}")
-    K = idx.shape[1]
-    if not 1 <= K <= MAX_K:
-        raise ValueError(f"route_hashed: idx has K = {K} columns; need 1 <= K <= MAX_K = {MAX_K}")
-    return T, E, K
+    return T, E, _check_k("route_hashed", "idx", idx.shape[1])
 
 
 def _check_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Tensor) -> tuple[int, int, int]:
@@ -187,10 +190,7 @@ def _check_hashed_ids(logits: torch.Tensor, ids: torch.Tensor, tid2eid: torch.Te
     for name, t in (("ids", ids), ("tid2eid", tid2eid)):
         if t.device != logits.device:
             raise ValueError(f"route_hashed_ids: {name} is on {t.device}, logits on {logits.device}")
-    K = tid2eid.shape[1]
-    if not 1 <= K <= MAX_K:
-        raise ValueError(f"route_hashed_ids: tid2eid has K = {K} columns; need 1 <= K <= MAX_K = {MAX_K}")
-    return T, E, K
+    return T, E, _check_k("route_hashed_ids", "tid2eid", tid2eid.shape[1])
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -158,12 +158,14 @@ def fuse_router(gm: GraphModule, ctx: PassContext) -> PassResult:
     variants = {
         "topk": fuse_sites(gm, topk_pattern(k, scale),
                            lambda s: (topk_op, (*s.inputs, k, scale)) if _topk_ok(s) else None),
-        "hashed_ids": fuse_sites(gm, hashed_ids_pattern(k, scale),
-                                 lambda s: (hashed_ids_op, (*s.inputs, scale)) if _hashed_ids_ok(s, k) else None)
-        if HASH_LOOKUP else 0,
-        "hashed": fuse_sites(gm, hashed_pattern(k, scale),
-                             lambda s: (hashed_op, (*s.inputs, scale)) if _hashed_ok(s, k) else None),
+        "hashed_ids": 0,
     }
+    if HASH_LOOKUP:  # before the plain hashed pattern, which is a part of this one
+        variants["hashed_ids"] = fuse_sites(
+            gm, hashed_ids_pattern(k, scale),
+            lambda s: (hashed_ids_op, (*s.inputs, scale)) if _hashed_ids_ok(s, k) else None)
+    variants["hashed"] = fuse_sites(gm, hashed_pattern(k, scale),
+                                    lambda s: (hashed_op, (*s.inputs, scale)) if _hashed_ok(s, k) else None)
     sites = sum(variants.values())
     if sites or dropped:
         gm.graph.lint()
