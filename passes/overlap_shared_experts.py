@@ -9,21 +9,22 @@ w1 ‖ w3 GEMV, SwiGLU quant, w2 GEMV, combine) and then the shared expert (w1 �
 one stream, though the shared expert reads neither: each launch's ramp and tail is paid in turn. Forked
 onto a second stream, the shared expert's kernels fill the gaps the routed path leaves (run67, H100, Flash
 shapes, 4 layers alone: 94.3 → 87.2 µs a layer; run68, the 2-layer slice's whole step on the GPU alone: 1.016x
-at batch 1, 1.014x at batch 8).
+at batch 1, 1.014x at batch 8, forked before the router).
 
 Before (one layer; x: the FFN norm's output, N rows; every op launches on the current stream):
     x = reshape(rms_norm(h))                                  # [N, D]
     r = moe_experts_q(pad(x), route(linear_f32_fused(x)))     # routed
     s = fp8_linear(swiglu_act(split(fp8_linear(x, w13))), w2) # shared        [N, D]
     h2 = hc_post_pre(slice(r), X, .., y2=s)
-After:
+After (`FORK_BEFORE_ROUTER` 0, the default):
     x = reshape(rms_norm(h))
+    idx, w = route(linear_f32_fused(x))                       # the router's launches go first
     s = side_0(x, w13, w2, ..)        # SideStream(body): waits for the current stream, launches body's
                                       # kernels (the shared expert, moved here) on the side stream
-    r = moe_experts_q(pad(x), route(linear_f32_fused(x)))     # current stream, concurrently
+    r = moe_experts_q(pad(x), idx, w)                         # current stream, concurrently
     s' = side_join(s)                 # the current stream waits for the side stream
     h2 = hc_post_pre(slice(r), X, .., y2=s')
-With `FORK_BEFORE_ROUTER` 0 the side call goes after the router's ops instead, right before moe_experts_q.
+With `FORK_BEFORE_ROUTER` 1 the side call goes right after x instead, before the router's ops.
 
 Why it is valid: the moved nodes are exactly the layer's nodes that read x (directly or through each other)
 and are neither ancestors nor descendants of the routed-experts op: the shared expert. They read only x and
@@ -58,8 +59,11 @@ MOE_NODES = MOE_OPS | {"dsv4c.moe_experts_fp8_bi"}
 # router's first kernel starting 5 µs (batch 1) and 9-10 µs (batch 8) after the FFN norm ends, behind the shared
 # expert's w1 ‖ w3 GEMV launched first on the side stream; with 0 the router's latency-bound kernels go first and
 # the shared expert overlaps the experts' GEMMs instead. 0 in run78 (H100, one repetition): batch 8 1.458 vs 1.467 ms,
-# batch 1 0.755 vs 0.756; to be repeated before it becomes the default.
-FORK_BEFORE_ROUTER = 1
+# batch 1 0.755 vs 0.756. run79 (another H100, the 2-layer step on the GPU alone, two interleaved repetitions): batch
+# 8 1.510 / 1.515 vs 1.512 / 1.517 ms, batch 64 4.333 / 4.331 vs 4.369 / 4.364 ms (1.008x); the full slice
+# back to back on that machine (run61, fortieth session): 1.161 / 2.667 / 7.797 vs 1.159 / 2.679 / 7.863 ms at batch
+# 1 / 8 / 64. The default since then.
+FORK_BEFORE_ROUTER = 0
 
 
 class SideStream(torch.nn.Module):

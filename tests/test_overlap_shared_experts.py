@@ -1,5 +1,5 @@
 """passes/overlap_shared_experts.py: each MoE layer's shared expert moved into a side-stream call placed
-before its router and joined before the post-mix; outputs and cache writes bit-identical; the Session
+after its router (or before it, FORK_BEFORE_ROUTER 1) and joined before the post-mix; outputs and cache writes bit-identical; the Session
 applies it to whole-step graphs only."""
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ def _side_calls(gm) -> list:
 
 
 @pytest.mark.parametrize("kind", ["decode", "verify"])
-def test_each_shared_expert_moves_before_its_router_and_outputs_are_bit_identical(kind):
+def test_each_shared_expert_moves_before_its_router_and_outputs_are_bit_identical(kind, monkeypatch):
+    """FORK_BEFORE_ROUTER 1: each side call sits right after x, before its layer's router."""
+    import dsv4c.passes.overlap_shared_experts as ose
+
+    monkeypatch.setattr(ose, "FORK_BEFORE_ROUTER", 1)
     gm, ctx = _lowered(kind)
     args = inputs("v4", kind)
     before = run(gm, args)
@@ -62,12 +66,13 @@ def test_each_shared_expert_moves_before_its_router_and_outputs_are_bit_identica
     assert_same(run(gm, args), before)  # graph_copy left the original alone
 
 
-def test_the_fork_can_follow_the_router(monkeypatch):
-    """FORK_BEFORE_ROUTER 0: each side call sits after its layer's router and right before the routed experts'
-    op (the router's kernels launch first); outputs and cache writes bit-identical, whole-step executor too."""
+def test_the_fork_follows_the_router_by_default():
+    """FORK_BEFORE_ROUTER 0 (the default): each side call sits after its layer's router and right before the
+    routed experts' op (the router's kernels launch first); outputs and cache writes bit-identical, whole-step
+    executor too."""
     import dsv4c.passes.overlap_shared_experts as ose
 
-    monkeypatch.setattr(ose, "FORK_BEFORE_ROUTER", 0)
+    assert ose.FORK_BEFORE_ROUTER == 0
     gm, ctx = _lowered("decode")
     args = inputs("v4", "decode")
     out = overlap_shared_experts(graph_copy(gm), ctx).graph
