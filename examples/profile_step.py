@@ -150,7 +150,8 @@ CLASS_OTHER = ("_argmax_part_kernel", "_argmax_final_kernel", "_row_sum_kernel",
                "_hc_pre_finish_kernel", "_hc_pre_finish_exact_kernel", "_hc_post_kernel",
                "_hc_post_mix_kernel", "_hc_post_exact_kernel", "_rms_norm_kernel", "_rms_norm_exact_kernel",
                "_rope_kernel", "_head_rms_rope_kernel", "_rope_angles_kernel", "_route_topk_kernel",
-               "_route_hashed_kernel", "_route_hashed_ids_kernel", "_swiglu_act_kernel", "_prefetch_kernel")
+               "_route_hashed_kernel", "_route_hashed_ids_kernel", "_route_prep_kernel", "_swiglu_act_kernel",
+               "_prefetch_kernel")
 CLASS_PARTS = {"dense GEMMs and head": ("nvjet", "gemm", "gemv", "splitKreduce", "cutlass")}
 EXPERT_BYTE_FACTOR = bs.EXPERT_BYTE_FACTOR  # bytes of a routed-expert weight in a format against bf16's 2
 CLASS_BYTES = {"routed experts": ("routed_experts",), "attention and caches": ("kv",),

@@ -71,7 +71,8 @@ from dsv4c import quant as Q
 
 __all__ = [
     "Bf16Experts", "Fp8BlockExperts", "MoeKernelConfig", "Mxfp4Experts", "Nvfp4Experts", "Nvfp4W4A4Experts",
-    "experts_from_tensors", "moe_grouped", "moe_grouped_ref", "route_direct", "route_prep",
+    "experts_from_tensors", "moe_grouped", "moe_grouped_ref", "route_direct", "route_prep", "route_prep_fused",
+    "route_prep_ref",
 ]
 
 _FMT_ID = {"bf16": 0, "fp8_block": 1, "mxfp4": 2, "nvfp4": 3, "nvfp4_w4a4": 4}
@@ -617,10 +618,35 @@ def route_direct(idx: torch.Tensor, block_m: int) -> Routing:
     return Routing(flat, flat, None, flat.numel(), block_m, direct=True)
 
 
+# `route_prep` in one launch up to this many assignments (0: never). The ATen path is about 24 launches (scatter_add,
+# two cumsums, a stable radix sort, scatters, searchsorted, fills and copies), outside the step's PDL chain: 76-77
+# µs a MoE layer between the router and the first expert GEMM at 64 tokens (run79's timeline, H100, the 2-layer
+# slice, 384 assignments). The kernel is one program; its work grows with assignments² / ROUTE_PREP_CHUNK, so
+# prefill-sized routings keep the ATen path. Off until timed on the device.
+ROUTE_PREP_KERNEL_MAX_ASSIGN = 0
+ROUTE_PREP_CHUNK = 64   # assignments per step of the kernel's loops
+ROUTE_PREP_WARPS = 8
+
+
 def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
-    """Sort assignments by expert (stable) and pad each expert's rows to block_m, with torch
-    device ops only (no host sync; every size comes from idx.shape). idx [T, K] ints in [0, E)
-    (not checked on device)."""
+    """Sort assignments by expert (stable) and pad each expert's rows to block_m, on the device with no
+    host sync (every size comes from idx.shape): `route_prep_fused`'s one launch up to
+    ROUTE_PREP_KERNEL_MAX_ASSIGN assignments (CPU tensors: under the interpreter, as the GEMMs), else
+    `route_prep_ref`'s torch ops. Both give the same tensors. idx [T, K] ints in [0, E) (not checked on
+    device)."""
+    if 0 < idx.numel() <= ROUTE_PREP_KERNEL_MAX_ASSIGN:
+        return route_prep_fused(idx, n_experts, block_m)
+    return route_prep_ref(idx, n_experts, block_m)
+
+
+def _n_blocks(n: int, n_experts: int, block_m: int) -> int:
+    """M-blocks of a sorted routing of n assignments: every expert's rows padded up to block_m add at most
+    one partial block per expert that has rows."""
+    return math.ceil(n / block_m) + min(n_experts, n)
+
+
+def route_prep_ref(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
+    """`route_prep` in torch device ops (the reference of `route_prep_fused`)."""
     n = idx.numel()
     dev = idx.device
     flat = idx.reshape(-1).to(torch.int64)                                          # [N_A]
@@ -631,12 +657,80 @@ def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
     start = torch.cumsum(counts, 0) - counts
     sorted_e, order = torch.sort(flat, stable=True)                                 # [N_A]
     dest = pad_start[sorted_e] + torch.arange(n, device=dev) - start[sorted_e]      # padded row
-    n_blocks = math.ceil(n / block_m) + min(n_experts, n)
+    n_blocks = _n_blocks(n, n_experts, block_m)
     ids = torch.full((n_blocks * block_m,), n, dtype=torch.int32, device=dev).scatter_(0, dest, order.to(torch.int32))
     inv = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, dest)
     block_rows = torch.arange(n_blocks, device=dev) * block_m
     bexp = torch.searchsorted(pad_end, block_rows, right=True)
     bexp = torch.where(bexp < n_experts, bexp, -1).to(torch.int32)
+    return Routing(ids, bexp, inv, n, block_m)
+
+
+# Legend: N assignments (flat idx, row-major over [T, K]), E experts (E_P the next power of two), BM block_m,
+# NB M-blocks (`_n_blocks`), C assignments per loop step. One program:
+#   1. counts[e] = #{a : idx[a] = e}                         (one-hot [C, E_P] sums over the chunks)
+#   2. padded = ⌈counts / BM⌉·BM;  pad_end = cumsum(padded);  pad_start = pad_end - padded
+#   3. bexp[b] = #{e < E : pad_end[e] <= b·BM}, -1 where that is E (searchsorted, right=True)
+#   4. ids[r] = N for every padded row r; then, a barrier later, for each assignment a in order:
+#      dest[a] = pad_start[idx[a]] + #{a' < a : idx[a'] = idx[a]}  (the stable sort's place among its expert's)
+#      ids[dest[a]] = a;  inv[a] = dest[a]
+# The earlier chunks' share of the rank is a running per-expert count (`seen`), the chunk's own a [C, C]
+# comparison. No host sync, a grid of one: capture-safe.
+@triton.jit
+def _route_prep_kernel(idx_ptr, ids_ptr, bexp_ptr, inv_ptr, N, E, NB,
+                       BM: tl.constexpr, C: tl.constexpr, E_P: tl.constexpr, PDL: tl.constexpr = False):
+    U.pdl_wait(PDL)
+    ex = tl.arange(0, E_P)
+    c = tl.arange(0, C)
+    counts = tl.zeros((E_P,), dtype=tl.int32)
+    for a0 in range(0, N, C):
+        a = a0 + c
+        ea = tl.load(idx_ptr + a, mask=a < N, other=-1).to(tl.int32)
+        counts += tl.sum((ea[:, None] == ex[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    for b0 in range(0, NB, C):
+        b = b0 + c
+        below = (pad_end[None, :] <= (b * BM)[:, None]) & (ex[None, :] < E)          # [C, E_P]
+        owner = tl.sum(below.to(tl.int32), axis=1)
+        tl.store(bexp_ptr + b, tl.where(owner < E, owner, -1), mask=b < NB)
+    for r0 in range(0, NB * BM, C):
+        r = r0 + c
+        tl.store(ids_ptr + r, tl.full((C,), 0, tl.int32) + N, mask=r < NB * BM)
+    tl.debug_barrier()  # the padding fills land before the scatter below overwrites the real rows
+    seen = tl.zeros((E_P,), dtype=tl.int32)
+    before = c[None, :] < c[:, None]                                                  # [C(a), C(a')]: a' first
+    for a0 in range(0, N, C):
+        a = a0 + c
+        ok = a < N
+        ea = tl.load(idx_ptr + a, mask=ok, other=-1).to(tl.int32)
+        hot = ea[:, None] == ex[None, :]                                              # [C, E_P]
+        base = tl.sum(tl.where(hot, (pad_start + seen)[None, :], 0), axis=1)
+        rank = tl.sum(((ea[:, None] == ea[None, :]) & before).to(tl.int32), axis=1)
+        dest = base + rank
+        tl.store(inv_ptr + a, dest.to(tl.int64), mask=ok)
+        tl.store(ids_ptr + dest, a.to(tl.int32), mask=ok)
+        seen += tl.sum(hot.to(tl.int32), axis=0)
+
+
+def route_prep_fused(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
+    """`route_prep_ref`'s tensors from one launch of `_route_prep_kernel` (CPU tensors: the interpreter).
+    idx [T, K] integer, contiguous; block_m a power of two."""
+    _req(not idx.is_floating_point() and not idx.is_complex(), f"idx: expected an integer tensor, got {idx.dtype}")
+    _req(idx.is_contiguous(), "idx: expected a contiguous tensor (the kernel reads it flat)")
+    _req(n_experts >= 1, f"n_experts: expected >= 1, got {n_experts}")
+    _req(block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m: expected a power of two, got {block_m}")
+    n = idx.numel()
+    dev = idx.device
+    nb = _n_blocks(n, n_experts, block_m)
+    ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    bexp = torch.empty(nb, dtype=torch.int32, device=dev)
+    inv = torch.empty(n, dtype=torch.int64, device=dev)
+    if n:
+        _route_prep_kernel[(1,)](idx, ids, bexp, inv, n, n_experts, nb, BM=block_m, C=ROUTE_PREP_CHUNK,
+                                 E_P=triton.next_power_of_2(n_experts), num_warps=ROUTE_PREP_WARPS,
+                                 **U.pdl_launch(idx))
     return Routing(ids, bexp, inv, n, block_m)
 
 

@@ -110,6 +110,60 @@ def test_route_prep_invariants():
     assert set(bexp.tolist()) == {-1, 1, e - 2}                      # empty experts own no block
 
 
+# (T, K, E, block_m): Flash's top-6 of 256 at 1 / 64 / 256 tokens, experts not a power of two, more experts than
+# assignments, block_m 1 and 64, assignment counts around the kernel's chunk (ROUTE_PREP_CHUNK 64)
+ROUTE_SHAPES = [(1, 6, 256, 16), (64, 6, 256, 16), (256, 6, 256, 16), (45, 3, 7, 16), (3, 2, 300, 16),
+                (7, 4, 4, 1), (64, 6, 256, 64), (16, 4, 12, 32), (13, 5, 9, 16)]
+
+
+@pytest.mark.parametrize("case", ["random", "empty_experts", "one_expert_all", "repeated_ids"])
+@pytest.mark.parametrize("shape", ROUTE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_route_prep_fused_equals_the_torch_ops(shape, case):
+    """`route_prep_fused` (one Triton program, interpreted here) gives route_prep_ref's ids, M-block experts
+    and inverse rows exactly, for int64 and int32 ids."""
+    t, k, e, bm = shape
+    idx, _ = routing(case, t, k, e, seed=t + e)
+    for dt in (torch.int64, torch.int32):
+        want = M.route_prep_ref(idx.to(dt), e, bm)
+        got = M.route_prep_fused(idx.to(dt), e, bm)
+        assert torch.equal(got.ids, want.ids) and got.ids.dtype == torch.int32
+        assert torch.equal(got.block_expert, want.block_expert) and got.block_expert.dtype == torch.int32
+        assert torch.equal(got.inv, want.inv) and got.inv.dtype == torch.int64
+        assert (got.n_assign, got.block_m, got.direct) == (want.n_assign, want.block_m, False)
+
+
+def test_route_prep_takes_the_kernel_up_to_its_limit(monkeypatch):
+    """ROUTE_PREP_KERNEL_MAX_ASSIGN: route_prep launches the kernel up to that many assignments and the torch ops
+    above; moe_grouped's output is bit-identical either way."""
+    t, k, e, d, i = SHAPES["fp8_block"]
+    ex = M.Fp8BlockExperts.from_float(*float_weights(e, i, d))
+    x = inputs(t, d)
+    idx, weight = routing("random", t, k, e)
+    cfg = M.MoeKernelConfig(16, 64, 128, 4, 4)   # sorted routing at this size (not the direct path)
+    calls = []
+    real = M.route_prep_fused
+    monkeypatch.setattr(M, "route_prep_fused", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(M, "ROUTE_PREP_KERNEL_MAX_ASSIGN", 0)
+    y0 = M.moe_grouped(x, idx, weight, ex, LIMIT, config=cfg)
+    assert calls == []
+    monkeypatch.setattr(M, "ROUTE_PREP_KERNEL_MAX_ASSIGN", idx.numel())
+    y1 = M.moe_grouped(x, idx, weight, ex, LIMIT, config=cfg)
+    assert len(calls) == 1 and torch.equal(y1, y0)
+    monkeypatch.setattr(M, "ROUTE_PREP_KERNEL_MAX_ASSIGN", idx.numel() - 1)
+    M.route_prep(idx, e, 16)
+    assert len(calls) == 1
+
+
+def test_route_prep_fused_names_bad_arguments():
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="idx: expected an integer tensor"):
+        M.route_prep_fused(idx.float(), 4, 16)
+    with pytest.raises(ValueError, match="idx: expected a contiguous"):
+        M.route_prep_fused(torch.zeros(2, 4, dtype=torch.int64).t(), 4, 16)
+    with pytest.raises(ValueError, match="block_m: expected a power of two, got 12"):
+        M.route_prep_fused(idx, 4, 12)
+
+
 def test_custom_op_and_fake():
     t, k, e, d, i = SHAPES["nvfp4"]
     ex = M.Nvfp4Experts.from_float(*float_weights(e, i, d, seed=16))
@@ -352,3 +406,46 @@ def test_gpu_cuda_graph_capture(fmt):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, M.moe_grouped(x, idx, weight, ex, LIMIT)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+def test_gpu_route_prep_fused_equals_the_torch_ops_and_replays(t):
+    """On the device at Flash's top-6 of 256: the kernel's tensors equal route_prep_ref's, also from a captured
+    CUDA graph replayed with new ids (the case of a decode step)."""
+    e, k, bm = 256, 6, 16
+    idx = routing("random", t, k, e, seed=t)[0].cuda()
+    for dt in (torch.int64, torch.int32):
+        want, got = M.route_prep_ref(idx.to(dt), e, bm), M.route_prep_fused(idx.to(dt), e, bm)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.inv, want.inv)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        M.route_prep_fused(idx, e, bm)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = M.route_prep_fused(idx, e, bm)
+    for case in ("one_expert_all", "empty_experts", "repeated_ids"):
+        idx.copy_(routing(case, t, k, e, seed=3)[0].cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = M.route_prep_ref(idx, e, bm)
+        assert torch.equal(out.ids, want.ids) and torch.equal(out.block_expert, want.block_expert), case
+        assert torch.equal(out.inv, want.inv), case
+
+
+@pytest.mark.gpu
+def test_gpu_moe_grouped_with_the_route_prep_kernel_is_bit_identical(monkeypatch):
+    t, k, e, d, i = 64, 6, 32, 512, 384
+    ex = M.Fp8BlockExperts.from_float(*float_weights(e, i, d, device="cuda"))
+    x = inputs(t, d, device="cuda")
+    idx, weight = (v.cuda() for v in routing("random", t, k, e))
+    calls = []
+    real = M.route_prep_fused
+    monkeypatch.setattr(M, "route_prep_fused", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(M, "ROUTE_PREP_KERNEL_MAX_ASSIGN", 0)
+    y0 = M.moe_grouped(x, idx, weight, ex, LIMIT)
+    monkeypatch.setattr(M, "ROUTE_PREP_KERNEL_MAX_ASSIGN", 4096)
+    assert torch.equal(M.moe_grouped(x, idx, weight, ex, LIMIT), y0) and len(calls) == 1

@@ -376,7 +376,7 @@ def test_moe_experts_q_runs_on_cpu_and_route_prep_never_syncs():
     y = torch.ops.dsv4c.moe_experts_q(*args)
     ref = M.moe_grouped_ref(x, idx, wt, ex, 0.6)
     assert y.dtype == torch.bfloat16 and rel_err(y, ref) <= KERNEL_REL_ERR["nvfp4"]
-    assert host_sync_ops(M.route_prep, idx, 4, 16) == []
+    assert host_sync_ops(M.route_prep, idx, 4, 16) == [] and host_sync_ops(M.route_prep_fused, idx, 4, 16) == []
     assert host_sync_ops(M._dynamic_scale, x, None) == []
 
 
