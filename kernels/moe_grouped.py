@@ -667,7 +667,7 @@ def route_prep_ref(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
 
 
 # Legend: N assignments (flat idx, row-major over [T, K]), E experts (E_P the next power of two), BM block_m,
-# NB M-blocks (`_n_blocks`), C assignments per loop step. One program:
+# NB M-blocks (`_n_blocks`), C assignments per loop step (FILL padded rows per fill step). One program:
 #   1. counts[e] = #{a : idx[a] = e}                         (one-hot [C, E_P] sums over the chunks)
 #   2. padded = ⌈counts / BM⌉·BM;  pad_end = cumsum(padded);  pad_start = pad_end - padded
 #   3. bexp[b] = #{e < E : pad_end[e] <= b·BM}, -1 where that is E (searchsorted, right=True)
@@ -678,7 +678,8 @@ def route_prep_ref(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
 # comparison. No host sync, a grid of one: capture-safe.
 @triton.jit
 def _route_prep_kernel(idx_ptr, ids_ptr, bexp_ptr, inv_ptr, N, E, NB,
-                       BM: tl.constexpr, C: tl.constexpr, E_P: tl.constexpr, PDL: tl.constexpr = False):
+                       BM: tl.constexpr, C: tl.constexpr, E_P: tl.constexpr, FILL: tl.constexpr,
+                       PDL: tl.constexpr = False):
     U.pdl_wait(PDL)
     ex = tl.arange(0, E_P)
     c = tl.arange(0, C)
@@ -695,9 +696,10 @@ def _route_prep_kernel(idx_ptr, ids_ptr, bexp_ptr, inv_ptr, N, E, NB,
         below = (pad_end[None, :] <= (b * BM)[:, None]) & (ex[None, :] < E)          # [C, E_P]
         owner = tl.sum(below.to(tl.int32), axis=1)
         tl.store(bexp_ptr + b, tl.where(owner < E, owner, -1), mask=b < NB)
-    for r0 in range(0, NB * BM, C):
-        r = r0 + c
-        tl.store(ids_ptr + r, tl.full((C,), 0, tl.int32) + N, mask=r < NB * BM)
+    f = tl.arange(0, FILL)
+    for r0 in range(0, NB * BM, FILL):
+        r = r0 + f
+        tl.store(ids_ptr + r, tl.full((FILL,), 0, tl.int32) + N, mask=r < NB * BM)
     tl.debug_barrier()  # the padding fills land before the scatter below overwrites the real rows
     seen = tl.zeros((E_P,), dtype=tl.int32)
     before = c[None, :] < c[:, None]                                                  # [C(a), C(a')]: a' first
@@ -729,7 +731,7 @@ def route_prep_fused(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing
     inv = torch.empty(n, dtype=torch.int64, device=dev)
     if n:
         _route_prep_kernel[(1,)](idx, ids, bexp, inv, n, n_experts, nb, BM=block_m, C=ROUTE_PREP_CHUNK,
-                                 E_P=triton.next_power_of_2(n_experts), num_warps=ROUTE_PREP_WARPS,
+                                 E_P=triton.next_power_of_2(n_experts), FILL=1024, num_warps=ROUTE_PREP_WARPS,
                                  **U.pdl_launch(idx))
     return Routing(ids, bexp, inv, n, block_m)
 
