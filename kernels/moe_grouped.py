@@ -635,7 +635,7 @@ def route_prep(idx: torch.Tensor, n_experts: int, block_m: int) -> Routing:
     `route_prep_ref`'s torch ops. Both give the same tensors. idx [T, K] ints in [0, E) (not checked on
     device)."""
     if 0 < idx.numel() <= ROUTE_PREP_KERNEL_MAX_ASSIGN:
-        return route_prep_fused(idx, n_experts, block_m)
+        return route_prep_fused(idx.contiguous(), n_experts, block_m)
     return route_prep_ref(idx, n_experts, block_m)
 
 
