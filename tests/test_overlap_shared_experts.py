@@ -1,6 +1,6 @@
 """passes/overlap_shared_experts.py: each MoE layer's shared expert moved into a side-stream call placed
-after its router (or before it, FORK_BEFORE_ROUTER 1) and joined before the post-mix; outputs and cache writes bit-identical; the Session
-applies it to whole-step graphs only."""
+after its router (or before it, FORK_BEFORE_ROUTER 1) and joined before the post-mix; outputs and cache
+writes bit-identical; the Session applies it to whole-step graphs only."""
 from __future__ import annotations
 
 import json
