@@ -77,3 +77,26 @@ def bundle2_art(tmp_path_factory, worker_id):
         compile_checkpoint(bundle_cut(d / "ckpt", 2), d / "art", target="cpu", max_tokens=64, max_batch=8)
 
     return _shared(tmp_path_factory, worker_id, "bundle2", build)
+
+
+# ---- scheduling: the longest files first -----------------------------------------------------------
+# `-n 2 --dist loadfile` hands each worker whole files. xdist's default (--loadscope-reorder) queues files by
+# their number of tests, which put the few-test, minute-long integration files last, where one of them ran on
+# alone while the other worker sat idle. pyproject's addopts turn that reorder off, and this hook queues the
+# files below first, longest first (their seconds under `--durations=0` on a 2-core machine, 2026-12-07). The
+# figures only order the queue: a stale one costs time, never a result. Other files keep collection order.
+FILE_SECONDS = {
+    "test_mtp_quantized.py": 102, "test_bench_artifact.py": 94, "test_quantize_experts.py": 79,
+    "test_deterministic.py": 78, "test_compare_passes.py": 68, "test_bench_prefix_cache.py": 66,
+    "test_compile_session.py": 60, "test_kernels_moe_grouped.py": 57, "test_paged_session.py": 49,
+    "test_profile_step.py": 47, "test_speculative_compiled.py": 47, "test_kernels_moe_fp4_gemv.py": 46,
+    "test_kernels_v4_attention.py": 45, "test_kernels_batch_invariant.py": 43, "test_export_passes.py": 42,
+    "test_batched_prefill.py": 41, "test_speculative.py": 40, "test_fuse_hc.py": 37,
+    "test_kernels_moe_fp8_gemv.py": 36, "test_parallel_run.py": 35, "test_v4_model.py": 35,
+    "test_shard_dense_fp8.py": 35, "test_mtp_pipeline.py": 34, "test_serve.py": 32, "test_prefetch_weights.py": 29,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Stable sort by file: FILE_SECONDS' files first, longest first; a file's tests stay together and in order."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
