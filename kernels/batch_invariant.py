@@ -93,6 +93,11 @@ DECODE_STAGES = 4
 # the batch-invariant linears ran at about 150 TFLOP/s (run49). run51 (H100, 256 verify rows): dense GEMMs and
 # head 2.79 -> 2.06 ms with 4, the same bits (GPU test); batch 1 / 8 / 64 decode steps unchanged.
 DECODE_A_REG_MIN_GROUPS = 4
+# Token groups per decode-tile program above 64 rows (`decode_groups`): 4 (each weight tile read once per 64 rows)
+# or 8 (once per 128). Only the deterministic verify has more than 64 rows (batch 32 / 64 x (1 + k) tokens:
+# issue 23's weakest cells, where run51 put the batch-invariant linears and head at 2.06 ms of 256 verify rows,
+# four reads of every weight). Any count gives every row the same bits. 8 is not timed yet: run80.
+DECODE_MAX_GROUPS = 4
 SPLIT_PROGRAMS = 264  # bi_split's grid target at one M tile: 2 per SM of a 132-SM H100 / H200 (a constant, not
 SPLIT_MIN_STEPS = 4   # the device's count: the split fixes the bits); each split walks >= 4 DECODE_BLOCK_K steps
 GEMV_BLOCK_N = 64
@@ -166,7 +171,7 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     """Program (pid_m, pid_n, pid_s): the [BLOCK_M, BLOCK_N] output tile over K range pid_s (all of K when
     SPLIT = 1). SWAP (the decode tile) computes it as w_tile @ x_tile^T ([BLOCK_N, BLOCK_M]: weight rows fill
     the MMA's rows, the few token rows its columns) and transposes it: column j depends on token row j
-    alone, as row i of x_tile @ w_tile^T depends on row i alone. SWAP with GROUPS G (1, 2 or 4): the program
+    alone, as row i of x_tile @ w_tile^T depends on row i alone. SWAP with GROUPS G (1, 2, 4 or 8): the program
     owns G consecutive groups of BLOCK_M token rows and multiplies each K step's weight tile, loaded once,
     with each group as its own [BLOCK_N, BLOCK_M] product and accumulator: the same MMA and K walk as one
     group alone, so G changes how often a weight tile is read, not any row's sums. W_FP8: w is e4m3 with one
@@ -186,6 +191,10 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     acc_t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t4 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t5 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t6 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_t7 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
     if SPLIT > 1:
@@ -211,6 +220,15 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
                                     INTERPRET, W_FP8)
                 acc_t3 = _swap_step(acc_t3, b, sc, _x_tile(x_ptr, m + 3 * BLOCK_M, M, sxm, k0, k, K), F32,
                                     INTERPRET, W_FP8)
+            if GROUPS > 4:
+                acc_t4 = _swap_step(acc_t4, b, sc, _x_tile(x_ptr, m + 4 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+                acc_t5 = _swap_step(acc_t5, b, sc, _x_tile(x_ptr, m + 5 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+                acc_t6 = _swap_step(acc_t6, b, sc, _x_tile(x_ptr, m + 6 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
+                acc_t7 = _swap_step(acc_t7, b, sc, _x_tile(x_ptr, m + 7 * BLOCK_M, M, sxm, k0, k, K), F32,
+                                    INTERPRET, W_FP8)
         else:
             a = _x_tile(x_ptr, m, M, sxm, k0, k, K)
             if W_FP8:
@@ -226,6 +244,11 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
     if GROUPS > 2:
         _put_tile(tl.trans(acc_t2), m + 2 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
         _put_tile(tl.trans(acc_t3), m + 3 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+    if GROUPS > 4:
+        _put_tile(tl.trans(acc_t4), m + 4 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+        _put_tile(tl.trans(acc_t5), m + 5 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+        _put_tile(tl.trans(acc_t6), m + 6 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
+        _put_tile(tl.trans(acc_t7), m + 7 * BLOCK_M, n, M, N, y_ptr, sym, b_ptr, part_ptr, pid_s, HAS_BIAS, SPLIT)
     if SPLIT > 1:  # the last program of the tile adds the partials in split order, then the bias
         tl.debug_barrier()
         if last_split(cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT):
@@ -235,9 +258,13 @@ def _bi_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K: tl
 
 def decode_groups(m: int) -> int:
     """Token-row groups per program of the decode tile at M rows: 1 up to DECODE_BLOCK_T rows, 2 up to twice
-    that, else 4 (each weight tile read once per up to 64 rows instead of once per 16). Any count gives every
-    row the same bits (`_bi_matmul_kernel`), so it may follow M."""
-    return 1 if m <= DECODE_BLOCK_T else 2 if m <= 2 * DECODE_BLOCK_T else 4
+    that, 4 up to four times (each weight tile read once per up to 64 rows instead of once per 16), then
+    DECODE_MAX_GROUPS (4 or 8). Any count gives every row the same bits (`_bi_matmul_kernel`), so it may
+    follow M."""
+    if DECODE_MAX_GROUPS not in (4, 8):
+        raise ValueError(f"batch_invariant.DECODE_MAX_GROUPS: expected 4 or 8, got {DECODE_MAX_GROUPS}")
+    t = DECODE_BLOCK_T
+    return 1 if m <= t else 2 if m <= 2 * t else 4 if m <= 4 * t else DECODE_MAX_GROUPS
 
 
 def bi_split(n: int, k: int) -> int:

@@ -60,6 +60,34 @@ def test_bi_matmul_rows_do_not_depend_on_m(dtype, split, decode):
     assert (y32 - bi_matmul_ref(x, w, None, torch.float32)).abs().max() <= 1e-5 * y32.abs().max()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_tile_with_8_groups_gives_the_4_group_bits(fp8, monkeypatch):
+    """DECODE_MAX_GROUPS 8 (the verify's 65+ rows: each weight tile read once per 128 rows): 150 rows run as one
+    8-group program and a partly masked one; every row equals the 4-group launch's and its own launch alone."""
+    from dsv4c import quant as Q
+    from dsv4c.kernels import batch_invariant as bi
+
+    K, N = (256 if fp8 else 200), 70   # FP8: whole 128-column scale tiles
+    x = _rand(150, K, dtype=torch.bfloat16)
+    if fp8:
+        w_q, w_s = Q.quant_fp8_block(_rand(N, K, dtype=torch.float32, seed=1) * 0.05, scale_fmt="ue8m0")
+        mm = lambda a: bi_matmul_fp8(a, w_q, w_s, split=2, decode=True)  # noqa: E731
+    else:
+        w, b = _rand(N, K, dtype=torch.bfloat16, seed=1), _rand(N, dtype=torch.bfloat16, seed=2)
+        mm = lambda a: bi_matmul(a, w, b, split=2, decode=True)  # noqa: E731
+    assert bi.decode_groups(150) == 4
+    y4 = mm(x)
+    monkeypatch.setattr(bi, "DECODE_MAX_GROUPS", 8)
+    assert [bi.decode_groups(m) for m in (16, 32, 64, 65, 150)] == [1, 2, 4, 8, 8]
+    y8 = mm(x)
+    assert torch.equal(y8, y4)
+    for lo, hi in ((0, 1), (127, 129), (140, 150)):
+        assert torch.equal(mm(x[lo:hi]), y8[lo:hi])
+    monkeypatch.setattr(bi, "DECODE_MAX_GROUPS", 6)
+    with pytest.raises(ValueError, match="DECODE_MAX_GROUPS: expected 4 or 8, got 6"):
+        mm(x)
+
+
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("split, fmt", [(1, "ue8m0"), (2, "fp32")])
 def test_bi_matmul_fp8_rows_do_not_depend_on_m(split, fmt, decode):
@@ -395,7 +423,7 @@ _SM90_SCRIPT = textwrap.dedent(r'''
             ("fp32", 4, False, False, False, 1), ("bf16", 8, True, True, False, 1),
             ("fp32", 4, False, True, False, 1), ("bf16", 8, False, True, True, 1),
             ("bf16", 1, False, False, True, 1), ("bf16", 8, True, True, False, 4),
-            ("bf16", 8, False, True, True, 4)):
+            ("bf16", 8, False, True, True, 4), ("bf16", 8, True, True, False, 8)):
         types = {"x_ptr": f"*{dt}", "w_ptr": "*fp8e4nv" if fp8 else f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
                  "part_ptr": "*fp32", "cnt_ptr": "*i32", "ws_ptr": "*u8"}
         bm, bk, stages = (16, 128, 4 if dt == "bf16" else 2) if swap else (64, 64, 3)  # as bi_matmul launches
@@ -455,8 +483,8 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
     kernels under TRITON_INTERPRET=1), with and without a K split, the 64 x 64 tile and the decode tile:
     tensor-core MMAs for bf16 (fp32's IEEE products run on FMAs), a global atomic (the split's tile
     counter) only where the K is split, and the loads software-pipelined (cp.async); the FP8-weight variant
-    (`bi_matmul_fp8`) on both tiles too; the decode tile with 4 groups of token rows per program runs 4x the
-    MMAs of one group, all of one group's shape (m64n16k16: a row's products and K order as alone)."""
+    (`bi_matmul_fp8`) on both tiles too; the decode tile with 4 (8) groups of token rows per program runs 4x
+    (8x) the MMAs of one group, all of one group's shape (m64n16k16: a row's products and K order as alone)."""
     rows = run_sm90_script(tmp_path, _SM90_SCRIPT)
     n64, n16 = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" for n in (64, 16))
     assert rows == [["bf16", "1", "0", "0", "1", "1", "4", n64], ["bf16", "8", "0", "1", "1", "1", "4", n64],
@@ -465,4 +493,6 @@ def test_bi_matmul_compiles_for_sm90(tmp_path):
                     ["bf16+fp8", "1", "0", "0", "1", "1", "4", n64],
                     # the decode tile with 4 groups of token rows: 4x the MMAs, each of one group's shape
                     ["bf16", "8", "1", "1", "1", "1", "32", n16],
-                    ["bf16+fp8", "8", "1", "1", "1", "1", "32", n16]], rows
+                    ["bf16+fp8", "8", "1", "1", "1", "1", "32", n16],
+                    # 8 groups (DECODE_MAX_GROUPS 8): 8x the MMAs, the same shape
+                    ["bf16", "8", "1", "1", "1", "1", "64", n16]], rows
