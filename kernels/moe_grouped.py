@@ -623,7 +623,7 @@ def route_direct(idx: torch.Tensor, block_m: int) -> Routing:
 # µs a MoE layer between the router and the first expert GEMM at 64 tokens (run79's timeline, H100, the 2-layer
 # slice, 384 assignments). The kernel is one program; its work grows with assignments² / ROUTE_PREP_CHUNK, so
 # prefill-sized routings keep the ATen path. Off until timed on the device.
-ROUTE_PREP_KERNEL_MAX_ASSIGN = 0
+ROUTE_PREP_KERNEL_MAX_ASSIGN = 4096
 ROUTE_PREP_CHUNK = 64   # assignments per step of the kernel's loops
 ROUTE_PREP_WARPS = 8
 
