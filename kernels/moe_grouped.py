@@ -622,8 +622,10 @@ def route_direct(idx: torch.Tensor, block_m: int) -> Routing:
 # two cumsums, a stable radix sort, scatters, searchsorted, fills and copies), outside the step's PDL chain: 76-77
 # µs a MoE layer between the router and the first expert GEMM at 64 tokens (run79's timeline, H100, the 2-layer
 # slice, 384 assignments). The kernel is one program; its work grows with assignments² / ROUTE_PREP_CHUNK, so
-# prefill-sized routings keep the ATen path. Off until timed on the device.
-ROUTE_PREP_KERNEL_MAX_ASSIGN = 4096
+# prefill-sized routings keep the ATen path. run80 (H200, the 2-layer slice, FP8 block experts, GPU alone): the kernel
+# took batch 32 2.346 vs 2.441 / 2.445 ms and batch 64 3.202 vs 3.275 ms, 60 fewer launches a step. 2048 covers
+# the deterministic verify of 1 + 3 tokens at batch 64 (1536 assignments; not yet timed there).
+ROUTE_PREP_KERNEL_MAX_ASSIGN = 2048
 ROUTE_PREP_CHUNK = 64   # assignments per step of the kernel's loops
 ROUTE_PREP_WARPS = 8
 
