@@ -350,8 +350,16 @@ HC_BLOCK_K = 64
 HC_CHUNK = 128  # K per split-K program (a multiple of HC_BLOCK_K)
 HC_BLOCK_D = 512
 HC_FINISH_WARPS = 1
-HC_ROWS_MAX = 8  # tokens up to which the first launch is _hc_mix_rows_kernel
+# Tokens up to which hc_pre's first launch is _hc_mix_rows_kernel (one row a program, fn read once a row from L2),
+# above them the tiled _hc_mix_kernel. run81 (H200, a site: hc_post then hc_pre, Flash dims, CUDA graph, inputs
+# past twice the L2): the row kernel 15.6 / 22.9 / 34.3 µs at 16 / 32 / 64 tokens against the tile's 46.7 /
+# 41.7 / 52.5. run82 (H200, the 2-layer slice, FP8 block experts, GPU alone, interleaved): 64 against 8 took
+# batch 64 3.137 / 3.138 vs 3.208 / 3.209 ms, batch 32 2.306 / 2.301 vs 2.340 / 2.349.
+HC_ROWS_MAX = 64
 HC_ROWS_WARPS = 2
+# Tokens up to which hc_post_pre chains the pair (two launches): _hc_post_mix_kernel's programs load fn's tiles
+# once a token, so at many tokens hc_post then hc_pre's own launches read less.
+HC_CHAIN_MAX = 8
 # Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel; 16,
 # 32 or 64 the tiled `_hc_mix_kernel` with that BLOCK_M at every token count (its fp32 IEEE dot sums each row
 # alone, in one order for a fixed tile: batch-invariant). run60 (H100, the 2-layer slice's deterministic verify of
@@ -809,7 +817,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
                 chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D, y2: torch.Tensor | None = None):
     """One site's post-mix and the next site's pre-mix: X' = hc_post(y, X, post, comb, y2=y2), then
     (u, post', comb') = hc_pre(X', fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb').
-    `chained` (default: M <= HC_ROWS_MAX tokens, decode) takes two launches, `_hc_post_mix_kernel` (X' and
+    `chained` (default: M <= HC_CHAIN_MAX tokens, decode) takes two launches, `_hc_post_mix_kernel` (X' and
     the partials of z split by d-block) and hc_pre's fast finish; otherwise hc_post then hc_pre, as unfused
     (three launches). CPU tensors run under the Triton interpreter."""
     n, d = _check_post(y, X, post, comb, y2)
@@ -817,7 +825,7 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post_pre: block_d must be a power of two, got {block_d}")
     m = X.numel() // (n * d) if n * d else 0
-    if not (m <= HC_ROWS_MAX if chained is None else chained):
+    if not (m <= HC_CHAIN_MAX if chained is None else chained):
         x2 = hc_post(y, X, post, comb, y2=y2)
         return (x2, *hc_pre(x2, fn, base, scale, eps, hc_eps, iters))
     lead = X.shape[:-2]

@@ -15,9 +15,9 @@ After:
 
 Why it is valid: the op is defined as the pair, `HyperConnection.post` then `.pre` on its output (on the
 CPU it calls exactly those, bit-exact); X1 is still produced, so its other users are unchanged. On
-CUDA up to HC_ROWS_MAX tokens the chained kernel forms X1 in X's dtype and the pre's partial sums of z
+CUDA up to HC_CHAIN_MAX tokens the chained kernel forms X1 in X's dtype and the pre's partial sums of z
 from X1 as stored, split by d-block instead of by K chunk (fp32 sums in another order: a few ulp of z,
-as between hc_pre's own row and tile kernels; tests/test_fuse_hc_chain.py bounds it); from HC_ROWS_MAX
+as between hc_pre's own row and tile kernels; tests/test_fuse_hc_chain.py bounds it); above HC_CHAIN_MAX
 tokens it runs hc_post then hc_pre, unchanged. Deterministic graphs keep the pair: the op picks its path
 by token count, which make_batch_invariant would have to undo.
 

@@ -65,7 +65,7 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                                           "above",
                  "dsv4c.hc_pre": "kernels/mhc.py switches to the tiled mix kernel above HC_ROWS_MAX rows",
                  "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
-                 "dsv4c.hc_post_pre": "kernels/mhc.py chains the pair up to HC_ROWS_MAX rows only (fuse_hc_chain "
+                 "dsv4c.hc_post_pre": "kernels/mhc.py chains the pair up to HC_CHAIN_MAX rows only (fuse_hc_chain "
                                       "leaves deterministic graphs alone)",
                  "dsv4c.rms_norm": "kernels/norm.py picks its variant by the row count (EXACT_ROWS_MIN)",
                  "dsv4c.sinkhorn": "kernels/mhc.py picks its variant and tile by the matrix count",

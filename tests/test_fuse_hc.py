@@ -12,8 +12,8 @@ import torch
 from dsv4c import ModelConfig
 from dsv4c.export import GraphSpec, export_graph
 import dsv4c.kernels.mhc as mhc_mod
-from dsv4c.kernels.mhc import (_eager_z, hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn,
-                               sinkhorn_cuda_order, sinkhorn_ref)
+from dsv4c.kernels.mhc import (HC_ROWS_MAX, _eager_z, hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref,
+                               sinkhorn, sinkhorn_cuda_order, sinkhorn_ref)
 from dsv4c.kernels.norm import EXACT_ROWS_MIN, torch_cuda_row_sum
 from dsv4c.model import build_model, register_ops
 from dsv4c.model.v4 import HyperConnection
@@ -243,7 +243,8 @@ def test_the_token_count_picks_the_variant(monkeypatch):
     CPU are the model's functions."""
     rec = _Launches(monkeypatch)
     N, D = 4, 64
-    fast_pre = {1: "_hc_mix_rows_kernel", 64: "_hc_mix_kernel", EXACT_ROWS_MIN - 1: "_hc_mix_kernel"}
+    fast_pre = {1: "_hc_mix_rows_kernel", HC_ROWS_MAX: "_hc_mix_rows_kernel", HC_ROWS_MAX + 1: "_hc_mix_kernel",
+                EXACT_ROWS_MIN - 1: "_hc_mix_kernel"}
     for m, first in fast_pre.items():
         X, fn, base, scale = _site((m,), N, D, torch.bfloat16, seed=m)
         hc_pre(X, fn, base, scale, EPS, HC_EPS, ITERS)

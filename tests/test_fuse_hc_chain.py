@@ -10,7 +10,7 @@ import torch
 
 from dsv4c import ModelConfig
 import dsv4c.kernels.mhc as mhc_mod
-from dsv4c.kernels.mhc import HC_ROWS_MAX, hc_post_pre, hc_post_pre_ref
+from dsv4c.kernels.mhc import HC_CHAIN_MAX, hc_post_pre, hc_post_pre_ref
 from dsv4c.model import register_ops
 from dsv4c.passes import PassContext, run_pipeline, verify
 from dsv4c.passes.fuse_hc import fuse_hc
@@ -47,7 +47,7 @@ def _count(gm, op) -> int:
 @pytest.mark.parametrize("lead,n,d,dtype", [
     ((1, 1), 4, 256, torch.bfloat16),    # decode, batch 1: two d-blocks
     ((2, 3), 4, 200, torch.float32),     # verify-shaped; D not a multiple of the d-block
-    ((8, 1), 4, 64, torch.float16),      # HC_ROWS_MAX tokens
+    ((8, 1), 4, 64, torch.float16),      # HC_CHAIN_MAX tokens
     ((3, 1), 2, 40, torch.float32),      # N = 2
 ])
 def test_chained_kernel_equals_the_two_unchained_kernels(lead, n, d, dtype):
@@ -137,9 +137,9 @@ def test_the_token_count_picks_the_path(monkeypatch):
         calls.append(grid)
         return run
     monkeypatch.setattr(mhc_mod, "_hc_post_mix_kernel", type("K", (), {"__getitem__": lambda self, g: launch(g)})())
-    for m in (1, HC_ROWS_MAX, HC_ROWS_MAX + 1):
+    for m in (1, HC_CHAIN_MAX, HC_CHAIN_MAX + 1):
         hc_post_pre(*_case((m, 1), 4, 32, torch.float32, m), EPS, HC_EPS, ITERS)
-    assert [g[0] for g in calls] == [1, HC_ROWS_MAX]   # above HC_ROWS_MAX: hc_post then hc_pre
+    assert [g[0] for g in calls] == [1, HC_CHAIN_MAX]   # above HC_CHAIN_MAX: hc_post then hc_pre
     assert mhc_mod.HC_EARLY_FN_MAX_ROWS == 1 and early == [True, False]  # fn before the wait at one token only
 
 
