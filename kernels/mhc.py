@@ -357,12 +357,18 @@ HC_FINISH_WARPS = 1
 # batch 64 3.137 / 3.138 vs 3.208 / 3.209 ms, batch 32 2.306 / 2.301 vs 2.340 / 2.349.
 HC_ROWS_MAX = 64
 HC_ROWS_WARPS = 2
+# From HC_ROW_GROUP_MIN tokens the row kernel's programs take HC_ROW_GROUP rows each (the same bits: each row is
+# summed by the one-row code). At 64 tokens one row a program reads fn's 1.5 MB (Flash) from L2 64 times, about
+# 96 MB; 8 rows a program would read it 8 times. 1: one row a program (the tree's launch until timed).
+HC_ROW_GROUP = 1
+HC_ROW_GROUP_MIN = 16
 # Tokens up to which hc_post_pre chains the pair (two launches): _hc_post_mix_kernel's programs load fn's tiles
 # once a token, so at many tokens hc_post then hc_pre's own launches read less.
 HC_CHAIN_MAX = 8
-# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel; 16,
-# 32 or 64 the tiled `_hc_mix_kernel` with that BLOCK_M at every token count (its fp32 IEEE dot sums each row
-# alone, in one order for a fixed tile: batch-invariant). run60 (H100, the 2-layer slice's deterministic verify of
+# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel (2, 4
+# or 8: the row kernel with that many rows a program, the same bits); 16, 32 or 64 the tiled `_hc_mix_kernel` with
+# that BLOCK_M at every token count (its fp32 IEEE dot sums each row alone, in one order for a fixed tile:
+# batch-invariant). run81 (H200, one site alone at 64 tokens): the 16-row tile 49.7 µs, the row kernel 34.3. run60 (H100, the 2-layer slice's deterministic verify of
 # 1 + 3 tokens, FP8 block experts, GPU alone, interleaved): batch 64 8.201 / 8.184 ms with 16 against 8.279 /
 # 8.275 with the row kernel (313 µs of it), batch 8 3.428 vs 3.434 ms; run62: tests/test_deterministic.py -m gpu
 # passes with 16.
@@ -415,26 +421,32 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 @triton.jit
 def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 1,
+                        PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    # the same partials as _hc_mix_kernel, one token row per program and no tl.dot (few rows: the
-    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s
-    m, pid_s = tl.program_id(0), tl.program_id(1)
+    # the same partials as _hc_mix_kernel, one token row at a time and no tl.dot (few rows: the
+    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s.
+    # A program takes ROWS rows one after another, each with the one-row code (the same bits at any ROWS);
+    # its rows after the first find the chunk's fn tiles in L1, so fn leaves L2 once per ROWS rows.
+    pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, MIXP)
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((MIXP,), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k0 = pid_s * CHUNK
-    for k1 in range(0, CHUNK, BLOCK_K):
-        k = k0 + k1 + kk
-        x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-        wm = (j[:, None] < MIX) & (k[None, :] < K)
-        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
-        acc += tl.sum(w * x[None, :], axis=1)
-        ss += x * x
-    row = pid_s.to(tl.int64) * M + m
-    tl.store(zp_ptr + row * MIXP + j, acc)
-    tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
+    for i in tl.static_range(ROWS):
+        m = pid_r * ROWS + i
+        if m < M:
+            acc = tl.zeros((MIXP,), dtype=tl.float32)
+            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k1 in range(0, CHUNK, BLOCK_K):
+                k = k0 + k1 + kk
+                x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+                wm = (j[:, None] < MIX) & (k[None, :] < K)
+                w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
+                acc += tl.sum(w * x[None, :], axis=1)
+                ss += x * x
+            row = pid_s.to(tl.int64) * M + m
+            tl.store(zp_ptr + row * MIXP + j, acc)
+            tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
 
 
 @triton.jit
@@ -703,8 +715,9 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
     of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
     PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
-    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1: the row kernel;
-    16, 32, 64: the tiled one with that tile). CPU tensors run under the Triton interpreter."""
+    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1, 2, 4, 8: the row
+    kernel, each row summed alone, the same bits at any of them; 16, 32, 64: the tiled one with that tile).
+    CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     lead = X.shape[:-2]
     u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
@@ -719,14 +732,17 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
                   chunk: int, block_d: int, finish_warps: int | None, rows: bool | None, exact: bool | None,
                   eager_z: bool | None, row_block: int = 1) -> None:
     """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written).
-    `row_block` 16, 32 or 64 (with rows): the tiled first launch with that tile at any token count."""
+    `row_block` (with rows): 2, 4 or 8 the row kernel with that many rows a program, 16, 32 or 64 the tiled first
+    launch with that tile, at any token count; 1 (default) one row a program, or HC_ROW_GROUP of them from
+    HC_ROW_GROUP_MIN tokens."""
     n, d = X.shape[-2], X.shape[-1]
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"{name}: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"{name}: block_d must be a power of two, got {block_d}")
-    if row_block not in (1, 16, 32, 64):
-        raise ValueError(f"{name}: row_block must be 1, 16, 32 or 64 (a tl.dot tile), got {row_block}")
+    if row_block not in (1, 2, 4, 8, 16, 32, 64):
+        raise ValueError(f"{name}: row_block must be 1, 2, 4 or 8 (rows a program of the row kernel) or 16, 32 or "
+                         f"64 (a tl.dot tile), got {row_block}")
     x = X.contiguous()
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     m, k = x.numel() // (n * d) if n * d else 0, n * d
@@ -746,13 +762,15 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
         block_m = min(64, max(16, triton.next_power_of_2(m)))
         zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-        if use_rows and row_block > 1:  # the tiled launch with a fixed tile of row_block rows
+        if use_rows and row_block >= 16:  # the tiled launch with a fixed tile of row_block rows
             _hc_mix_kernel[(triton.cdiv(m, row_block), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                                 BLOCK_M=row_block, BLOCK_K=HC_BLOCK_K, num_warps=4,
                                                                 **pdl_launch(x))
         elif use_rows:
-            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
-                                             num_warps=HC_ROWS_WARPS, **pdl_launch(x))
+            group = row_block if row_block > 1 else HC_ROW_GROUP if m >= HC_ROW_GROUP_MIN else 1
+            _hc_mix_rows_kernel[(triton.cdiv(m, group), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
+                                                                 BLOCK_K=HC_BLOCK_K, ROWS=group,
+                                                                 num_warps=HC_ROWS_WARPS, **pdl_launch(x))
         else:
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                               BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4,
