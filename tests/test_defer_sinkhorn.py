@@ -292,3 +292,30 @@ def test_deferred_sinkhorn_on_cuda_at_flash_dims(m):
                             defer=True, early=True)
         assert (a[0].float() - b[0].float()).abs().max() <= 2 ** -6 * a[0].float().abs().max()
         assert (mhc.sinkhorn_ref(b[3], ITERS, HC_EPS) - a[3]).abs().max() <= 1e-4
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_deferred_h200_artifact_runs_on_cuda_and_equals_eager(deferring, tmp_path):
+    """v4-tiny-a compiled for h200 with the Sinkhorn deferred (fp32, reference experts, as
+    tests/test_compile_session.py's h200 test): its graphs hold the _c0 ops, the prefill logits are eager's
+    within 1e-4 and the greedy tokens of the CUDA-graph decode steps (the post-mix's early reads) are eager's."""
+    from dsv4c import load_model, write_random_checkpoint
+    from dsv4c.compile import compile_checkpoint
+    from dsv4c.model.generate import greedy
+    from dsv4c.runtime import Session
+
+    write_random_checkpoint(ModelConfig.preset("v4-tiny-a"), tmp_path / "ckpt", seed=3, dtype=torch.float32)
+    man = compile_checkpoint(tmp_path / "ckpt", tmp_path / "art", target="h200", max_tokens=64, max_batch=4,
+                             dtype=torch.float32, kernels={"moe_experts": "reference"})
+    passes = {p["name"]: p for p in man["graphs"]["decode"]["passes"]}
+    assert passes["defer_sinkhorn"]["stats"]["links"] >= 2
+    sess = Session.load(tmp_path / "art", device="cuda")
+    model = load_model(tmp_path / "ckpt").cuda()
+    ids = [5, 9, 17, 3, 44, 2, 7, 19, 23]
+    ref = model(torch.tensor([ids], device="cuda"))[0].float().cpu()
+    got = sess.logits(ids)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    prompts = [[5, 9, 17], [3, 44, 2, 7, 19, 23, 1, 8], [4], [6, 6, 6, 6, 6]]
+    for p, r in zip(prompts, sess.generate(prompts, max_new_tokens=5)):
+        assert r.tokens == greedy(model, torch.tensor([p], device="cuda"), 5)[0].tolist()
