@@ -48,9 +48,6 @@ class Target:
     # bytes of the next linears' weights a decode graph asks into L2 at the start of each run of small kernels
     # (passes/prefetch_weights.py); 0 (every target today, run64 measured a loss): none
     l2_prefetch_bytes: int = 0
-    # each mHC site's Sinkhorn in the post-mix that reads comb, before its PDL wait (passes/defer_sinkhorn.py);
-    # False (every target) until timed on the device
-    defer_sinkhorn: bool = False
 
     def to_dict(self) -> dict:
         return {"name": self.name, "device": self.device, "capability": self.capability,
@@ -58,7 +55,7 @@ class Target:
                 "kernels": dict(self.kernels), "buckets": list(self.buckets), "dtype": self.dtype,
                 "status": self.status, "expert_format_reason": self.expert_format_reason,
                 "expert_format_tokens": list(self.expert_format_tokens) if self.expert_format_tokens else None,
-                "l2_prefetch_bytes": self.l2_prefetch_bytes, "defer_sinkhorn": self.defer_sinkhorn}
+                "l2_prefetch_bytes": self.l2_prefetch_bytes}
 
 
 _REFERENCE = {op: "reference" for op in ("moe_experts", "v4_attention", "v4_compress", "v4_indexer_topk",

@@ -357,18 +357,12 @@ HC_FINISH_WARPS = 1
 # batch 64 3.137 / 3.138 vs 3.208 / 3.209 ms, batch 32 2.306 / 2.301 vs 2.340 / 2.349.
 HC_ROWS_MAX = 64
 HC_ROWS_WARPS = 2
-# From HC_ROW_GROUP_MIN tokens the row kernel's programs take HC_ROW_GROUP rows each (the same bits: each row is
-# summed by the one-row code). At 64 tokens one row a program reads fn's 1.5 MB (Flash) from L2 64 times, about
-# 96 MB; 8 rows a program would read it 8 times. 1: one row a program (the tree's launch until timed).
-HC_ROW_GROUP = 1
-HC_ROW_GROUP_MIN = 16
 # Tokens up to which hc_post_pre chains the pair (two launches): _hc_post_mix_kernel's programs load fn's tiles
 # once a token, so at many tokens hc_post then hc_pre's own launches read less.
 HC_CHAIN_MAX = 8
-# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel (2, 4
-# or 8: the row kernel with that many rows a program, the same bits); 16, 32 or 64 the tiled `_hc_mix_kernel` with
-# that BLOCK_M at every token count (its fp32 IEEE dot sums each row alone, in one order for a fixed tile:
-# batch-invariant). run81 (H200, one site alone at 64 tokens): the 16-row tile 49.7 µs, the row kernel 34.3. run60 (H100, the 2-layer slice's deterministic verify of
+# Token rows per program of the deterministic mode's first hc_pre launch (hc_pre_rows): 1 is the row kernel; 16,
+# 32 or 64 the tiled `_hc_mix_kernel` with that BLOCK_M at every token count (its fp32 IEEE dot sums each row
+# alone, in one order for a fixed tile: batch-invariant). run60 (H100, the 2-layer slice's deterministic verify of
 # 1 + 3 tokens, FP8 block experts, GPU alone, interleaved): batch 64 8.201 / 8.184 ms with 16 against 8.279 /
 # 8.275 with the row kernel (313 µs of it), batch 8 3.428 vs 3.434 ms; run62: tests/test_deterministic.py -m gpu
 # passes with 16.
@@ -421,32 +415,26 @@ def _hc_mix_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
 
 @triton.jit
 def _hc_mix_rows_kernel(x_ptr, fn_ptr, zp_ptr, ssp_ptr, M, K, MIX,
-                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 1,
-                        PDL: tl.constexpr = False):
+                        CHUNK: tl.constexpr, MIXP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    # the same partials as _hc_mix_kernel, one token row at a time and no tl.dot (few rows: the
-    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s.
-    # A program takes ROWS rows one after another, each with the one-row code (the same bits at any ROWS);
-    # its rows after the first find the chunk's fn tiles in L1, so fn leaves L2 once per ROWS rows.
-    pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+    # the same partials as _hc_mix_kernel, one token row per program and no tl.dot (few rows: the
+    # dot's 16-row minimum would waste 15/16 of it): zp[s, m, j] = Σ_k fn[j, k]·x[m, k] over chunk s
+    m, pid_s = tl.program_id(0), tl.program_id(1)
     j = tl.arange(0, MIXP)
     kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((MIXP,), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k0 = pid_s * CHUNK
-    for i in tl.static_range(ROWS):
-        m = pid_r * ROWS + i
-        if m < M:
-            acc = tl.zeros((MIXP,), dtype=tl.float32)
-            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k1 in range(0, CHUNK, BLOCK_K):
-                k = k0 + k1 + kk
-                x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
-                wm = (j[:, None] < MIX) & (k[None, :] < K)
-                w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
-                acc += tl.sum(w * x[None, :], axis=1)
-                ss += x * x
-            row = pid_s.to(tl.int64) * M + m
-            tl.store(zp_ptr + row * MIXP + j, acc)
-            tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
+    for k1 in range(0, CHUNK, BLOCK_K):
+        k = k0 + k1 + kk
+        x = tl.load(x_ptr + m.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
+        wm = (j[:, None] < MIX) & (k[None, :] < K)
+        w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + k[None, :], mask=wm, other=0.0)  # [MIXP, BLOCK_K]
+        acc += tl.sum(w * x[None, :], axis=1)
+        ss += x * x
+    row = pid_s.to(tl.int64) * M + m
+    tl.store(zp_ptr + row * MIXP + j, acc)
+    tl.store(ssp_ptr + row, tl.sum(ss, axis=0))
 
 
 @triton.jit
@@ -466,12 +454,10 @@ def _hc_sumsq_kernel(x_ptr, ssp_ptr, K, BW: tl.constexpr, YS: tl.constexpr, STEP
 
 @triton.jit
 def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps,
-                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr,
-                      SINKHORN: tl.constexpr = True):
+                      N: tl.constexpr, ITERS: tl.constexpr, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
     """hc_pre's finish, token pid_m: post = 2·sigmoid(s₁·z_post·r + b) and comb = Sinkhorn(s₂·z_comb·r + b)
     from the token's mix partials (rows zrow, valid where sm). EXACT: PyTorch's sigmoid and CUDA summation
-    orders (the exact finish kernel), else the fast ones. Without SINKHORN comb_ptr gets the logits
-    c0 = s₂·z_comb·r + b (the deferred Sinkhorn: the post-mix that reads them normalises them)."""
+    orders (the exact finish kernel), else the fast ones."""
     n = tl.arange(0, N)
     z_post = tl.sum(tl.load(zp_ptr + zrow[:, None] + N + n[None, :], mask=sm[:, None], other=0.0), axis=0) * r
     if EXACT:
@@ -486,26 +472,24 @@ def _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_p
     # warp, each Sinkhorn reduction then needs shared memory and barriers. Stored and loaded back,
     # the [N, N] tile gets the compact layout of a fresh load (H200: the launch 18.4 -> 6.1 us).
     tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, c0)
-    if SINKHORN:
-        tl.debug_barrier()
-        if EXACT and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
-            one = tl.arange(0, 1)[:, None]
-            _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+    tl.debug_barrier()
+    if EXACT and N == 4:  # PyTorch's CUDA summation orders (_sinkhorn4_io), in place
+        one = tl.arange(0, 1)[:, None]
+        _sinkhorn4_io(comb_ptr, comb_ptr, pid_m.to(tl.int64) * 16 + one, one < 1, hc_eps, ITERS, INTERPRET)
+    else:
+        c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
+        if EXACT:
+            comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
         else:
-            c0 = tl.load(comb_ptr + pid_m.to(tl.int64) * N * N + ij)
-            if EXACT:
-                comb = _sinkhorn_tile_exact(c0, hc_eps, ITERS, 0, 1, INTERPRET)
-            else:
-                comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
-            tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
+            comb = _sinkhorn_tile(c0, hc_eps, ITERS, 0, 1)
+        tl.store(comb_ptr + pid_m.to(tl.int64) * N * N + ij, comb)
 
 
 @triton.jit
 def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr,
                           M, D, S, inv_k, eps, hc_eps,
                           ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, SINKHORN: tl.constexpr = True,
-                          PDL: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, HEAD: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_P)
@@ -526,7 +510,7 @@ def _hc_pre_finish_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_ptr, po
 
     if not HEAD and pid_d == 0:  # HEAD (hc_head): z holds the N pre coefficients only
         _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
-                          False, False, SINKHORN)
+                          False, False)
 
 
 @triton.jit
@@ -534,7 +518,7 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
                                 M, D, S, inv_k, eps, hc_eps,
                                 ITERS: tl.constexpr, N: tl.constexpr, MIXP: tl.constexpr, S_P: tl.constexpr,
                                 BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, HEAD: tl.constexpr = False,
-                                SINKHORN: tl.constexpr = True, PDL: tl.constexpr = False):
+                                PDL: tl.constexpr = False):
     pdl_wait(PDL)
     # Launched without FMA contraction: every product and sum below is rounded once, as the eager
     # graph's separate ATen ops round them (s·z, + b, pre·X, the sum over the streams).
@@ -572,7 +556,7 @@ def _hc_pre_finish_exact_kernel(x_ptr, zp_ptr, ssp_ptr, base_ptr, scale_ptr, u_p
 
     if not HEAD and pid_d == 0:
         _finish_post_comb(zp_ptr, zrow, sm, r, scale_ptr, base_ptr, post_ptr, comb_ptr, pid_m, hc_eps, N, ITERS,
-                          True, INTERPRET, SINKHORN)
+                          True, INTERPRET)
 
 
 @triton.jit
@@ -587,30 +571,14 @@ def _load_y(y_ptr, y2_ptr, off, dm, HAS_Y2: tl.constexpr, RNE_BF16: tl.constexpr
 
 
 @triton.jit
-def _comb_tile(comb_ptr, tok, hc_eps, N: tl.constexpr, SK: tl.constexpr):
-    """[N(j), N(k)] fp32: with SK iterations comb = Sinkhorn(c0) of token `tok`'s logits at comb_ptr (the fast
-    finish's `_sinkhorn_tile` on a fresh load, as hc_pre's finish runs it); without (SK 0) zeros, unused."""
-    n = tl.arange(0, N)
-    if SK > 0:
-        c0 = tl.load(comb_ptr + tok * N * N + n[:, None] * N + n[None, :])
-        return _sinkhorn_tile(c0, hc_eps, SK, 0, 1)
-    else:
-        return tl.zeros((N, N), dtype=tl.float32)
-
-
-@triton.jit
 def _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_Y2: tl.constexpr, RNE_BF16: tl.constexpr, ct, SK: tl.constexpr):
-    """fp32 [N, BLOCK_D]: X'[k, d] = post_k·y[d] + Σ_j comb[j, k]·X[j, d] of token `tok` (0 where not dm); comb
-    from comb_ptr, or with SK the register tile ct (`_comb_tile`)."""
+               HAS_Y2: tl.constexpr, RNE_BF16: tl.constexpr):
+    """fp32 [N, BLOCK_D]: X'[k, d] = post_k·y[d] + Σ_j comb[j, k]·X[j, d] of token `tok` (0 where not dm)."""
     k = tl.arange(0, N)
     y = _load_y(y_ptr, y2_ptr, tok * D + d, dm, HAS_Y2, RNE_BF16)
     acc = tl.zeros((N, BLOCK_D), dtype=tl.float32)
     for jj in tl.static_range(N):
-        if SK > 0:
-            cj = tl.sum(tl.where(k[:, None] == jj, ct, 0.0), axis=0)  # row j of ct (adds zeros: exact)  [N(k)]
-        else:
-            cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
+        cj = tl.load(comb_ptr + tok * N * N + jj * N + k)  # comb[j, :]  [N(k)]
         xj = tl.load(x_ptr + tok * N * D + jj * D + d, mask=dm, other=0.0).to(tl.float32)
         acc += cj[:, None] * xj[None, :]
     p = tl.load(post_ptr + tok * N + k)
@@ -618,37 +586,27 @@ def _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N: tl.co
 
 
 @triton.jit
-def _hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, hc_eps, N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False,
-                    SK: tl.constexpr = 0, EARLY_SK: tl.constexpr = False, PDL: tl.constexpr = False):
-    # SK > 0: comb_ptr holds the logits c0, normalised here (`_comb_tile`); EARLY_SK: before the PDL wait, which
-    # is safe only where c0's writer ran at least two launches back (passes/defer_sinkhorn.py checks it)
-    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
-    tok = pid_m.to(tl.int64)
-    if EARLY_SK:
-        ct = _comb_tile(comb_ptr, tok, hc_eps, N, SK)
+def _hc_post_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
-    if not EARLY_SK:
-        ct = _comb_tile(comb_ptr, tok, hc_eps, N, SK)
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
-    out = _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D, HAS_Y2, RNE_BF16, ct,
-                     SK)
+    tok = pid_m.to(tl.int64)
+    out = _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D, HAS_Y2, RNE_BF16)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=dm[None, :])
 
 
 @triton.jit
 def _hc_post_mix_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, zp_ptr, ssp_ptr, M, D, MIX,
-                        hc_eps, N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EARLY_FN: tl.constexpr = False, HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False,
-                        SK: tl.constexpr = 0, EARLY_SK: tl.constexpr = False, PDL: tl.constexpr = False):
+                        N: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, EARLY_FN: tl.constexpr = False,
+                        HAS_Y2: tl.constexpr = False, RNE_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
     """hc_post and the first launch of the next site's hc_pre in one: the program's [N, BLOCK_D] slice of
     X' (as `_hc_post_kernel`), stored in X's dtype, then that slice's share of z and of Σ X'² over X' as
     stored: zp[pid_d, m, j] = Σ_{k, d in the slice} fn[j, k·D + d]·X'[k, d], ssp[pid_d, m] = Σ X'[k, d]².
-    These are hc_pre's partials split by d-block (S = ⌈D/BLOCK_D⌉) instead of by K chunk. SK, EARLY_SK: comb
-    as logits, normalised here, as in `_hc_post_kernel`."""
+    These are hc_pre's partials split by d-block (S = ⌈D/BLOCK_D⌉) instead of by K chunk."""
     pid_m, pid_d = tl.program_id(0), tl.program_id(1)
     k = tl.arange(0, N)
     j = tl.arange(0, MIXP)
@@ -659,13 +617,9 @@ def _hc_post_mix_kernel(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, fn_pt
         # [N, MIXP, BD] fn[j, k·D + d]
         w_all = tl.load(fn_ptr + j[None, :, None].to(tl.int64) * (N * D) + k[:, None, None] * D + d[None, None, :],
                         mask=(j[None, :, None] < MIX) & dm[None, None, :], other=0.0)
-    if EARLY_SK:
-        ct = _comb_tile(comb_ptr, tok, hc_eps, N, SK)
     pdl_wait(PDL)
-    if not EARLY_SK:
-        ct = _comb_tile(comb_ptr, tok, hc_eps, N, SK)
     xq = _post_tile(y_ptr, y2_ptr, x_ptr, post_ptr, comb_ptr, tok, d, dm, D, N, BLOCK_D, HAS_Y2,
-                    RNE_BF16, ct, SK).to(out_ptr.dtype.element_ty)
+                    RNE_BF16).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tok * N * D + k[:, None] * D + d[None, :], xq, mask=dm[None, :])
     xr = xq.to(tl.float32)                                                            # [N, BD], 0 where not dm
     if EARLY_FN:
@@ -739,11 +693,9 @@ def _check_pre(X, fn, base, scale, iters: int) -> tuple[int, int]:
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
            hc_eps: float, iters: int, chunk: int = HC_CHUNK, block_d: int = HC_BLOCK_D,
            finish_warps: int | None = None, rows: bool | None = None, exact: bool | None = None,
-           eager_z: bool | None = None, row_block: int = 1, defer: bool = False):
+           eager_z: bool | None = None, row_block: int = 1):
     """The mHC pre-mix of X [..., N, D] (fp32/bf16/fp16; fn [MIX, N·D], base [MIX], scale [3] fp32) ->
-    (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `defer`: the third
-    output is the logits c0 that comb = sinkhorn(c0, iters, hc_eps) normalises (the finish skips the Sinkhorn;
-    `hc_post(..., sinkhorn_iters=iters)` runs it). `chunk` (K
+    (u [..., D] in X's dtype, post [..., N] fp32, comb [..., N, N] fp32). Two launches. `chunk` (K
     per split-K program, a multiple of 64), `block_d` (a power of two) and `finish_warps` (of the
     second launch) are tuning knobs; `rows` picks the one-row-per-program first launch (default:
     M <= HC_ROWS_MAX tokens). `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True
@@ -751,35 +703,30 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `eager_z` (default: `exact` and not `rows`; only with `exact`) takes z from eager's own ops instead
     of the first launch: the fp32 copy of X, torch's linear (cuBLAS on CUDA) and the sum of squares in
     PyTorch's CUDA order (`_hc_sumsq_kernel`), so that z, and with it u, post and comb, round exactly as
-    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1, 2, 4, 8: the row
-    kernel, each row summed alone, the same bits at any of them; 16, 32, 64: the tiled one with that tile).
-    CPU tensors run under the Triton interpreter."""
+    eager's on CUDA. `row_block` (with `rows`): token rows per program of the first launch (1: the row kernel;
+    16, 32, 64: the tiled one with that tile). CPU tensors run under the Triton interpreter."""
     n, d = _check_pre(X, fn, base, scale, iters)
     lead = X.shape[:-2]
     u = torch.empty((*lead, d), dtype=X.dtype, device=X.device)
     post = torch.empty((*lead, n), dtype=torch.float32, device=X.device)
     comb = torch.empty((*lead, n, n), dtype=torch.float32, device=X.device)
     _pre_launches("hc_pre", X, fn, base, scale, (u, post, comb), (2 + n) * n, False, eps, hc_eps, iters, chunk,
-                  block_d, finish_warps, rows, exact, eager_z, row_block, defer)
+                  block_d, finish_warps, rows, exact, eager_z, row_block)
     return u, post, comb
 
 
 def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps: float, hc_eps: float, iters: int,
                   chunk: int, block_d: int, finish_warps: int | None, rows: bool | None, exact: bool | None,
-                  eager_z: bool | None, row_block: int = 1, defer: bool = False) -> None:
-    """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written);
-    `defer`: the logits c0 in comb's place.
-    `row_block` (with rows): 2, 4 or 8 the row kernel with that many rows a program, 16, 32 or 64 the tiled first
-    launch with that tile, at any token count; 1 (default) one row a program, or HC_ROW_GROUP of them from
-    HC_ROW_GROUP_MIN tokens."""
+                  eager_z: bool | None, row_block: int = 1) -> None:
+    """hc_pre's two launches (mix = (2 + N)·N), or hc_head's (`head`: mix = N, outs (u, u, u), u alone written).
+    `row_block` 16, 32 or 64 (with rows): the tiled first launch with that tile at any token count."""
     n, d = X.shape[-2], X.shape[-1]
     if chunk < HC_BLOCK_K or chunk % HC_BLOCK_K:
         raise ValueError(f"{name}: chunk must be a positive multiple of {HC_BLOCK_K}, got {chunk}")
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"{name}: block_d must be a power of two, got {block_d}")
-    if row_block not in (1, 2, 4, 8, 16, 32, 64):
-        raise ValueError(f"{name}: row_block must be 1, 2, 4 or 8 (rows a program of the row kernel) or 16, 32 or "
-                         f"64 (a tl.dot tile), got {row_block}")
+    if row_block not in (1, 16, 32, 64):
+        raise ValueError(f"{name}: row_block must be 1, 16, 32 or 64 (a tl.dot tile), got {row_block}")
     x = X.contiguous()
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     m, k = x.numel() // (n * d) if n * d else 0, n * d
@@ -799,21 +746,19 @@ def _pre_launches(name: str, X, fn, base, scale, outs, mix: int, head: bool, eps
         block_m = min(64, max(16, triton.next_power_of_2(m)))
         zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
         ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-        if use_rows and row_block >= 16:  # the tiled launch with a fixed tile of row_block rows
+        if use_rows and row_block > 1:  # the tiled launch with a fixed tile of row_block rows
             _hc_mix_kernel[(triton.cdiv(m, row_block), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                                 BLOCK_M=row_block, BLOCK_K=HC_BLOCK_K, num_warps=4,
                                                                 **pdl_launch(x))
         elif use_rows:
-            group = row_block if row_block > 1 else HC_ROW_GROUP if m >= HC_ROW_GROUP_MIN else 1
-            _hc_mix_rows_kernel[(triton.cdiv(m, group), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
-                                                                 BLOCK_K=HC_BLOCK_K, ROWS=group,
-                                                                 num_warps=HC_ROWS_WARPS, **pdl_launch(x))
+            _hc_mix_rows_kernel[(m, splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp, BLOCK_K=HC_BLOCK_K,
+                                             num_warps=HC_ROWS_WARPS, **pdl_launch(x))
         else:
             _hc_mix_kernel[(triton.cdiv(m, block_m), splits)](x, fn, zp, ssp, m, k, mix, CHUNK=chunk, MIXP=mixp,
                                                               BLOCK_M=block_m, BLOCK_K=HC_BLOCK_K, num_warps=4,
                                                               **pdl_launch(x))
     _finish(x, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, block_d, finish_warps, use_exact,
-            head=head, sinkhorn=not defer)
+            head=head)
 
 
 def _check_head(X, fn, base, scale) -> tuple[int, int]:
@@ -847,10 +792,9 @@ def hc_head_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 
 
 def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, hc_eps: float, iters: int,
-            block_d: int, finish_warps: int | None, exact: bool, head: bool = False, sinkhorn: bool = True) -> None:
+            block_d: int, finish_warps: int | None, exact: bool, head: bool = False) -> None:
     """hc_pre's second launch: x [M, N, D] contiguous, the partials zp [S, M, MIXP] / ssp [S, M] -> outs
-    (u [M, D], post [M, N], comb [M, N, N]); `head` (hc_head): u only, post and comb are not written; without
-    `sinkhorn` comb gets the logits c0."""
+    (u [M, D], post [M, N], comb [M, N, N]); `head` (hc_head): u only, post and comb are not written."""
     u, post, comb = outs
     n, d = x.shape[-2], x.shape[-1]
     m, k = x.numel() // (n * d), n * d
@@ -859,35 +803,31 @@ def _finish(x, zp, ssp, base, scale, outs, splits: int, mixp: int, eps: float, h
         _hc_pre_finish_exact_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd,
-            INTERPRET=interpret_flag(x), HEAD=head, SINKHORN=sinkhorn, num_warps=finish_warps or HC_FINISH_WARPS,
+            INTERPRET=interpret_flag(x), HEAD=head, num_warps=finish_warps or HC_FINISH_WARPS,
             enable_fp_fusion=False, **pdl_launch(x))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
         _hc_pre_finish_kernel[(m, triton.cdiv(d, bd))](
             x, zp, ssp, base, scale, u, post, comb, m, d, splits, 1.0 / k, float(eps), float(hc_eps),
             ITERS=int(iters), N=n, MIXP=mixp, S_P=triton.next_power_of_2(splits), BLOCK_D=bd, HEAD=head,
-            SINKHORN=sinkhorn, num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
+            num_warps=finish_warps or HC_FINISH_WARPS, **pdl_launch(x))
 
 
 def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float, iters: int,
-                chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D, y2: torch.Tensor | None = None,
-                c0_in: bool = False, defer: bool = False, early: bool = False):
+                chained: bool | None = None, block_d: int = HC_CHAIN_BLOCK_D, y2: torch.Tensor | None = None):
     """One site's post-mix and the next site's pre-mix: X' = hc_post(y, X, post, comb, y2=y2), then
     (u, post', comb') = hc_pre(X', fn, base, scale, eps, hc_eps, iters) -> (X', u, post', comb').
     `chained` (default: M <= HC_CHAIN_MAX tokens, decode) takes two launches, `_hc_post_mix_kernel` (X' and
     the partials of z split by d-block) and hc_pre's fast finish; otherwise hc_post then hc_pre, as unfused
-    (three launches). The deferred Sinkhorn (passes/defer_sinkhorn.py): `c0_in`, comb holds the previous
-    site's logits, normalised here (as hc_post's `sinkhorn_iters`, with this site's iters and hc_eps; `early`
-    as there); `defer`, comb' is this site's logits (as hc_pre's). CPU tensors run under the Triton
-    interpreter."""
+    (three launches). CPU tensors run under the Triton interpreter."""
     n, d = _check_post(y, X, post, comb, y2)
     _check_pre(X, fn, base, scale, iters)  # X' has X's shape and dtype
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post_pre: block_d must be a power of two, got {block_d}")
     m = X.numel() // (n * d) if n * d else 0
     if not (m <= HC_CHAIN_MAX if chained is None else chained):
-        x2 = hc_post(y, X, post, comb, y2=y2, sinkhorn_iters=iters if c0_in else 0, hc_eps=hc_eps, early=early)
-        return (x2, *hc_pre(x2, fn, base, scale, eps, hc_eps, iters, defer=defer))
+        x2 = hc_post(y, X, post, comb, y2=y2)
+        return (x2, *hc_pre(x2, fn, base, scale, eps, hc_eps, iters))
     lead = X.shape[:-2]
     x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
     has_y2, y2 = y2 is not None, y if y2 is None else y2.contiguous()  # without y2: y in its place, unread
@@ -902,12 +842,10 @@ def hc_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torc
     mixp, splits = max(16, triton.next_power_of_2(mix)), triton.cdiv(d, bd)
     zp = torch.empty((splits, m, mixp), dtype=torch.float32, device=X.device)
     ssp = torch.empty((splits, m), dtype=torch.float32, device=X.device)
-    _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, float(hc_eps), N=n, MIXP=mixp,
-                                     BLOCK_D=bd, EARLY_FN=m <= HC_EARLY_FN_MAX_ROWS, HAS_Y2=has_y2,
-                                     RNE_BF16=rne_bf16(y, y.dtype), SK=int(iters) if c0_in else 0,
-                                     EARLY_SK=bool(c0_in and early), num_warps=HC_ROWS_WARPS, **pdl_launch(x))
-    _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False,
-            sinkhorn=not defer)
+    _hc_post_mix_kernel[(m, splits)](y, y2, x, post, comb, x2, fn, zp, ssp, m, d, mix, N=n, MIXP=mixp, BLOCK_D=bd,
+                                     EARLY_FN=m <= HC_EARLY_FN_MAX_ROWS, HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
+                                     num_warps=HC_ROWS_WARPS, **pdl_launch(x))
+    _finish(x2, zp, ssp, base, scale, outs, splits, mixp, eps, hc_eps, iters, HC_BLOCK_D, None, False)
     return (x2, *outs)
 
 
@@ -954,24 +892,16 @@ def _check_post(y, X, post, comb, y2=None) -> tuple[int, int]:
 
 
 def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            block_d: int = HC_BLOCK_D, exact: bool | None = None, y2: torch.Tensor | None = None,
-            sinkhorn_iters: int = 0, hc_eps: float = 0.0, early: bool = False) -> torch.Tensor:
+            block_d: int = HC_BLOCK_D, exact: bool | None = None, y2: torch.Tensor | None = None) -> torch.Tensor:
     """The mHC post-mix: X'[..., k, :] = post[..., k]·y + Σ_j comb[..., j, k]·X[..., j, :], fp32 math,
     in X's dtype. y [..., D], X [..., N, D], post [..., N] fp32, comb [..., N, N] fp32. One launch.
     `y2` (y's shape and dtype): y is y + y2 rounded to y's dtype, the eager sum the kernel then reads
     (passes/fuse_moe_sum.py: the routed and shared experts' outputs).
     `exact` picks the variant (default: M >= EXACT_ROWS_MIN tokens): True `_hc_post_exact_kernel` (no
-    FMA contraction but eager's own), False `_hc_post_kernel`.
-    `sinkhorn_iters` > 0 (the deferred Sinkhorn, passes/defer_sinkhorn.py): comb holds the logits c0 and the
-    post-mix uses sinkhorn(c0, sinkhorn_iters, hc_eps): the fast kernel normalises each token's c0 in
-    registers (`_comb_tile`), before its PDL wait with `early` (only where c0's writer ran at least two
-    launches back: the pass's condition; with it the Sinkhorn overlaps the previous kernel); the exact
-    variant launches `sinkhorn` first (its own variant by the matrix count)."""
+    FMA contraction but eager's own), False `_hc_post_kernel`."""
     n, d = _check_post(y, X, post, comb, y2)
     if block_d < 1 or block_d & (block_d - 1):
         raise ValueError(f"hc_post: block_d must be a power of two, got {block_d}")
-    if sinkhorn_iters < 0:
-        raise ValueError(f"hc_post: sinkhorn_iters must be >= 0, got {sinkhorn_iters}")
     x, y, post, comb = X.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous()
     has_y2, y2 = y2 is not None, y if y2 is None else y2.contiguous()  # without y2: y in its place, unread
     out = torch.empty_like(x)
@@ -980,16 +910,13 @@ def hc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
         return out
     bd = min(block_d, triton.next_power_of_2(d))
     if m >= EXACT_ROWS_MIN if exact is None else exact:
-        if sinkhorn_iters:
-            comb = sinkhorn(comb, sinkhorn_iters, hc_eps)
         _hc_post_exact_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd,
                                                        HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype),
                                                        num_warps=4 if n * bd >= 1024 else 1, enable_fp_fusion=False,
                                                        **pdl_launch(y))
     else:  # decode-sized: the kernel and launch of the tree's decode path before issue 22's re-land
-        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, float(hc_eps), N=n, BLOCK_D=bd,
-                                                 HAS_Y2=has_y2, RNE_BF16=rne_bf16(y, y.dtype), SK=int(sinkhorn_iters),
-                                                 EARLY_SK=bool(sinkhorn_iters and early),
+        _hc_post_kernel[(m, triton.cdiv(d, bd))](y, y2, x, post, comb, out, d, N=n, BLOCK_D=bd, HAS_Y2=has_y2,
+                                                 RNE_BF16=rne_bf16(y, y.dtype),
                                                  num_warps=4 if n * bd >= 1024 else 1, **pdl_launch(y))
     return out
 
@@ -1053,79 +980,6 @@ def hc_post_pre_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: t
 
 @hc_post_pre_op.register_fake
 def _hc_post_pre_fake(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2=None):
-    return (torch.empty_like(X), *_hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters))
-
-
-def hc_pre_c0_ref(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                  hc_eps: float, iters: int):
-    """The eager model's `HyperConnection.pre_logits` (the specification of `hc_pre(..., defer=True)`)."""
-    from dsv4c.model.v4 import HyperConnection
-
-    hc = SimpleNamespace(n=X.shape[-2], eps=eps, hc_eps=hc_eps, iters=iters)
-    return HyperConnection.pre_logits(hc, X, fn, base, scale)
-
-
-def hc_post_c0_ref(y, X, post, c0, iters: int, hc_eps: float, y2=None):
-    """The eager model's `HyperConnection.post` on comb = sinkhorn(c0, iters, hc_eps) (the specification of
-    `hc_post(..., sinkhorn_iters=iters)`)."""
-    return hc_post_ref(y, X, post, sinkhorn_ref(c0, iters, hc_eps), y2)
-
-
-# The deferred Sinkhorn's ops (passes/defer_sinkhorn.py): a site's pre-mix writes the logits c0 and the post-mix
-# that reads them runs the Sinkhorn, before its PDL wait where `early` (the Sinkhorn then leaves the step's
-# critical path: hc_pre's finish ends after post instead of after the 20-iteration Sinkhorn).
-
-
-@torch.library.custom_op("dsv4c::hc_pre_c0", mutates_args=())
-def hc_pre_c0_op(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
-                 hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`dsv4c::hc_pre` with the logits c0 as its third output instead of comb = sinkhorn(c0, iters, hc_eps).
-    CPU: the model's `pre_logits`."""
-    if X.device.type == "cpu":
-        _check_pre(X, fn, base, scale, iters)
-        return hc_pre_c0_ref(X, fn, base, scale, eps, hc_eps, iters)
-    return hc_pre(X, fn, base, scale, eps, hc_eps, iters, defer=True)
-
-
-@hc_pre_c0_op.register_fake
-def _hc_pre_c0_fake(X, fn, base, scale, eps, hc_eps, iters):
-    return _hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters)
-
-
-@torch.library.custom_op("dsv4c::hc_post_c0", mutates_args=())
-def hc_post_c0_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, c0: torch.Tensor, iters: int,
-                  hc_eps: float, early: bool, y2: torch.Tensor | None = None) -> torch.Tensor:
-    """`dsv4c::hc_post` on comb = sinkhorn(c0, iters, hc_eps), the Sinkhorn inside the post-mix (`hc_post`'s
-    `sinkhorn_iters`; `early`: before its PDL wait). CPU: the model's sinkhorn, then its post."""
-    if X.device.type == "cpu":
-        _check_post(y, X, post, c0, y2)
-        return hc_post_c0_ref(y, X, post, c0, iters, hc_eps, y2)
-    return hc_post(y, X, post, c0, y2=y2, sinkhorn_iters=iters, hc_eps=hc_eps, early=early)
-
-
-@hc_post_c0_op.register_fake
-def _hc_post_c0_fake(y, X, post, c0, iters, hc_eps, early, y2=None):
-    return torch.empty_like(X)
-
-
-@torch.library.custom_op("dsv4c::hc_post_pre_c0", mutates_args=())
-def hc_post_pre_c0_op(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                      base: torch.Tensor, scale: torch.Tensor, eps: float, hc_eps: float, iters: int, c0_in: bool,
-                      defer: bool, early: bool, y2: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`dsv4c::hc_post_pre` with `c0_in` (comb holds the previous site's logits, normalised in the post-mix;
-    `early` as hc_post_c0's) and `defer` (the fourth output is this site's logits). CPU: the model's functions."""
-    if X.device.type == "cpu":
-        _check_post(y, X, post, comb, y2)
-        _check_pre(X, fn, base, scale, iters)
-        x2 = hc_post_ref(y, X, post, sinkhorn_ref(comb, iters, hc_eps) if c0_in else comb, y2)
-        return (x2, *(hc_pre_c0_ref if defer else hc_pre_ref)(x2, fn, base, scale, eps, hc_eps, iters))
-    return hc_post_pre(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, y2=y2, c0_in=c0_in, defer=defer,
-                       early=early)
-
-
-@hc_post_pre_c0_op.register_fake
-def _hc_post_pre_c0_fake(y, X, post, comb, fn, base, scale, eps, hc_eps, iters, c0_in, defer, early, y2=None):
     return (torch.empty_like(X), *_hc_pre_fake(X, fn, base, scale, eps, hc_eps, iters))
 
 

@@ -60,7 +60,6 @@ def default_pipeline() -> list[tuple[str, Pass]]:
     """The lowering passes, in order. (The router split is not a rewrite of this graph: the runtime
     applies the plan `split_at_routers` makes of the final graph.)"""
     from dsv4c.passes.absorb_mla import absorb_mla
-    from dsv4c.passes.defer_sinkhorn import defer_sinkhorn
     from dsv4c.passes.fuse_hc import fuse_hc
     from dsv4c.passes.fuse_hc_chain import fuse_hc_chain
     from dsv4c.passes.fuse_moe_sum import fuse_moe_sum
@@ -86,7 +85,6 @@ def default_pipeline() -> list[tuple[str, Pass]]:
         ("fuse_hc", fuse_hc),
         ("fuse_hc_chain", fuse_hc_chain),  # a site's hc_post and the next site's hc_pre: one op
         ("fuse_moe_sum", fuse_moe_sum),  # routed + shared experts added in the post-mix that reads them
-        ("defer_sinkhorn", defer_sinkhorn),  # mHC's Sinkhorn in the post-mix (Target.defer_sinkhorn; off today)
         ("fuse_rmsnorm", fuse_rmsnorm),
         ("fuse_rope", fuse_rope),
         ("fuse_rope_angles", fuse_rope_angles),

@@ -67,10 +67,6 @@ _UNSAFE_DSV4C = {"dsv4c.moe_experts": "per-expert cuBLAS GEMMs sized by the toke
                  "dsv4c.hc_post": "kernels/mhc.py picks its variant by the token count (EXACT_ROWS_MIN)",
                  "dsv4c.hc_post_pre": "kernels/mhc.py chains the pair up to HC_CHAIN_MAX rows only (fuse_hc_chain "
                                       "leaves deterministic graphs alone)",
-                 "dsv4c.hc_pre_c0": "kernels/mhc.py: as dsv4c.hc_pre (defer_sinkhorn leaves deterministic graphs "
-                                    "alone)",
-                 "dsv4c.hc_post_c0": "kernels/mhc.py: as dsv4c.hc_post",
-                 "dsv4c.hc_post_pre_c0": "kernels/mhc.py: as dsv4c.hc_post_pre",
                  "dsv4c.rms_norm": "kernels/norm.py picks its variant by the row count (EXACT_ROWS_MIN)",
                  "dsv4c.sinkhorn": "kernels/mhc.py picks its variant and tile by the matrix count",
                  "dsv4c.grouped_linear": "kernels/grouped_linear.py runs the einsum above MAX_M rows",

@@ -103,9 +103,6 @@ OP_CAPTURE: dict[str, str | None] = {
     "dsv4c.hc_post": None,
     "dsv4c.hc_head": None,  # passes/fuse_hc.py: hc_pre's launches
     "dsv4c.hc_post_pre": None,  # passes/fuse_hc_chain.py: two or three of the same launches
-    "dsv4c.hc_pre_c0": None,  # passes/defer_sinkhorn.py: the same launches, the Sinkhorn moved to the post-mix
-    "dsv4c.hc_post_c0": None,
-    "dsv4c.hc_post_pre_c0": None,
     "dsv4c.rms_norm": None,
     "dsv4c.rope_interleaved": None,
     "dsv4c.rope_angles": None,  # kernels/rope_angles.py (passes/fuse_rope_angles.py): one Triton launch

@@ -105,7 +105,7 @@ _SM90_SCRIPT = textwrap.dedent('''
     f32 = {nm: "*fp32" for nm in ("zp_ptr", "ssp_ptr", "fn_ptr", "post_ptr", "comb_ptr", "base_ptr", "scale_ptr")}
     bf = {"x_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16", "out_ptr": "*bf16", "u_ptr": "*bf16"}
     for early in (False, True):
-        c = dict(N=4, MIXP=32, BLOCK_D=32, EARLY_FN=early, SK=0, EARLY_SK=False, PDL=True)
+        c = dict(N=4, MIXP=32, BLOCK_D=32, EARLY_FN=early, PDL=True)
         print("kernel post_mix", int(early), build(mhc._hc_post_mix_kernel, {**f32, **bf}, c, 2))
 ''')
 

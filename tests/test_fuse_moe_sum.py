@@ -181,7 +181,7 @@ _SM90_SCRIPT = textwrap.dedent('''
     def loads(fn, consts):
         """(global loads, loads before the PDL wait) in fn's sm_90 PTX, bf16 streams."""
         names = list(fn.arg_names)
-        types = {**{nm: "*bf16" for nm in ("x_ptr", "y_ptr", "y2_ptr", "out_ptr")}, "hc_eps": "fp32"}
+        types = {nm: "*bf16" for nm in ("x_ptr", "y_ptr", "y2_ptr", "out_ptr")}
         sig = {nm: "constexpr" if nm in consts else types.get(nm, "*fp32" if nm.endswith("_ptr") else "i32")
                for nm in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names) if nm.endswith("_ptr")}
@@ -191,8 +191,8 @@ _SM90_SCRIPT = textwrap.dedent('''
         body = ptx[ptx.index(".entry"):]
         return body.count("ld.global"), body[:body.index("griddepcontrol.wait")].count("ld.global")
 
-    for name, extra in (("_hc_post_kernel", dict(SK=0, EARLY_SK=False)), ("_hc_post_exact_kernel", {}),
-                        ("_hc_post_mix_kernel", dict(MIXP=32, EARLY_FN=True, SK=0, EARLY_SK=False))):
+    for name, extra in (("_hc_post_kernel", {}), ("_hc_post_exact_kernel", {}),
+                        ("_hc_post_mix_kernel", dict(MIXP=32, EARLY_FN=True))):
         for y2 in (False, True):
             c = dict(N=4, BLOCK_D=32, HAS_Y2=y2, RNE_BF16=False, PDL=True, **extra)
             print("kernel", name, int(y2), *loads(getattr(mhc, name), c))

@@ -14,7 +14,6 @@ KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 EARLY_READS = {("moe_fp4_gemv.py", "_gemv13_kernel"), ("moe_fp4_gemv.py", "_gemv2_kernel"),
                ("moe_fp8_gemv.py", "_gemv13_kernel"), ("moe_fp8_gemv.py", "_gemv2_kernel"),
                ("mhc.py", "_hc_post_mix_kernel"),
-               ("mhc.py", "_hc_post_kernel"),  # with EARLY_SK: the Sinkhorn logits c0, written two launches back
                ("l2_prefetch.py", "_prefetch_kernel")}  # its L2 prefetches of weights (its dry run's records: PDL off)
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_max", "atomic_min", "atomic_cas", "atomic_xchg"}
 

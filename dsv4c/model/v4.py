@@ -101,20 +101,15 @@ class HyperConnection(nn.Module):
 
     def pre(self, X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """X [B, T, N, D] -> block input u [B, T, D], post [B, T, N], comb [B, T, N, N]."""
-        u, post, c0 = HyperConnection.pre_logits(self, X, fn, base, scale)
-        return u, post, sinkhorn(c0, self.iters, self.hc_eps)
-
-    def pre_logits(self, X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
-        """`pre` before the Sinkhorn: u [B, T, D], post [B, T, N] and the mixing logits c0 [B, T, N, N] that
-        comb = sinkhorn(c0, iters, hc_eps) normalises."""
         N = self.n
         z = hc_project(X, fn, self.eps)
         b, s = base.float(), scale.float()
         pre = torch.sigmoid(s[0] * z[..., :N] + b[:N]) + self.hc_eps
         post = 2 * torch.sigmoid(s[1] * z[..., N : 2 * N] + b[N : 2 * N])
         c0 = s[2] * z[..., 2 * N :] + b[2 * N :]
+        comb = sinkhorn(c0.unflatten(-1, (N, N)), self.iters, self.hc_eps)
         u = (pre[..., None] * X.float()).sum(-2)
-        return u.to(X.dtype), post, c0.unflatten(-1, (N, N))
+        return u.to(X.dtype), post, comb
 
     @staticmethod
     def post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

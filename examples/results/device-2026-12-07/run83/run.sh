@@ -1,3 +1,4 @@
+# Not run: run85 took its HC_ROW_GROUP A/B (within the spread), and the forty-second session removed HC_ROW_GROUP and row_block.
 # run83 (any GPU, about 9 min; written in the forty-first session, not yet run): the mHC row kernel with several rows
 # a program (`mhc.HC_ROW_GROUP`, 1 in the tree: at 64 tokens one row a program reads fn's 1.5 MB from L2 64 times)
 # and the deterministic verify's pieces that run80 could not reach.

@@ -1,3 +1,4 @@
+# Ran in the forty-second session (run84_out/): within the spread; defer_sinkhorn was then removed, so this script and defer.py no longer run on the tree.
 # run84 (any GPU, about 8 min; written in the forty-first session, not yet run): the deferred mHC Sinkhorn
 # (passes/defer_sinkhorn.py, `Target.defer_sinkhorn`, off on every target): each site's Sinkhorn runs in the post-mix
 # that reads comb, before its PDL wait, instead of at the end of the pre-mix's finish (run72's batch-1 timeline: the
