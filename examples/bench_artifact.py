@@ -374,22 +374,26 @@ def main(argv=None) -> int:
 
 
 @torch.no_grad()
-def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev, check: tuple) -> tuple[list, dict]:
+def step_breakdown(art: Path, batches: list[int], prompt: int, steps: int, dev,
+                   check: tuple | None) -> tuple[list, dict | None]:
     """Where a Session decode step's time goes (full graphs), from CUDA events recorded without
     synchronising: `step` is the interval between consecutive decode steps' ends (what `dsv4c bench`
     reports), `replay` the CUDA graph's own span (the GPU's work; with the steps queued back to back
-    nothing else delays it). step - replay is the time the GPU waits for the host per step. Also: the
-    Session's last-position logits and 8 greedy tokens for `check`'s prompt against the eager model's."""
+    nothing else delays it). step - replay is what each step runs outside its graph (input copies, the
+    sampler, the token copy) and any wait for the host. Also (unless `check` is None): the Session's
+    last-position logits and 8 greedy tokens for `check`'s prompt against the eager model's."""
     from dsv4c.runtime import Session
 
     sess = Session.load(art, device=dev, graphs="full")
-    ids, ref_logits, ref_tokens = check[:3]
-    got = sess.logits(ids)[-1]
-    tokens = sess.generate([ids], max_new_tokens=len(ref_tokens))[0].tokens
-    vs_eager = {"prompt_len": len(ids), "logits_rel_err": ((got - ref_logits).norm() / ref_logits.norm()).item(),
-                "argmax_equal": int(got.argmax()) == int(ref_logits.argmax()),
-                "greedy_tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens)), "of": len(ref_tokens)}
-    print(f"artifact vs eager: {vs_eager}", flush=True)
+    vs_eager = None
+    if check is not None:
+        ids, ref_logits, ref_tokens = check[:3]
+        got = sess.logits(ids)[-1]
+        tokens = sess.generate([ids], max_new_tokens=len(ref_tokens))[0].tokens
+        vs_eager = {"prompt_len": len(ids), "logits_rel_err": ((got - ref_logits).norm() / ref_logits.norm()).item(),
+                    "argmax_equal": int(got.argmax()) == int(ref_logits.argmax()),
+                    "greedy_tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens)), "of": len(ref_tokens)}
+        print(f"artifact vs eager: {vs_eager}", flush=True)
     ex = sess.executors["decode"]
     marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 

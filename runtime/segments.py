@@ -29,7 +29,13 @@ slot of row 0; any slot works because nothing is written), token ids 0. Dynamic 
 experts) get only the real tokens (the first B·T rows), so padded rows reach no expert and stay out
 of the tokens-per-expert counts; their outputs are padded back with zeros. (A dynamic segment that a
 target makes capturable is captured like the others and then sees all b rows.) Graph outputs are
-sliced to the B real rows and copied out of the static buffers.
+sliced to the B real rows and copied out of the static buffers (`run(..., copy_outputs=False)`: views of
+them, valid until the next run).
+
+Staged inputs: a caller may write a step's slots / pos0 / n_real into the static buffers itself, in one
+copy (`meta_staging`: the three share one [3, Bmax] block, so one pinned host-to-device copy of its values
+fills every row, padding included), and pass the block's rows as those inputs: `run` then copies nothing
+for them. runtime/session.py's decode steps do, which saves a step three device copies.
 
 Capture writes nothing to the caches: the capture pass runs on representative inputs (random token
 ids, small distinct positions, the bucket's rows all treated as real for the experts) with
@@ -54,6 +60,7 @@ from dsv4c.passes.split_at_routers import SegmentPlan
 from dsv4c.targets import DEFAULT_BUCKETS
 
 MODES = ("eager", "graphs", "emulate", "full", "full-emulate")
+META_INPUTS = ("slots", "pos0", "n_real")  # the rows of the staged block (`SegmentExecutor.meta_staging`)
 
 
 @dataclass
@@ -142,6 +149,7 @@ class SegmentExecutor:
         self._parse()
         self._bucket_state: dict[int, _Bucket] = {}
         self._flat_bufs: dict[int, torch.Tensor] = {}
+        self._meta_block: torch.Tensor | None = None  # [3, Bmax] int64: the META_INPUTS' buffers, one per row
         self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches/weights captured against
         self._captured_all = False
         self._fast_flatten: bool | None = None  # decided on the first call (`_flatten`)
@@ -149,8 +157,10 @@ class SegmentExecutor:
 
     # ---- public ------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, *args):
-        """Same call and result as `split_gm(*args)` (the outputs are fresh tensors)."""
+    def run(self, *args, copy_outputs: bool = True):
+        """Same call and result as `split_gm(*args)` (the outputs are fresh tensors; with `copy_outputs=False`
+        the bucketed path returns views of its static outputs, which the next run overwrites: for a caller
+        that consumes them in stream order first)."""
         self.stats["runs"] += 1
         if self.mode == "eager":
             return self.gm(*args)
@@ -180,7 +190,8 @@ class SegmentExecutor:
         for v, n in zip(self.plan.graph_outputs, self._out_nodes):
             t = env[n]
             if isinstance(t, torch.Tensor) and v.rows in ("batch", "tokens"):
-                t = t[: B if v.rows == "batch" else B * self.T].clone()
+                t = t[: B if v.rows == "batch" else B * self.T]
+                t = t.clone() if copy_outputs else t
             outs.append(t)
         return self._unflatten(outs)
 
@@ -214,9 +225,15 @@ class SegmentExecutor:
         flat = self._flatten(args)
         self._externals = {i: flat[i].data_ptr() for i in self._cache_idx}
         Bmax = max(self.buckets)
+        meta = self._meta_rows(flat)
+        if meta:
+            self._meta_block = torch.zeros((len(META_INPUTS), Bmax), dtype=torch.int64, device=self.device)
         for i in self._padded_idx:
             x = flat[i]
-            buf = torch.zeros((Bmax, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            if i in meta:
+                buf = self._meta_block[meta[i]]
+            else:
+                buf = torch.zeros((Bmax, *x.shape[1:]), dtype=x.dtype, device=x.device)
             self._flat_bufs[i] = buf
             self.stats["static_buffer_bytes"] += buf.numel() * buf.element_size()
         if self.cuda_graphs:
@@ -226,6 +243,29 @@ class SegmentExecutor:
             self._capture_bucket(b, flat)
         self.stats["capture_s"] = time.perf_counter() - t_all
         self._captured_all = True
+
+    def meta_staging(self, slots: list[int], pos0: list[int], n_real: list[int]
+                     ) -> tuple[torch.Tensor, list[int]] | None:
+        """For a caller that writes a step's slots / pos0 / n_real (B rows each) into the static buffers itself:
+        the block [3, Bmax] int64 (rows `META_INPUTS`) and the 3·Bmax values to write into it, each row's real
+        values followed by the padding `_fill_inputs` would set (pad_slot or slots[0]; 0; 0). Pass
+        `block[j, :B]` as the three inputs: `run` copies and pads nothing for them. None before the first run
+        captured the buckets, when the graph's inputs are not three int64 rows, or when B rows have no
+        bucket (the eager fallback takes its inputs as they are)."""
+        B = len(slots)
+        if self._meta_block is None or not 0 < B <= max(self.buckets) or B * self.T > self.max_tokens:
+            return None
+        pad = [0] * (self._meta_block.shape[1] - B)
+        pad_slot = slots[0] if self.pad_slot is None else self.pad_slot
+        return self._meta_block, [*slots, *[pad_slot] * len(pad), *pos0, *pad, *n_real, *pad]
+
+    def _meta_rows(self, flat) -> dict[int, int]:
+        """flat index -> row of the staged block for the META_INPUTS, when the graph takes all three as
+        int64 [B] (decode / verify / MTP graphs); else {}."""
+        rows = {i: META_INPUTS.index(self._placeholders[i].name) for i in self._padded_idx
+                if self._placeholders[i].name in META_INPUTS}
+        ok = len(rows) == len(META_INPUTS) and all(flat[i].dim() == 1 and flat[i].dtype == torch.int64 for i in rows)
+        return rows if ok else {}
 
     # ---- setup --------------------------------------------------------------------------------
     def _check_device(self) -> None:
@@ -287,10 +327,13 @@ class SegmentExecutor:
                                    f"with (data_ptr changed); caches and weights must keep their addresses")
 
     def _fill_inputs(self, st: _Bucket, flat, B: int) -> None:
-        """Copy the real rows into the static buffers and set the padded rows."""
+        """Copy the real rows into the static buffers and set the padded rows (an input that is its buffer's
+        own first B rows, staged by the caller through `meta_staging`, is neither copied nor padded)."""
         b = st.size
         for i in self._padded_idx:
             view, x = st.flat_views[i], flat[i]
+            if self._staged(view, x, B):
+                continue
             view[:B].copy_(x)
             if B < b:
                 name = self._placeholders[i].name
@@ -301,6 +344,13 @@ class SegmentExecutor:
                         view[B:].fill_(self.pad_slot)
                 else:  # n_real = 0 (write nothing), pos0 = 0, ids 0, hidden 0
                     view[B:].zero_()
+
+    def _staged(self, view: torch.Tensor, x: torch.Tensor, B: int) -> bool:
+        """x is the first B rows of the staged block's row `view` belongs to (written and padded by the caller)."""
+        if self._meta_block is None or view.dim() != 1 or view.untyped_storage().data_ptr() != \
+                self._meta_block.untyped_storage().data_ptr():
+            return False
+        return x.data_ptr() == view.data_ptr() and tuple(x.shape) == (B,) and x.dtype == view.dtype
 
     def _base_env(self, st: _Bucket, flat) -> dict:
         env: dict = {}

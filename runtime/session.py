@@ -440,11 +440,14 @@ class Session:
     # ---- running the graphs ---------------------------------------------------------------------
     def _run(self, kind: str, ids: torch.Tensor, slots: list[int], n_real: list[int], *,
              hidden: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-             caches: dict[str, torch.Tensor] | None = None, outputs: bool = False, replay: bool = False):
+             caches: dict[str, torch.Tensor] | None = None, outputs: bool = False, replay: bool = False,
+             views: bool = False):
         """Run graph `kind`; returns its logits, or every output with `outputs=True`. The mtp graph takes
         `hidden` first and its own `caches`/`pos` (runtime/speculative.py); `pos` advances by n_real.
         `replay`: a prefill call through `self.prefill_graphs` (outputs: the last real position's logits
-        [B, 1, V], and the hidden output where kept; valid until the next call)."""
+        [B, 1, V], and the hidden output where kept; valid until the next call). `views`: a bucketed
+        executor's outputs are views of its static buffers, valid until its next run (a caller that only
+        reads them in stream order before that)."""
         pos = self.pos if pos is None else pos
         caches = self.caches if caches is None else caches
         if self.paged and kind != "mtp":  # every position the step writes has a block (the scheduler grew
@@ -453,23 +456,38 @@ class Session:
             for i in ((end > self.prefix.covered[slots]) & (n > 0)).nonzero().flatten().tolist():
                 self.prefix.ensure(slots[i], int(end[i]))
             self.prefix.flush()  # table rows changed since the last step (released, admitted, grown)
-        ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real)
-        run = self.executors[kind].run if kind in self.executors else self.graphs[kind]
+        ex = self.executors.get(kind) if not replay else None
+        ids, s, pos0, n = self._step_inputs(ids, slots, pos, n_real, ex)
+        run = ex.run if ex is not None else self.graphs[kind]
         if replay:
             run = self.prefill_graphs.run
         lead = () if hidden is None else (hidden.to(self.device),)
         if self.mirror is not None:
             self.mirror.run(kind, ids, s, pos0, n, lead[0] if lead else None, caches)
-        out = run(*lead, ids, s, pos0, n, caches, self._graph_weights(kind))
+        extra = {"copy_outputs": False} if views and ex is not None else {}
+        out = run(*lead, ids, s, pos0, n, caches, self._graph_weights(kind), **extra)
         pos.numpy()[slots] += n_real  # slots are distinct
         return out if outputs else out[0]
 
-    def _step_inputs(self, ids: torch.Tensor, slots: list[int], pos: torch.Tensor, n_real: list[int]):
+    def _step_inputs(self, ids: torch.Tensor, slots: list[int], pos: torch.Tensor, n_real: list[int],
+                     ex: SegmentExecutor | None = None):
         """ids [B, T], slots [B], pos0 [B], n_real [B] on the device. The host values (ids too, when
         they are on the host) go over in one pinned, non-blocking copy: a decode step has ~4 tiny
-        inputs, and a pageable copy each cost ~20 us of host time on the H200 machine."""
+        inputs, and a pageable copy each cost ~20 us of host time on the H200 machine. With ids already
+        on the device and a bucketed executor `ex` (`SegmentExecutor.meta_staging`), that copy writes
+        slots / pos0 / n_real straight into the executor's static buffers, padding included, and the
+        executor copies nothing for them."""
         B = len(slots)
-        meta = [*slots, *pos.numpy()[slots].tolist(), *n_real]
+        p0 = pos.numpy()[slots].tolist()
+        staged = ex.meta_staging(slots, p0, n_real) if ex is not None and ids.device.type == self.device.type else None
+        if staged is not None:
+            block, values = staged
+            if self._staging is not None:
+                self._staging.send(values, dest=block.view(-1))
+            else:
+                block.view(-1).copy_(torch.tensor(values, dtype=torch.int64))
+            return ids, block[0, :B], block[1, :B], block[2, :B]
+        meta = [*slots, *p0, *n_real]
         if self.device.type != "cuda":
             t = torch.tensor(meta, dtype=torch.int64).view(3, B).to(self.device)
             return ids.to(self.device), t[0], t[1], t[2]
@@ -785,7 +803,7 @@ class Session:
         each row's position) and copied to the host asynchronously. `logits_out`: append the step's
         logits [B, V] (the host-step path reads them)."""
         pos = self.pos.numpy()[slots].tolist()  # the positions the step feeds (before _run advances them)
-        logits = self._run("decode", ids, slots, [1] * len(slots))[:, -1]   # [B, V] fp32
+        logits = self._run("decode", ids, slots, [1] * len(slots), views=logits_out is None)[:, -1]  # [B, V] fp32
         if self.prefix:  # a block the step completes is kept (its state copied before the next step runs)
             b = self.prefix.block_size
             for s, p in zip(slots, pos):
@@ -1218,8 +1236,9 @@ class _Staging:
         self.dev = torch.empty(n, dtype=torch.int64, device=self.device)
         self.copied: torch.cuda.Event | None = None
 
-    def send(self, values: list[int]) -> torch.Tensor:
-        """The values as a device int64 tensor (a view of the buffer the next send rewrites)."""
+    def send(self, values: list[int], dest: torch.Tensor | None = None) -> torch.Tensor:
+        """The values as a device int64 tensor (a view of the buffer the next send rewrites), or copied into
+        `dest` (a contiguous device int64 tensor of len(values), read by work queued after this copy)."""
         n = len(values)
         if n > self.host.numel():
             torch.cuda.synchronize(self.device)  # queued work may still read the old buffer
@@ -1227,7 +1246,7 @@ class _Staging:
         if self.copied is not None:
             self.copied.synchronize()
         self.host.numpy()[:n] = values
-        dev = self.dev[:n]
+        dev = self.dev[:n] if dest is None else dest
         dev.copy_(self.host[:n], non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record(torch.cuda.current_stream(self.device))

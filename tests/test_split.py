@@ -520,3 +520,56 @@ def test_every_registered_dsv4c_op_has_a_capture_entry():
            if n.startswith("dsv4c::")}
     assert len(ops) >= 40 and "dsv4c.l2_prefetch" in ops
     assert sorted(ops - set(OP_CAPTURE)) == []
+
+
+@torch.no_grad()
+def test_staged_meta_inputs_and_output_views_equal_the_copied_path():
+    """A caller that writes slots / pos0 / n_real into the executor's static block itself (`meta_staging`:
+    real rows, then the padding `_fill_inputs` would set) gets the copied path's outputs and cache writes bit
+    for bit, at a padded bucket and a full one, and `run` copies nothing for those inputs. With
+    `copy_outputs=False` the outputs are the static buffers themselves (the next run reuses them)."""
+    m, plan, split = _static_graph("v4-tiny-a", 5, "cpu")
+    g = torch.Generator().manual_seed(11)
+    cache = _prefilled(m, 5, g, torch.device("cpu"))
+    T = 1 + K
+    runs = {}
+    for staged in (False, True):
+        c = copy.deepcopy(cache)
+        f = flat_caches(c.layers)
+        ex = SegmentExecutor(split, plan, "cpu", mode="full-emulate", pad_slot=4)
+        assert ex.meta_staging([0], [0], [1]) is None  # nothing captured yet
+        pos, outs, hits = cache.pos.clone(), [], []
+        gg = torch.Generator().manual_seed(12)
+        for slots in ([2, 0, 1], [3], [1, 3], [3, 0, 2, 1]):  # buckets 4 (a padding row), 1, 2, 4
+            ids = torch.randint(0, m.config.vocab_size, (len(slots), T), generator=gg)
+            args = list(_step_args(pos, torch.tensor(slots), ids))
+            st = ex.meta_staging(slots, pos[slots].tolist(), [T] * len(slots)) if staged else None
+            if st is not None:
+                block, values = st
+                B, W = len(slots), block.shape[1]  # W: the largest bucket
+                assert block.shape == (3, W) and len(values) == 3 * W
+                assert values[:B] == slots and values[B:W] == [4] * (W - B)  # pad_slot past the real rows
+                assert values[W + B:2 * W] == values[2 * W + B:] == [0] * (W - B)
+                block.view(-1).copy_(torch.tensor(values))
+                args[1:4] = block[0, :B], block[1, :B], block[2, :B]
+            real = SegmentExecutor._staged
+            seen = []
+            ex._staged = lambda view, x, B, _r=real, _ex=ex: seen.append(_r(_ex, view, x, B)) or seen[-1]
+            outs.append(ex.run(*args, f)[0])
+            hits.append(sum(seen))
+            pos[torch.tensor(slots)] += T
+        runs[staged] = (outs, f, hits)
+    (o0, f0, h0), (o1, f1, h1) = runs[False], runs[True]
+    assert h0 == [0, 0, 0, 0] and h1 == [0, 3, 3, 3]  # the first run captures; then the three inputs are staged
+    for a, b in zip(o0, o1):
+        assert torch.equal(a, b)
+    assert all(torch.equal(f0[k], f1[k]) for k in f0)
+    ids, slots, pos0, _ = _step_args(cache.pos, torch.tensor([0]), torch.zeros(1, T, dtype=torch.long))
+    args = ids, slots, pos0, torch.zeros(1, dtype=torch.long)  # n_real 0: the runs write nothing, all alike
+    c = copy.deepcopy(cache)
+    f = flat_caches(c.layers)
+    ex = SegmentExecutor(split, plan, "cpu", mode="full-emulate", pad_slot=4)
+    views = [ex.run(*args, f, copy_outputs=False)[0] for _ in range(2)]
+    fresh = [ex.run(*args, f)[0] for _ in range(2)]
+    assert views[0].data_ptr() == views[1].data_ptr() and fresh[0].data_ptr() != fresh[1].data_ptr()
+    assert torch.equal(views[1], fresh[0])
