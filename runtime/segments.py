@@ -35,7 +35,8 @@ them, valid until the next run).
 Staged inputs: a caller may write a step's slots / pos0 / n_real into the static buffers itself, in one
 copy (`meta_staging`: the three share one [3, Bmax] block, so one pinned host-to-device copy of its values
 fills every row, padding included), and pass the block's rows as those inputs: `run` then copies nothing
-for them. runtime/session.py's decode steps do, which saves a step three device copies.
+for them. runtime/session.py's decode steps do (three device copies fewer a step; they also take the logits
+as views, a fourth).
 
 Capture writes nothing to the caches: the capture pass runs on representative inputs (random token
 ids, small distinct positions, the bucket's rows all treated as real for the experts) with
