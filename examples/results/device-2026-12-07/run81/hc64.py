@@ -4,8 +4,7 @@ embedding, 42 µs after the MoE) against 19 µs alone (seventh session, warm L2)
 hc_pre, Flash dims N 4, D 4096) in a CUDA graph, inputs and fn cycling over copies past twice the L2 (cold) or one
 copy (warm), for the tree's launch against other tiles (`row_block`: token rows a program of the first launch;
 `chunk`: K a split; `finish_warps`), each with its max error against hc_pre_ref in fp32.
-Timing only: nothing here changes dsv4c. `python hc64.py OUT.json [budget_s] [VARIANT,VARIANT,...]`.
-run83 adds the row kernel with 2, 4 or 8 rows a program (`row_block`: `mhc.HC_ROW_GROUP`)."""
+Timing only: nothing here changes dsv4c. `python hc64.py OUT.json [budget_s]`."""
 from __future__ import annotations
 
 import json
@@ -31,9 +30,6 @@ VARIANTS = {  # name -> hc_pre keywords (the tree: rows=None picks by M)
     "bm16 c128 fw4": {"rows": True, "row_block": 16, "finish_warps": 4},
     "tree fw4": {"finish_warps": 4},
     "rows kernel": {"rows": True},
-    "rows g2": {"rows": True, "row_block": 2},
-    "rows g4": {"rows": True, "row_block": 4},
-    "rows g8": {"rows": True, "row_block": 8},
 }
 
 
@@ -91,14 +87,11 @@ def main() -> int:
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     res = {"device": torch.cuda.get_device_name(dev), "rows": []}
     g = torch.Generator().manual_seed(0)
-    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set(VARIANTS)  # variants to time
     for m in (64, 32, 16, 8):
         site_bytes = m * N * D * 2 * 2 + m * D * 2 + MIX * N * D * 4
         ncold = max(4, min(48, math.ceil(2 * l2 / site_bytes)))
         cold = [inputs(m, dev, g) for _ in range(ncold)]
         for name, kw in VARIANTS.items():
-            if name not in only:
-                continue
             if time.perf_counter() - t0 > budget:
                 break
             try:

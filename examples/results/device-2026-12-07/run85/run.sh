@@ -1,6 +1,6 @@
 # Ran in the forty-second session (run85_out/); HC_ROW_GROUP was then removed, so its A/B no longer runs on the tree.
 # run85 (any GPU, about 9 min; forty-second session): the deterministic mode's GPU tests, which the budget cut twice
-# (over 200 s; route_prep_fused now runs in the deterministic verify at batch 64), then what is left of run83: the mHC
+# (over 200 s; route_prep_fused now runs in the deterministic verify at batch 64), then what is left of run83 (never run; deleted since): the mHC
 # row kernel with 8 rows a program (`mhc.HC_ROW_GROUP`) against 1 in the 2-layer v4-flash-slice step (FP8 block
 # experts, whole-step CUDA graph, GPU alone) at batch 64 and 32, interleaved.
 # B=SECONDS budget. At most 8 files to $OUT.
