@@ -151,6 +151,7 @@ class SegmentExecutor:
         self._bucket_state: dict[int, _Bucket] = {}
         self._flat_bufs: dict[int, torch.Tensor] = {}
         self._meta_block: torch.Tensor | None = None  # [3, Bmax] int64: the META_INPUTS' buffers, one per row
+        self._meta_idx: dict[int, int] = {}  # flat index -> its row of _meta_block
         self._externals: dict[int, int] = {}  # flat index -> data_ptr of the caches/weights captured against
         self._captured_all = False
         self._fast_flatten: bool | None = None  # decided on the first call (`_flatten`)
@@ -226,7 +227,7 @@ class SegmentExecutor:
         flat = self._flatten(args)
         self._externals = {i: flat[i].data_ptr() for i in self._cache_idx}
         Bmax = max(self.buckets)
-        meta = self._meta_rows(flat)
+        meta = self._meta_idx = self._meta_rows(flat)
         if meta:
             self._meta_block = torch.zeros((len(META_INPUTS), Bmax), dtype=torch.int64, device=self.device)
         for i in self._padded_idx:
@@ -333,7 +334,7 @@ class SegmentExecutor:
         b = st.size
         for i in self._padded_idx:
             view, x = st.flat_views[i], flat[i]
-            if self._staged(view, x, B):
+            if i in self._meta_idx and self._staged(view, x, B):
                 continue
             view[:B].copy_(x)
             if B < b:
@@ -347,10 +348,8 @@ class SegmentExecutor:
                     view[B:].zero_()
 
     def _staged(self, view: torch.Tensor, x: torch.Tensor, B: int) -> bool:
-        """x is the first B rows of the staged block's row `view` belongs to (written and padded by the caller)."""
-        if self._meta_block is None or view.dim() != 1 or view.untyped_storage().data_ptr() != \
-                self._meta_block.untyped_storage().data_ptr():
-            return False
+        """x, given for a META_INPUTS buffer `view` (a row of the staged block), is that row's first B entries:
+        written and padded by the caller."""
         return x.data_ptr() == view.data_ptr() and tuple(x.shape) == (B,) and x.dtype == view.dtype
 
     def _base_env(self, st: _Bucket, flat) -> dict:
