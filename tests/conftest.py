@@ -83,18 +83,20 @@ def bundle2_art(tmp_path_factory, worker_id):
 # `-n 2 --dist loadfile` hands each worker whole files. xdist's default (--loadscope-reorder) queues files by
 # their number of tests, which put the few-test, minute-long integration files last, where one of them ran on
 # alone while the other worker sat idle. pyproject's addopts turn that reorder off, and this hook queues the
-# files below first, longest first (their seconds under `--durations=0` on a 2-core machine, 2026-12-07). The
+# files below first, longest first (their seconds under `--durations=0` on a 2-core AMD EPYC, 2026-12-08: setup,
+# call and teardown summed; a shared artifact's build counts in the file that asked first). The
 # figures only order the queue: a stale one costs time, never a result. Other files keep collection order.
 FILE_SECONDS = {
-    "test_mtp_quantized.py": 102, "test_bench_artifact.py": 94, "test_quantize_experts.py": 79,
-    "test_deterministic.py": 78, "test_compare_passes.py": 68, "test_bench_prefix_cache.py": 66,
-    "test_compile_session.py": 60, "test_kernels_moe_grouped.py": 57, "test_paged_session.py": 49,
-    "test_profile_step.py": 47, "test_speculative_compiled.py": 47, "test_kernels_moe_fp4_gemv.py": 46,
-    "test_kernels_v4_attention.py": 45, "test_kernels_batch_invariant.py": 43, "test_export_passes.py": 42,
-    "test_batched_prefill.py": 41, "test_speculative.py": 40, "test_fuse_hc.py": 37,
-    "test_kernels_moe_fp8_gemv.py": 36, "test_parallel_run.py": 35, "test_v4_model.py": 35,
-    "test_shard_dense_fp8.py": 35, "test_mtp_pipeline.py": 34, "test_serve.py": 32, "test_prefetch_weights.py": 29,
-    "test_staged_inputs.py": 60,  # added in the forty-second session (118 s beside a CI run: a guess alone)
+    "test_mtp_quantized.py": 271, "test_quantize_experts.py": 221, "test_deterministic.py": 218,
+    "test_kernels_moe_grouped.py": 204, "test_bench_artifact.py": 175, "test_compare_passes.py": 172,
+    "test_bench_prefix_cache.py": 159, "test_compile_session.py": 158, "test_paged_session.py": 136,
+    "test_speculative_compiled.py": 127, "test_kernels_moe_fp4_gemv.py": 126, "test_kernels_v4_attention.py": 120,
+    "test_kernels_batch_invariant.py": 118, "test_export_passes.py": 116, "test_batched_prefill.py": 116,
+    "test_split.py": 113, "test_profile_step.py": 112, "test_fuse_hc.py": 101, "test_v4_model.py": 100,
+    "test_speculative.py": 100, "test_shard_dense_fp8.py": 95, "test_kernels_moe_fp8_gemv.py": 92,
+    "test_mtp_pipeline.py": 90, "test_parallel_run.py": 88, "test_fuse_hc_chain.py": 81, "test_serve.py": 76,
+    "test_prefetch_weights.py": 70, "test_paged_ops.py": 70, "test_staged_inputs.py": 61,
+    "test_overlap_shared_experts.py": 59,
 }
 
 
